@@ -71,6 +71,9 @@ class TokenizerConfig:
     train_vocab_size: int = _f(8000, "vocabulary size for `tokenize --train`", min=16)
     train_min_frequency: int = _f(2, "minimum pair frequency for BPE training", min=1)
     train_name: str = _f("bpe", "directory name under tokenizers/ for a trained tokenizer")
+    train_max_documents: Optional[int] = _f(None, "documents read by `tokenize --train` "
+                                            "(null = all; --test reads at most 10,000)", min=1)
+    sample_articles: int = _f(200, "documents read for the compression-ratio report", min=1)
 
 
 @dataclass
@@ -323,7 +326,8 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
             hint = _suggest(str(value), [str(c) for c in choices])
             return value, f"{key}: {value!r} is not {_type_name(tp)}{hint}"
         return value, None
-    bad = f"{key}: expected {_type_name(tp)}, got {json.dumps(value)}"
+    shown = json.dumps(value)  # report the value as the user wrote it
+    bad = f"{key}: expected {_type_name(tp)}, got {shown}"
     if tp is bool:
         if not isinstance(value, bool):
             return value, bad
@@ -347,9 +351,9 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
         lo, hi = meta.get("min"), meta.get("max")
         if lo is not None and (value < lo or (meta.get("min_exclusive") and value == lo)):
             op = ">" if meta.get("min_exclusive") else ">="
-            return value, f"{key}: {value} is out of range (must be {op} {lo})"
+            return value, f"{key}: {shown} is out of range (must be {op} {lo})"
         if hi is not None and value > hi:
-            return value, f"{key}: {value} is out of range (must be <= {hi})"
+            return value, f"{key}: {shown} is out of range (must be <= {hi})"
     return value, None
 
 

@@ -1,0 +1,211 @@
+"""The router: CLI mode through subprocess runs, the interactive menu through a real pty."""
+from __future__ import annotations
+
+import ast
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from tests.conftest import ROOT, offline_env, run_main
+
+sys.path.insert(0, str(ROOT))
+import main  # noqa: E402
+
+# Root-level Python files that are libraries, not stages.
+LIBRARIES = {"main.py", "model.py", "dataloader.py"}
+
+
+def test_help_lists_every_stage_with_description():
+    proc = run_main("--help")
+    assert proc.returncode == 0
+    for name, stage in main.STAGES.items():
+        line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith(name + " "))
+        assert stage.description in line
+    assert "alias: cleanup" in proc.stdout and "alias: inference" in proc.stdout
+
+
+def test_unknown_stage_exits_2_with_suggestion():
+    proc = run_main("trian")
+    assert proc.returncode == 2
+    assert "unknown stage 'trian'" in proc.stderr and "Did you mean 'train'?" in proc.stderr
+
+
+def test_aliases_resolve_to_their_stage():
+    assert main.resolve_stage("cleanup") == "clean"
+    assert main.resolve_stage("inference") == "infer"
+    proc = run_main("cleanup", "--help")
+    if main.STAGES["clean"].built:
+        assert proc.returncode == 0 and "usage" in proc.stdout.lower()
+    else:
+        assert proc.returncode == 2 and "not built yet" in proc.stderr
+
+
+def test_double_dash_forwards_arguments_verbatim():
+    proc = run_main("samples", "--", "--list")
+    assert proc.returncode == 0, proc.stderr
+    assert "tokenizer.model" in proc.stdout and "mistral-common==1.13.1" in proc.stdout
+    # Without "--" the same arguments reach the stage too.
+    assert run_main("samples", "--list").stdout == proc.stdout
+
+
+def test_stage_exit_code_propagates(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"training": {"lr": "fast"}}')
+    proc = run_main("samples", "--config", bad)
+    assert proc.returncode == 2
+    assert "training.lr: expected a number" in proc.stderr
+    proc = run_main("samples", "--config", tmp_path / "missing.json")
+    assert proc.returncode == 2 and "missing.json: file not found" in proc.stderr
+
+
+def _open_fifo_writer(fifo: Path, timeout: float = 60.0) -> int:
+    """Open a FIFO for writing once a reader has it open (i.e. the stage is blocked on it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def test_ctrl_c_in_stage_exits_130_cli(tmp_path):
+    """A stage waiting on its --config (a FIFO) is interrupted; the router returns 130."""
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "samples", "--config", str(fifo)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=offline_env(), start_new_session=True)
+    fd = _open_fifo_writer(fifo)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole group
+        out, err = proc.communicate(timeout=60)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 130, err
+    assert "interrupted by user" in err and "Traceback" not in err
+
+
+def test_registry_matches_scripts_on_disk():
+    stage_scripts = {p.name for p in ROOT.glob("*.py")} - LIBRARIES
+    registered = {st.script.name for st in main.STAGES.values() if st.script.parent == ROOT}
+    assert stage_scripts <= registered, f"stage scripts missing from STAGES: {stage_scripts - registered}"
+    for name in main.MENU_ORDER:
+        assert name in main.STAGES
+    assert set(main.MENU_ORDER) == set(main.STAGES)
+    # The DESIGN's stage scripts are all registered, built or not.
+    for script in ["cleaner.py", "tokenizer.py", "dataset_prep.py", "fineweb_prep.py", "train.py",
+                   "post_training.py", "inference.py", "benchmark.py"]:
+        assert script in registered
+
+
+@pytest.mark.parametrize("name", list(main.STAGES))
+def test_each_stage_is_built_and_importable_or_says_not_built(name, tmp_path):
+    stage = main.STAGES[name]
+    if not stage.built:
+        proc = run_main(name, "--test")
+        assert proc.returncode == 2 and "not built yet" in proc.stderr
+        return
+    # Importing a stage module has no side effects: no output, no files written.
+    code = f"import {stage.module}"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          env=offline_env(PYTHONPATH=ROOT), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and list(tmp_path.iterdir()) == []
+    # Its main is guarded and it accepts --config and --test.
+    tree = ast.parse(stage.script.read_text())
+    guarded = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    assert guarded, f"{stage.script.name} has no `if __name__ == '__main__'` guard"
+    helptext = run_main(name, "--help").stdout
+    assert "--config" in helptext and "--test" in helptext
+
+
+# ----------------------------------------------------------------------------- menu (pty)
+def _spawn_menu(tmp_path):
+    child = pexpect.spawn(sys.executable, [str(ROOT / "main.py")], cwd=str(tmp_path),
+                          env=offline_env(), encoding="utf-8", timeout=120, dimensions=(50, 200))
+    child.expect(r"Choose a stage \[1-(\d+)\]: ")
+    return child
+
+
+def _menu_number(name: str) -> str:
+    return str(main.MENU_ORDER.index(name) + 1)
+
+
+def test_menu_runs_stage_then_another_then_quits(tmp_path):
+    child = _spawn_menu(tmp_path)
+    for name in main.MENU_ORDER:
+        assert name in child.before
+    child.sendline(_menu_number("samples"))
+    child.expect("Arguments for 'samples'")
+    child.sendline("--list")
+    child.expect("mistral-common==1.13.1")
+    child.expect("Stage 'samples' finished successfully.")
+    child.expect(r"Run another stage\? \[y/N\]: ")
+    child.sendline("y")
+    child.expect(r"Choose a stage")
+    bad = tmp_path / "bad config.json"  # a space: arguments are split like a shell would
+    bad.write_text("{ not json")
+    child.sendline("samples")  # names work as well as numbers
+    child.expect("Arguments for 'samples'")
+    child.sendline(f"--config '{bad}'")
+    child.expect(r"line 1 column 3: invalid JSON")
+    child.expect("Stage 'samples' failed with code 2.")
+    child.expect(r"Run another stage\? \[y/N\]: ")
+    child.sendline("y")
+    child.expect(r"Choose a stage \[1-(\d+)\]: ")
+    quit_no = child.match.group(1)
+    child.sendline("42")
+    child.expect("not a menu choice")
+    child.expect(r"Choose a stage")
+    child.sendline(quit_no)
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 2  # the last stage's code
+
+
+def test_menu_ctrl_c_in_stage_returns_to_menu(tmp_path):
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    child = _spawn_menu(tmp_path)
+    child.sendline(_menu_number("samples"))
+    child.expect("Arguments for 'samples'")
+    child.sendline(f"--config {fifo}")
+    fd = _open_fifo_writer(fifo)  # the stage is now blocked reading its config
+    try:
+        child.sendintr()  # Ctrl-C on the terminal
+        child.expect("interrupted by user")
+        child.expect(r"Stage 'samples' was interrupted by user \(exit 130\)")
+    finally:
+        os.close(fd)
+    child.expect(r"Run another stage\? \[y/N\]: ")
+    child.sendline("y")
+    child.expect(r"Choose a stage")  # the menu survived
+    child.sendline("train" if not main.STAGES["train"].built else "quit")
+    if not main.STAGES["train"].built:
+        child.expect("Arguments for 'train'")
+        child.sendline("")
+        child.expect("not built yet")
+        child.expect("failed with code 2")
+        child.expect(r"Run another stage\? \[y/N\]: ")
+        child.sendline("n")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus is not None
+
+
+def test_menu_ctrl_c_at_prompt_exits_130(tmp_path):
+    child = _spawn_menu(tmp_path)
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130
