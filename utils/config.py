@@ -90,9 +90,12 @@ class CleaningConfig:
     workers: int = _f(0, "processes (0 = all cores)", min=0)
     test_max_articles: int = _f(50_000, "articles per process in --test", min=1)
     drop_sections: list = _f(["References", "External links", "See also", "Further reading",
-                              "Notes", "Bibliography", "Sources", "Citations", "Footnotes"],
+                              "Notes", "Bibliography", "Sources", "Citations", "Footnotes",
+                              "Notes and references", "References and notes", "Works cited",
+                              "Cited works", "Sources and further reading"],
                              "section titles dropped with their content (case-insensitive)")
     unicode_normalization: Literal["NFC", "NFKC", "none"] = _f("NFC", "Unicode normalization form")
+    keep_headings: bool = _f(False, "keep section headings as their own paragraphs (default: dropped)")
 
 
 @dataclass
@@ -133,6 +136,9 @@ class DatasetConfig:
     on_the_fly_config: Optional[str] = _f(None, "hub dataset config for on-the-fly mode")
     on_the_fly_split: str = _f("train", "split for on-the-fly mode")
     on_the_fly_text_column: str = _f("text", "text column for on-the-fly mode")
+    on_the_fly_batch_docs: int = _f(256, "documents per tokenization batch in on-the-fly mode", min=1)
+    split_block_windows: int = _f(64, "train/val split granularity: blocks of this many strides "
+                                  "are assigned whole to one split (no leakage across overlap)", min=1)
 
 
 @dataclass
