@@ -35,12 +35,23 @@ def cli_path(value: str) -> str:
     return str(Path(os.path.expanduser(value)).resolve())
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Show a flag's default only when it means something (not None/False: those defer to config)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
+                and "%(default)" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
 class StageParser(argparse.ArgumentParser):
     """ArgumentParser that knows which flags override which config keys."""
 
     def __init__(self, prog: str, description: str, **kw):
         super().__init__(prog=prog, description=description,
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+                         formatter_class=_HelpFormatter, **kw)
         self._config_keys: dict[str, str] = {}
         self.add_argument("--config", type=cli_path, default=None, metavar="FILE",
                           help="JSON file layered over config.json (precedence: defaults < "
