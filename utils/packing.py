@@ -1,0 +1,550 @@
+"""Tokenize-and-pack: the one engine behind `prepare` (Wikipedia) and `fineweb` (library).
+
+A *document stream* is a function ``open_stream(start)`` returning an iterator of
+``(text, drop_reason)`` pairs from stream position ``start`` on; ``drop_reason`` is None for a
+document to tokenize, or a short string (``"language_score"``) when the source already
+filtered it. :func:`pack` turns the stream into a shard set (DESIGN.md section 3,
+:mod:`utils.shards`):
+
+    parent: read docs -> chunks ──► worker processes: fast tokenizer ``encode_batch`` on a chunk,
+            ▲                        min-token filter, BOS + ids + EOS framing, all as NumPy
+            └── pack in stream order ◄── (framed uint16/uint32 array, kept mask, lengths)
+                into the shard buffer; write each full shard atomically + .progress.json
+
+- Workers hand back NumPy arrays, never Python lists of ints, and each worker runs the
+  tokenizer single-threaded (``TOKENIZERS_PARALLELISM=false``, ``RAYON_NUM_THREADS=1``): with
+  one process per core the processes are the parallelism, and processes fighting the
+  tokenizer's own thread pool is what makes ``datasets.map(num_proc=...)`` slow.
+- Results are consumed in submission order (a bounded window of in-flight chunks, so memory
+  does not grow with the corpus), so the shards are byte-identical for any worker count.
+- A shard holds whole documents and is closed once it reaches ``shard_tokens`` tokens (or at
+  the end of the stream, or when ``max_files`` shards exist).
+- Resumable: after each shard, ``.progress.json`` records the settings, the shards written,
+  how many stream documents they consumed and the statistics up to that point. A re-run
+  with the same settings verifies those shards, skips the consumed documents and continues;
+  the result is byte-identical to an uninterrupted run. ``metadata.json`` (``complete: true``)
+  is written last, atomically, and ``.progress.json`` is then removed. Different settings are
+  refused unless ``force`` (which deletes the set's files and starts over).
+
+Test hook (read only by the tests, documented here): ``LLM_PREP_TEST_SHARD_DELAY=SECONDS``
+sleeps after each shard is recorded, so a test can interrupt a run deterministically between
+shards.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import itertools
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import numpy as np
+
+from utils.cli import PipelineError
+from utils.textio import unescape_article
+from utils.shards import (FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, shard_name,
+                          write_json_atomic, save_npy_atomic)
+
+PROGRESS_FILE = ".progress.json"
+SHARD_RE = re.compile(r"^tokens_(\d{5,})\.npy$")
+TEST_DELAY_ENV = "LLM_PREP_TEST_SHARD_DELAY"
+CHUNK_CHARS = 1_000_000   # at most about this many characters per worker task
+
+Stream = Callable[[int], Iterator[tuple[str, Optional[str]]]]
+
+
+# --------------------------------------------------------------------------- encoding
+def batch_encoder(backend) -> Callable:
+    """The backend's batch encoder: ``encode_batch_fast`` (same ids, no offsets) if present."""
+    return getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+
+
+def encode_frame(backend, texts: list[str], dtype: np.dtype, bos: int, eos: int,
+                 min_tokens: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokenize ``texts`` and frame each kept one as BOS + ids + EOS.
+
+    Returns ``(framed, kept, lengths)``: the concatenated framed documents (1-D ``dtype``),
+    a bool mask over ``texts`` of documents with at least ``min_tokens`` tokens, and every
+    document's token count (without BOS/EOS).
+    """
+    encodings = batch_encoder(backend)(texts, add_special_tokens=False)
+    ids = [e.ids for e in encodings]
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    kept = lengths >= max(min_tokens, 1)
+    if not kept.all():
+        ids = list(itertools.compress(ids, kept.tolist()))
+    klen = lengths[kept]
+    n_ids = int(klen.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=n_ids)
+    framed = np.empty(n_ids + 2 * len(klen), dtype=dtype)
+    ends = np.cumsum(klen + 2)
+    starts = ends - (klen + 2)
+    body = np.ones(len(framed), dtype=bool)
+    body[starts] = False
+    body[ends - 1] = False
+    framed[starts] = bos
+    framed[ends - 1] = eos
+    framed[body] = flat
+    return framed, kept, lengths
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_json: str, dtype: str, bos: int, eos: int, min_tokens: int) -> None:
+    """Pool initializer: one single-threaded tokenizer per process; Ctrl-C is the parent's job."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    from tokenizers import Tokenizer
+    _WORKER.update(backend=Tokenizer.from_str(tokenizer_json), dtype=np.dtype(dtype), bos=bos,
+                   eos=eos, min_tokens=min_tokens)
+
+
+def _encode_task(texts: list[str]):
+    w = _WORKER
+    return encode_frame(w["backend"], texts, w["dtype"], w["bos"], w["eos"], w["min_tokens"])
+
+
+# --------------------------------------------------------------------------- bookkeeping
+@dataclass
+class Counts:
+    """Statistics over a stretch of the document stream (all JSON-serializable)."""
+
+    read: int = 0                 # stream documents consumed
+    kept: int = 0                 # documents stored
+    dropped: dict = field(default_factory=dict)   # reason -> documents
+    characters: int = 0           # characters of stored documents
+    content_tokens: int = 0       # their tokens without BOS/EOS
+    tokens: int = 0               # tokens stored (with BOS/EOS)
+
+    def add(self, other: "Counts") -> None:
+        self.read += other.read
+        self.kept += other.kept
+        self.characters += other.characters
+        self.content_tokens += other.content_tokens
+        self.tokens += other.tokens
+        for k, v in other.dropped.items():
+            self.dropped[k] = self.dropped.get(k, 0) + v
+
+    def to_dict(self) -> dict:
+        return {"read": self.read, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
+                "characters": self.characters, "content_tokens": self.content_tokens,
+                "tokens": self.tokens}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Counts":
+        return cls(**{k: (dict(v) if k == "dropped" else v) for k, v in d.items()})
+
+
+@dataclass
+class Chunk:
+    """A contiguous stretch of the stream: what one worker task tokenizes."""
+
+    start: int                    # stream position of the first document
+    reasons: list                 # per document: None (tokenize) or a drop reason
+    texts: list                   # the documents to tokenize, in order
+    chars: list                   # their character counts
+
+
+def _chunks(stream: Iterator[tuple[str, Optional[str]]], start: int, limit: Optional[int],
+            chunk_docs: int, chunk_chars: int = CHUNK_CHARS) -> Iterator[Chunk]:
+    """Cut the stream into chunks of at most ``chunk_docs`` documents and about ``chunk_chars``
+    characters (so memory in flight does not depend on how long the documents are)."""
+    if limit is not None:
+        stream = itertools.islice(stream, max(0, limit - start))
+    pos = start
+    reasons, texts, chars, n_chars = [], [], [], 0
+    for text, reason in stream:
+        if reason is None and (not text or text.isspace()):
+            reason = "empty"
+        reasons.append(reason)
+        if reason is None:
+            texts.append(text)
+            chars.append(len(text))
+            n_chars += len(text)
+        if len(reasons) >= chunk_docs or n_chars >= chunk_chars:
+            yield Chunk(pos, reasons, texts, chars)
+            pos += len(reasons)
+            reasons, texts, chars, n_chars = [], [], [], 0
+    if reasons:
+        yield Chunk(pos, reasons, texts, chars)
+
+
+# --------------------------------------------------------------------------- the job
+@dataclass
+class PackJob:
+    """Everything :func:`pack` needs; the stage scripts fill it from config and flags."""
+
+    out_dir: Path
+    tokenizer: Any                      # a transformers fast tokenizer
+    tokenizer_info: dict                # utils.tok.describe(tokenizer, name)
+    kind: str                           # "wikipedia" | "fineweb"
+    inputs: list                        # what metadata lists as the source's inputs
+    input_identity: list                # what must not change for a resume (paths + sizes, ...)
+    open_stream: Stream
+    window: int
+    stride: int
+    shard_tokens: int
+    batch: int = 10_000
+    workers: int = 1
+    max_documents: Optional[int] = None  # --test limit on stream documents
+    max_files: Optional[int] = None
+    min_tokens: int = 0
+    filters: dict = field(default_factory=dict)
+    test: bool = False
+    force: bool = False
+    progress_bar: bool = True
+    extra_source: dict = field(default_factory=dict)
+    on_complete: Optional[Callable[[Path], None]] = None   # e.g. cfg.save_resolved
+
+    def settings(self) -> dict:
+        """What a resume or an up-to-date check compares (not batch size or worker count)."""
+        return {"format_version": FORMAT_VERSION, "kind": self.kind,
+                "tokenizer_fingerprint": self.tokenizer_info["fingerprint"],
+                "vocab_size": self.tokenizer_info["vocab_size"],
+                "inputs": self.input_identity, "max_documents": self.max_documents,
+                "window": self.window, "stride": self.stride, "shard_tokens": self.shard_tokens,
+                "max_files": self.max_files, "filters": self.filters}
+
+
+def _diff(old: dict, new: dict) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [k for k in keys if old.get(k) != new.get(k)]
+
+
+def _set_files(d: Path) -> list[Path]:
+    """The files of a shard set that this engine writes (never anything else)."""
+    if not d.is_dir():
+        return []
+    return [p for p in d.iterdir() if SHARD_RE.match(p.name) or p.name in (METADATA_FILE, PROGRESS_FILE)
+            or (p.name.startswith((".tokens_", f".{METADATA_FILE}", f".{PROGRESS_FILE}")) and ".tmp-" in p.name)]
+
+
+def _remove_stale(d: Path, n_shards: int) -> int:
+    """Delete temp files and shard files beyond the recorded ones; returns how many."""
+    n = 0
+    for p in _set_files(d):
+        m = SHARD_RE.match(p.name)
+        if (".tmp-" in p.name) or (m and int(m.group(1)) >= n_shards):
+            p.unlink(missing_ok=True)
+            n += 1
+    return n
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _refuse(d: Path, what: str, fields: list[str]) -> PipelineError:
+    return PipelineError(
+        f"{d} holds {what} built with different settings ({', '.join(fields)} differ from this "
+        f"run). Re-run the same command with --force to delete it and start over, or choose "
+        f"another output directory.")
+
+
+def _load_resume(job: PackJob, log: Callable[[str], None]) -> Optional[dict]:
+    """Decide what to do with what is already in ``out_dir``: None = start fresh,
+    ``{"up_to_date": meta}``, or a progress dict to resume from. Raises on a settings clash."""
+    d = job.out_dir
+    settings = job.settings()
+    if job.force:
+        files = _set_files(d)
+        for p in files:
+            p.unlink(missing_ok=True)
+        if files:
+            log(f"--force: removed {len(files)} file(s) of the previous shard set in {d}")
+        return None
+    meta = _read_json(d / METADATA_FILE) if (d / METADATA_FILE).exists() else None
+    if meta is not None and meta.get("complete") is True:
+        if meta.get("settings") != settings:
+            raise _refuse(d, "a complete shard set", _diff(meta.get("settings") or {}, settings))
+        return {"up_to_date": meta}
+    progress = _read_json(d / PROGRESS_FILE) if (d / PROGRESS_FILE).exists() else None
+    if progress is None:
+        n = _remove_stale(d, 0)
+        if n:
+            log(f"removed {n} leftover file(s) of an unfinished run with no progress record in {d}")
+        return None
+    if progress.get("settings") != settings:
+        raise _refuse(d, "an unfinished shard set", _diff(progress.get("settings") or {}, settings))
+    for s in progress["shards"]:
+        p = d / s["file"]
+        try:
+            arr = np.load(p, mmap_mode="r", allow_pickle=False)
+            ok = arr.ndim == 1 and len(arr) == s["tokens"]
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise PipelineError(f"{p} is missing or damaged although {d / PROGRESS_FILE} lists it; "
+                                "re-run with --force to rebuild the shard set.")
+    _remove_stale(d, len(progress["shards"]))
+    return progress
+
+
+# --------------------------------------------------------------------------- packing
+class _Packer:
+    """Parent-side state: the shard buffer, shard list and stream-exact statistics."""
+
+    def __init__(self, job: PackJob, dtype: np.dtype, progress: Optional[dict]):
+        self.job, self.dtype = job, dtype
+        self.shards: list = list(progress["shards"]) if progress else []
+        self.committed = Counts.from_dict(progress["counts"]) if progress else Counts()
+        self.seconds_before = float(progress.get("seconds", 0.0)) if progress else 0.0
+        self.runs = int(progress.get("runs", 0)) + 1 if progress else 1
+        self.pending = Counts()       # documents in the buffer (or dropped) not yet in a shard
+        self.buffer: list[np.ndarray] = []
+        self.fill = 0
+        self.fill_docs = 0
+        self.t0 = time.time()
+        self.capped = False
+        self.new_tokens = 0           # content tokens tokenized in this run (for tokens/s)
+        self.delay = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
+
+    @property
+    def seconds(self) -> float:
+        return self.seconds_before + (time.time() - self.t0)
+
+    def _segment(self, chunk: Chunk, status: list, klen: np.ndarray, kchars: np.ndarray,
+                 lo: int, hi: int, klo: int, khi: int) -> Counts:
+        """Counts of chunk documents [lo, hi) whose kept ones are kept-indices [klo, khi)."""
+        c = Counts(read=hi - lo, kept=khi - klo, characters=int(kchars[klo:khi].sum()),
+                   content_tokens=int(klen[klo:khi].sum()), tokens=int(klen[klo:khi].sum()) + 2 * (khi - klo))
+        for r in status[lo:hi]:
+            if r is not None:
+                c.dropped[r] = c.dropped.get(r, 0) + 1
+        return c
+
+    def add(self, chunk: Chunk, framed: np.ndarray, kept: np.ndarray, lengths: np.ndarray) -> None:
+        """Pack one tokenized chunk (in stream order); writes every shard it completes."""
+        self.new_tokens += int(lengths.sum())
+        status = list(chunk.reasons)
+        enc_pos = [i for i, r in enumerate(status) if r is None]
+        for j, p in enumerate(enc_pos):
+            if not kept[j]:
+                status[p] = "min_tokens"
+        kpos = [p for j, p in enumerate(enc_pos) if kept[j]]   # chunk positions of kept docs
+        klen = lengths[kept]
+        kchars = np.asarray(chunk.chars, dtype=np.int64)[kept] if len(chunk.chars) else np.zeros(0, np.int64)
+        cs = np.cumsum(klen + 2)
+        lo, klo, base = 0, 0, 0
+        while klo < len(kpos):
+            need = self.job.shard_tokens - self.fill
+            j = int(np.searchsorted(cs, base + need, side="left"))
+            if j >= len(kpos):
+                break
+            hi = kpos[j] + 1
+            self.buffer.append(framed[base:cs[j]])
+            self.fill += int(cs[j] - base)
+            self.fill_docs += j + 1 - klo
+            self.pending.add(self._segment(chunk, status, klen, kchars, lo, hi, klo, j + 1))
+            self._write_shard(consumed=chunk.start + hi)
+            lo, klo, base = hi, j + 1, int(cs[j])
+            if self.capped:
+                return
+        self.buffer.append(framed[base:])
+        self.fill += int(len(framed) - base)
+        self.fill_docs += len(kpos) - klo
+        self.pending.add(self._segment(chunk, status, klen, kchars, lo, len(status), klo, len(kpos)))
+
+    def _write_shard(self, consumed: int) -> None:
+        d = self.job.out_dir
+        arr = np.concatenate(self.buffer) if len(self.buffer) != 1 else self.buffer[0]
+        name = shard_name(len(self.shards))
+        save_npy_atomic(d / name, arr.astype(self.dtype, copy=False))
+        self.shards.append({"file": name, "tokens": int(len(arr)), "documents": self.fill_docs})
+        self.committed.add(self.pending)
+        self.pending = Counts()
+        self.buffer, self.fill, self.fill_docs = [], 0, 0
+        if self.committed.read != consumed:   # internal invariant: stats are stream-exact
+            raise RuntimeError(f"packing bookkeeping error: {self.committed.read} != {consumed}")
+        self.save_progress()
+        if self.job.max_files is not None and len(self.shards) >= self.job.max_files:
+            self.capped = True
+        if self.delay:
+            time.sleep(self.delay)
+
+    def finish(self) -> None:
+        """End of stream: write the last partial shard and account trailing dropped docs."""
+        if self.capped:
+            return
+        if self.fill:
+            self._write_shard(consumed=self.committed.read + self.pending.read)
+        else:
+            self.committed.add(self.pending)
+            self.pending = Counts()
+            self.save_progress()
+
+    def save_progress(self) -> None:
+        write_json_atomic(self.job.out_dir / PROGRESS_FILE, {
+            "settings": self.job.settings(), "shards": self.shards, "consumed": self.committed.read,
+            "counts": self.committed.to_dict(), "seconds": round(self.seconds, 3), "runs": self.runs})
+
+
+def _results(job: PackJob, chunks: Iterator[Chunk], dtype: np.dtype, bos: int, eos: int,
+             workers: int) -> Iterator[tuple[Chunk, tuple]]:
+    """Tokenize chunks, in order: in-process for one worker, else a pool with a bounded window."""
+    backend = job.tokenizer.backend_tokenizer
+    if workers <= 1:
+        for c in chunks:
+            yield c, encode_frame(backend, c.texts, dtype, bos, eos, job.min_tokens)
+        return
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    pool = ctx.Pool(workers, initializer=_init_worker,
+                    initargs=(backend.to_str(), dtype.str, bos, eos, job.min_tokens))
+    clean_exit = False
+    try:
+        inflight: deque = deque()
+        for c in chunks:
+            inflight.append((c, pool.apply_async(_encode_task, (c.texts,))))
+            if len(inflight) > 2 * workers:
+                c0, r0 = inflight.popleft()
+                yield c0, r0.get()
+        while inflight:
+            c0, r0 = inflight.popleft()
+            yield c0, r0.get()
+        clean_exit = True
+    finally:
+        if clean_exit:
+            pool.close()
+        else:   # Ctrl-C, an error, or the caller stopped early (--max-files)
+            pool.terminate()
+        pool.join()
+
+
+def pack(job: PackJob, log: Callable[[str], None] = print) -> dict:
+    """Build (or resume, or confirm) the shard set described by ``job``; returns its metadata."""
+    from utils.tok import require_bos_eos
+
+    d = job.out_dir
+    d.mkdir(parents=True, exist_ok=True)
+    state = _load_resume(job, log)
+    if state and "up_to_date" in state:
+        meta = state["up_to_date"]
+        log(f"{d}: shard set is up to date ({meta['totals']['tokens']:,} tokens in "
+            f"{meta['totals']['shards']} shard(s)); nothing to do. Use --force to rebuild it.")
+        meta["up_to_date"] = True
+        return meta
+    bos, eos = require_bos_eos(job.tokenizer, job.tokenizer_info["name"])
+    dtype = dtype_for_vocab(len(job.tokenizer))
+    packer = _Packer(job, dtype, state)
+    start = packer.committed.read
+    if state:
+        log(f"resuming {d}: {len(packer.shards)} shard(s) done, skipping {start:,} documents already "
+            "consumed")
+    if job.max_files is not None and len(packer.shards) >= job.max_files:
+        packer.capped = True
+    if packer.capped or (job.max_documents is not None and start >= job.max_documents):
+        chunks: Iterator[Chunk] = iter(())
+    else:
+        # A batch of `batch` documents is split into 2 tasks per worker (load balance).
+        chunk_docs = job.batch if job.workers <= 1 else max(1, -(-job.batch // (2 * job.workers)))
+        chunks = _chunks(job.open_stream(start), start, job.max_documents, chunk_docs)
+
+    from tqdm import tqdm
+    bar = tqdm(total=job.max_documents, initial=start, unit="doc", unit_scale=True, mininterval=0.5,
+               disable=not job.progress_bar, dynamic_ncols=True, desc=f"{job.kind} -> shards")
+    results = _results(job, chunks, dtype, bos, eos, job.workers)
+    try:
+        for chunk, result in results:
+            packer.add(chunk, *result)
+            bar.update(len(chunk.reasons))
+            el = max(time.time() - packer.t0, 1e-9)
+            bar.set_postfix_str(f"{packer.new_tokens / el:,.0f} tok/s, {len(packer.shards)} shards",
+                                refresh=False)
+            if packer.capped:
+                break
+        packer.finish()
+    finally:
+        results.close()   # stops the worker pool now, also on Ctrl-C
+        bar.close()
+
+    c = packer.committed
+    if not packer.shards:
+        (d / PROGRESS_FILE).unlink(missing_ok=True)
+        raise PipelineError(f"no document was stored: {c.read:,} read, dropped by reason "
+                            f"{c.dropped or {}}. Check the input and the filters ({job.filters}).")
+    seconds = packer.seconds
+    run_seconds = time.time() - packer.t0
+    meta = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "complete": True,
+        "dtype": dtype.name, "tokenizer": job.tokenizer_info,
+        "source": {"kind": job.kind, "inputs": job.inputs, "filters": job.filters, "test": job.test,
+                   "max_documents": job.max_documents, **job.extra_source},
+        "window": job.window, "stride": job.stride, "shard_tokens": job.shard_tokens,
+        "shards": packer.shards,
+        "totals": {"tokens": c.tokens, "documents": c.kept, "characters": c.characters,
+                   "shards": len(packer.shards)},
+        "stats": {"documents_read": c.read, "documents_kept": c.kept,
+                  "documents_dropped": sum(c.dropped.values()), "dropped_by_reason": c.dropped,
+                  "content_tokens": c.content_tokens,
+                  "chars_per_token": round(c.characters / max(c.content_tokens, 1), 4),
+                  "seconds": round(seconds, 3), "runs": packer.runs,
+                  "tokens_per_second": round(c.content_tokens / max(seconds, 1e-9), 1),
+                  "this_run_seconds": round(run_seconds, 3),
+                  "this_run_tokens_per_second": round(packer.new_tokens / max(run_seconds, 1e-9), 1),
+                  "workers": job.workers, "batch": job.batch,
+                  "stopped_at_max_files": packer.capped},
+        "truncated": packer.capped,
+        "settings": job.settings(),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if job.on_complete is not None:
+        job.on_complete(d)
+    write_json_atomic(d / METADATA_FILE, meta)
+    (d / PROGRESS_FILE).unlink(missing_ok=True)
+    return meta
+
+
+def summary(meta: dict) -> str:
+    """The human summary both stages print at the end."""
+    t, s = meta["totals"], meta["stats"]
+    lines = [f"documents: {s['documents_read']:,} read, {t['documents']:,} kept"
+             + (f", dropped {s['dropped_by_reason']}" if s["dropped_by_reason"] else ""),
+             f"tokens:    {t['tokens']:,} in {t['shards']} shard(s) ({meta['dtype']}), "
+             f"{s['content_tokens']:,} without BOS/EOS",
+             f"characters per token: {s['chars_per_token']:.3f}",
+             f"speed:     {s['tokens_per_second']:,.0f} tokens/s over {s['seconds']:.1f} s"
+             + (f" ({s['runs']} runs)" if s.get("runs", 1) > 1 else "")]
+    if meta.get("truncated"):
+        lines.append(f"stopped early: reached the cap of {len(meta['shards'])} shard files (--max-files)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- inputs
+def file_identity(paths: Iterable[Path]) -> list:
+    """Inputs as recorded for resume checks: path, size and modification time."""
+    out = []
+    for p in paths:
+        st = Path(p).stat()
+        out.append({"path": str(p), "bytes": st.st_size, "mtime": int(st.st_mtime)})
+    return out
+
+
+def cleaned_article_stream(paths: list[Path]) -> Stream:
+    """Stream over cleaned article files (one escaped article per line, blank lines skipped)."""
+    def open_stream(start: int) -> Iterator[tuple[str, Optional[str]]]:
+        skip = start
+        for p in paths:
+            with open(p, encoding="utf-8") as f:
+                for line in f:
+                    line = line.rstrip("\n")
+                    if not line:
+                        continue
+                    if skip:
+                        skip -= 1
+                        continue
+                    yield unescape_article(line), None
+    return open_stream
