@@ -781,7 +781,7 @@ def print_summary(results: list[FileResult], totals: dict) -> None:
 
 
 def build_parser() -> StageParser:
-    p = StageParser("cleaner.py", "Wikipedia dumps (structured-contents JSONL or MediaWiki XML) "
+    p = StageParser("main.py clean", "Wikipedia dumps (structured-contents JSONL or MediaWiki XML) "
                                   "-> cleaned articles, one per line")
     p.config_flag("--input-dir", key="wikipedia.raw_dir", type=cli_path, metavar="DIR",
                   help="folder of *.jsonl / *.json / *.xml / *.xml.bz2 dumps (or one file)")

@@ -757,3 +757,41 @@ def _build_on_the_fly(cfg: Config, tokenizer, *, batch_size, device, rank, world
             "world_size": world_size, "train_windows": None, "val_windows": None,
             "batches_per_epoch": None}
     return train_loader, val_loader, info
+
+
+# --------------------------------------------------------------------------- inspection CLI
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python dataloader.py [--config FILE] [--test]``: validate the configured data set
+    (building it first when ``dataset.auto_prepare`` is on), print its split and decode the
+    first windows of a training batch — a quick look at exactly what the trainer will see."""
+    from utils.cli import StageParser
+    from utils.tok import load_tokenizer
+
+    parser = StageParser("dataloader.py", "Validate the configured data set, print its train/val "
+                         "split and decode the first windows of a training batch.")
+    parser.config_flag("--source", key="dataset.source", choices=["wikipedia", "fineweb"],
+                       help="which shard set to read")
+    parser.config_flag("--window", key="dataset.window", type=int, help="window length in tokens")
+    parser.config_flag("--batch-size", key="training.batch_size", type=int, help="windows per batch")
+    parser.add_argument("--show", type=int, default=2, help="windows of the first batch to decode")
+    parser.add_argument("--chars", type=int, default=400, help="characters shown per window")
+    args, cfg = parser.parse(argv)
+    tok = load_tokenizer(cfg)
+    train_loader, val_loader, info = build_loaders(cfg, tok)
+    print(describe_info(info))
+    x, y = next(iter(train_loader))
+    print(f"first training batch: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} "
+          f"(y is x shifted left by one: {bool(torch.equal(x[:, 1:], y[:, :-1]))})")
+    for i in range(min(args.show, x.shape[0])):
+        text = tok.decode(x[i].tolist())
+        shown = text[:args.chars].replace("\n", "\\n")
+        print(f"  window {i}: {shown}{' ...' if len(text) > args.chars else ''}")
+    if val_loader is not None:
+        vx, _ = next(iter(val_loader))
+        print(f"first validation batch: x {tuple(vx.shape)}")
+    return 0
+
+
+if __name__ == "__main__":
+    from utils.cli import run_stage
+    run_stage(main)

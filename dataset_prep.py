@@ -22,7 +22,7 @@ from utils.packing import PackJob, cleaned_article_stream, file_identity, pack, 
 
 
 def build_parser() -> StageParser:
-    p = StageParser("prepare", "Cleaned Wikipedia articles -> token shards (tokens_*.npy + metadata.json).")
+    p = StageParser("main.py prepare", "Cleaned Wikipedia articles -> token shards (tokens_*.npy + metadata.json).")
     p.config_flag("--window", key="dataset.window", type=int, metavar="N",
                   help="training window length recorded with the shards (windows are cut at read time)")
     p.config_flag("--batch", key="dataset.batch", type=int, metavar="N",

@@ -23,6 +23,14 @@ def test_fetch_is_verified_and_idempotent(tmp_path, samples):
     for f in MANIFEST:
         target = tmp_path / "samples" / f.dest
         assert sha256_file(target) == f.sha256
+    substitute = tmp_path / "samples" / "fineweb_substitute" / "000_00000.parquet"
+    import pyarrow.parquet as pq
+    table = pq.read_table(substitute)
+    assert {"text", "id", "url", "language_score", "token_count"} <= set(table.column_names)
+    assert b"placeholders" in table.schema.metadata[b"substitute"]
+    news = [ln.strip() for ln in (tmp_path / "samples" / "news" / "lee_background.cor")
+            .read_text(encoding="utf-8").splitlines() if ln.strip()]
+    assert table.column("text").to_pylist() == news
     mtimes = {f.dest: (tmp_path / "samples" / f.dest).stat().st_mtime_ns for f in MANIFEST}
 
     second = run_main("samples", "--config", cfg)
