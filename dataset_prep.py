@@ -18,26 +18,19 @@ from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 from utils.config import Config
-from utils.packing import PackJob, cleaned_article_stream, file_identity, pack, summary
+from utils.packing import (PackJob, add_output_flags, cleaned_article_stream, file_identity,
+                           load_fast_tokenizer, run_job)
 
 
 def build_parser() -> StageParser:
     p = StageParser("main.py prepare", "Cleaned Wikipedia articles -> token shards (tokens_*.npy + metadata.json).")
-    p.config_flag("--window", key="dataset.window", type=int, metavar="N",
-                  help="training window length recorded with the shards (windows are cut at read time)")
     p.config_flag("--batch", key="dataset.batch", type=int, metavar="N",
                   help="articles read per tokenization batch")
     p.config_flag("--workers", key="dataset.workers", type=int, metavar="N",
                   help="tokenizer processes (0 = all cores)")
-    p.config_flag("--shard-tokens", key="dataset.shard_tokens", type=int, metavar="N",
-                  help="a shard is closed once it holds this many tokens")
     p.config_flag("--input-dir", key="paths.cleaned_dir", type=cli_path, metavar="DIR",
                   help="folder of cleaned_*.txt files")
-    p.add_argument("--output-dir", type=cli_path, metavar="DIR", default=None,
-                   help="shard directory (default: dataset.wikipedia_test_dir / wikipedia_full_dir)")
-    p.add_argument("--force", action="store_true",
-                   help="delete an existing or unfinished shard set and start over")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_flags(p, "dataset.wikipedia_test_dir / wikipedia_full_dir")
     return p
 
 
@@ -52,17 +45,12 @@ def find_cleaned(input_dir: Path) -> list[Path]:
 def make_job(cfg: Config, *, output_dir: Optional[Path] = None, force: bool = False,
              progress_bar: bool = True, log=print) -> PackJob:
     """The prepare job for this config (loads the tokenizer)."""
-    from utils.tok import describe, load_tokenizer
-
     files = find_cleaned(cfg.path("paths.cleaned_dir"))
-    tok = load_tokenizer(cfg)
-    if not getattr(tok, "is_fast", False):
-        raise PipelineError(f"tokenizer '{cfg.tokenizer.name}' has no fast (tokenizers) backend; "
-                            "prepare needs one for batch encoding.")
+    tok, tok_info = load_fast_tokenizer(cfg)
     ds = cfg.dataset
     return PackJob(
         out_dir=Path(output_dir) if output_dir else cfg.shard_dir("wikipedia"),
-        tokenizer=tok, tokenizer_info=describe(tok, cfg.tokenizer.name), kind="wikipedia",
+        tokenizer=tok, tokenizer_info=tok_info, kind="wikipedia",
         inputs=[str(f) for f in files], input_identity=file_identity(files),
         open_stream=cleaned_article_stream(files), window=ds.window, stride=cfg.stride,
         shard_tokens=ds.shard_tokens, batch=ds.batch, workers=workers_or_cores(ds.workers),
@@ -73,13 +61,7 @@ def make_job(cfg: Config, *, output_dir: Optional[Path] = None, force: bool = Fa
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(argv)
     job = make_job(cfg, output_dir=args.output_dir, force=args.force, progress_bar=not args.no_progress)
-    print(f"prepare: {len(job.inputs)} cleaned file(s) -> {job.out_dir} "
-          f"({job.workers} worker(s), tokenizer {cfg.tokenizer.name})", flush=True)
-    meta = pack(job)
-    if not meta.get("up_to_date"):
-        print(summary(meta))
-        print(f"wrote {job.out_dir}")
-    return 0
+    return run_job(job, f"prepare: {len(job.inputs)} cleaned file(s)")
 
 
 if __name__ == "__main__":

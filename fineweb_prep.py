@@ -19,7 +19,8 @@ from typing import Iterator, Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 from utils.config import Config
-from utils.packing import PackJob, Stream, file_identity, pack, summary
+from utils.packing import (PackJob, Stream, add_output_flags, file_identity, load_fast_tokenizer,
+                           run_job)
 
 SCORE_COLUMN = "language_score"
 
@@ -112,31 +113,21 @@ def build_parser() -> StageParser:
                   help="local folder of FineWeb parquet files (instead of the hub)")
     p.config_flag("--workers", key="fineweb.workers", type=int, metavar="N",
                   help="tokenizer processes (0 = all cores); output is identical for any N")
-    p.config_flag("--window", key="dataset.window", type=int, metavar="N",
-                  help="training window length recorded with the shards")
     p.config_flag("--batch-size", key="fineweb.batch_size", type=int, metavar="N",
                   help="documents read per tokenization batch")
     p.config_flag("--max-files", key="fineweb.max_files", type=int, metavar="N",
                   help="stop after this many shard files")
-    p.config_flag("--shard-tokens", key="dataset.shard_tokens", type=int, metavar="N",
-                  help="a shard is closed once it holds this many tokens")
     p.config_flag("--min-language-score", key="fineweb.min_language_score", type=float, metavar="X",
                   help="drop documents with a lower language_score")
     p.config_flag("--min-tokens", key="fineweb.min_tokens", type=int, metavar="N",
                   help="drop documents with fewer tokens")
-    p.add_argument("--output-dir", type=cli_path, metavar="DIR", default=None,
-                   help="shard directory (default: dataset.fineweb_test_dir / fineweb_full_dir)")
-    p.add_argument("--force", action="store_true",
-                   help="delete an existing or unfinished shard set and start over")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_flags(p, "dataset.fineweb_test_dir / fineweb_full_dir")
     return p
 
 
 def make_job(cfg: Config, *, output_dir: Optional[Path] = None, force: bool = False,
              progress_bar: bool = True) -> PackJob:
     """The fineweb job for this config (opens the source, then loads the tokenizer)."""
-    from utils.tok import describe, load_tokenizer
-
     f = cfg.fineweb
     if f.data_dir:
         files = parquet_files(cfg.resolve(f.data_dir))
@@ -149,12 +140,10 @@ def make_job(cfg: Config, *, output_dir: Optional[Path] = None, force: bool = Fa
         inputs, identity = [name], [name]
         origin = {"origin": "huggingface streaming", "dataset": f.dataset, "config": f.config_name,
                   "split": f.split}
-    tok = load_tokenizer(cfg)
-    if not getattr(tok, "is_fast", False):
-        raise PipelineError(f"tokenizer '{cfg.tokenizer.name}' has no fast (tokenizers) backend.")
+    tok, tok_info = load_fast_tokenizer(cfg)
     return PackJob(
         out_dir=Path(output_dir) if output_dir else cfg.shard_dir("fineweb"),
-        tokenizer=tok, tokenizer_info=describe(tok, cfg.tokenizer.name), kind="fineweb",
+        tokenizer=tok, tokenizer_info=tok_info, kind="fineweb",
         inputs=inputs, input_identity=identity, open_stream=stream, window=cfg.dataset.window,
         stride=cfg.stride, shard_tokens=cfg.dataset.shard_tokens, batch=f.batch_size,
         workers=workers_or_cores(f.workers), max_documents=f.test_max_documents if cfg.test else None,
@@ -167,13 +156,7 @@ def make_job(cfg: Config, *, output_dir: Optional[Path] = None, force: bool = Fa
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(argv)
     job = make_job(cfg, output_dir=args.output_dir, force=args.force, progress_bar=not args.no_progress)
-    print(f"fineweb: {job.extra_source['origin']} ({len(job.inputs)} input(s)) -> {job.out_dir} "
-          f"({job.workers} worker(s), tokenizer {cfg.tokenizer.name})", flush=True)
-    meta = pack(job)
-    if not meta.get("up_to_date"):
-        print(summary(meta))
-        print(f"wrote {job.out_dir}")
-    return 0
+    return run_job(job, f"fineweb: {job.extra_source['origin']} ({len(job.inputs)} input(s))")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -548,3 +547,42 @@ def cleaned_article_stream(paths: list[Path]) -> Stream:
                         continue
                     yield unescape_article(line), None
     return open_stream
+
+
+# --------------------------------------------------------------------------- stage plumbing
+def add_output_flags(parser, default_dir: str) -> None:
+    """Flags every prep stage shares (window, shard size, output folder, --force, progress)."""
+    from utils.cli import cli_path
+
+    parser.config_flag("--window", key="dataset.window", type=int, metavar="N",
+                       help="training window length recorded with the shards (windows are cut at "
+                            "read time)")
+    parser.config_flag("--shard-tokens", key="dataset.shard_tokens", type=int, metavar="N",
+                       help="a shard is closed once it holds this many tokens")
+    parser.add_argument("--output-dir", type=cli_path, metavar="DIR", default=None,
+                        help=f"shard directory (default: {default_dir})")
+    parser.add_argument("--force", action="store_true",
+                        help="delete an existing or unfinished shard set and start over")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def load_fast_tokenizer(cfg) -> tuple[Any, dict]:
+    """The configured tokenizer and its description; prep needs a fast (tokenizers) backend."""
+    from utils.tok import describe, load_tokenizer
+
+    tok = load_tokenizer(cfg)
+    if not getattr(tok, "is_fast", False):
+        raise PipelineError(f"tokenizer '{cfg.tokenizer.name}' has no fast (tokenizers) backend; "
+                            "token shards are built with its batch encoder.")
+    return tok, describe(tok, cfg.tokenizer.name)
+
+
+def run_job(job: PackJob, headline: str) -> int:
+    """Print what is about to happen, pack, and print the summary (stage mains end here)."""
+    print(f"{headline} -> {job.out_dir} ({job.workers} worker(s), tokenizer "
+          f"{job.tokenizer_info.get('name')})", flush=True)
+    meta = pack(job)
+    if not meta.get("up_to_date"):
+        print(summary(meta))
+        print(f"wrote {job.out_dir}")
+    return 0

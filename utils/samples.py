@@ -10,7 +10,6 @@ their destinations; they are verified the same way).
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import os
