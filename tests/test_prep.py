@@ -232,11 +232,15 @@ def test_complete_set_with_other_settings_needs_force(prep_env, tmp_path):
     import shutil
     cfg, out = prep_env["cfg"], tmp_path / "o"
     shutil.copytree(prep_env["ref"], out)
+    # Windows are cut at read time: another window needs no rebuild.
     p = run_main("prepare", "--config", cfg, "--output-dir", out, "--window", "128")
-    assert p.returncode == 1 and "window" in p.stderr and "--force" in p.stderr
-    p = run_main("prepare", "--config", cfg, "--output-dir", out, "--window", "128", "--force")
+    assert p.returncode == 0 and "up to date" in p.stdout, p.stderr
+    # Another shard size changes the bytes: refused, naming the setting, unless --force.
+    p = run_main("prepare", "--config", cfg, "--output-dir", out, "--shard-tokens", "2500")
+    assert p.returncode == 1 and "shard_tokens" in p.stderr and "--force" in p.stderr
+    p = run_main("prepare", "--config", cfg, "--output-dir", out, "--shard-tokens", "2500", "--force")
     assert p.returncode == 0, p.stderr
-    assert json.loads((out / "metadata.json").read_text())["window"] == 128
+    assert json.loads((out / "metadata.json").read_text())["shard_tokens"] == 2500
 
 
 def test_missing_input_is_exit_1(tmp_config, tmp_path):

@@ -206,13 +206,17 @@ class PackJob:
     on_complete: Optional[Callable[[Path], None]] = None   # e.g. cfg.save_resolved
 
     def settings(self) -> dict:
-        """What a resume or an up-to-date check compares (not batch size or worker count)."""
+        """What a resume or an up-to-date check compares: everything the shard bytes depend on.
+
+        Not batch size or worker count (output is identical for any), and not window/stride:
+        windows are cut at read time, so the same shards serve any window (the values given at
+        prep time are only recorded in metadata.json)."""
         return {"format_version": FORMAT_VERSION, "kind": self.kind,
                 "tokenizer_fingerprint": self.tokenizer_info["fingerprint"],
                 "vocab_size": self.tokenizer_info["vocab_size"],
                 "inputs": self.input_identity, "max_documents": self.max_documents,
-                "window": self.window, "stride": self.stride, "shard_tokens": self.shard_tokens,
-                "max_files": self.max_files, "filters": self.filters}
+                "shard_tokens": self.shard_tokens, "max_files": self.max_files,
+                "filters": self.filters}
 
 
 def _diff(old: dict, new: dict) -> list[str]:
