@@ -14,6 +14,7 @@ shard files (the seed's 38): when reached the run stops and the metadata says so
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -55,8 +56,8 @@ def parquet_stream(files: list[Path], text_column: str, min_score: float) -> Str
     """Documents of local parquet files, one row group at a time (never a whole file in memory)."""
     import pyarrow.parquet as pq
 
-    def open_stream(start: int) -> Iterator[tuple[str, Optional[str]]]:
-        skip = start
+    def open_stream(start: int, resume: Optional[dict] = None) -> Iterator[tuple[str, Optional[str]]]:
+        skip = start   # row groups are skipped unread, so no saved state is needed
         for path in files:
             pf = pq.ParquetFile(path)
             missing = {text_column, SCORE_COLUMN} - set(pf.schema_arrow.names)
@@ -79,31 +80,71 @@ def parquet_stream(files: list[Path], text_column: str, min_score: float) -> Str
     return open_stream
 
 
-def hub_stream(cfg: Config) -> Stream:
-    """The real default: ``datasets.load_dataset(..., streaming=True)`` from the hub."""
-    f = cfg.fineweb
+class HubDocuments:
+    """Iterator over a streamed hub dataset that can checkpoint its position.
 
-    def load():
+    ``checkpoint()`` is the dataset's own ``state_dict()`` (shard and row within it) for the
+    next document; given ``resume`` from an earlier run it restores that state and skips only
+    the few documents between it and ``start``, instead of reading the stream from the
+    beginning again (``IterableDataset.skip`` would download everything before ``start``).
+    """
+
+    def __init__(self, ds, start: int, resume: Optional[dict], decide, on_error):
+        self.decide, self.on_error = decide, on_error
+        self.n = start
+        skip = start
+        state = (resume or {}).get("state")
+        if state is not None and resume.get("position", start + 1) <= start:
+            ds.load_state_dict(state)
+            skip = start - resume["position"]
+        self.ds = ds
+        self.it = iter(ds)
         try:
-            import datasets
-            return datasets.load_dataset(f.dataset, name=f.config_name, split=f.split, streaming=True)
-        except Exception as e:   # offline, no network, unknown name: all end the same way
-            raise PipelineError(hub_help(cfg, e)) from e
+            for _ in range(skip):
+                next(self.it)
+        except StopIteration:
+            pass
+        except Exception as e:
+            raise on_error(e, self.n) from e
 
-    ds = load()   # fail fast, before the tokenizer is loaded
+    def __iter__(self):
+        return self
 
-    def open_stream(start: int) -> Iterator[tuple[str, Optional[str]]]:
-        stream = ds.skip(start) if start else ds
-        n = start
+    def __next__(self) -> tuple[str, Optional[str]]:
         try:
-            for row in stream:
-                n += 1
-                yield _decide(row.get(f.text_column), row.get(SCORE_COLUMN), f.min_language_score)
-        except PipelineError:
+            row = next(self.it)
+        except StopIteration:
             raise
         except Exception as e:
-            raise PipelineError(hub_help(cfg, e) + f" (The stream failed after {n:,} documents; "
-                                "completed shards are kept and a re-run resumes.)") from e
+            raise self.on_error(e, self.n) from e
+        self.n += 1
+        return self.decide(row)
+
+    def checkpoint(self) -> Optional[dict]:
+        state = getattr(self.ds, "state_dict", None)
+        return json.loads(json.dumps(state())) if state else None
+
+
+def hub_stream(cfg: Config) -> Stream:
+    """The real default: ``datasets.load_dataset(..., streaming=True)`` from the hub (a local
+    dataset folder given as ``fineweb.dataset`` streams the same way, offline)."""
+    f = cfg.fineweb
+
+    try:
+        import datasets
+        ds = datasets.load_dataset(f.dataset, name=f.config_name, split=f.split, streaming=True)
+    except Exception as e:   # offline, no network, unknown name: all end the same way
+        raise PipelineError(hub_help(cfg, e)) from e   # fail fast, before the tokenizer loads
+
+    def decide(row: dict) -> tuple[str, Optional[str]]:
+        return _decide(row.get(f.text_column), row.get(SCORE_COLUMN), f.min_language_score)
+
+    def on_error(e: BaseException, n: int) -> PipelineError:
+        return PipelineError(hub_help(cfg, e) + f" (The stream failed after {n:,} documents; "
+                             "completed shards are kept and a re-run resumes.)")
+
+    def open_stream(start: int, resume: Optional[dict] = None) -> HubDocuments:
+        return HubDocuments(ds, start, resume, decide, on_error)
     return open_stream
 
 

@@ -123,3 +123,56 @@ def test_hub_without_network_points_to_data_dir(tmp_config):
     assert p.returncode == 1
     assert "--data-dir" in p.stderr and "HuggingFaceFW/fineweb" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_hub_streaming_path_resumes_from_saved_stream_state(parquet_dir, tmp_config, saved_tokenizer,  # noqa: F811
+                                                            tmp_path):
+    """The streaming (hub) code path, run offline on a local dataset folder: an interrupted run
+    restores the stream from its saved state (not by reading it again) and ends byte-identical."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, offline_env
+    from tests.test_prep import _wait_for_shards
+    from utils.config import load_config
+
+    fw = {"dataset": str(parquet_dir[0]), "config_name": None, "workers": 2,
+          "min_language_score": MIN_SCORE, "min_tokens": MIN_TOKENS, "batch_size": 20}
+    cfg = tmp_config({"tokenizer": {"name": str(SPM_MODEL), "save_dir": str(saved_tokenizer)},
+                      "fineweb": fw, "dataset": {"shard_tokens": SHARD_TOKENS, "window": 64}})
+
+    # Unit: a checkpoint taken mid-stream restores exactly there.
+    from fineweb_prep import hub_stream
+    open_stream = hub_stream(load_config(cfg))
+    full = list(open_stream(0))
+    assert len(full) == len(parquet_dir[1])
+    it = open_stream(0)
+    for _ in range(57):
+        next(it)
+    state = it.checkpoint()
+    assert list(open_stream(60, {"position": 57, "state": state})) == full[60:]
+
+    # End to end through main.py: reference run, then an interrupted run and its resume.
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    p = run_main("fineweb", "--config", cfg, "--output-dir", ref)
+    assert p.returncode == 0, p.stderr
+    assert "huggingface streaming" in p.stdout
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fineweb", "--config", str(cfg),
+                             "--output-dir", str(out), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=offline_env(LLM_PREP_TEST_SHARD_DELAY="0.3"), start_new_session=True)
+    _wait_for_shards(out, 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    progress = json.loads((out / ".progress.json").read_text())
+    assert progress["stream_resume"]["state"] is not None
+    assert progress["stream_resume"]["position"] <= progress["consumed"]
+    p = run_main("fineweb", "--config", cfg, "--output-dir", out)
+    assert p.returncode == 0, p.stderr
+    assert "restoring the saved stream position" in p.stdout
+    assert shard_bytes(out) == shard_bytes(ref)
+    assert (json.loads((out / "metadata.json").read_text())["stats"]["documents_read"]
+            == len(parquet_dir[1]))

@@ -1,9 +1,13 @@
 """Tokenize-and-pack: the one engine behind `prepare` (Wikipedia) and `fineweb` (library).
 
-A *document stream* is a function ``open_stream(start)`` returning an iterator of
-``(text, drop_reason)`` pairs from stream position ``start`` on; ``drop_reason`` is None for a
-document to tokenize, or a short string (``"language_score"``) when the source already
-filtered it. :func:`pack` turns the stream into a shard set (DESIGN.md section 3,
+A *document stream* is a function ``open_stream(start, resume=None)`` returning an iterator
+of ``(text, drop_reason)`` pairs from stream position ``start`` on; ``drop_reason`` is None
+for a document to tokenize, or a short string (``"language_score"``) when the source already
+filtered it. A stream that cannot seek cheaply (Hugging Face streaming) gives its iterator a
+``checkpoint()`` method returning a JSON-able state for "the next document"; the engine
+records it with each shard (``stream_resume`` in the progress file) and passes it back as
+``resume={"position": p, "state": s}`` (``p <= start``) so a re-run restores the stream there
+instead of reading it again from the beginning. :func:`pack` turns the stream into a shard set (DESIGN.md section 3,
 :mod:`utils.shards`):
 
     parent: read docs -> chunks ──► worker processes: fast tokenizer ``encode_batch`` on a chunk,
@@ -57,7 +61,7 @@ SHARD_RE = re.compile(r"^tokens_(\d{5,})\.npy$")
 TEST_DELAY_ENV = "LLM_PREP_TEST_SHARD_DELAY"
 CHUNK_CHARS = 1_000_000   # at most about this many characters per worker task
 
-Stream = Callable[[int], Iterator[tuple[str, Optional[str]]]]
+Stream = Callable[..., Iterator[tuple[str, Optional[str]]]]   # open_stream(start, resume=None)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -152,16 +156,19 @@ class Chunk:
     reasons: list                 # per document: None (tokenize) or a drop reason
     texts: list                   # the documents to tokenize, in order
     chars: list                   # their character counts
+    state: Any = None             # the stream's checkpoint() at ``start`` (if it has one)
 
 
 def _chunks(stream: Iterator[tuple[str, Optional[str]]], start: int, limit: Optional[int],
             chunk_docs: int, chunk_chars: int = CHUNK_CHARS) -> Iterator[Chunk]:
     """Cut the stream into chunks of at most ``chunk_docs`` documents and about ``chunk_chars``
     characters (so memory in flight does not depend on how long the documents are)."""
+    checkpoint = getattr(stream, "checkpoint", None)
     if limit is not None:
         stream = itertools.islice(stream, max(0, limit - start))
     pos = start
     reasons, texts, chars, n_chars = [], [], [], 0
+    state = checkpoint() if checkpoint else None
     for text, reason in stream:
         if reason is None and (not text or text.isspace()):
             reason = "empty"
@@ -171,11 +178,12 @@ def _chunks(stream: Iterator[tuple[str, Optional[str]]], start: int, limit: Opti
             chars.append(len(text))
             n_chars += len(text)
         if len(reasons) >= chunk_docs or n_chars >= chunk_chars:
-            yield Chunk(pos, reasons, texts, chars)
+            yield Chunk(pos, reasons, texts, chars, state)
             pos += len(reasons)
             reasons, texts, chars, n_chars = [], [], [], 0
+            state = checkpoint() if checkpoint else None
     if reasons:
-        yield Chunk(pos, reasons, texts, chars)
+        yield Chunk(pos, reasons, texts, chars, state)
 
 
 # --------------------------------------------------------------------------- the job
@@ -314,6 +322,7 @@ class _Packer:
         self.capped = False
         self.new_tokens = 0           # content tokens tokenized in this run (for tokens/s)
         self.delay = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
+        self.stream_resume = progress.get("stream_resume") if progress else None
 
     @property
     def seconds(self) -> float:
@@ -352,7 +361,7 @@ class _Packer:
             self.fill += int(cs[j] - base)
             self.fill_docs += j + 1 - klo
             self.pending.add(self._segment(chunk, status, klen, kchars, lo, hi, klo, j + 1))
-            self._write_shard(consumed=chunk.start + hi)
+            self._write_shard(consumed=chunk.start + hi, chunk=chunk)
             lo, klo, base = hi, j + 1, int(cs[j])
             if self.capped:
                 return
@@ -361,8 +370,11 @@ class _Packer:
         self.fill_docs += len(kpos) - klo
         self.pending.add(self._segment(chunk, status, klen, kchars, lo, len(status), klo, len(kpos)))
 
-    def _write_shard(self, consumed: int) -> None:
+    def _write_shard(self, consumed: int, chunk: Optional[Chunk] = None) -> None:
         d = self.job.out_dir
+        # Where a re-run can restore the stream: the start of the chunk this shard ends in.
+        self.stream_resume = ({"position": chunk.start, "state": chunk.state}
+                              if chunk is not None and chunk.state is not None else None)
         arr = np.concatenate(self.buffer) if len(self.buffer) != 1 else self.buffer[0]
         name = shard_name(len(self.shards))
         save_npy_atomic(d / name, arr.astype(self.dtype, copy=False))
@@ -392,6 +404,7 @@ class _Packer:
     def save_progress(self) -> None:
         write_json_atomic(self.job.out_dir / PROGRESS_FILE, {
             "settings": self.job.settings(), "shards": self.shards, "consumed": self.committed.read,
+            "stream_resume": self.stream_resume,
             "counts": self.committed.to_dict(), "seconds": round(self.seconds, 3), "runs": self.runs})
 
 
@@ -444,9 +457,11 @@ def pack(job: PackJob, log: Callable[[str], None] = print) -> dict:
     dtype = dtype_for_vocab(len(job.tokenizer))
     packer = _Packer(job, dtype, state)
     start = packer.committed.read
+    resume = packer.stream_resume
     if state:
-        log(f"resuming {d}: {len(packer.shards)} shard(s) done, skipping {start:,} documents already "
-            "consumed")
+        how = ("restoring the saved stream position" if resume else
+               f"skipping {start:,} documents already consumed")
+        log(f"resuming {d}: {len(packer.shards)} shard(s) done ({start:,} documents), {how}")
     if job.max_files is not None and len(packer.shards) >= job.max_files:
         packer.capped = True
     if packer.capped or (job.max_documents is not None and start >= job.max_documents):
@@ -454,7 +469,7 @@ def pack(job: PackJob, log: Callable[[str], None] = print) -> dict:
     else:
         # A batch of `batch` documents is split into 2 tasks per worker (load balance).
         chunk_docs = job.batch if job.workers <= 1 else max(1, -(-job.batch // (2 * job.workers)))
-        chunks = _chunks(job.open_stream(start), start, job.max_documents, chunk_docs)
+        chunks = _chunks(job.open_stream(start, resume), start, job.max_documents, chunk_docs)
 
     from tqdm import tqdm
     bar = tqdm(total=job.max_documents, initial=start, unit="doc", unit_scale=True, mininterval=0.5,
@@ -538,8 +553,8 @@ def file_identity(paths: Iterable[Path]) -> list:
 
 def cleaned_article_stream(paths: list[Path]) -> Stream:
     """Stream over cleaned article files (one escaped article per line, blank lines skipped)."""
-    def open_stream(start: int) -> Iterator[tuple[str, Optional[str]]]:
-        skip = start
+    def open_stream(start: int, resume: Optional[dict] = None) -> Iterator[tuple[str, Optional[str]]]:
+        skip = start   # local files: skipping lines is cheap, no saved state needed
         for p in paths:
             with open(p, encoding="utf-8") as f:
                 for line in f:
