@@ -31,7 +31,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 from utils.config import Config
 from utils.textio import iter_articles
-from utils.tok import (SPECIAL_TOKENS, _has_tokenizer_files, _looks_like_path, describe,
+from utils.tok import (SPECIAL_TOKENS, has_tokenizer_files, looks_like_path, describe,
                        fingerprint, load_tokenizer_from, save_dir, special_ids)
 
 INFO_FILE = "pipeline_tokenizer.json"
@@ -55,7 +55,7 @@ BUILTIN_SAMPLE = (
 def source_kind(name: str, cfg: Optional[Config] = None) -> str:
     """How a tokenizer name is interpreted: 'SentencePiece model', 'local directory', ... or 'hub'."""
     p = cfg.resolve(name) if cfg is not None else Path(name).expanduser().resolve()
-    if p.exists() or _looks_like_path(name):
+    if p.exists() or looks_like_path(name):
         if p.suffix == ".model":
             return "SentencePiece model, converted to a fast tokenizer"
         if p.suffix == ".json":
@@ -76,7 +76,7 @@ def get_tokenizer(cfg: Config) -> tuple[object, str, str]:
         return load_tokenizer_from(name, cfg), name, source_kind(name, cfg)
     except PipelineError:
         saved = save_dir(cfg)
-        if source_kind(name, cfg).startswith("Hugging Face") and _has_tokenizer_files(saved):
+        if source_kind(name, cfg).startswith("Hugging Face") and has_tokenizer_files(saved):
             return (load_tokenizer_from(str(saved), cfg), name,
                     f"hub unreachable: using the saved copy in {saved}")
         raise
@@ -87,7 +87,7 @@ def configured_tokenizer(cfg: Config, load: Optional[str] = None) -> tuple[objec
     if load:
         return load_tokenizer_from(load, cfg), load, "saved tokenizer directory (--load)"
     saved = save_dir(cfg)
-    if _has_tokenizer_files(saved):
+    if has_tokenizer_files(saved):
         return load_tokenizer_from(str(saved), cfg), cfg.tokenizer.name, f"saved copy in {saved}"
     return load_tokenizer_from(cfg.tokenizer.name, cfg), cfg.tokenizer.name, source_kind(
         cfg.tokenizer.name, cfg)
@@ -438,7 +438,7 @@ def do_load(args, cfg: Config) -> int:
 def name_arg(value: str) -> str:
     """--name: a path (existing here, or path-shaped) is made absolute relative to the current
     directory like every CLI path; anything else is kept as a hub name."""
-    if os.path.exists(os.path.expanduser(value)) or _looks_like_path(value):
+    if os.path.exists(os.path.expanduser(value)) or looks_like_path(value):
         return cli_path(value)
     return value
 

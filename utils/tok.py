@@ -40,11 +40,12 @@ def save_dir(cfg: Config) -> Path:
     return cfg.path("paths.tokenizers_dir") / slug(cfg.tokenizer.name)
 
 
-def _has_tokenizer_files(d: Path) -> bool:
+def has_tokenizer_files(d: Path) -> bool:
+    """Whether folder d holds a saved tokenizer."""
     return d.is_dir() and any((d / f).exists() for f in TOKENIZER_FILES)
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     """Hub names are 'org/name' or 'name'; anything else that is path-shaped is a path."""
     if Path(name).suffix in (".model", ".json") or name.startswith((".", "/", "~")):
         return True
@@ -66,7 +67,7 @@ def load_tokenizer_from(name: str, cfg: Optional[Config] = None):
     from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerFast
 
     p = cfg.resolve(name) if cfg is not None else Path(name).expanduser().resolve()
-    if p.exists() or _looks_like_path(name):
+    if p.exists() or looks_like_path(name):
         if not p.exists():
             raise PipelineError(f"tokenizer path {p} does not exist (tokenizer.name = '{name}').")
         try:
@@ -97,7 +98,7 @@ def load_tokenizer_from(name: str, cfg: Optional[Config] = None):
 def load_tokenizer(cfg: Config):
     """The configured tokenizer: the saved copy under tokenizers/ if present, else tokenizer.name."""
     d = save_dir(cfg)
-    if _has_tokenizer_files(d):
+    if has_tokenizer_files(d):
         return load_tokenizer_from(str(d), cfg)
     return load_tokenizer_from(cfg.tokenizer.name, cfg)
 
