@@ -32,9 +32,12 @@ file is written to a hidden temp file and renamed when its input is finished, so
 ``cleaned_*.txt`` file is always complete. A re-run skips inputs whose output exists unless
 ``--force``. Next to the outputs: ``resolved_config.json`` and ``cleaning_summary.json``.
 
-One worker process per input file (``--workers`` at a time, 0 = all cores), streaming; a
-broken input (truncated .bz2, invalid XML, a worker killed) fails only that file, and a
-malformed JSON line is counted and skipped. ``--test`` reads only the first
+Parallelism (``--workers``, 0 = all cores), streaming either way: with at least as many input
+files as workers, one worker process per file; with fewer (a single big XML dump is the usual
+download), files are read one after another here and each file's articles are converted by
+all workers, in order, so the output is byte-identical to a serial run. A broken input
+(truncated .bz2, invalid XML, a worker killed) fails only that file, and a malformed JSON line
+is counted and skipped. ``--test`` reads only the first
 ``cleaning.test_max_articles`` records (pages or lines, redirects included) of each file.
 Exit 1 if any file failed or no usable article came out at all; 130 on Ctrl-C (workers are
 terminated and their temp files removed).
@@ -51,7 +54,7 @@ import signal
 import time
 import unicodedata
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Iterable, Iterator, Optional, Sequence
 from xml.parsers import expat
@@ -90,6 +93,7 @@ class CleanOptions:
     namespaces: tuple = (0,)
     skip_redirects: bool = True
     max_articles: Optional[int] = None   # --test: stop after this many records per file
+    record_workers: int = 1              # processes converting the records of one file
 
     @classmethod
     def from_config(cls, cfg: Config) -> "CleanOptions":
@@ -499,19 +503,11 @@ def iter_xml_pages(stream: IO[bytes], chunk_size: int = READ_CHUNK) -> Iterator[
         raise expat.ExpatError(expat.ErrorString(parser.ErrorCode))
 
 
-def iter_records(path: Path, fmt: str, opts: CleanOptions, result: FileResult) -> Iterator[str]:
-    """Yield the cleaned text of each usable record of one file (possibly '').
-
-    Counts reads, characters in and skip reasons into ``result`` (whose ``skipped`` is a
-    Counter); malformed records are counted, the first few reported as ``file:line``
-    (JSONL) or ``file:title`` (XML), and skipped.
-    """
+def _iter_raw(path: Path, fmt: str, opts: CleanOptions, result: FileResult,
+              problem) -> Iterator[tuple[object, str]]:
+    """Yield ``(record, where)`` for each record of one file that passes the cheap filters
+    (namespace, redirect, JSON validity); the expensive text conversion happens later."""
     skipped = result.skipped
-
-    def problem(where: str, reason: str) -> None:
-        skipped["malformed"] += 1
-        if len(result.problems) < MAX_REPORTED_PROBLEMS:
-            result.problems.append(f"{path.name}:{where}: {reason}")
 
     def limit_reached() -> bool:
         return opts.max_articles is not None and result.read >= opts.max_articles
@@ -536,7 +532,7 @@ def iter_records(path: Path, fmt: str, opts: CleanOptions, result: FileResult) -
                     problem(str(lineno), f"expected a JSON object, got {type(article).__name__}")
                     continue
                 result.chars_in += len(raw.decode("utf-8", "replace").rstrip("\r\n"))
-                yield structured_article_text(article, opts)
+                yield article, str(lineno)
         else:
             for page in iter_xml_pages(f):
                 if limit_reached():
@@ -549,12 +545,84 @@ def iter_records(path: Path, fmt: str, opts: CleanOptions, result: FileResult) -
                     skipped["redirect"] += 1
                     continue
                 result.chars_in += len(page.text)
-                try:
-                    text = wikitext_article_text(page.text, opts)
-                except Exception as e:   # a parser failure on one page must not end the file
-                    problem(page.title or "?", f"wikitext could not be parsed ({type(e).__name__}: {e})")
-                    continue
-                yield text
+                yield page.text, page.title or "?"
+
+
+def convert_record(fmt: str, record, opts: CleanOptions) -> tuple[str, Optional[str]]:
+    """A record's cleaned text, or ``("", reason)`` when its wikitext cannot be parsed (a
+    parser failure on one page must not end the file). JSONL records cannot fail here."""
+    if fmt == "jsonl":
+        return structured_article_text(record, opts), None
+    try:
+        return wikitext_article_text(record, opts), None
+    except Exception as e:
+        return "", f"wikitext could not be parsed ({type(e).__name__}: {e})"
+
+
+_CONVERTER: dict = {}
+
+
+def _init_converter(fmt: str, opts: CleanOptions) -> None:
+    """Pool initializer for record conversion; Ctrl-C is the parent's job."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _CONVERTER.update(fmt=fmt, opts=opts)
+
+
+def _convert_batch(records: list) -> list[tuple[str, Optional[str]]]:
+    return [convert_record(_CONVERTER["fmt"], r, _CONVERTER["opts"]) for r in records]
+
+
+def _converted_in_parallel(raw: Iterator[tuple[object, str]], fmt: str, opts: CleanOptions,
+                           batch: int = 16) -> Iterator[tuple[tuple[str, Optional[str]], str]]:
+    """Convert records in ``opts.record_workers`` processes, in input order, with a bounded
+    number of batches in flight (memory does not grow with the file). A worker that dies
+    (killed, out of memory) raises BrokenProcessPool here, which fails this file."""
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    n = opts.record_workers
+    pool = ProcessPoolExecutor(n, mp_context=mp.get_context(), initializer=_init_converter,
+                               initargs=(fmt, opts))
+    try:
+        inflight: deque = deque()
+        while True:
+            chunk = [r for _, r in zip(range(batch), raw)]
+            if chunk:
+                records, wheres = zip(*chunk)
+                inflight.append((wheres, pool.submit(_convert_batch, list(records))))
+            if inflight and (not chunk or len(inflight) > 2 * n):
+                wheres, future = inflight.popleft()
+                yield from zip(future.result(), wheres)
+            if not chunk and not inflight:
+                return
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)   # running batches are small
+
+
+def iter_records(path: Path, fmt: str, opts: CleanOptions, result: FileResult) -> Iterator[str]:
+    """Yield the cleaned text of each usable record of one file (possibly '').
+
+    Counts reads, characters in and skip reasons into ``result`` (whose ``skipped`` is a
+    Counter); malformed records are counted, the first few reported as ``file:line``
+    (JSONL) or ``file:title`` (XML), and skipped. With ``opts.record_workers > 1`` the text
+    conversion (the expensive part: wikitext parsing) runs in that many processes, in order,
+    so the output is identical to a serial run.
+    """
+    def problem(where: str, reason: str) -> None:
+        result.skipped["malformed"] += 1
+        if len(result.problems) < MAX_REPORTED_PROBLEMS:
+            result.problems.append(f"{path.name}:{where}: {reason}")
+
+    raw = _iter_raw(path, fmt, opts, result, problem)
+    if opts.record_workers > 1:
+        converted = _converted_in_parallel(raw, fmt, opts)
+    else:
+        converted = ((convert_record(fmt, record, opts), where) for record, where in raw)
+    for (text, error), where in converted:
+        if error:
+            problem(where, error)
+            continue
+        yield text
 
 
 # --------------------------------------------------------------------------- one file
@@ -641,6 +709,8 @@ def describe_error(e: BaseException) -> str:
         return f"invalid XML ({e}); the file may be truncated or not a MediaWiki dump"
     if isinstance(e, InputFormatError):
         return str(e)
+    if type(e).__name__ == "BrokenProcessPool":
+        return "a record-conversion worker process died (killed or out of memory?)"
     if isinstance(e, OSError):
         return f"cannot read the file ({e.strerror or e})"
     return f"{type(e).__name__}: {e}"
@@ -666,6 +736,35 @@ def output_name(input_path: Path) -> str:
             if name.lower().endswith(suffix) and len(name) > len(suffix):
                 name, changed = name[: -len(suffix)], True
     return f"cleaned_{name}.txt"
+
+
+class _BarFeed:
+    """Stands in for the workers' message queue when files are cleaned in this process."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def put(self, message) -> None:
+        self.bar.update(message[2])
+
+
+def run_in_process(tasks: list[tuple], workers: int) -> list[FileResult]:
+    """Fewer files than cores (e.g. one big XML dump): clean one file at a time here, each
+    file's records converted by ``workers`` processes (in order: same output as serial)."""
+    global _PROGRESS
+    from tqdm import tqdm
+
+    bar = tqdm(total=None, unit=" articles", desc="cleaning", dynamic_ncols=True, mininterval=0.5)
+    _PROGRESS = _BarFeed(bar)
+    results = []
+    try:
+        for i, (inp, out, opts) in enumerate(tasks):
+            results.append(clean_file(inp, out, replace(opts, record_workers=workers)))
+            bar.set_postfix(files=f"{i + 1}/{len(tasks)}", refresh=False)
+        return results
+    finally:
+        _PROGRESS = None
+        bar.close()
 
 
 def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
@@ -790,7 +889,8 @@ def build_parser() -> StageParser:
     p.config_flag("--min-chars", key="cleaning.min_chars", type=int, metavar="N",
                   help="drop articles shorter than N characters after cleaning")
     p.config_flag("--workers", key="cleaning.workers", type=int, metavar="N",
-                  help="worker processes, one input file each (0 = all cores)")
+                  help="worker processes (0 = all cores): one input file each, or, with fewer files than "
+                       "workers, the articles of one file")
     p.add_argument("--force", action="store_true", help="redo inputs whose output already exists")
     return p
 
@@ -825,12 +925,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tasks.sort(key=lambda t: -Path(t[0]).stat().st_size)   # biggest first: better balance
     workers = workers_or_cores(cfg.cleaning.workers)
     mode = f"test mode, first {opts.max_articles:,} articles per file" if cfg.test else "full run"
+    # As many files as cores: one process per file. Fewer (a single big XML dump is the common
+    # download): files one after another, each file's records spread over all cores.
+    per_file = len(tasks) >= workers or workers == 1
+    how = (f"{min(workers, max(1, len(tasks)))} worker process(es), one file each" if per_file
+           else f"one file at a time, its articles converted by {workers} worker processes")
     print(f"Cleaning {len(tasks)} of {len(inputs)} file(s) from {input_dir} -> {output_dir} "
-          f"({min(workers, max(1, len(tasks)))} worker(s), {mode})")
+          f"({how}; {mode})")
 
     start = time.time()
     if tasks:
-        for r in run_workers(tasks, workers):
+        run = run_workers if per_file else run_in_process
+        for r in run(tasks, workers):
             results[r.input] = r
     ordered = [results[str(p)] for p in inputs]
     totals = summarize(ordered, time.time() - start)

@@ -222,8 +222,10 @@ def test_xml_streams_in_chunks():
 # --------------------------------------------------------------------------- end to end
 def test_clean_enwiki_xml_sample(samples, tmp_config, tmp_path):
     cfg = tmp_config({"wikipedia": {"raw_dir": str(ENWIKI_XML.parent)}})
-    proc = run_main("clean", "--config", cfg)
+    proc = run_main("clean", "--config", cfg, "--workers", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # One file, two cores: its articles are converted by two processes, in order.
+    assert "its articles converted by 2 worker processes" in proc.stdout
     out = out_dir(tmp_path) / "cleaned_enwiki-sample-pages-articles.txt"
     articles = read_out(out)
     assert len(articles) == 106
@@ -242,6 +244,13 @@ def test_clean_enwiki_xml_sample(samples, tmp_config, tmp_path):
     assert 0 < totals["chars_out"] < totals["chars_in"]
     assert (out_dir(tmp_path) / "resolved_config.json").exists()
     assert "106 kept" in proc.stdout and "articles/s" in proc.stdout
+
+    # A serial run (one process for the file) writes exactly the same bytes.
+    serial = tmp_path / "serial"
+    proc = run_main("clean", "--config", cfg, "--workers", "1", "--output-dir", serial)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 worker process(es), one file each" in proc.stdout
+    assert (serial / out.name).read_bytes() == out.read_bytes()
 
 
 def test_clean_jsonl_end_to_end_and_rerun(tmp_config, tmp_path):
@@ -329,13 +338,18 @@ def test_missing_and_empty_input_dir(tmp_config, tmp_path):
     assert proc.returncode == 1 and "no input files found" in proc.stderr and str(empty) in proc.stderr
 
 
-def test_ctrl_c_exits_130_without_partial_output(samples, tmp_config, tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["process-per-file", "records-in-parallel"])
+def test_ctrl_c_exits_130_without_partial_output(samples, tmp_config, tmp_path, workers):
     cfg = tmp_config({"wikipedia": {"raw_dir": str(ENWIKI_XML.parent)}})
-    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "clean", "--config", str(cfg)],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "clean", "--config", str(cfg),
+                             "--workers", workers],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=offline_env(), cwd=ROOT, start_new_session=True)
     assert proc.stdout.readline().startswith("Cleaning 1 of 1")
-    time.sleep(1.5)                                  # the worker is mid-file
+    deadline = time.monotonic() + 60                 # wait until the file is being written
+    while not list(out_dir(tmp_path).glob(".*partial")):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGINT)               # what Ctrl-C in a terminal does
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
@@ -359,4 +373,19 @@ def test_dead_worker_fails_its_file_only(tmp_path, monkeypatch):
     good_result, bad_result = cleaner.run_workers(tasks, workers=2)
     assert good_result.status == "ok" and good_result.kept == 4
     assert bad_result.status == "failed" and "exit code 3" in bad_result.error
+    assert not (tmp_path / "cleaned_bad.txt").exists() and no_partials(tmp_path)
+
+
+def _die(records):
+    os._exit(3)                              # as if killed (e.g. out of memory)
+
+
+@pytest.mark.skipif(cleaner.mp.get_start_method() != "fork", reason="patches the forked worker")
+def test_dead_record_worker_fails_the_file_not_hangs(tmp_path, monkeypatch):
+    """Records converted in parallel: a converter process that dies fails the file cleanly."""
+    src = write_jsonl(tmp_path / "bad.jsonl")
+    monkeypatch.setattr(cleaner, "_convert_batch", _die)
+    opts = cleaner.replace(OPTS, record_workers=2)
+    result = cleaner.clean_file(src, tmp_path / "cleaned_bad.txt", opts)
+    assert result.status == "failed" and "worker process died" in result.error
     assert not (tmp_path / "cleaned_bad.txt").exists() and no_partials(tmp_path)
