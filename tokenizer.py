@@ -337,6 +337,7 @@ def do_save(args, cfg: Config) -> int:
     tok, name, source = get_tokenizer(cfg)
     target = save_dir(cfg)
     save_tokenizer(tok, target, name, {"kind": source})
+    cfg.save_resolved(target)
     print(report(tok, name, source, cfg, saved_to=target))
     return 0
 
@@ -369,6 +370,7 @@ def do_train(args, cfg: Config) -> int:
                 "min_frequency": t.train_min_frequency, "max_documents": limit}
     save_tokenizer(tok, target, f"trained BPE ({t.train_name})",
                    {"kind": "trained byte-level BPE", "training": training})
+    cfg.save_resolved(target)
     extra = [("trained on", f"{docs.documents:,} documents, {docs.characters:,} characters "
                             f"({len(files)} file(s))"),
              ("requested vocab", f"{t.train_vocab_size} (min frequency {t.train_min_frequency})")]

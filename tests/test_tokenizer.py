@@ -209,6 +209,7 @@ def test_cli_save_and_report(saved_spm):
     assert "news documents" in out and "round trip  : exact" in out
     d = root / "tokenizers" / "mistral-v1"
     assert (d / "tokenizer.json").exists() and (d / "tokenizer_config.json").exists()
+    assert json.loads((d / "resolved_config.json").read_text())["tokenizer"]["name"] == str(SPM_MODEL)
     info = json.loads((d / stage.INFO_FILE).read_text())
     assert info["vocab_size"] == 32000 and (info["bos_id"], info["eos_id"], info["unk_id"]) == (1, 2, 0)
     assert info["fingerprint"] in out and info["source"] == str(SPM_MODEL)
@@ -240,6 +241,7 @@ def test_cli_train(samples, tmp_path, tmp_config, bpe_tok):
     proc = run_main("tokenize", "--config", cfg, "--train", "--input", NEWS, "--vocab-size", 600)
     assert proc.returncode == 0, proc.stderr
     d = tmp_path / "tokenizers" / "bpe"
+    assert (d / "resolved_config.json").exists()
     assert (d / "tokenizer.json").exists() and (d / stage.INFO_FILE).exists()
     info = json.loads((d / stage.INFO_FILE).read_text())
     assert info["vocab_size"] == 600 and info["training"]["documents"] == 300
