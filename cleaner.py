@@ -62,6 +62,7 @@ from xml.parsers import expat
 import mwparserfromhell
 import mwparserfromhell.nodes as mw
 
+from utils.atomic import write_json_atomic
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 from utils.config import Config, ConfigError
 from utils.textio import escape_article
@@ -945,9 +946,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg.save_resolved(output_dir)
     summary = {"test": cfg.test, "input_dir": str(input_dir), "output_dir": str(output_dir),
                "totals": totals, "files": [asdict(r) for r in ordered]}
-    summary_path = output_dir / SUMMARY_FILE
-    summary_path.with_suffix(".tmp").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    os.replace(summary_path.with_suffix(".tmp"), summary_path)
+    write_json_atomic(output_dir / SUMMARY_FILE, summary)
 
     failed = [r for r in ordered if r.status == "failed"]
     if failed:

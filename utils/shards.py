@@ -12,12 +12,12 @@ against the current tokenizer and model before use.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
+from utils.atomic import atomic_open
 from utils.cli import PipelineError
 
 FORMAT_NAME = "llm-pipeline-token-shards"
@@ -42,29 +42,10 @@ def shard_name(index: int) -> str:
     return SHARD_PATTERN.format(index)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_npy_atomic(path: Path, arr: np.ndarray) -> None:
     """Write a .npy so that it appears only when complete (temp file, fsync, rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_open(path) as f:
         np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
 def rebuild_command(source: Optional[str], test: bool) -> str:
