@@ -65,6 +65,7 @@ import mwparserfromhell.nodes as mw
 from utils.atomic import write_json_atomic
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 from utils.config import Config, ConfigError
+from utils.parallel import ordered_map
 from utils.textio import escape_article
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".xml", ".bz2")   # files considered in the input folder
@@ -575,29 +576,15 @@ def _convert_batch(records: list) -> list[tuple[str, Optional[str]]]:
 
 def _converted_in_parallel(raw: Iterator[tuple[object, str]], fmt: str, opts: CleanOptions,
                            batch: int = 16) -> Iterator[tuple[tuple[str, Optional[str]], str]]:
-    """Convert records in ``opts.record_workers`` processes, in input order, with a bounded
-    number of batches in flight (memory does not grow with the file). A worker that dies
-    (killed, out of memory) raises BrokenProcessPool here, which fails this file."""
-    from collections import deque
-    from concurrent.futures import ProcessPoolExecutor
-
-    n = opts.record_workers
-    pool = ProcessPoolExecutor(n, mp_context=mp.get_context(), initializer=_init_converter,
-                               initargs=(fmt, opts))
-    try:
-        inflight: deque = deque()
-        while True:
-            chunk = [r for _, r in zip(range(batch), raw)]
-            if chunk:
-                records, wheres = zip(*chunk)
-                inflight.append((wheres, pool.submit(_convert_batch, list(records))))
-            if inflight and (not chunk or len(inflight) > 2 * n):
-                wheres, future = inflight.popleft()
-                yield from zip(future.result(), wheres)
-            if not chunk and not inflight:
-                return
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)   # running batches are small
+    """Convert records in ``opts.record_workers`` processes, in input order, ``batch`` records
+    per task (utils.parallel.ordered_map: bounded in flight, so memory does not grow with the
+    file). A worker that dies (killed, out of memory) raises BrokenProcessPool here, which
+    fails this file."""
+    batches = iter(lambda: [r for _, r in zip(range(batch), raw)], [])
+    for chunk, texts in ordered_map(_convert_batch, batches, opts.record_workers,
+                                    arg=lambda chunk: [record for record, _ in chunk],
+                                    initializer=_init_converter, initargs=(fmt, opts)):
+        yield from zip(texts, (where for _, where in chunk))
 
 
 def iter_records(path: Path, fmt: str, opts: CleanOptions, result: FileResult) -> Iterator[str]:

@@ -39,23 +39,22 @@ from __future__ import annotations
 import datetime as _dt
 import itertools
 import json
-import multiprocessing as mp
 import os
 import re
 import signal
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from utils.cli import PipelineError
-from utils.textio import unescape_article
 from utils.atomic import write_json_atomic
+from utils.cli import PipelineError
+from utils.parallel import ordered_map
 from utils.shards import (FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, save_npy_atomic,
                           shard_name)
+from utils.textio import iter_articles
 
 PROGRESS_FILE = ".progress.json"
 SHARD_RE = re.compile(r"^tokens_(\d{5,})\.npy$")
@@ -417,28 +416,9 @@ def _results(job: PackJob, chunks: Iterator[Chunk], dtype: np.dtype, bos: int, e
         for c in chunks:
             yield c, encode_frame(backend, c.texts, dtype, bos, eos, job.min_tokens)
         return
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    ctx = mp.get_context(method)
-    pool = ctx.Pool(workers, initializer=_init_worker,
-                    initargs=(backend.to_str(), dtype.str, bos, eos, job.min_tokens))
-    clean_exit = False
-    try:
-        inflight: deque = deque()
-        for c in chunks:
-            inflight.append((c, pool.apply_async(_encode_task, (c.texts,))))
-            if len(inflight) > 2 * workers:
-                c0, r0 = inflight.popleft()
-                yield c0, r0.get()
-        while inflight:
-            c0, r0 = inflight.popleft()
-            yield c0, r0.get()
-        clean_exit = True
-    finally:
-        if clean_exit:
-            pool.close()
-        else:   # Ctrl-C, an error, or the caller stopped early (--max-files)
-            pool.terminate()
-        pool.join()
+    yield from ordered_map(_encode_task, chunks, workers, arg=lambda c: c.texts,
+                           initializer=_init_worker,
+                           initargs=(backend.to_str(), dtype.str, bos, eos, job.min_tokens))
 
 
 def pack(job: PackJob, log: Callable[[str], None] = print) -> dict:
@@ -555,17 +535,8 @@ def file_identity(paths: Iterable[Path]) -> list:
 def cleaned_article_stream(paths: list[Path]) -> Stream:
     """Stream over cleaned article files (one escaped article per line, blank lines skipped)."""
     def open_stream(start: int, resume: Optional[dict] = None) -> Iterator[tuple[str, Optional[str]]]:
-        skip = start   # local files: skipping lines is cheap, no saved state needed
-        for p in paths:
-            with open(p, encoding="utf-8") as f:
-                for line in f:
-                    line = line.rstrip("\n")
-                    if not line:
-                        continue
-                    if skip:
-                        skip -= 1
-                        continue
-                    yield unescape_article(line), None
+        # Local files: skipping documents is cheap, no saved stream state is needed.
+        return ((text, None) for text in itertools.islice(iter_articles(paths), start, None))
     return open_stream
 
 
