@@ -19,6 +19,7 @@ special tokens are <unk>=0, <s>=1 (BOS), </s>=2 (EOS), <pad>=3.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -31,8 +32,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 from utils.config import Config
 from utils.textio import iter_articles
-from utils.tok import (SPECIAL_TOKENS, has_tokenizer_files, looks_like_path, describe,
-                       fingerprint, load_tokenizer_from, save_dir, special_ids)
+from utils.tok import (SPECIAL_TOKENS, describe, fingerprint, has_tokenizer_files, load_tokenizer_from,
+                       looks_like_path, save_dir, special_ids, tokenizer_source)
 
 INFO_FILE = "pipeline_tokenizer.json"
 INFO_FORMAT = ("pipeline-tokenizer", 1)
@@ -86,11 +87,9 @@ def configured_tokenizer(cfg: Config, load: Optional[str] = None) -> tuple[objec
     """For --encode/--decode: --load DIR, else the saved copy under tokenizers/, else tokenizer.name."""
     if load:
         return load_tokenizer_from(load, cfg), load, "saved tokenizer directory (--load)"
-    saved = save_dir(cfg)
-    if has_tokenizer_files(saved):
-        return load_tokenizer_from(str(saved), cfg), cfg.tokenizer.name, f"saved copy in {saved}"
-    return load_tokenizer_from(cfg.tokenizer.name, cfg), cfg.tokenizer.name, source_kind(
-        cfg.tokenizer.name, cfg)
+    spec, saved = tokenizer_source(cfg)
+    note = f"saved copy in {saved}" if saved else source_kind(spec, cfg)
+    return load_tokenizer_from(spec, cfg), cfg.tokenizer.name, note
 
 
 def save_tokenizer(tok, directory: Path, source: str, extra: Optional[dict] = None) -> dict:
@@ -125,18 +124,6 @@ def special_tokens(tok) -> dict:
 
 
 # --------------------------------------------------------------------------- sample text
-def _first_lines(path: Path, n: int) -> list[str]:
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if line:
-                out.append(line)
-                if len(out) >= n:
-                    break
-    return out
-
-
 def sample_texts(cfg: Config) -> tuple[list[str], str]:
     """Text for the compression-ratio report and a label saying where it came from.
 
@@ -153,16 +140,12 @@ def sample_texts(cfg: Config) -> tuple[list[str], str]:
         return [text], f"{p} (tokenizer.sample_text)"
     cleaned = sorted(cfg.path("paths.cleaned_dir").glob("cleaned_*.txt"))
     if cleaned:
-        texts = []
-        for article in iter_articles(cleaned):
-            texts.append(article)
-            if len(texts) >= n:
-                break
+        texts = list(itertools.islice(iter_articles(cleaned), n))
         if texts:
             return texts, f"first {len(texts)} cleaned articles in {cfg.path('paths.cleaned_dir')}"
     news = cfg.path("paths.samples_dir") / "news" / "lee_background.cor"
     if news.is_file():
-        texts = _first_lines(news, n)
+        texts = list(itertools.islice(_iter_lines(news), n))
         return texts, f"first {len(texts)} news documents of the offline sample {news}"
     return [BUILTIN_SAMPLE], "built-in paragraph (no cleaned articles or samples found)"
 
@@ -240,8 +223,7 @@ def iter_documents(files: Iterable[Path], max_documents: Optional[int] = None) -
     .txt/.cor files hold one document per line. Blank lines are skipped."""
     count = 0
     for f in files:
-        docs = (iter_articles([f]) if f.name.startswith("cleaned_")
-                else (line for line in _iter_lines(f)))
+        docs = iter_articles([f]) if f.name.startswith("cleaned_") else _iter_lines(f)
         for doc in docs:
             if max_documents is not None and count >= max_documents:
                 return
@@ -250,6 +232,7 @@ def iter_documents(files: Iterable[Path], max_documents: Optional[int] = None) -
 
 
 def _iter_lines(path: Path) -> Iterator[str]:
+    """Non-empty lines of a plain text file (one document per line)."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             line = line.rstrip("\n")

@@ -95,12 +95,16 @@ def load_tokenizer_from(name: str, cfg: Optional[Config] = None):
         raise PipelineError(offline_help(name) + f" (Underlying error: {type(e).__name__}.)") from e
 
 
+def tokenizer_source(cfg: Config) -> tuple[str, Optional[Path]]:
+    """What :func:`load_tokenizer` loads: ``(spec, saved folder)`` for the saved copy under
+    tokenizers/ when there is one, else ``(tokenizer.name, None)``."""
+    d = save_dir(cfg)
+    return (str(d), d) if has_tokenizer_files(d) else (cfg.tokenizer.name, None)
+
+
 def load_tokenizer(cfg: Config):
     """The configured tokenizer: the saved copy under tokenizers/ if present, else tokenizer.name."""
-    d = save_dir(cfg)
-    if has_tokenizer_files(d):
-        return load_tokenizer_from(str(d), cfg)
-    return load_tokenizer_from(cfg.tokenizer.name, cfg)
+    return load_tokenizer_from(tokenizer_source(cfg)[0], cfg)
 
 
 def fingerprint(tok) -> str:
