@@ -695,13 +695,12 @@ class OnTheFlyDataset(IterableDataset):
                 yield t
             pos += 1
 
-    def _encode(self, texts: list[str]) -> list[np.ndarray]:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-        else:
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [np.asarray([self.bos, *x, self.eos], dtype=np.int64) for x in ids]
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        """The documents framed as in the shards (utils.packing.encode_frame), concatenated."""
+        from utils.packing import encode_frame
+        framed, _, _ = encode_frame(self.tokenizer.backend_tokenizer, texts, np.dtype(np.int64),
+                                    self.bos, self.eos)
+        return framed
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         span, stride = self.window + 1, self.stride
@@ -716,7 +715,7 @@ class OnTheFlyDataset(IterableDataset):
             return buf[n * stride:] if n else buf
 
         def flush(buf, batch):
-            buf = np.concatenate([buf, *self._encode(batch)])
+            buf = np.concatenate([buf, self._encode(batch)])
             rest = yield from drain(buf)
             return rest
 
