@@ -1,16 +1,37 @@
 """Shared fixtures: the project root, the offline samples, tmp-rooted configs, CLI runs.
 
-Tests never touch the network: HF_HUB_OFFLINE=1 is set for every subprocess. Outputs go to
-a tmp directory through a config whose ``paths.root`` points there; samples are read from
-the project's ``data/samples`` (fetched once by `python main.py samples`, which the test
-command runs first).
+Isolation (every test, in-process and in every subprocess it starts):
+
+- Configuration: ``LLM_PIPELINE_BASE_CONFIG=none``, so the base layer is the dataclass
+  defaults (which a test in test_config.py keeps equal to the shipped config.json), never
+  the working copy's config.json that users edit. Test configs written by
+  :func:`write_config` are layered over those defaults.
+- Network and caches: HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1, and HF_HOME (with the hub,
+  datasets and transformers caches) in a fresh temporary folder, never the caller's.
+- Signals: subprocesses started by :func:`run_main`, :func:`popen_main` and
+  :func:`spawn_main` begin with default SIGINT/SIGTERM handling and an empty signal mask
+  (:func:`default_signals`), whatever the caller's dispositions (a background job starts
+  with SIGINT ignored).
+
+Outputs go to a tmp directory through a config whose ``paths.root`` points there; samples
+are read from the project's ``data/samples`` (fetched once by `python main.py samples`,
+which the test command runs first).
+
+Markers (registered in pytest.ini): ``cuda`` tests are skipped unless
+torch.cuda.is_available(); ``slow`` tests are deselected unless ``--runslow`` is given or
+the ``-m`` expression names ``slow``.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,9 +42,27 @@ ENWIKI_XML = SAMPLES / "enwiki" / "enwiki-sample-pages-articles.xml.bz2"
 NEWS = SAMPLES / "news" / "lee_background.cor"
 SPM_MODEL = SAMPLES / "tokenizers" / "mistral-v1" / "tokenizer.model"
 
+# ----------------------------------------------------------------------------- isolation
+_CACHE_HOME = Path(tempfile.mkdtemp(prefix="llm-pipeline-tests-cache-"))
+atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
+
+os.environ["LLM_PIPELINE_BASE_CONFIG"] = "none"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HOME"] = str(_CACHE_HOME / "huggingface")
+os.environ["HF_HUB_CACHE"] = str(_CACHE_HOME / "huggingface" / "hub")
+os.environ["HF_DATASETS_CACHE"] = str(_CACHE_HOME / "huggingface" / "datasets")
+for _var in ("TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN", "HF_TOKEN_PATH",
+             "LLM_PIPELINE_DEBUG"):
+    os.environ.pop(_var, None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def default_signals() -> None:
+    """preexec_fn for test subprocesses: default SIGINT/SIGTERM handling, nothing blocked."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 
 def offline_env(**extra) -> dict:
@@ -33,26 +72,91 @@ def offline_env(**extra) -> dict:
     return env
 
 
+def main_command(*args) -> list[str]:
+    return [sys.executable, str(ROOT / "main.py"), *map(str, args)]
+
+
 def run_main(*args, timeout: float = 300, cwd=None, env=None, input=None) -> subprocess.CompletedProcess:
     """Run `python main.py ARGS` the way a user would; returns the completed process."""
-    return subprocess.run([sys.executable, str(ROOT / "main.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
-                          env=env or offline_env(), input=input)
+    return subprocess.run(main_command(*args), capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd or ROOT, env=env or offline_env(), input=input,
+                          stdin=None if input is not None else subprocess.DEVNULL,
+                          preexec_fn=default_signals)
 
 
+def popen_main(*args, env=None, cwd=None, **kw) -> subprocess.Popen:
+    """Start `python main.py ARGS` (text pipes for stdout/stderr) with default signal handling."""
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    kw.setdefault("stdin", subprocess.DEVNULL)
+    return subprocess.Popen(main_command(*args), text=True, env=env or offline_env(),
+                            cwd=cwd or ROOT, preexec_fn=default_signals, **kw)
+
+
+def spawn_main(*args, cwd=None, env=None, preexec_fn=default_signals, timeout: float = 120):
+    """`python main.py ARGS` on a real pty (pexpect), with default signal handling."""
+    import pexpect
+    return pexpect.spawn(sys.executable, [str(ROOT / "main.py"), *map(str, args)],
+                         cwd=str(cwd or ROOT), env=env or offline_env(), encoding="utf-8",
+                         timeout=timeout, dimensions=(50, 200), preexec_fn=preexec_fn)
+
+
+# ----------------------------------------------------------------------------- markers
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run tests marked slow (deselected by default)")
+
+
+def pytest_collection_modifyitems(config, items):
+    markexpr = config.getoption("-m") or ""
+    if not (config.getoption("--runslow") or "slow" in markexpr):
+        slow = [it for it in items if it.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [it for it in items if not it.get_closest_marker("slow")]
+    cuda = [it for it in items if it.get_closest_marker("cuda")]
+    if cuda:
+        import torch
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+            for it in cuda:
+                it.add_marker(skip)
+
+
+# ----------------------------------------------------------------------------- samples
 @pytest.fixture(scope="session")
 def samples() -> Path:
     """The offline sample folder; fetched (from the wheel cache or PyPI) if missing."""
     missing = not (ENWIKI_XML.exists() and SPM_MODEL.exists() and NEWS.exists())
     if missing:
-        proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "samples"],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(main_command("samples"), capture_output=True, text=True, timeout=600,
+                              env=offline_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals)
         assert proc.returncode == 0, f"could not fetch samples:\n{proc.stdout}\n{proc.stderr}"
     return SAMPLES
 
 
+@pytest.fixture(scope="session")
+def sample_wheels(samples, tmp_path_factory) -> Path:
+    """A wheel cache built from the verified sample files: one wheel per manifest package,
+    holding exactly the manifest's members. `main.py samples` reads it like the real cache
+    (.cache/sample_wheels, which only `make samples` fills), so tests need neither."""
+    from utils.samples import MANIFEST, sha256_file
+    wheels = tmp_path_factory.mktemp("sample_wheels")
+    by_pkg: dict = {}
+    for f in MANIFEST:
+        by_pkg.setdefault((f.package, f.version), []).append(f)
+    for (pkg, ver), files in by_pkg.items():
+        with zipfile.ZipFile(wheels / f"{pkg.replace('-', '_')}-{ver}-py3-none-any.whl", "w") as z:
+            for f in files:
+                src = samples / f.dest
+                assert sha256_file(src) == f.sha256, f"{src} is damaged; run `python main.py samples`"
+                z.write(src, f.member)
+    return wheels
+
+
+# ----------------------------------------------------------------------------- configs
 def write_config(tmp_path: Path, sections: dict | None = None, name: str = "config.json") -> Path:
-    """A config layered over config.json with paths.root = tmp_path (outputs land in tmp)."""
+    """A config over the shipped defaults with paths.root = tmp_path (outputs land in tmp)."""
     data = {"paths": {"root": str(tmp_path), "samples_dir": str(SAMPLES),
                       "cache_dir": str(ROOT / ".cache")}}
     for sec, values in (sections or {}).items():
@@ -66,3 +170,15 @@ def write_config(tmp_path: Path, sections: dict | None = None, name: str = "conf
 def tmp_config(tmp_path):
     """Factory: tmp_config({"dataset": {"window": 64}}) -> path of a tmp-rooted config file."""
     return lambda sections=None, name="config.json": write_config(tmp_path, sections, name)
+
+
+def assert_resolved_config(resolved: Path, config_file, overrides: dict | None = None,
+                           test: bool = False) -> None:
+    """A run's resolved_config.json reproduces it: loaded as a config, it equals the config
+    the run was given (config file + the flags' overrides), and records the --test flag."""
+    from utils.config import load_config
+    data = json.loads(Path(resolved).read_text())
+    assert data["_meta"]["test"] is test, data["_meta"]
+    again = load_config(resolved, test=test)
+    expected = load_config(config_file, overrides=overrides, test=test)
+    assert again.to_dict() == expected.to_dict()

@@ -41,10 +41,7 @@ def test_aliases_resolve_to_their_stage():
     assert main.resolve_stage("cleanup") == "clean"
     assert main.resolve_stage("inference") == "infer"
     proc = run_main("cleanup", "--help")
-    if main.STAGES["clean"].built:
-        assert proc.returncode == 0 and "usage" in proc.stdout.lower()
-    else:
-        assert proc.returncode == 2 and "not built yet" in proc.stderr
+    assert proc.returncode == 0 and "usage: " in proc.stdout and "--input-dir" in proc.stdout
 
 
 def test_double_dash_forwards_arguments_verbatim():
@@ -110,10 +107,13 @@ def test_registry_matches_scripts_on_disk():
 @pytest.mark.parametrize("name", list(main.STAGES))
 def test_each_stage_is_built_and_importable_or_says_not_built(name, tmp_path):
     stage = main.STAGES[name]
-    if not stage.built:
+    if stage.planned:
+        # Only a stage marked planned may lack its script, and the mark goes once it exists.
+        assert not stage.built, f"{stage.script.name} exists: drop planned= from STAGES['{name}']"
         proc = run_main(name, "--test")
-        assert proc.returncode == 2 and "not built yet" in proc.stderr
+        assert proc.returncode == 2 and f"is not built yet ({stage.planned})" in proc.stderr
         return
+    assert stage.built, f"stage '{name}': {stage.script} is missing"
     # Importing a stage module has no side effects: no output, no files written.
     code = f"import {stage.module}"
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
@@ -183,23 +183,16 @@ def test_menu_ctrl_c_in_stage_returns_to_menu(tmp_path):
     try:
         child.sendintr()  # Ctrl-C on the terminal
         child.expect("interrupted by user")
-        child.expect(r"Stage 'samples' was interrupted by user \(exit 130\)")
+        child.expect(r"Stage 'samples' was interrupted \(exit 130\); completed work is kept")
     finally:
         os.close(fd)
     child.expect(r"Run another stage\? \[y/N\]: ")
     child.sendline("y")
     child.expect(r"Choose a stage")  # the menu survived
-    child.sendline("train" if not main.STAGES["train"].built else "quit")
-    if not main.STAGES["train"].built:
-        child.expect("Arguments for 'train'")
-        child.sendline("")
-        child.expect("not built yet")
-        child.expect("failed with code 2")
-        child.expect(r"Run another stage\? \[y/N\]: ")
-        child.sendline("n")
+    child.sendline("quit")
     child.expect(pexpect.EOF)
     child.close()
-    assert child.exitstatus is not None
+    assert child.exitstatus == 130  # the last stage's code
 
 
 def test_menu_ctrl_c_at_prompt_exits_130(tmp_path):

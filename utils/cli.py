@@ -1,19 +1,35 @@
 """Shared command-line plumbing for stage scripts.
 
-Every stage parses its arguments with :class:`StageParser` (which adds ``--config`` and
-``--test`` and maps flags onto config keys) and runs its ``main`` through :func:`run_stage`,
-which turns expected failures into exit codes: 0 success, 130 Ctrl-C, 2 usage or
-configuration error, 1 other failure with a one-paragraph message and no traceback.
+Every stage parses its arguments with :class:`StageParser` (which adds ``--config``,
+``--test`` and ``--debug`` and maps flags onto config keys) and runs its ``main`` through
+:func:`run_stage`, which keeps the pipeline's exit-code contract for every stage at once:
+
+- 0 success;
+- 130 stopped by Ctrl-C (SIGINT) or SIGTERM: run_stage turns SIGTERM into the same
+  ``KeyboardInterrupt`` path as Ctrl-C (as :class:`Terminated`), so a stage's cleanup code
+  runs for both; completed work stays on disk;
+- 2 usage or configuration error (:class:`UsageError`, ``ConfigError``);
+- 1 an expected failure (:class:`PipelineError`: its message is the whole report), or an
+  unexpected exception: one paragraph saying what failed and where (the innermost frame of
+  the project's own code), with the full traceback written to
+  ``<paths.logs_dir>/errors/<stage>_<time>.log`` (named in the paragraph) and printed too
+  with ``--debug`` (or ``LLM_PIPELINE_DEBUG=1``). No bare traceback reaches the user.
+
+Docs: docs/config.md (configuration rules, error classes, exit codes).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import signal
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from utils.config import ConfigError, Config, load_config
+from utils.config import PROJECT_ROOT, ConfigError, Config, load_config
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -28,6 +44,27 @@ class UsageError(PipelineError):
     """Wrong combination of arguments: exit code 2."""
 
     exit_code = EXIT_USAGE
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so the same cleanup runs (exit 130)."""
+
+
+DEBUG_ENV = "LLM_PIPELINE_DEBUG"
+
+
+class _StageContext:
+    """What :func:`run_stage` needs to know about the running stage once its arguments are
+    parsed: the loaded config (for the error-log folder), its name and ``--debug``. One stage
+    runs per process, so one instance serves; StageParser.parse fills it."""
+
+    def __init__(self):
+        self.cfg: Optional[Config] = None
+        self.name: Optional[str] = None
+        self.debug: bool = False
+
+
+_CONTEXT = _StageContext()
 
 
 def cli_path(value: str) -> str:
@@ -58,6 +95,9 @@ class StageParser(argparse.ArgumentParser):
                                "config.json < --config < flags)")
         self.add_argument("--test", action="store_true",
                           help="quick mode: small inputs, small model, few steps")
+        self.add_argument("--debug", action="store_true",
+                          help="on an unexpected error, print the full traceback (it is always "
+                               "written to logs/errors/)")
 
     def config_flag(self, *flags: str, key: str, help: str, **kw) -> None:
         """Add a flag whose value, when given, overrides config key ``key`` (``section.name``)."""
@@ -68,21 +108,114 @@ class StageParser(argparse.ArgumentParser):
 
     def parse(self, argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, Config]:
         args = self.parse_args(argv)
+        _CONTEXT.name = self.prog.split()[-1]
+        _CONTEXT.debug = _CONTEXT.debug or args.debug
         overrides: dict[str, Any] = {}
         for dest, key in self._config_keys.items():
             value = getattr(args, dest)
             if value is not None:
                 overrides[key] = value
         cfg = load_config(args.config, overrides=overrides, test=args.test)
+        _CONTEXT.cfg = cfg
         return args, cfg
+
+
+def _on_stop(signum, frame):
+    """SIGINT -> KeyboardInterrupt, SIGTERM -> Terminated, once. A second stop signal while the
+    stage is already stopping (a supervisor's killpg reaches the stage and main.py, which also
+    forwards it; an impatient second Ctrl-C) is ignored, so it cannot interrupt the cleanup
+    that keeps completed work intact."""
+    if os.getpid() != _MAIN_PID[0]:   # a forked worker inherited this: die as by default
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    if _STOPPING[0]:
+        return
+    _STOPPING[0] = True
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+_MAIN_PID = [os.getpid()]
+_STOPPING = [False]
+
+
+def _where(tb) -> str:
+    """The innermost frame of code that is not a library (not under the Python install,
+    site-/dist-packages or a venv, nor the <frozen ...> runners); else the innermost frame."""
+    frames = traceback.extract_tb(tb)
+    libs = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(PROJECT_ROOT / ".venv")}
+
+    def library(fn: str) -> bool:
+        return (fn.startswith("<") or any(fn.startswith(p + os.sep) for p in libs)
+                or "site-packages" in fn or "dist-packages" in fn)
+    ours = [f for f in frames if not library(f.filename)]
+    f = (ours or frames or [None])[-1]
+    if f is None:
+        return "an unknown place"
+    try:
+        name = str(Path(f.filename).relative_to(PROJECT_ROOT))
+    except ValueError:
+        name = f.filename
+    return f"{name}, line {f.lineno}, in {f.name}()"
+
+
+def _error_log_dir() -> Path:
+    cfg = _CONTEXT.cfg
+    base = cfg.path("paths.logs_dir") if cfg is not None else PROJECT_ROOT / "logs"
+    return base / "errors"
+
+
+def _write_error_log(stage: str, text: str) -> Optional[Path]:
+    """Write the traceback to logs/errors/<stage>_<time>.log (or the temp dir); None if neither."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    rank = os.environ.get("RANK")
+    name = f"{stage}_{stamp}{'_rank' + rank if rank not in (None, '0') else ''}.log"
+    for d in (_error_log_dir(), Path(tempfile.gettempdir()) / "llm-pipeline-errors"):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            path = d / name
+            path.write_text(text, encoding="utf-8")
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def report_unexpected(prog: str, exc: BaseException) -> None:
+    """Print the one-paragraph report of an unexpected exception; log its traceback."""
+    stage = _CONTEXT.name or Path(prog).stem
+    tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    argv = " ".join(sys.argv)
+    log = _write_error_log(stage, f"command: {argv}\ncwd: {os.getcwd()}\n\n{tb_text}")
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if _CONTEXT.debug:
+        print(tb_text, file=sys.stderr, end="")
+    where_tb = (f"The full traceback is in {log}" if log else
+                "The traceback could not be written to a log file")
+    debug = "" if _CONTEXT.debug else " (run again with --debug to print it here)"
+    print(f"{prog}: unexpected error in stage '{stage}': {what} (at {_where(exc.__traceback__)}). "
+          f"This is not one of the problems the stage checks for, so it may be a bug or a problem "
+          f"with the machine (permissions, disk space, memory). {where_tb}{debug}; please include "
+          f"it when you report the problem.", file=sys.stderr)
 
 
 def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
               argv: Optional[Sequence[str]] = None) -> None:
-    """Run a stage's main and exit with the pipeline's exit-code contract."""
+    """Run a stage's main and exit with the pipeline's exit-code contract (module docstring)."""
     prog = Path(sys.argv[0]).name
+    raw_args = list(sys.argv[1:] if argv is None else argv)
+    _MAIN_PID[0] = os.getpid()
+    _CONTEXT.cfg, _CONTEXT.name = None, None
+    _CONTEXT.debug = "--debug" in raw_args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    _STOPPING[0] = False
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:   # nohup / `cmd &` keep ignoring
+            signal.signal(signum, _on_stop)
     try:
         code = main_fn(argv) or EXIT_OK
+    except Terminated:
+        print(f"\n{prog}: stopped by SIGTERM; completed work is kept on disk.", file=sys.stderr)
+        code = EXIT_INTERRUPTED
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted by user (Ctrl-C); completed work is kept on disk.",
               file=sys.stderr)
@@ -91,11 +224,19 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
         print(f"{prog}: configuration error: {e}", file=sys.stderr)
         code = EXIT_USAGE
     except PipelineError as e:
+        if _CONTEXT.debug:
+            traceback.print_exc()
         print(f"{prog}: error: {e}", file=sys.stderr)
         code = e.exit_code
     except BrokenPipeError:
         code = EXIT_FAILURE
-    sys.stdout.flush()
+    except Exception as e:  # noqa: BLE001 - the one place unexpected errors are reported
+        report_unexpected(prog, e)
+        code = EXIT_FAILURE
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, OSError):
+        pass
     sys.exit(code)
 
 

@@ -12,9 +12,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import json.decoder
+import json.scanner
+import math
 import os
+import re
 import types
 import typing
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -23,12 +28,16 @@ from utils.atomic import write_json_atomic
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_FILE = PROJECT_ROOT / "config.json"
+# The base layer instead of config.json: a file path, or "none" for the dataclass defaults
+# alone (which equal the shipped config.json). The test suite sets it to "none" so a user's
+# edits to config.json never change what the tests check.
+BASE_CONFIG_ENV = "LLM_PIPELINE_BASE_CONFIG"
+INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1   # any integer key must fit a 64-bit integer
+SEED_MAX = 2 ** 32 - 1                        # seeds must suit random, NumPy and torch alike
 
 
 class ConfigError(Exception):
-    """One or more configuration problems; exit code 2."""
-
-    exit_code = 2
+    """One or more configuration problems (the stage exits with code 2)."""
 
     def __init__(self, problems: list[str], source: str = "configuration"):
         self.problems = list(problems)
@@ -36,6 +45,15 @@ class ConfigError(Exception):
         lines = [f"{len(self.problems)} problem(s) in {source}:"]
         lines += [f"  - {p}" for p in self.problems]
         super().__init__("\n".join(lines))
+
+    @classmethod
+    def combine(cls, per_source: list[tuple[str, list[str]]]) -> "ConfigError":
+        """One error listing the problems of several layers, each naming its file."""
+        if len(per_source) == 1:
+            source, problems = per_source[0]
+            return cls(problems, source)
+        problems = [p if p.startswith(src) else f"{src}: {p}" for src, probs in per_source for p in probs]
+        return cls(problems, "the configuration (" + ", ".join(src for src, _ in per_source) + ")")
 
 
 def _f(default: Any, help: str = "", *, min: float | None = None, max: float | None = None,
@@ -81,7 +99,7 @@ class TokenizerConfig:
 @dataclass
 class WikipediaConfig:
     raw_dir: str = _f("data/raw/enwiki", "folder of *.jsonl / *.xml / *.xml.bz2 dumps", path=True)
-    namespaces: list = _f([0], "MediaWiki namespaces kept from XML dumps")
+    namespaces: list[int] = _f([0], "MediaWiki namespaces kept from XML dumps (0 = articles)")
     skip_redirects: bool = _f(True, "skip redirect pages")
 
 
@@ -119,10 +137,10 @@ class FinewebConfig:
 @dataclass
 class DatasetConfig:
     source: Literal["wikipedia", "fineweb"] = _f("wikipedia", "which shard set training reads")
-    wikipedia_test_dir: str = _f("data/tokenized_datasets/wikipedia_test", path=True)
-    wikipedia_full_dir: str = _f("data/tokenized_datasets/wikipedia_full", path=True)
-    fineweb_test_dir: str = _f("data/tokenized_datasets/fineweb_test", path=True)
-    fineweb_full_dir: str = _f("data/tokenized_datasets/fineweb_full", path=True)
+    wikipedia_test_dir: str = _f("data/tokenized_datasets/wikipedia_test", "wikipedia shards (--test)", path=True)
+    wikipedia_full_dir: str = _f("data/tokenized_datasets/wikipedia_full", "wikipedia shards (full run)", path=True)
+    fineweb_test_dir: str = _f("data/tokenized_datasets/fineweb_test", "fineweb shards (--test)", path=True)
+    fineweb_full_dir: str = _f("data/tokenized_datasets/fineweb_full", "fineweb shards (full run)", path=True)
     window: int = _f(512, "training window length in tokens", min=2)
     stride: Optional[int] = _f(None, "window stride (default window // 2: the seed's 50% overlap)",
                                min=1)
@@ -131,7 +149,7 @@ class DatasetConfig:
     workers: int = _f(0, "tokenizer processes (0 = all cores)", min=0)
     test_max_documents: int = _f(10_000, "documents read in --test", min=1)
     val_split: float = _f(0.1, "fraction of tokens held out for validation", min=0, max=1)
-    seed: int = _f(42, "split and shuffle seed")
+    seed: int = _f(42, "split and shuffle seed", min=0, max=SEED_MAX)
     auto_prepare: bool = _f(False, "rebuild a missing or stale shard set before training")
     mode: Literal["shards", "on_the_fly"] = _f("shards", "pre-tokenized shards or on-the-fly")
     on_the_fly_source: Optional[str] = _f(None, "hub dataset name or local parquet/jsonl/txt path")
@@ -143,21 +161,67 @@ class DatasetConfig:
                                   "are assigned whole to one split (no leakage across overlap)", min=1)
 
 
+# Model size presets (docs/model.md). A preset gives the shape keys below; any shape key set
+# to a non-null value in config.json, --config or a flag overrides the preset's value.
+# Preset "custom" has no base: every shape key must be set. Parameter counts in docs/model.md.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=None, tie_embeddings=True),
+    "default": dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_hidden=None, tie_embeddings=True),
+    "125m": dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=None, tie_embeddings=False),
+    "200m": dict(d_model=1024, n_layers=6, n_heads=8, n_kv_heads=8, ffn_hidden=4096, tie_embeddings=False),
+}
+MODEL_SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings")
+
+
+def llama_ffn_hidden(d_model: int, multiple_of: int = 256) -> int:
+    """Llama's rule: 2/3 of 4*d_model, rounded up to a multiple of ``multiple_of``."""
+    hidden = int(2 * 4 * d_model / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
 @dataclass
 class ModelConfig:
+    preset: Literal["tiny", "default", "125m", "200m", "custom"] = _f(
+        "default", "size preset giving the shape keys (tiny: CPU tests; default: the seed's ~25M; "
+        "125m; 200m: seeds/000's Llama); non-null shape keys override it; custom: set them all")
     vocab_size: Optional[int] = _f(None, "default: the tokenizer's vocabulary size", min=2)
-    d_model: int = _f(512, "hidden size", min=1)
-    n_layers: int = _f(8, "transformer blocks", min=1)
-    n_heads: int = _f(8, "query heads", min=1)
-    n_kv_heads: int = _f(2, "key/value heads (grouped-query attention)", min=1)
-    ffn_hidden: Optional[int] = _f(None, "MLP hidden size (default: Llama's 8/3 d_model rule)", min=1)
+    d_model: Optional[int] = _f(None, "hidden size (null: from the preset)", min=1)
+    n_layers: Optional[int] = _f(None, "transformer blocks (null: from the preset)", min=1)
+    n_heads: Optional[int] = _f(None, "query heads (null: from the preset)", min=1)
+    n_kv_heads: Optional[int] = _f(None, "key/value heads, grouped-query attention (null: from the preset)", min=1)
+    ffn_hidden: Optional[int] = _f(None, "MLP hidden size (null: the preset's, else Llama's 8/3 d_model "
+                                   "rule rounded up to ffn_multiple_of)", min=1)
+    ffn_multiple_of: int = _f(256, "round the derived MLP hidden size up to this multiple (64 or 256 "
+                              "suit GPUs)", min=1)
     activation: Literal["swiglu", "geglu", "reglu"] = _f("swiglu", "gated MLP activation")
     norm: Literal["rmsnorm", "layernorm"] = _f("rmsnorm", "normalization layer")
     norm_eps: float = _f(1e-5, "normalization epsilon", min=0, min_exclusive=True)
     rope_theta: float = _f(10_000.0, "RoPE base", min=0, min_exclusive=True)
-    max_seq_len: int = _f(512, "longest sequence the model sees", min=1)
+    max_seq_len: int = _f(512, "longest sequence the model is trained on (RoPE table size)", min=1)
     dropout: float = _f(0.0, "dropout probability", min=0, max=1)
-    tie_embeddings: bool = _f(True, "share input and output embeddings")
+    tie_embeddings: Optional[bool] = _f(None, "share input and output embeddings (null: from the preset)")
+    document_mask: bool = _f(False, "attend only within each document of a packed window "
+                             "(documents start at BOS; positions restart per document)")
+    init_std: float = _f(0.02, "std of the normal weight init (residual projections scaled by "
+                         "1/sqrt(2*n_layers))", min=0, min_exclusive=True)
+
+    def resolve_preset(self) -> list[str]:
+        """Fill null shape keys from the preset (idempotent); return problems."""
+        if self.preset == "custom":
+            base: dict[str, Any] = {"ffn_hidden": None}
+        else:
+            base = MODEL_PRESETS[self.preset]
+        problems = []
+        for key in MODEL_SHAPE_KEYS:
+            if getattr(self, key) is None:
+                if key in base:
+                    setattr(self, key, base[key])
+                else:
+                    problems.append(f"model.{key}: must be set when model.preset is 'custom' "
+                                    f"(or choose a preset: {', '.join(MODEL_PRESETS)})")
+        if self.ffn_hidden is None and isinstance(self.d_model, int):
+            self.ffn_hidden = llama_ffn_hidden(self.d_model, self.ffn_multiple_of)
+        return problems
 
 
 @dataclass
@@ -184,8 +248,18 @@ class TrainingConfig:
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f("auto", "autocast dtype (auto: bf16 on CUDA)")
     compile: bool = _f(False, "torch.compile the model")
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
-    seed: int = _f(42, "random seed")
+    seed: int = _f(42, "random seed", min=0, max=SEED_MAX)
     num_workers: int = _f(0, "DataLoader worker processes", min=0)
+    optimizer: Literal["adamw", "muon"] = _f("adamw", "adamw, or muon: torch.optim.Muon for the 2-D "
+                                             "hidden matrices + AdamW for embeddings, norms, head")
+    muon_momentum: float = _f(0.95, "Muon momentum", min=0, max=1)
+    activation_checkpointing: bool = _f(False, "recompute block activations in the backward pass "
+                                        "(less memory, ~1 extra forward)")
+    eval_steps: Optional[int] = _f(None, "validate every N steps (overrides eval_every; "
+                                   "on-the-fly data has no epoch length)", min=1)
+    sample_prompt: str = _f("The history of", "prompt of the sample generated at each validation")
+    sample_tokens: int = _f(32, "tokens of that sample (0 = no sample)", min=0)
+    test_max_steps: int = _f(200, "--test: at most this many steps (one short epoch)", min=1)
 
 
 @dataclass
@@ -211,10 +285,25 @@ class InferenceConfig:
 
 @dataclass
 class BenchmarkConfig:
-    preset: Literal["quick", "standard", "comprehensive"] = _f("quick", "sample sizes")
-    perplexity_source: Optional[str] = _f(None, "WikiText name or local path (offline: held-out articles)")
-    lambada_source: Optional[str] = _f(None, "LAMBADA hub name or local requests.jsonl.gz")
-    hellaswag_source: Optional[str] = _f(None, "HellaSwag hub name or local load_from_disk folder")
+    preset: Literal["quick", "standard", "comprehensive", "full"] = _f(
+        "quick", "items per task: quick 50 perplexity passages / 20 LAMBADA / 10 HellaSwag, "
+        "standard 100/50/20, comprehensive 200/100/50, full = whole sets (docs/benchmark.md)")
+    tasks: list = _f(["perplexity", "next_token", "lambada", "hellaswag", "arc_easy",
+                      "arc_challenge", "completion"], "tasks to run")
+    perplexity_source: Optional[str] = _f(None, "WikiText hub name, local .txt file/folder or "
+                                          "XML dump (null: WikiText-103 online, else held-out "
+                                          "Wikipedia articles)")
+    lambada_source: Optional[str] = _f(None, "LAMBADA hub name or local .jsonl[.gz] (null: the "
+                                       "offline sample, else EleutherAI/lambada_openai)")
+    hellaswag_source: Optional[str] = _f(None, "HellaSwag hub name or local load_from_disk folder "
+                                         "or .jsonl (null: the offline sample, else Rowan/hellaswag)")
+    arc_easy_source: Optional[str] = _f(None, "ARC-Easy hub name or local folder/.jsonl "
+                                        "(null: the offline sample, else allenai/ai2_arc)")
+    arc_challenge_source: Optional[str] = _f(None, "ARC-Challenge hub name or local folder/.jsonl")
+    seed: int = _f(1234, "seed of the fixed item selection")
+    batch_size: int = _f(8, "sequences per forward pass", min=1)
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "autocast dtype (auto: bf16 on "
+                                                        "CUDA, float32 on CPU)")
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
 
 
@@ -243,6 +332,8 @@ class Config:
     # Not a config.json key: set by --test on the command line.
     test: bool = field(default=False, metadata={"internal": True})
     sources: list = field(default_factory=list, metadata={"internal": True})
+    # dotted key -> the layer that set it (file path or "command-line flags"), for messages.
+    origins: dict = field(default_factory=dict, metadata={"internal": True})
 
     # ------------------------------------------------------------------ paths
     def resolve(self, p: Optional[str | os.PathLike]) -> Optional[Path]:
@@ -311,6 +402,10 @@ def _type_name(tp) -> str:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list and typing.get_args(tp):
+        plural = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
+        inner = typing.get_args(tp)[0]
+        return "a list of " + plural.get(inner, _type_name(inner))
     return {int: "an integer", float: "a number", str: "a string", bool: "true/false",
             list: "a list", dict: "an object"}.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -330,8 +425,17 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
             hint = _suggest(str(value), [str(c) for c in choices])
             return value, f"{key}: {value!r} is not {_type_name(tp)}{hint}"
         return value, None
-    shown = json.dumps(value)  # report the value as the user wrote it
+    shown = json.dumps(value)  # report the value as the user wrote it (NaN, Infinity included)
     bad = f"{key}: expected {_type_name(tp)}, got {shown}"
+    if tp is list or origin is list:
+        if not isinstance(value, list):
+            return value, bad
+        (inner,) = typing.get_args(tp) or (Any,)
+        if inner is Any:
+            return value, None
+        checked = [_check_value(f"{key}[{i}]", v, inner, meta) for i, v in enumerate(value)]
+        problems = [p for _, p in checked if p]
+        return [v for v, _ in checked], ("; ".join(problems) if problems else None)
     if tp is bool:
         if not isinstance(value, bool):
             return value, bad
@@ -344,12 +448,15 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
     elif tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return value, bad
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            return value, (f"{key}: expected a finite number, got {shown} "
+                           f"(NaN and Infinity are not allowed)")
     elif tp is str:
         if not isinstance(value, str):
-            return value, bad
-    elif tp is list:
-        if not isinstance(value, list):
             return value, bad
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         lo, hi = meta.get("min"), meta.get("max")
@@ -358,6 +465,8 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
             return value, f"{key}: {shown} is out of range (must be {op} {lo})"
         if hi is not None and value > hi:
             return value, f"{key}: {shown} is out of range (must be <= {hi})"
+        if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
+            return value, f"{key}: {shown} is out of range (an integer key must fit 64 bits)"
     return value, None
 
 
@@ -366,11 +475,21 @@ def _section_fields(cls) -> dict[str, tuple[Any, dict]]:
     return {f.name: (hints[f.name], dict(f.metadata)) for f in dataclasses.fields(cls)}
 
 
+def _duplicates(data: Any) -> list[str]:
+    """Problems for keys given twice in one JSON object (the last would silently win)."""
+    dups = getattr(data, "duplicates", None) or {}
+    return [f"{key}: given {len(lines)} times"
+            f"{' (lines ' + ', '.join(map(str, lines)) + ')' if lines else ''}; keep only one "
+            f"(JSON would silently use the last)" for key, lines in dups.items()]
+
+
 def apply_layer(cfg: Config, data: Any, source: str, problems: list[str]) -> None:
     """Validate one layer (a parsed JSON object) and apply it onto cfg; collect problems."""
     if not isinstance(data, dict):
-        problems.append(f"{source}: the top level must be a JSON object of sections")
+        problems.append(f"{source}: the top level must be a JSON object of sections, "
+                        f'such as {{"training": {{"lr": 0.001}}}}')
         return
+    problems += _duplicates(data)
     for sec_name, sec_data in data.items():
         if sec_name.startswith("_"):  # comments such as "_comment" or "_meta"
             continue
@@ -381,6 +500,7 @@ def apply_layer(cfg: Config, data: Any, source: str, problems: list[str]) -> Non
         if not isinstance(sec_data, dict):
             problems.append(f"{sec_name}: expected an object of settings, got {json.dumps(sec_data)}")
             continue
+        problems += [f"{sec_name}.{p}" for p in _duplicates(sec_data)]
         section = getattr(cfg, sec_name)
         fields = _section_fields(type(section))
         for key, value in sec_data.items():
@@ -396,77 +516,206 @@ def apply_layer(cfg: Config, data: Any, source: str, problems: list[str]) -> Non
                 problems.append(problem)
             else:
                 setattr(section, key, value)
+                cfg.origins[dotted] = source
+
+
+# ----------------------------------------------------------------------------- reading files
+class _JSONObject(dict):
+    """A parsed JSON object that remembers keys given more than once: {key: [line, ...]}."""
+
+    duplicates: dict[str, list[int]] = {}
+
+
+def _key_lines(s: str, start: int, end: int, key: str) -> list[int]:
+    """Lines where ``key`` is a key of the object spanning s[start:end] (nested ones skipped)."""
+    lines, depth, i = [], 0, start
+    while i < end:
+        c = s[i]
+        if c == '"':
+            text, j = json.decoder.scanstring(s, i + 1)
+            if depth == 0 and text == key and s[j:end].lstrip().startswith(":"):
+                lines.append(s.count("\n", 0, i) + 1)
+            i = j
+            continue
+        depth += (c in "{[") - (c in "}]")
+        i += 1
+    return lines
+
+
+def _parse_object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo=None):
+    s, start = s_and_end
+    pairs, end = json.decoder.JSONObject(s_and_end, strict, scan_once, None, list, memo)
+    obj = _JSONObject(pairs)
+    counts = Counter(k for k, _ in pairs)
+    if any(n > 1 for n in counts.values()):
+        obj.duplicates = {k: _key_lines(s, start, end, k) for k, n in counts.items() if n > 1}
+    return obj, end
+
+
+def parse_json(text: str) -> Any:
+    """json.loads that keeps duplicated keys visible (see _JSONObject). NaN and Infinity are
+    parsed as floats so the validator can name the key that holds them."""
+    decoder = json.JSONDecoder()
+    decoder.parse_object = _parse_object
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # the C scanner ignores parse_object
+    return decoder.decode(text)
+
+
+def json_error_text(e: json.JSONDecodeError) -> str:
+    """json's message without its dangling " at" ("Invalid control character at")."""
+    msg = e.msg
+    return msg[:-3] if msg.endswith(" at") else msg
+
+
+def _syntax_hint(text: str, e: json.JSONDecodeError) -> str:
+    """What most likely went wrong, for the mistakes people make writing JSON by hand."""
+    here = text[e.pos:e.pos + 2]
+    first = text.lstrip()[:1]
+    if first and first not in "{[\"" and (text.lstrip().startswith("---")
+                                       or re.match(r"\s*[A-Za-z_][\w.-]*\s*:", text)):
+        return (" (this looks like YAML; config files are JSON, e.g. "
+                '{"training": {"lr": 0.001}})')
+    if here in ("//", "/*") or here[:1] == "#":
+        return (" (JSON has no comments: remove them, or keep notes in a key starting with "
+                '"_", such as "_comment")')
+    if here[:1] == "'":
+        return " (JSON strings and keys use double quotes)"
+    if e.msg.startswith("Invalid control character"):
+        return r" (write a tab or line break inside a string as \t or \n)"
+    before = text[:e.pos].rstrip()
+    if before.endswith(",") and here[:1] in "}]":
+        return " (remove the trailing comma)"
+    return ""
 
 
 def read_json_file(path: Path) -> Any:
+    """Read and parse one config file; every way it can be unreadable is a ConfigError."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError([f"{path}: file not found (pass an existing file to --config)"], str(path))
     except OSError as e:
-        raise ConfigError([f"{path}: cannot read ({e.strerror})"], str(path))
+        raise ConfigError([f"{path}: cannot read ({e.strerror or e})"], str(path))
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError([f"{path}: the file is UTF-16 text; save it as UTF-8"], str(path))
     try:
-        return json.loads(text)
+        text = raw.decode("utf-8-sig")  # a leading byte-order mark is tolerated
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError([f"{path}, line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                           f"offset {e.start}); save the file as UTF-8"], str(path))
+    if not text.strip():
+        raise ConfigError([f"{path}: the file is empty; a config file is a JSON object such as "
+                           f'{{"training": {{"lr": 0.001}}}} (or {{}} for all defaults)'], str(path))
+    try:
+        return parse_json(text)
     except json.JSONDecodeError as e:
-        raise ConfigError([f"{path}, line {e.lineno} column {e.colno}: invalid JSON: {e.msg}"], str(path))
+        raise ConfigError([f"{path}, line {e.lineno} column {e.colno}: invalid JSON: "
+                           f"{json_error_text(e)}{_syntax_hint(text, e)}"], str(path))
+    except RecursionError:
+        raise ConfigError([f"{path}: invalid JSON: nested too deeply"], str(path))
+
+
+def base_config_file() -> Optional[Path]:
+    """The base layer: config.json, or what ``$LLM_PIPELINE_BASE_CONFIG`` names ("none": none)."""
+    env = os.environ.get(BASE_CONFIG_ENV)
+    if env is None:
+        return DEFAULT_CONFIG_FILE
+    if env.strip().lower() in ("", "none"):
+        return None
+    return Path(env)
 
 
 def load_config(config_file: Optional[str | os.PathLike] = None,
                 overrides: Optional[dict[str, Any]] = None,
                 test: bool = False,
-                base_file: Optional[str | os.PathLike] = DEFAULT_CONFIG_FILE) -> Config:
+                base_file: Any = "env") -> Config:
     """Build the Config: defaults < base_file (config.json) < config_file < overrides.
 
+    ``base_file`` "env" means :func:`base_config_file` (config.json unless
+    ``$LLM_PIPELINE_BASE_CONFIG`` says otherwise); None means the dataclass defaults alone.
     ``overrides`` maps dotted keys (``"dataset.window"``) to values from CLI flags.
-    Raises ConfigError listing every problem of the first layer that has any.
+    Raises one ConfigError listing every problem of every layer, each naming its file;
+    checks across keys run once every layer is valid and name the files that set the keys.
     """
+    if isinstance(base_file, str) and base_file == "env":
+        base_file = base_config_file()
     cfg = Config(test=test)
-    layers: list[tuple[str, Any]] = []
-    if base_file is not None and Path(base_file).exists():
-        layers.append((str(base_file), read_json_file(Path(base_file))))
+    layers: list[tuple[str, Any]] = []   # (source, a function giving the parsed layer)
+    if base_file is not None and (Path(base_file) != DEFAULT_CONFIG_FILE or Path(base_file).exists()):
+        layers.append((str(base_file), lambda p=Path(base_file): read_json_file(p)))
     if config_file is not None:
         cf = Path(config_file)
         if base_file is None or cf.resolve() != Path(base_file).resolve():
-            layers.append((str(cf), read_json_file(cf)))
+            layers.append((str(cf), lambda p=cf: read_json_file(p)))
     if overrides:
         nested: dict[str, dict] = {}
         for dotted, value in overrides.items():
             sec, key = dotted.split(".", 1)
             nested.setdefault(sec, {})[key] = value
-        layers.append(("command-line flags", nested))
-    for source, data in layers:
+        layers.append(("command-line flags", lambda: nested))
+    failed: list[tuple[str, list[str]]] = []
+    for source, read in layers:
         problems: list[str] = []
-        apply_layer(cfg, data, source, problems)
+        try:
+            apply_layer(cfg, read(), source, problems)
+        except ConfigError as e:   # unreadable or not JSON: its one problem already names the file
+            failed.append((source, e.problems))
+            continue
         if problems:
-            raise ConfigError(problems, source)
-        cfg.sources.append(source)
-    problems = cross_checks(cfg)
+            failed.append((source, problems))
+        else:
+            cfg.sources.append(source)
+    if failed:
+        raise ConfigError.combine(failed)
+    problems = cross_checks(cfg)  # also fills the model's shape keys from model.preset
     if problems:
-        raise ConfigError(problems, "the combined configuration")
+        raise ConfigError([_with_origins(cfg, p) for p in problems],
+                          "the combined configuration (" + ", ".join(["defaults", *cfg.sources]) + ")")
     return cfg
+
+
+def _with_origins(cfg: Config, problem: str) -> str:
+    """Append which layer set each key a cross-field problem mentions (defaults included)."""
+    keys = [k for k in dict.fromkeys(re.findall(r"\b([a-z_]+\.[a-z_0-9]+)\b", problem))
+            if k.split(".")[0] in SECTIONS]
+    if not keys:
+        return problem
+    by_source: dict[str, list[str]] = {}
+    for k in keys:
+        by_source.setdefault(cfg.origins.get(k, "the defaults"), []).append(k)
+    return problem + " [" + "; ".join(f"{', '.join(ks)} from {src}"
+                                      for src, ks in by_source.items()) + "]"
+
+
+def attention_shape_problems(d_model: int, n_heads: int, n_kv_heads: int) -> list[str]:
+    """Head arithmetic shared by the config check and model.ModelArgs."""
+    p = []
+    if n_heads % n_kv_heads:
+        p.append(f"model.n_kv_heads: {n_kv_heads} must divide model.n_heads ({n_heads})")
+    if d_model % n_heads:
+        p.append(f"model.d_model: {d_model} must be divisible by model.n_heads ({n_heads})")
+    elif (d_model // n_heads) % 2:
+        p.append(f"model.d_model: head size {d_model // n_heads} must be even for RoPE")
+    return p
 
 
 def cross_checks(cfg: Config) -> list[str]:
     """Checks that involve more than one key."""
     p = []
     m = cfg.model
-    if m.n_heads % m.n_kv_heads:
-        p.append(f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads ({m.n_heads})")
-    if m.d_model % m.n_heads:
-        p.append(f"model.d_model: {m.d_model} must be divisible by model.n_heads ({m.n_heads})")
-    elif (m.d_model // m.n_heads) % 2:
-        p.append(f"model.d_model: head size {m.d_model // m.n_heads} must be even for RoPE")
+    p += m.resolve_preset()
+    if not p:  # shape keys complete
+        p += attention_shape_problems(m.d_model, m.n_heads, m.n_kv_heads)
+    if cfg.dataset.window > m.max_seq_len:
+        p.append(f"dataset.window: {cfg.dataset.window} exceeds model.max_seq_len ({m.max_seq_len}); "
+                 f"raise model.max_seq_len or lower dataset.window")
     d = cfg.dataset
     if d.stride is not None and d.stride > d.window:
         p.append(f"dataset.stride: {d.stride} must be <= dataset.window ({d.window})")
     if cfg.training.min_lr > cfg.training.lr:
         p.append(f"training.min_lr: {cfg.training.min_lr} must be <= training.lr ({cfg.training.lr})")
     return p
-
-
-def default_config_dict() -> dict:
-    """The defaults as a config.json-shaped dict (used to write and test config.json)."""
-    return Config().to_dict()
 
 
 def describe_keys() -> list[tuple[str, str, Any]]:

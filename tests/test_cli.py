@@ -1,0 +1,71 @@
+"""The exit-code contract of utils/cli.run_stage, driven as a user meets it: a stage that hits
+an error nobody planned for ends with one paragraph naming what failed and where (exit 1);
+the traceback goes into a log file that the message names, or to the terminal with --debug."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.conftest import ROOT, offline_env, write_config
+
+STAGE = textwrap.dedent("""
+    import sys
+    from utils.cli import StageParser, run_stage
+
+    def helper(n):
+        return 1 / n                      # the bug
+
+    def main(argv=None):
+        args, cfg = StageParser("demo_stage.py", "a stage with a bug").parse(argv)
+        return helper(0)
+
+    if __name__ == "__main__":
+        run_stage(main)
+""")
+
+
+def _run(tmp_path, *args):
+    script = tmp_path / "demo_stage.py"
+    script.write_text(STAGE)
+    cfg = write_config(tmp_path, {"paths": {"logs_dir": str(tmp_path / "logs")}})
+    return subprocess.run([sys.executable, str(script), "--config", str(cfg), *args],
+                          capture_output=True, text=True, timeout=120,
+                          env=offline_env(PYTHONPATH=ROOT), cwd=tmp_path)
+
+
+def test_unexpected_error_is_one_paragraph_and_a_log(tmp_path):
+    proc = _run(tmp_path)
+    assert proc.returncode == 1
+    err = proc.stderr.strip()
+    assert "Traceback" not in err and "\n" not in err, err          # one paragraph
+    assert "unexpected error in stage" in err and "ZeroDivisionError: division by zero" in err
+    assert "demo_stage.py" in err and "helper" in err                # where it happened
+    log = Path(re.search(r"The full traceback is in (\S+?\.log)", err).group(1))
+    assert log.parent == tmp_path / "logs" / "errors"
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "return 1 / n" in text
+    assert "--debug" in err
+
+
+def test_debug_prints_the_traceback(tmp_path):
+    proc = _run(tmp_path, "--debug")
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr and "return 1 / n" in proc.stderr
+
+
+def test_real_stage_output_dir_that_cannot_be_created(tmp_path):
+    """A path blocked by a file: the stage says so in one paragraph, exit 1, no traceback."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    cfg = write_config(tmp_path, {"paths": {"logs_dir": str(tmp_path / "logs")}})
+    proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "clean", "--config", str(cfg),
+                           "--input-dir", str(ROOT / "data" / "samples" / "enwiki"),
+                           "--output-dir", str(blocker / "out"), "--test"],
+                          capture_output=True, text=True, timeout=300, env=offline_env())
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert str(blocker) in proc.stderr
+    assert blocker.read_text() == "a file, not a folder"
