@@ -4,76 +4,82 @@
     python main.py clean --test                # first cleaning.test_max_articles per file
     python main.py clean --input-dir data/samples/enwiki --force
 
+This file is the stage: it finds and reads dumps, runs the workers and reports. Turning
+wikitext and article text into clean text is the library :mod:`utils.wikitext`. What the
+stage tolerates and how it reports it: docs/data_stages.md.
+
 Input: a folder of dumps; the format of each file is detected from its first bytes:
 
 - Wikimedia Enterprise structured-contents JSONL (``*.jsonl``, ``*.json``, ``*.jsonl.bz2``):
-  one article per line with ``name``, ``abstract`` and ``sections``, a tree of parts
-  ``{type, name, value, has_parts}``. Text comes from ``paragraph`` and ``list_item`` values
-  walked in document order through nested parts. The top-level ``abstract`` is used as
-  the lead paragraph only when no section is named "Abstract" (which holds the same text).
+  one article per line with ``name`` and ``sections`` (required) and ``abstract``; sections
+  are a tree of parts ``{type, name, value, has_parts}``. Text comes from ``paragraph`` and
+  ``list_item`` values walked in document order. The top-level ``abstract`` is the lead
+  paragraph only when no section is named "Abstract" (which holds the same text).
 - MediaWiki pages-articles XML (``*.xml``, ``*.xml.bz2``): parsed streaming with expat;
   a DOCTYPE (and so any entity declaration) is refused, so no entity is ever expanded and no
   external resource is fetched. Only pages in ``wikipedia.namespaces`` are kept, redirects
-  are skipped, and wikitext becomes plain text with mwparserfromhell: templates, <ref>s,
-  tables, files/images, categories, interlanguage links, comments and math are dropped; the
-  visible text of links and formatting is kept (plus a few inline templates whose text is
-  prose: lang, nowrap, convert).
+  are skipped, and wikitext becomes plain text (:func:`utils.wikitext.render`).
 
-Cleaning (both formats): Unicode normalization (``cleaning.unicode_normalization``), sections
-whose title is in ``cleaning.drop_sections`` are dropped with everything under them
-(case-insensitive), whitespace inside a paragraph is collapsed to single spaces, and
-paragraphs are joined with "\\n". Headings are dropped by default (``cleaning.keep_headings``
-keeps each as its own paragraph, but only when some text follows it). The article title is
-not added to the text. Articles shorter than ``cleaning.min_chars`` are dropped.
+Cleaning (both formats): sections whose title matches ``cleaning.drop_sections`` by words
+("Selected bibliography" matches "Bibliography") are dropped with everything under them and
+counted by title in the summary; Unicode normalization; whitespace collapsed; paragraphs
+joined with "\\n"; headings dropped unless ``cleaning.keep_headings``; articles shorter than
+``cleaning.min_chars`` dropped.
 
 Output: ``<cleaning.output_dir or paths.cleaned_dir>/cleaned_<input stem>.txt``, one article
-per line in the reversible format of :mod:`utils.textio` (paragraph breaks as ``\\n``). Each
-file is written to a hidden temp file and renamed when its input is finished, so a
-``cleaned_*.txt`` file is always complete. A re-run skips inputs whose output exists unless
-``--force``. Next to the outputs: ``resolved_config.json`` and ``cleaning_summary.json``.
+per line (:mod:`utils.textio`), written through :mod:`utils.atomic` (temp file, fsync,
+rename) and replaced only when the input is complete and kept at least one article: a
+failed, interrupted or empty re-run (``--force`` included) leaves an earlier output
+byte-identical. A re-run skips inputs whose output exists unless ``--force``. Next to the
+outputs: ``resolved_config.json`` and ``cleaning_summary.json``.
 
-Parallelism (``--workers``, 0 = all cores), streaming either way: with at least as many input
-files as workers, one worker process per file; with fewer (a single big XML dump is the usual
-download), files are read one after another here and each file's articles are converted by
-all workers, in order, so the output is byte-identical to a serial run. A broken input
-(truncated .bz2, invalid XML, a worker killed) fails only that file, and a malformed JSON line
-is counted and skipped. ``--test`` reads only the first
-``cleaning.test_max_articles`` records (pages or lines, redirects included) of each file.
-Exit 1 if any file failed or no usable article came out at all; 130 on Ctrl-C (workers are
-terminated and their temp files removed).
+Bad input vs. our bugs: a bad record (invalid JSON or UTF-8, a missing required key,
+nesting too deep to convert) is skipped and counted with ``file:line`` (or the page title)
+and reason; lone surrogates are replaced and control characters removed (counted as
+repairs). A bad file (truncated, not a dump, unsafe XML, unreadable) fails that file only.
+An exception inside our own conversion is not bad input: it fails the file naming the page
+(exit 1), with the traceback in the summary file.
+
+Parallelism (``--workers``, 0 = the CPUs this process may use), streaming either way: with
+at least as many input files as workers, one worker process per file; with fewer (a single
+big XML dump is the usual download), files are read one after another here and each
+file's records are converted by all workers, in order, so the output is byte-identical to
+a serial run. Only raw bytes/strings cross to the workers (JSON is parsed there), so no
+record can fail to pickle. ``--test`` reads only the first ``cleaning.test_max_articles``
+records of each file. Exit 1 if any file failed or no usable article came out at all; 130
+on Ctrl-C (finished outputs kept, unfinished ones never appear).
 """
 from __future__ import annotations
 
 import bz2
 import json
 import multiprocessing as mp
-import os
 import queue
-import re
 import signal
 import time
-import unicodedata
+import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
-from typing import IO, Iterable, Iterator, Optional, Sequence
+from typing import IO, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 from xml.parsers import expat
 
-import mwparserfromhell
-import mwparserfromhell.nodes as mw
-
-from utils.atomic import write_json_atomic
-from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
-from utils.config import Config, ConfigError
-from utils.parallel import ordered_map
+from utils.atomic import atomic_open, temp_path, write_json_atomic
+from utils.cli import PipelineError, StageParser, cli_path, run_stage
+from utils.config import Config, ConfigError, json_error_text
+from utils.parallel import available_cpus, ordered_map
 from utils.textio import escape_article
+from utils.wikitext import ArticleBuilder, SectionMatcher, article_text, section_key
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".xml", ".bz2")   # files considered in the input folder
 STRIP_SUFFIXES = (".bz2", ".jsonl", ".json", ".xml")   # removed from the name for the output
 SUMMARY_FILE = "cleaning_summary.json"
-MAX_REPORTED_PROBLEMS = 5     # malformed lines / articles listed per file
+MAX_REPORTED_PROBLEMS = 5     # bad records listed per file (all are counted)
 PROGRESS_SECONDS = 0.5        # seconds between progress messages from a worker
 READ_CHUNK = 1 << 20          # bytes per XML parser feed
+MAX_PART_DEPTH = 200          # structured-contents parts nested deeper: a bad record
+REQUIRED_KEYS = {"name": str, "sections": list}   # structured-contents record schema
 
 
 class InputFormatError(Exception):
@@ -84,11 +90,26 @@ class UnsafeXMLError(InputFormatError):
     """An XML file with a DOCTYPE / entity declaration: refused, never expanded."""
 
 
+class BadRecord(Exception):
+    """One record the input got wrong: skipped and counted, the file goes on."""
+
+
+class ConversionBug(Exception):
+    """Our own conversion raised on a record: a bug to fix, never counted as bad input."""
+
+    def __init__(self, where: str, detail: str, trace: str = ""):
+        super().__init__(where, detail, trace)
+        self.where, self.detail, self.trace = where, detail, trace
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.detail}"
+
+
 # --------------------------------------------------------------------------- options
 @dataclass(frozen=True)
 class CleanOptions:
     """Everything a worker needs to clean one file (picklable, no Config object)."""
-    drop_sections: tuple = ()
+    drop_sections: tuple = ()            # section titles as configured (matched by words)
     normalization: str = "NFC"
     min_chars: int = 0
     keep_headings: bool = False
@@ -103,11 +124,19 @@ class CleanOptions:
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in w.namespaces):
             raise ConfigError([f"wikipedia.namespaces: expected a list of namespace numbers "
                                f"(0 = articles), got {json.dumps(w.namespaces)}"])
-        return cls(drop_sections=tuple(section_key(s) for s in c.drop_sections),
+        return cls(drop_sections=tuple(str(s) for s in c.drop_sections),
                    normalization=c.unicode_normalization, min_chars=c.min_chars,
                    keep_headings=c.keep_headings, namespaces=tuple(int(n) for n in w.namespaces),
                    skip_redirects=w.skip_redirects,
                    max_articles=c.test_max_articles if cfg.test else None)
+
+    def builder(self) -> ArticleBuilder:
+        return ArticleBuilder(_matcher(self.drop_sections), self.normalization, self.keep_headings)
+
+
+@lru_cache(maxsize=8)
+def _matcher(titles: tuple) -> SectionMatcher:
+    return SectionMatcher(titles)
 
 
 @dataclass
@@ -119,97 +148,24 @@ class FileResult:
     format: str = ""
     read: int = 0
     kept: int = 0
-    skipped: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)           # reason class -> records
+    malformed: dict = field(default_factory=dict)         # bad-record reason -> records
+    repaired: dict = field(default_factory=dict)          # repair -> records (kept)
+    sections_dropped: dict = field(default_factory=dict)  # section title -> times
     chars_in: int = 0
     chars_out: int = 0
     seconds: float = 0.0
     error: str = ""
-    problems: list = field(default_factory=list)   # first few "file:line: reason"
+    traceback: str = ""           # only for a bug in our own conversion
+    problems: list = field(default_factory=list)          # first few "file:line: reason"
 
 
-# --------------------------------------------------------------------------- text helpers
-_WS = re.compile(r"\s+")
-_EMPTY_PARENS = re.compile(r"\(\s*(?:[,;:]\s*)*\)")
-_PAREN_OPEN_PUNCT = re.compile(r"\(\s*[,;:]\s*")     # "(; born 1950" -> "(born 1950"
-_PAREN_CLOSE_PUNCT = re.compile(r"\s*[,;:]\s*\)")    # "Akhilleus, )" -> "Akhilleus)"
-_SPACE_BEFORE_PUNCT = re.compile(r" +([,.;:!?])(?=\s|$)")
-
-
-def section_key(title: str) -> str:
-    """Canonical form of a section title for matching: whitespace-collapsed, casefolded."""
-    return " ".join(str(title).split()).casefold()
-
-
-def normalize_unicode(text: str, form: str) -> str:
-    """Apply the configured normalization form ("NFC", "NFKC" or "none")."""
-    return text if form == "none" else unicodedata.normalize(form, text)
-
-
-def clean_paragraph(text: str, form: str = "NFC") -> str:
-    """Normalize Unicode, collapse runs of whitespace (newlines included) to one space,
-    and tidy what removed markup leaves behind: empty parentheses, spaces before punctuation."""
-    text = normalize_unicode(text, form)
-    text = _WS.sub(" ", text).strip()
-    if "(" in text:
-        text = _EMPTY_PARENS.sub("", text)
-        text = _PAREN_CLOSE_PUNCT.sub(")", _PAREN_OPEN_PUNCT.sub("(", text))
-    text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)
-    return _WS.sub(" ", text).strip()
-
-
-class ArticleBuilder:
-    """Collects an article's paragraphs while tracking sections.
-
-    ``heading(level, title)`` opens a section; a section whose title is in ``drop`` is
-    dropped with everything under it until a heading of the same or a higher level.
-    With ``keep_headings`` a heading becomes a paragraph only once text follows it, so
-    a section left empty by cleaning leaves no orphan title.
-    """
-
-    def __init__(self, opts: CleanOptions):
-        self.opts = opts
-        self.drop = set(opts.drop_sections)
-        self.paragraphs: list[str] = []
-        self._drop_level: Optional[int] = None
-        self._pending: list[tuple[int, str]] = []   # (level, title) headings awaiting text
-
-    def heading(self, level: int, title: str) -> None:
-        if self._drop_level is not None and level <= self._drop_level:
-            self._drop_level = None
-        if self._drop_level is not None:
-            return
-        if section_key(title) in self.drop:
-            self._drop_level = level
-            return
-        self._pending = [(lv, t) for lv, t in self._pending if lv < level]
-        title = clean_paragraph(title, self.opts.normalization)
-        if title:
-            self._pending.append((level, title))
-
-    def end_section(self, level: int) -> None:
-        """Close a section (nested formats): ends a drop started at this level."""
-        if self._drop_level is not None and level <= self._drop_level:
-            self._drop_level = None
-        self._pending = [(lv, t) for lv, t in self._pending if lv < level]
-
-    @property
-    def dropping(self) -> bool:
-        return self._drop_level is not None
-
-    def add_text(self, text: str) -> None:
-        """Add raw text; blank lines split it into paragraphs, other whitespace collapses."""
-        if self.dropping or not text:
-            return
-        for block in re.split(r"\n\s*\n", text):
-            para = clean_paragraph(block, self.opts.normalization)
-            if para:
-                if self.opts.keep_headings:
-                    self.paragraphs.extend(t for _, t in self._pending)
-                self._pending = []
-                self.paragraphs.append(para)
-
-    def text(self) -> str:
-        return "\n".join(self.paragraphs)
+class Converted(NamedTuple):
+    """One record after conversion (what a worker sends back)."""
+    text: str
+    bad: Optional[str] = None       # why the record is bad input (then text is "")
+    dropped: tuple = ()             # titles of the sections dropped
+    repairs: tuple = ()             # kinds of repair made (surrogates, control characters)
 
 
 # --------------------------------------------------------------------------- JSONL
@@ -217,9 +173,13 @@ SKIP_PART_TYPES = {"table", "image", "infobox", "reference", "references", "cita
 TEXT_PART_TYPES = {"paragraph", "list_item"}
 
 
-def _walk_parts(parts: Iterable, builder: ArticleBuilder, level: int) -> None:
+def _walk_parts(parts: Iterable, builder: ArticleBuilder, level: int, depth: int = 0) -> None:
     """Depth-first walk of structured-contents parts, in document order."""
-    for part in parts or ():
+    if depth > MAX_PART_DEPTH:
+        raise BadRecord(f"parts nested deeper than {MAX_PART_DEPTH} levels")
+    if not isinstance(parts, list):
+        return
+    for part in parts:
         if not isinstance(part, dict):
             continue
         kind = str(part.get("type", "")).lower()
@@ -229,18 +189,37 @@ def _walk_parts(parts: Iterable, builder: ArticleBuilder, level: int) -> None:
             name = part.get("name") or ""
             # The lead section is called "Abstract" in Enterprise dumps: not a real heading.
             builder.heading(level, "" if section_key(name) == "abstract" else str(name))
-            _walk_parts(part.get("has_parts"), builder, level + 1)
+            _walk_parts(part.get("has_parts"), builder, level + 1, depth + 1)
             builder.end_section(level)
             continue
         value = part.get("value")
         if kind in TEXT_PART_TYPES and isinstance(value, str):
             builder.add_text(value + "\n\n")
-        _walk_parts(part.get("has_parts"), builder, level)
+        _walk_parts(part.get("has_parts"), builder, level, depth + 1)
 
 
-def structured_article_text(article: dict, opts: CleanOptions) -> str:
-    """Cleaned text of one Wikimedia Enterprise structured-contents article."""
-    builder = ArticleBuilder(opts)
+def parse_json_record(raw: bytes) -> dict:
+    """One JSONL line -> a structured-contents article; BadRecord says what is wrong."""
+    try:
+        article = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadRecord(f"invalid JSON: {json_error_text(e)} at character {e.pos + 1}") from None
+    except UnicodeDecodeError:
+        raise BadRecord("not valid UTF-8") from None
+    except RecursionError:
+        raise BadRecord("JSON nested too deeply to parse") from None
+    if not isinstance(article, dict):
+        raise BadRecord(f"expected a JSON object, got {type(article).__name__}")
+    for key, kind in REQUIRED_KEYS.items():
+        if key not in article:
+            raise BadRecord(f"missing required key '{key}'")
+        if not isinstance(article[key], kind):
+            raise BadRecord(f"key '{key}' must be a {'string' if kind is str else 'list'}, "
+                            f"got {type(article[key]).__name__}")
+    return article
+
+
+def _structured(article: dict, builder: ArticleBuilder) -> str:
     sections = article.get("sections") or []
     abstract = article.get("abstract")
     has_abstract_section = any(isinstance(s, dict) and section_key(s.get("name") or "") == "abstract"
@@ -251,160 +230,66 @@ def structured_article_text(article: dict, opts: CleanOptions) -> str:
     return builder.text()
 
 
-# --------------------------------------------------------------------------- wikitext
-DROP_TAGS = {"ref", "references", "table", "gallery", "math", "chem", "ce", "score", "timeline",
-             "imagemap", "templatedata", "graph", "mapframe", "maplink", "syntaxhighlight",
-             "source", "hiero", "inputbox", "categorytree", "noinclude", "includeonly"}
-BREAK_TAGS = {"p", "div", "hr", "blockquote", "li", "dd", "dt", "ul", "ol", "dl", "center"}
-DROP_LINK_NAMESPACES = {"file", "image", "media", "category"}
-INLINE_TEMPLATES = {"nowrap", "nobr", "small", "smaller", "big", "linktext", "nobold", "noitalic"}
-_LANG_PREFIX = re.compile(r"^[a-z]{2,3}(?:-[a-z0-9]+)*$|^simple$")
-
-
-def _template_text(tpl) -> str:
-    """Visible text of the few inline templates that carry prose; '' for all others."""
-    name = str(tpl.name).strip().lower().replace("_", " ")
-
-    def param(i: int) -> str:
-        key = str(i)
-        return wikicode_text(tpl.get(key).value.nodes).strip() if tpl.has(key) else ""
-
-    if name in INLINE_TEMPLATES:
-        return param(1)
-    if name == "lang":
-        return param(2)
-    if name.startswith("lang-"):
-        return param(1)
-    if name in ("convert", "cvt") and param(1):
-        unit = param(2)
-        return f"{param(1)} {unit}" if unit and unit.isalpha() else param(1)
-    return ""
-
-
-def _link_text(link) -> str:
-    """Visible text of a [[wikilink]], or '' for files, categories and interlanguage links."""
-    title = str(link.title).strip()
-    colon_prefixed = title.startswith(":")      # [[:Category:X]] links to the page, shows text
-    title = title.lstrip(":")
-    prefix = title.split(":", 1)[0].strip().lower() if ":" in title else ""
-    if not colon_prefixed and prefix in DROP_LINK_NAMESPACES:
-        return ""
-    if link.text is None:
-        if not colon_prefixed and prefix and _LANG_PREFIX.match(prefix):
-            return ""   # [[fr:Anarchisme]]: an interlanguage link, not text
-        return title
-    text = wikicode_text(link.text.nodes)
-    if not text.strip():                        # pipe trick [[Foo (bar)|]] shows "Foo"
-        return re.sub(r"\s*\(.*?\)\s*$", "", title.split(":", 1)[-1])
-    return text
-
-
-@dataclass(frozen=True)
-class HeadingMark:
-    """A section heading met while rendering wikitext (see :func:`render_wikicode`)."""
-    level: int
-    title: str
-
-
-def render_wikicode(nodes, out: list) -> None:
-    """Render mwparserfromhell nodes into ``out``: plain-text strings, plus a HeadingMark
-    wherever a heading occurs, even nested (an unclosed '' can swallow later headings)."""
-    for node in nodes:
-        if isinstance(node, mw.Text):
-            out.append(node.value)
-        elif isinstance(node, mw.Wikilink):
-            out.append(_link_text(node))
-        elif isinstance(node, mw.Tag):
-            tag = str(node.tag).strip().lower()
-            markup = node.wiki_markup
-            if tag in DROP_TAGS:
-                continue
-            if markup in ("*", "#", ";", ":", "----"):
-                out.append("\n\n")              # list item / indent / rule: new paragraph
-            elif tag == "br":
-                out.append(" ")
-            elif tag in BREAK_TAGS:
-                out.append("\n\n")
-            if node.contents is not None and not node.self_closing:
-                render_wikicode(node.contents.nodes, out)
-                if tag in BREAK_TAGS:
-                    out.append("\n\n")
-        elif isinstance(node, mw.HTMLEntity):
-            out.append(node.normalize())
-        elif isinstance(node, mw.ExternalLink):
-            if node.title is not None:
-                render_wikicode(node.title.nodes, out)
-        elif isinstance(node, mw.Template):
-            out.append(_template_text(node))
-        elif isinstance(node, mw.Heading):
-            out.append(HeadingMark(node.level, wikicode_text(node.title.nodes)))
-        # Comment, Argument ({{{1}}}) and anything else: dropped
-
-
-def wikicode_text(nodes) -> str:
-    """Plain text of mwparserfromhell nodes (a heading inside becomes its own paragraph)."""
-    out: list = []
-    render_wikicode(nodes, out)
-    return "".join(f"\n\n{x.title}\n\n" if isinstance(x, HeadingMark) else x for x in out)
+def structured_article_text(article: dict, opts: CleanOptions) -> str:
+    """Cleaned text of one Wikimedia Enterprise structured-contents article."""
+    return _structured(article, opts.builder())
 
 
 def wikitext_article_text(wikitext: str, opts: CleanOptions) -> str:
-    """Cleaned plain text of one article's wikitext (sections tracked through headings)."""
-    builder = ArticleBuilder(opts)
-    pieces: list = []
-    render_wikicode(mwparserfromhell.parse(wikitext).nodes, pieces)
-    run: list[str] = []          # text since the last heading
-    for piece in pieces:
-        if isinstance(piece, HeadingMark):
-            builder.add_text(strip_leftover_markup("".join(run)))
-            run = []
-            builder.heading(piece.level, strip_leftover_markup(piece.title))
+    """Cleaned plain text of one article's wikitext (see utils.wikitext)."""
+    return article_text(wikitext, opts.builder())
+
+
+def convert_record(fmt: str, raw, where: str, opts: CleanOptions) -> Converted:
+    """A raw record (JSONL line bytes or page wikitext) -> Converted.
+
+    Bad input (BadRecord, or nesting so deep that Python's recursion limit is reached) comes
+    back as ``Converted("", reason)``. Any other exception is a bug in our conversion and is
+    raised as ConversionBug naming the record, never counted as bad input."""
+    builder = opts.builder()
+    try:
+        if fmt == "jsonl":
+            text = _structured(parse_json_record(raw), builder)
         else:
-            run.append(piece)
-    builder.add_text(strip_leftover_markup("".join(run)))
-    return builder.text()
+            text = article_text(raw, builder)
+    except BadRecord as e:
+        return Converted("", str(e))
+    except RecursionError:
+        return Converted("", "nested too deeply to convert (recursion limit)")
+    except Exception as e:
+        raise ConversionBug(where, f"{type(e).__name__}: {e}", traceback.format_exc()) from None
+    return Converted(text, None, tuple(builder.dropped.elements()), tuple(builder.repairs))
 
 
-# Leftovers of constructs mwparserfromhell could not parse (it keeps them as plain text,
-# e.g. a table with broken quoting or a bold/italic run that never closes).
-_LEFTOVER_HINT = re.compile(r"\[\[|\{\{|\{\||<|''|^\s*\|", re.M)
-_LEFTOVER_SUBS = [
-    (re.compile(r"<!--.*?(?:-->|$)", re.S), ""),
-    (re.compile(r"<ref[^<>]*/>|<ref[^<>]*>.*?</ref>", re.S | re.I), ""),
-    (re.compile(r"^\{\|.*?^\|\}", re.S | re.M), "\n\n"),          # a whole table
-    (re.compile(r"^[ \t]*(?:\{\||\|).*$", re.M), ""),                # stray table rows
-]
-_LEFTOVER_TEMPLATE = re.compile(r"\{\{[^{}]*\}\}")
-_LEFTOVER_FILE_LINK = re.compile(r"\[\[\s*(?:file|image|media|category)\s*:[^\[\]]*\]\]", re.I)
-_LEFTOVER_LINK = re.compile(r"\[\[(?:[^\[\]|]*\|)?([^\[\]|]*)\]\]")
-_LEFTOVER_TAG = re.compile(r"</?[a-zA-Z][a-zA-Z0-9]*(?:\s[^<>]*)?/?>")
-_LEFTOVER_QUOTES = re.compile(r"'{2,}")
+def _ignore_sigint() -> None:
+    """Pool initializer: Ctrl-C is the parent's job (it stops the pool)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def strip_leftover_markup(text: str) -> str:
-    """Regex fallback for wikitext that survived parsing as plain text: refs, templates,
-    tables, file/category links and tags are dropped, [[link|text]] becomes text."""
-    if not _LEFTOVER_HINT.search(text):
-        return text
-    for pattern, repl in _LEFTOVER_SUBS:
-        text = pattern.sub(repl, text)
-    for _ in range(20):                      # innermost first, until nothing nested is left
-        new = _LEFTOVER_TEMPLATE.sub("", text)
-        new = _LEFTOVER_FILE_LINK.sub("", new)
-        new = _LEFTOVER_LINK.sub(r"\1", new)
-        if new == text:
-            break
-        text = new
-    text = _LEFTOVER_TAG.sub("", text)
-    return _LEFTOVER_QUOTES.sub("", text)
+def _convert_batch(job: tuple) -> list[Converted]:
+    fmt, opts, records = job
+    return [convert_record(fmt, raw, where, opts) for raw, where in records]
 
 
+def _converted_in_parallel(raw: Iterator[tuple[object, str]], fmt: str, opts: CleanOptions,
+                           batch: int = 16) -> Iterator[tuple[Converted, str]]:
+    """Convert records in ``opts.record_workers`` processes, in input order, ``batch`` records
+    per task (utils.parallel.ordered_map: bounded in flight, so memory does not grow with the
+    file). Each task carries its own (fmt, opts): no state lives in the workers. A worker
+    that dies (killed, out of memory) raises BrokenProcessPool here, which fails this file."""
+    batches = iter(lambda: [r for _, r in zip(range(batch), raw)], [])
+    for chunk, converted in ordered_map(_convert_batch, batches, opts.record_workers,
+                                        arg=lambda chunk: (fmt, opts, chunk),
+                                        initializer=_ignore_sigint):
+        yield from zip(converted, (where for _, where in chunk))
+
+
+# --------------------------------------------------------------------------- reading files
 def is_redirect_text(wikitext: str) -> bool:
     """True for '#REDIRECT [[Target]]' pages (when the dump has no <redirect> element)."""
     return wikitext.lstrip()[:9].upper() == "#REDIRECT"
 
 
-# --------------------------------------------------------------------------- reading files
 def open_binary(path: Path) -> IO[bytes]:
     """Open a dump for streaming reads, decompressing .bz2 on the fly."""
     if path.suffix.lower() == ".bz2":
@@ -501,14 +386,13 @@ def iter_xml_pages(stream: IO[bytes], chunk_size: int = READ_CHUNK) -> Iterator[
         done.clear()
         if not chunk:
             break
-    if parser.ErrorCode:  # pragma: no cover - expat raises before this
-        raise expat.ExpatError(expat.ErrorString(parser.ErrorCode))
 
 
-def _iter_raw(path: Path, fmt: str, opts: CleanOptions, result: FileResult,
-              problem) -> Iterator[tuple[object, str]]:
-    """Yield ``(record, where)`` for each record of one file that passes the cheap filters
-    (namespace, redirect, JSON validity); the expensive text conversion happens later."""
+def _iter_raw(path: Path, fmt: str, opts: CleanOptions,
+              result: FileResult) -> Iterator[tuple[object, str]]:
+    """Yield ``(raw record, where)`` for each record of one file that passes the cheap filters
+    (namespace, redirect); parsing and conversion happen later, possibly in workers.
+    ``where`` is the line number (JSONL) or the page title (XML)."""
     skipped = result.skipped
 
     def limit_reached() -> bool:
@@ -522,19 +406,8 @@ def _iter_raw(path: Path, fmt: str, opts: CleanOptions, result: FileResult,
                 if limit_reached():
                     return
                 result.read += 1
-                try:
-                    article = json.loads(raw)
-                except json.JSONDecodeError as e:
-                    problem(str(lineno), f"invalid JSON: {e.msg} at character {e.pos + 1}")
-                    continue
-                except ValueError:
-                    problem(str(lineno), "not valid UTF-8")
-                    continue
-                if not isinstance(article, dict):
-                    problem(str(lineno), f"expected a JSON object, got {type(article).__name__}")
-                    continue
                 result.chars_in += len(raw.decode("utf-8", "replace").rstrip("\r\n"))
-                yield article, str(lineno)
+                yield raw, str(lineno)
         else:
             for page in iter_xml_pages(f):
                 if limit_reached():
@@ -550,110 +423,65 @@ def _iter_raw(path: Path, fmt: str, opts: CleanOptions, result: FileResult,
                 yield page.text, page.title or "?"
 
 
-def convert_record(fmt: str, record, opts: CleanOptions) -> tuple[str, Optional[str]]:
-    """A record's cleaned text, or ``("", reason)`` when its wikitext cannot be parsed (a
-    parser failure on one page must not end the file). JSONL records cannot fail here."""
-    if fmt == "jsonl":
-        return structured_article_text(record, opts), None
-    try:
-        return wikitext_article_text(record, opts), None
-    except Exception as e:
-        return "", f"wikitext could not be parsed ({type(e).__name__}: {e})"
-
-
-_CONVERTER: dict = {}
-
-
-def _init_converter(fmt: str, opts: CleanOptions) -> None:
-    """Pool initializer for record conversion; Ctrl-C is the parent's job."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _CONVERTER.update(fmt=fmt, opts=opts)
-
-
-def _convert_batch(records: list) -> list[tuple[str, Optional[str]]]:
-    return [convert_record(_CONVERTER["fmt"], r, _CONVERTER["opts"]) for r in records]
-
-
-def _converted_in_parallel(raw: Iterator[tuple[object, str]], fmt: str, opts: CleanOptions,
-                           batch: int = 16) -> Iterator[tuple[tuple[str, Optional[str]], str]]:
-    """Convert records in ``opts.record_workers`` processes, in input order, ``batch`` records
-    per task (utils.parallel.ordered_map: bounded in flight, so memory does not grow with the
-    file). A worker that dies (killed, out of memory) raises BrokenProcessPool here, which
-    fails this file."""
-    batches = iter(lambda: [r for _, r in zip(range(batch), raw)], [])
-    for chunk, texts in ordered_map(_convert_batch, batches, opts.record_workers,
-                                    arg=lambda chunk: [record for record, _ in chunk],
-                                    initializer=_init_converter, initargs=(fmt, opts)):
-        yield from zip(texts, (where for _, where in chunk))
-
-
 def iter_records(path: Path, fmt: str, opts: CleanOptions, result: FileResult) -> Iterator[str]:
     """Yield the cleaned text of each usable record of one file (possibly '').
 
-    Counts reads, characters in and skip reasons into ``result`` (whose ``skipped`` is a
-    Counter); malformed records are counted, the first few reported as ``file:line``
-    (JSONL) or ``file:title`` (XML), and skipped. With ``opts.record_workers > 1`` the text
-    conversion (the expensive part: wikitext parsing) runs in that many processes, in order,
-    so the output is identical to a serial run.
-    """
+    Counts reads, characters in, skip reasons, bad records (the first few reported as
+    ``file:line`` or ``file: page 'Title'``), repairs and dropped section titles into
+    ``result`` (whose dict fields are Counters). With ``opts.record_workers > 1`` the
+    conversion runs in that many processes, in order, so the output is identical to a
+    serial run. A ConversionBug propagates."""
     def problem(where: str, reason: str) -> None:
-        result.skipped["malformed"] += 1
         if len(result.problems) < MAX_REPORTED_PROBLEMS:
-            result.problems.append(f"{path.name}:{where}: {reason}")
+            loc = f"{path.name}:{where}" if fmt == "jsonl" else f"{path.name}: page '{where}'"
+            result.problems.append(f"{loc}: {reason}")
 
-    raw = _iter_raw(path, fmt, opts, result, problem)
+    raw = _iter_raw(path, fmt, opts, result)
     if opts.record_workers > 1:
         converted = _converted_in_parallel(raw, fmt, opts)
     else:
-        converted = ((convert_record(fmt, record, opts), where) for record, where in raw)
-    for (text, error), where in converted:
-        if error:
-            problem(where, error)
+        converted = ((convert_record(fmt, record, where, opts), where) for record, where in raw)
+    for conv, where in converted:
+        if conv.bad:
+            result.skipped["malformed"] += 1
+            result.malformed[conv.bad.split(":")[0]] += 1
+            problem(where, conv.bad)
             continue
-        yield text
+        result.sections_dropped.update(conv.dropped)
+        if conv.repairs:
+            result.repaired.update(conv.repairs)
+            problem(where, ", ".join(conv.repairs) + " (repaired, kept)")
+        yield conv.text
 
 
 # --------------------------------------------------------------------------- one file
-_PROGRESS = None   # the parent's message queue in worker processes, None in-process
+class _NothingKept(Exception):
+    """Raised inside the atomic write to abandon it: no article of the input was kept."""
 
 
-def _report(n: int) -> None:
-    """Tell the parent that n more records were read (for the articles/s bar)."""
-    if _PROGRESS is not None and n:
-        _PROGRESS.put(("progress", None, n))
+def clean_file(input_path: str | Path, output_path: str | Path, opts: CleanOptions,
+               progress: Optional[Callable[[int], None]] = None) -> FileResult:
+    """Clean one dump into one output file, atomically (utils.atomic).
 
-
-def _worker_main(index: int, task: tuple, messages) -> None:
-    """Worker process: clean one file and send its FileResult back.
-
-    Ctrl-C is ignored here: the parent handles it by terminating workers and removing
-    their temp files, so a worker is never killed halfway through a rename.
-    """
-    global _PROGRESS
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _PROGRESS = messages
-    messages.put(("done", index, clean_file(*task)))
-
-
-def temp_path(output: Path) -> Path:
-    """The hidden temp name an output is written under until complete (never cleaned_*.txt)."""
-    return output.with_name(f".{output.name}.partial")
-
-
-def clean_file(input_path: str | Path, output_path: str | Path, opts: CleanOptions) -> FileResult:
-    """Clean one dump into one output file, atomically.
-
-    Never raises for bad input: the returned FileResult says ``failed`` with a message
-    instead, and no output (not even a partial temp file) is left for that input.
-    """
+    Never raises for bad input: the returned FileResult says ``failed`` (with a message)
+    or ``no_output`` instead, and then the output file is left exactly as it was before
+    (an earlier run's complete output stays). ``progress(n)`` is told every so often that
+    n more records were read. Ctrl-C / SystemExit propagate, leaving no temp file."""
     input_path, output_path = Path(input_path), Path(output_path)
-    result = FileResult(input=str(input_path), output=str(output_path), skipped=Counter())
-    tmp = temp_path(output_path)
-    start = last_report = time.time()
+    result = FileResult(input=str(input_path), output=str(output_path), skipped=Counter(),
+                        malformed=Counter(), repaired=Counter(), sections_dropped=Counter())
+    start = last_report = time.monotonic()
     reported = 0
+
+    def report() -> None:
+        nonlocal reported, last_report
+        if progress is not None and result.read > reported:
+            progress(result.read - reported)
+        reported, last_report = result.read, time.monotonic()
+
     try:
         result.format = detect_format(input_path)
-        with open(tmp, "w", encoding="utf-8", newline="\n") as out:
+        with atomic_open(output_path, "w") as out:
             for text in iter_records(input_path, result.format, opts, result):
                 if not text:
                     result.skipped["empty"] += 1
@@ -663,29 +491,29 @@ def clean_file(input_path: str | Path, output_path: str | Path, opts: CleanOptio
                     out.write(escape_article(text) + "\n")
                     result.kept += 1
                     result.chars_out += len(text)
-                if time.time() - last_report >= PROGRESS_SECONDS:
-                    _report(result.read - reported)
-                    reported, last_report = result.read, time.time()
-        if result.read == 0:
-            bad = result.skipped.get("malformed", 0)
-            raise InputFormatError(f"no articles found ({bad} malformed record(s))" if bad
-                                   else "no articles found")
-        if result.kept == 0:          # nothing usable: no (stale) output for this input
-            result.status = "no_output"
-            tmp.unlink(missing_ok=True)
-            output_path.unlink(missing_ok=True)
-        else:
-            os.replace(tmp, output_path)
-    except BaseException as e:        # KeyboardInterrupt included: never leave a temp file
-        tmp.unlink(missing_ok=True)
-        if not isinstance(e, Exception):
-            raise
+                if time.monotonic() - last_report >= PROGRESS_SECONDS:
+                    report()
+            if result.read == 0:
+                raise InputFormatError("no articles found")
+            if result.kept == 0:
+                raise _NothingKept()
+    except _NothingKept:
+        result.status = "no_output"
+    except ConversionBug as e:
+        result.status = "failed"
+        page = f"line {e.where}" if result.format == "jsonl" else f"page '{e.where}'"
+        result.error = (f"internal error while converting {page} ({e.detail}); this is a bug "
+                        f"in the cleaner, not bad input: please report it with that {page.split()[0]}")
+        result.traceback = e.trace
+    except Exception as e:
         result.status = "failed"
         result.error = describe_error(e)
     finally:
-        _report(result.read - reported)
-        result.seconds = round(time.time() - start, 3)
-        result.skipped = dict(sorted(result.skipped.items()))
+        report()
+        result.seconds = round(time.monotonic() - start, 3)
+        for name in ("skipped", "malformed", "repaired"):
+            setattr(result, name, dict(sorted(getattr(result, name).items())))
+        result.sections_dropped = dict(result.sections_dropped.most_common())
     return result
 
 
@@ -700,18 +528,29 @@ def describe_error(e: BaseException) -> str:
     if type(e).__name__ == "BrokenProcessPool":
         return "a record-conversion worker process died (killed or out of memory?)"
     if isinstance(e, OSError):
-        return f"cannot read the file ({e.strerror or e})"
+        return f"cannot read or write ({e.strerror or e}{': ' + e.filename if e.filename else ''})"
     return f"{type(e).__name__}: {e}"
 
 
 # --------------------------------------------------------------------------- the run
-def find_inputs(input_dir: Path) -> list[Path]:
-    """Dump files in a folder (or the one file given), sorted by name; hidden files ignored."""
+def find_inputs(input_dir: Path) -> tuple[list[Path], list[tuple[str, str]]]:
+    """Dump files in a folder (or the one file given), sorted by name, and the entries with
+    a dump's name that are not regular files ``[(name, why)]``. Hidden files are ignored."""
     if input_dir.is_file():
-        return [input_dir]
-    return sorted(p for p in input_dir.iterdir()
-                  if p.is_file() and not p.name.startswith(".")
-                  and p.name.lower().endswith(INPUT_SUFFIXES))
+        return [input_dir], []
+    files, not_files = [], []
+    for p in sorted(input_dir.iterdir()):
+        if p.name.startswith(".") or not p.name.lower().endswith(INPUT_SUFFIXES):
+            continue
+        if p.is_file():
+            files.append(p)
+        elif p.is_symlink() and not p.exists():
+            not_files.append((p.name, "a dangling symbolic link"))
+        elif p.is_dir():
+            not_files.append((p.name, "a directory, not a file"))
+        else:
+            not_files.append((p.name, "not a regular file"))
+    return files, not_files
 
 
 def output_name(input_path: Path) -> str:
@@ -726,33 +565,45 @@ def output_name(input_path: Path) -> str:
     return f"cleaned_{name}.txt"
 
 
-class _BarFeed:
-    """Stands in for the workers' message queue when files are cleaned in this process."""
-
-    def __init__(self, bar):
-        self.bar = bar
-
-    def put(self, message) -> None:
-        self.bar.update(message[2])
+def _new_bar():
+    from tqdm import tqdm
+    return tqdm(total=None, unit=" articles", desc="cleaning", dynamic_ncols=True, mininterval=0.5)
 
 
 def run_in_process(tasks: list[tuple], workers: int) -> list[FileResult]:
     """Fewer files than cores (e.g. one big XML dump): clean one file at a time here, each
     file's records converted by ``workers`` processes (in order: same output as serial)."""
-    global _PROGRESS
-    from tqdm import tqdm
-
-    bar = tqdm(total=None, unit=" articles", desc="cleaning", dynamic_ncols=True, mininterval=0.5)
-    _PROGRESS = _BarFeed(bar)
+    bar = _new_bar()
     results = []
     try:
         for i, (inp, out, opts) in enumerate(tasks):
-            results.append(clean_file(inp, out, replace(opts, record_workers=workers)))
+            results.append(clean_file(inp, out, replace(opts, record_workers=workers),
+                                      progress=bar.update))
             bar.set_postfix(files=f"{i + 1}/{len(tasks)}", refresh=False)
         return results
     finally:
-        _PROGRESS = None
         bar.close()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)     # unwinds through atomic_open: the temp file goes
+
+
+def _worker_main(index: int, task: tuple, messages) -> None:
+    """Worker process: clean one file and send its FileResult back.
+
+    Ctrl-C is ignored here: the parent handles it by terminating workers (SIGTERM, which
+    unwinds this process so its temp file is removed); a finished output is never touched."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    result = clean_file(*task, progress=lambda n: messages.put(("progress", index, n)))
+    messages.put(("done", index, result))
+
+
+def _remove_temp(output: str, pid: Optional[int]) -> None:
+    """Remove the temp file a dead worker (pid) left for output (utils.atomic's naming)."""
+    if pid is not None:
+        temp_path(Path(output), pid).unlink(missing_ok=True)
 
 
 def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
@@ -760,16 +611,14 @@ def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
     a time, with one tqdm bar (articles/s) for the whole run.
 
     A worker that dies without reporting (killed, out of memory) fails its file only.
-    On Ctrl-C every worker is terminated and its temp file removed before re-raising.
-    """
-    from tqdm import tqdm
-
+    On Ctrl-C every worker is terminated and its temp file removed before re-raising;
+    outputs already finished stay."""
     ctx = mp.get_context()
     messages = ctx.Queue()
     todo = list(enumerate(tasks))
     running: dict[int, mp.process.BaseProcess] = {}
     results: dict[int, FileResult] = {}
-    bar = tqdm(total=None, unit=" articles", desc="cleaning", dynamic_ncols=True, mininterval=0.5)
+    bar = _new_bar()
 
     def handle(message) -> None:
         kind, index, payload = message
@@ -801,7 +650,7 @@ def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
                 proc.join()
                 if index not in results:
                     inp, out, _ = tasks[index]
-                    temp_path(Path(out)).unlink(missing_ok=True)
+                    _remove_temp(out, proc.pid)
                     results[index] = FileResult(inp, out, status="failed",
                                                 error=f"the worker process died (exit code {proc.exitcode}; "
                                                       f"killed or out of memory?)")
@@ -812,10 +661,9 @@ def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
     except BaseException:
         for proc in running.values():
             proc.terminate()
-        for proc in running.values():
+        for index, proc in running.items():
             proc.join()
-        for _, output, _ in tasks:
-            temp_path(Path(output)).unlink(missing_ok=True)
+            _remove_temp(tasks[index][1], proc.pid)
         raise
     finally:
         bar.close()
@@ -823,10 +671,11 @@ def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
 
 def summarize(results: list[FileResult], seconds: float) -> dict:
     """Totals over all files of a run."""
-    skipped: Counter = Counter()
-    for r in results:
-        skipped.update(r.skipped)
+    counters = {name: Counter() for name in ("skipped", "malformed", "repaired", "sections_dropped")}
     done = [r for r in results if r.status != "exists"]
+    for r in done:
+        for name, counter in counters.items():
+            counter.update(getattr(r, name))
     return {
         "files": len(results),
         "files_ok": sum(r.status == "ok" for r in results),
@@ -835,16 +684,27 @@ def summarize(results: list[FileResult], seconds: float) -> dict:
         "files_already_done": sum(r.status == "exists" for r in results),
         "articles_read": sum(r.read for r in done),
         "articles_kept": sum(r.kept for r in done),
-        "skipped": dict(sorted(skipped.items())),
+        "skipped": dict(sorted(counters["skipped"].items())),
+        "malformed": dict(sorted(counters["malformed"].items())),
+        "repaired": dict(sorted(counters["repaired"].items())),
+        "sections_dropped": dict(counters["sections_dropped"].most_common()),
         "chars_in": sum(r.chars_in for r in done),
         "chars_out": sum(r.chars_out for r in done),
         "seconds": round(seconds, 2),
     }
 
 
-def print_summary(results: list[FileResult], totals: dict) -> None:
+def _counts(d: dict, limit: int = 0) -> str:
+    items = list(d.items())
+    text = ", ".join(f"{k} {v:,}" for k, v in (items[:limit] if limit else items)) or "none"
+    return text + (f", ... ({len(items) - limit} more titles)" if limit and len(items) > limit else "")
+
+
+def print_summary(results: list[FileResult], totals: dict, not_files: Sequence = ()) -> None:
     """Human-readable per-file lines and totals."""
     print("\nCleaning summary")
+    for name, why in not_files:
+        print(f"  {name}: skipped, {why}")
     for r in results:
         name = Path(r.input).name
         if r.status == "exists":
@@ -852,17 +712,22 @@ def print_summary(results: list[FileResult], totals: dict) -> None:
         elif r.status == "failed":
             print(f"  {name}: FAILED: {r.error}")
         else:
-            skipped = ", ".join(f"{k} {v:,}" for k, v in r.skipped.items()) or "none"
             where = Path(r.output).name if r.status == "ok" else "no output (nothing kept)"
-            print(f"  {name} [{r.format}]: read {r.read:,}, kept {r.kept:,}, skipped: {skipped}"
-                  f" -> {where} ({r.seconds:.1f}s)")
+            if r.status == "no_output" and Path(r.output).exists():
+                where += f"; the earlier {Path(r.output).name} is left as it was"
+            print(f"  {name} [{r.format}]: read {r.read:,}, kept {r.kept:,}, skipped: "
+                  f"{_counts(r.skipped)} -> {where} ({r.seconds:.1f}s)")
+        if r.malformed:
+            print(f"      bad records: {_counts(r.malformed)}")
         for p in r.problems:
-            print(f"      malformed: {p}")
+            print(f"      {p}")
     t = totals
     rate = t["articles_read"] / t["seconds"] if t["seconds"] > 0 else 0.0
-    skipped = ", ".join(f"{k} {v:,}" for k, v in t["skipped"].items()) or "none"
     print(f"  total: {t['articles_read']:,} articles read, {t['articles_kept']:,} kept; "
-          f"skipped: {skipped}")
+          f"skipped: {_counts(t['skipped'])}")
+    if t["repaired"]:
+        print(f"  repaired (kept): {_counts(t['repaired'])}")
+    print(f"  sections dropped: {_counts(t['sections_dropped'], limit=12)}")
     print(f"  characters: {t['chars_in']:,} in -> {t['chars_out']:,} out; "
           f"{t['seconds']:.1f}s ({rate:,.0f} articles/s)")
 
@@ -877,9 +742,11 @@ def build_parser() -> StageParser:
     p.config_flag("--min-chars", key="cleaning.min_chars", type=int, metavar="N",
                   help="drop articles shorter than N characters after cleaning")
     p.config_flag("--workers", key="cleaning.workers", type=int, metavar="N",
-                  help="worker processes (0 = all cores): one input file each, or, with fewer files than "
-                       "workers, the articles of one file")
-    p.add_argument("--force", action="store_true", help="redo inputs whose output already exists")
+                  help="worker processes (0 = the CPUs this process may use): one input file each, "
+                       "or, with fewer files than workers, the articles of one file")
+    p.add_argument("--force", action="store_true",
+                   help="redo inputs whose output already exists (it is replaced only when the "
+                        "new one is complete)")
     return p
 
 
@@ -891,16 +758,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise PipelineError(f"input folder {input_dir} does not exist. Set wikipedia.raw_dir in "
                             f"config.json or pass --input-dir DIR (the offline sample: "
                             f"`python main.py samples`, then --input-dir data/samples/enwiki).")
-    inputs = find_inputs(input_dir)
+    inputs, not_files = find_inputs(input_dir)
     if not inputs:
+        also = "".join(f"; {name} skipped: {why}" for name, why in not_files)
         raise PipelineError(f"no input files found in {input_dir} (expected *.jsonl, *.json, "
-                            f"*.xml, *.xml.bz2 or *.jsonl.bz2); set wikipedia.raw_dir or --input-dir.")
+                            f"*.xml, *.xml.bz2 or *.jsonl.bz2){also}; set wikipedia.raw_dir or --input-dir.")
     outputs = [output_dir / output_name(p) for p in inputs]
     clashes = [o.name for o in set(outputs) if outputs.count(o) > 1]
     if clashes:
         raise PipelineError(f"several inputs would be written to the same output ({', '.join(clashes)}); "
                             f"rename one of them in {input_dir}.")
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PipelineError(f"cannot create the output folder {output_dir} ({e.strerror or e}); "
+                            f"set cleaning.output_dir or --output-dir to a writable folder.") from None
     opts = CleanOptions.from_config(cfg)
 
     results: dict[str, FileResult] = {}
@@ -911,7 +783,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             tasks.append((str(inp), str(out), opts))
     tasks.sort(key=lambda t: -Path(t[0]).stat().st_size)   # biggest first: better balance
-    workers = workers_or_cores(cfg.cleaning.workers)
+    workers = cfg.cleaning.workers or available_cpus()
     mode = f"test mode, first {opts.max_articles:,} articles per file" if cfg.test else "full run"
     # As many files as cores: one process per file. Fewer (a single big XML dump is the common
     # download): files one after another, each file's records spread over all cores.
@@ -919,34 +791,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     how = (f"{min(workers, max(1, len(tasks)))} worker process(es), one file each" if per_file
            else f"one file at a time, its articles converted by {workers} worker processes")
     print(f"Cleaning {len(tasks)} of {len(inputs)} file(s) from {input_dir} -> {output_dir} "
-          f"({how}; {mode})")
+          f"({how}; {mode})", flush=True)
+    for name, why in not_files:
+        print(f"  skipped {name}: {why}", flush=True)
 
-    start = time.time()
+    start = time.monotonic()
     if tasks:
         run = run_workers if per_file else run_in_process
         for r in run(tasks, workers):
             results[r.input] = r
     ordered = [results[str(p)] for p in inputs]
-    totals = summarize(ordered, time.time() - start)
-    print_summary(ordered, totals)
+    totals = summarize(ordered, time.monotonic() - start)
+    print_summary(ordered, totals, not_files)
 
     cfg.save_resolved(output_dir)
     summary = {"test": cfg.test, "input_dir": str(input_dir), "output_dir": str(output_dir),
+               "inputs_skipped": [{"name": n, "reason": why} for n, why in not_files],
                "totals": totals, "files": [asdict(r) for r in ordered]}
     write_json_atomic(output_dir / SUMMARY_FILE, summary)
 
     failed = [r for r in ordered if r.status == "failed"]
     if failed:
         names = "; ".join(f"{Path(r.input).name}: {r.error}" for r in failed)
+        more = (f" The traceback is in {output_dir / SUMMARY_FILE}." if any(r.traceback for r in failed)
+                else "")
         raise PipelineError(f"{len(failed)} of {len(inputs)} input file(s) failed ({names}). "
-                            f"Other files were cleaned; fix or remove the failed ones and re-run.")
+                            f"Other files were cleaned and earlier outputs of the failed ones are "
+                            f"unchanged; fix or remove the failed ones and re-run.{more}")
     if not tasks:
         print(f"Nothing to do: every output exists in {output_dir} (use --force to redo).")
         return 0
     if totals["articles_kept"] == 0:
-        skipped = ", ".join(f"{k} {v:,}" for k, v in totals["skipped"].items()) or "none"
         raise PipelineError(f"no usable article came out of {len(tasks)} file(s): all "
-                            f"{totals['articles_read']:,} articles read were skipped ({skipped}). "
+                            f"{totals['articles_read']:,} articles read were skipped "
+                            f"({_counts(totals['skipped'])}); earlier outputs are unchanged. "
                             f"Check the inputs, or lower cleaning.min_chars / --min-chars "
                             f"(now {opts.min_chars}).")
     print(f"Wrote {totals['articles_kept']:,} articles to {output_dir}")

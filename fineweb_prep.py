@@ -8,18 +8,27 @@ Filters (the seed's, configurable): ``language_score >= fineweb.min_language_sco
 and at least ``fineweb.min_tokens`` (100) tokens after tokenization; the counts of kept and
 dropped documents by reason go into ``metadata.json``. ``--max-files`` caps the number of
 shard files (the seed's 38): when reached the run stops and the metadata says so
-(``truncated: true``). Output: ``dataset.fineweb_full_dir`` (``fineweb_test_dir`` with
+(``truncated: true``). A missing (null), NaN or non-numeric ``language_score`` fails the
+filter and is counted as ``language_score_missing``.
+
+Local parquet inputs are checked before anything is tokenized or written: a file that is not
+parquet, is empty (0 bytes), has a damaged footer, lacks a column or has one of the wrong type
+(``text`` must be string, ``language_score`` a number), or a data folder whose files have no
+rows, ends the run with exit 1 naming the file; a row group that cannot be read mid-run does
+the same (completed shards are kept, a re-run resumes). Output: ``dataset.fineweb_full_dir`` (``fineweb_test_dir`` with
 ``--test``), in the same format and through the same engine as `prepare`
 (:mod:`utils.packing`): resumable, byte-identical output for any ``--workers``.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 from utils.config import Config
+from utils.hub import open_hub_dataset
 from utils.packing import (PackJob, Stream, add_output_flags, file_identity, load_fast_tokenizer,
                            run_job)
 
@@ -36,43 +45,95 @@ def hub_help(cfg: Config, error: BaseException) -> str:
             "DIR` or set fineweb.data_dir in config.json.")
 
 
-def parquet_files(data_dir: Path) -> list[Path]:
-    files = sorted(data_dir.rglob("*.parquet")) if data_dir.is_dir() else []
+def _bad_parquet(path: Path, what: str) -> PipelineError:
+    return PipelineError(f"{path}: {what}. Every *.parquet file under fineweb.data_dir / --data-dir "
+                         "must be a FineWeb parquet file (columns text: string and language_score: "
+                         "number); fix or remove this one and re-run.")
+
+
+def check_parquet(path: Path, text_column: str) -> int:
+    """Open one parquet file and check FineWeb's schema without reading its data; returns its
+    row count. Not parquet, empty (0 bytes), a damaged footer, a missing column or a column of
+    the wrong type is a PipelineError naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        if path.stat().st_size == 0:
+            raise _bad_parquet(path, "the file is empty (0 bytes)")
+        pf = pq.ParquetFile(path)
+        schema = pf.schema_arrow
+        rows = pf.metadata.num_rows
+    except PipelineError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _bad_parquet(path, f"cannot be read as parquet ({first}); it may be truncated or "
+                                 "not a parquet file") from None
+    missing = {text_column, SCORE_COLUMN} - set(schema.names)
+    if missing:
+        raise _bad_parquet(path, f"missing column(s) {', '.join(sorted(missing))} (fineweb.text_column "
+                                 f"= {text_column!r})")
+    t = schema.field(text_column).type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        raise _bad_parquet(path, f"column {text_column!r} has type {t}, expected string (UTF-8 text)")
+    t = schema.field(SCORE_COLUMN).type
+    if not (pa.types.is_floating(t) or pa.types.is_integer(t)):
+        raise _bad_parquet(path, f"column {SCORE_COLUMN!r} has type {t}, expected a number")
+    return rows
+
+
+def parquet_files(data_dir: Path, text_column: str = "text") -> list[Path]:
+    """The parquet files under ``data_dir`` (sorted), each checked by :func:`check_parquet`
+    before anything is tokenized or written. Files with no rows are named; if no file has a
+    row it is an error."""
+    files = sorted(p for p in data_dir.rglob("*.parquet") if p.is_file()) if data_dir.is_dir() else []
     if not files:
         raise PipelineError(f"no parquet files in {data_dir} (fineweb.data_dir / --data-dir); expected "
                             "FineWeb parquet files with columns text and language_score.")
+    empty = [p for p in files if check_parquet(p, text_column) == 0]
+    if len(empty) == len(files):
+        raise PipelineError(f"no documents: the parquet input(s) have no rows ({', '.join(map(str, empty))}); "
+                            "point fineweb.data_dir / --data-dir at FineWeb parquet files with data.")
+    for p in empty:
+        print(f"note: {p} has no rows", flush=True)
     return files
 
 
 def _decide(text, score, min_score: float) -> tuple[str, Optional[str]]:
-    if text is None:
+    """(text, drop reason): a missing, NaN or non-numeric score fails the filter
+    (``language_score_missing``), like a low one (``language_score``)."""
+    if not isinstance(text, str):
         return "", "empty"
-    if score is None or score < min_score:
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or math.isnan(score):
+        return text, "language_score_missing"
+    if score < min_score:
         return text, "language_score"
     return text, None
 
 
 def parquet_stream(files: list[Path], text_column: str, min_score: float) -> Stream:
     """Documents of local parquet files, one row group at a time (never a whole file in memory)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     def open_stream(start: int, resume: Optional[dict] = None) -> Iterator[tuple[str, Optional[str]]]:
         skip = start   # row groups are skipped unread, so no saved state is needed
         for path in files:
+            check_parquet(path, text_column)
             pf = pq.ParquetFile(path)
-            missing = {text_column, SCORE_COLUMN} - set(pf.schema_arrow.names)
-            if missing:
-                raise PipelineError(f"{path}: missing column(s) {', '.join(sorted(missing))}; FineWeb "
-                                    f"parquet files have text and {SCORE_COLUMN} (fineweb.text_column "
-                                    f"= {text_column!r}).")
             for g in range(pf.num_row_groups):
                 rows = pf.metadata.row_group(g).num_rows
                 if skip >= rows:   # resume: skip whole row groups without reading them
                     skip -= rows
                     continue
-                table = pf.read_row_group(g, columns=[text_column, SCORE_COLUMN])
-                texts = table.column(text_column).to_pylist()[skip:]
-                scores = table.column(SCORE_COLUMN).to_pylist()[skip:]
+                try:
+                    table = pf.read_row_group(g, columns=[text_column, SCORE_COLUMN])
+                    texts = table.column(text_column).to_pylist()[skip:]
+                    scores = table.column(SCORE_COLUMN).to_pylist()[skip:]
+                except (pa.ArrowException, OSError, UnicodeDecodeError, ValueError) as e:
+                    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    raise _bad_parquet(path, f"row group {g} cannot be read ({first}); the file may "
+                                             "be truncated or damaged") from None
                 skip = 0
                 del table
                 for text, score in zip(texts, scores):
@@ -130,11 +191,8 @@ def hub_stream(cfg: Config) -> Stream:
     dataset folder given as ``fineweb.dataset`` streams the same way, offline)."""
     f = cfg.fineweb
 
-    try:
-        import datasets
-        ds = datasets.load_dataset(f.dataset, name=f.config_name, split=f.split, streaming=True)
-    except Exception as e:   # offline, no network, unknown name: all end the same way
-        raise PipelineError(hub_help(cfg, e)) from e   # fail fast, before the tokenizer loads
+    # opened once (fail fast, before the tokenizer loads); every open_stream reuses it
+    ds = open_hub_dataset(f.dataset, f.config_name, f.split, explain=lambda e: hub_help(cfg, e))
 
     def decide(row: dict) -> tuple[str, Optional[str]]:
         return _decide(row.get(f.text_column), row.get(SCORE_COLUMN), f.min_language_score)
@@ -171,7 +229,7 @@ def make_job(cfg: Config, *, output_dir: Optional[Path] = None, force: bool = Fa
     """The fineweb job for this config (opens the source, then loads the tokenizer)."""
     f = cfg.fineweb
     if f.data_dir:
-        files = parquet_files(cfg.resolve(f.data_dir))
+        files = parquet_files(cfg.resolve(f.data_dir), f.text_column)
         stream = parquet_stream(files, f.text_column, f.min_language_score)
         inputs, identity = [str(p) for p in files], file_identity(files)
         origin = {"origin": "local parquet"}

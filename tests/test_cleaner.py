@@ -131,7 +131,14 @@ def read_out(path: Path) -> list[str]:
 
 
 def no_partials(directory: Path) -> bool:
-    return not list(directory.glob(".*partial*")) if directory.exists() else True
+    """No temp file of utils.atomic (or the old .partial scheme) is left in directory."""
+    return not list(directory.glob(".*tmp-*")) + list(directory.glob(".*partial*")) \
+        if directory.exists() else True
+
+
+def snapshot(directory: Path) -> dict:
+    """{name: bytes} of the cleaned outputs in directory."""
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("cleaned_*.txt"))}
 
 
 # --------------------------------------------------------------------------- unit tests
@@ -162,11 +169,6 @@ def test_unclosed_italics_do_not_hide_reference_sections():
     wt = "Intro ''unclosed italics here.\n\n== References ==\nREF TEXT\n== More ==\nMore text."
     text = cleaner.wikitext_article_text(wt, OPTS)
     assert "REF TEXT" not in text and "More text." in text and "''" not in text
-
-
-def test_leftover_markup_fallback():
-    s = "A [[x|link]] and [[plain]]{{t|{{inner}}}}<ref>r</ref> [[File:a.png|thumb|[[c]]]] ''it''\n| row"
-    assert cleaner.strip_leftover_markup(s).split() == ["A", "link", "and", "plain", "it"]
 
 
 def test_structured_contents_walk():
@@ -296,11 +298,14 @@ def test_min_chars_and_test_limit(tmp_config, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kept = read_out(out_dir(tmp_path) / "cleaned_a.txt")
     assert sorted(map(len, kept)) == lengths[-2:]
-    # nothing long enough at all: a failure, not "0 articles, success"
+    # nothing long enough at all: a failure, not "0 articles, success"; and the earlier
+    # output is not lost (even with --force): it stays byte-identical
+    before = snapshot(out_dir(tmp_path))
     proc = run_main("clean", "--config", cfg, "--force", "--min-chars", "100000")
     assert proc.returncode == 1
     assert "no usable article" in proc.stderr and "min_chars" in proc.stderr
-    assert not (out_dir(tmp_path) / "cleaned_a.txt").exists()
+    assert "left as it was" in proc.stdout
+    assert snapshot(out_dir(tmp_path)) == before and no_partials(out_dir(tmp_path))
 
 
 def test_truncated_bz2_fails_only_that_file(tmp_config, tmp_path):
@@ -311,9 +316,16 @@ def test_truncated_bz2_fails_only_that_file(tmp_config, tmp_path):
     proc = run_main("clean", "--config", cfg_for(tmp_config, tmp_path, raw))
     assert proc.returncode == 1
     assert "broken-pages-articles.xml.bz2" in proc.stderr and "truncated" in proc.stderr
-    assert (out_dir(tmp_path) / "cleaned_good.txt").exists()
     assert not (out_dir(tmp_path) / "cleaned_broken-pages-articles.txt").exists()
     assert no_partials(out_dir(tmp_path))
+    # the surviving output is complete and identical to a run on the good file alone
+    alone = tmp_path / "alone"
+    proc = run_main("clean", "--config", cfg_for(tmp_config, tmp_path, raw / "good.jsonl"),
+                    "--output-dir", alone)
+    assert proc.returncode == 0, proc.stderr
+    good = (out_dir(tmp_path) / "cleaned_good.txt").read_bytes()
+    assert good == (alone / "cleaned_good.txt").read_bytes()
+    assert len(read_out(out_dir(tmp_path) / "cleaned_good.txt")) == 3
 
 
 def test_xml_with_entities_refused_end_to_end(tmp_config, tmp_path):
@@ -347,7 +359,7 @@ def test_ctrl_c_exits_130_without_partial_output(samples, tmp_config, tmp_path, 
                             env=offline_env(), cwd=ROOT, start_new_session=True)
     assert proc.stdout.readline().startswith("Cleaning 1 of 1")
     deadline = time.monotonic() + 60                 # wait until the file is being written
-    while not list(out_dir(tmp_path).glob(".*partial")):
+    while not list(out_dir(tmp_path).glob(".*tmp-*")):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGINT)               # what Ctrl-C in a terminal does
@@ -363,10 +375,10 @@ def test_dead_worker_fails_its_file_only(tmp_path, monkeypatch):
     good, bad = write_jsonl(tmp_path / "good.jsonl", bad_lines=()), write_jsonl(tmp_path / "bad.jsonl")
     real = cleaner.clean_file
 
-    def flaky(inp, out, opts):
+    def flaky(inp, out, opts, progress=None):
         if Path(inp).name == "bad.jsonl":
             os._exit(3)                      # as if killed (e.g. out of memory)
-        return real(inp, out, opts)
+        return real(inp, out, opts, progress)
 
     monkeypatch.setattr(cleaner, "clean_file", flaky)
     tasks = [(str(p), str(tmp_path / cleaner.output_name(p)), OPTS) for p in (good, bad)]

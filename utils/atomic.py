@@ -10,13 +10,14 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Optional
 
 
-def temp_path(path: Path) -> Path:
-    """The hidden temp sibling a file is written under (same folder: the rename is atomic)."""
+def temp_path(path: Path, pid: Optional[int] = None) -> Path:
+    """The hidden temp sibling a file is written under by process ``pid`` (default: this
+    one); same folder, so the rename is atomic."""
     path = Path(path)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return path.with_name(f".{path.name}.tmp-{os.getpid() if pid is None else pid}")
 
 
 @contextlib.contextmanager

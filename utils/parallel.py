@@ -9,11 +9,25 @@ caller instead of hanging it.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (affinity masks, taskset, cpusets), not the host's count:
+    ``os.process_cpu_count()`` on Python 3.13+, else ``len(os.sched_getaffinity(0))``,
+    else ``os.cpu_count()``. What "0 = all cores" means in every stage."""
+    count = getattr(os, "process_cpu_count", None)
+    if count is not None:
+        return count() or 1
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def ordered_map(fn: Callable, items: Iterable[T], workers: int, *,

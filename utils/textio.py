@@ -32,11 +32,26 @@ def unescape_article(line: str) -> str:
     return _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line)
 
 
+class CleanedFileError(ValueError):
+    """A cleaned-article file that cannot be read (message names ``file:line``)."""
+
+
 def iter_articles(paths: Iterable[Path]) -> Iterator[str]:
-    """Yield unescaped articles from cleaned files, in the given file order, skipping blank lines."""
+    """Yield unescaped articles from cleaned files, in the given file order, skipping blank lines.
+
+    A line that is not UTF-8 or a file that cannot be read raises CleanedFileError naming
+    ``file:line``: cleaned files are the cleaner's output, so this means damage, not data."""
     for p in paths:
-        with open(p, encoding="utf-8") as f:
-            for line in f:
-                line = line.rstrip("\n")
-                if line:
-                    yield unescape_article(line)
+        lineno = 0
+        try:
+            with open(p, "rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    line = raw.decode("utf-8").rstrip("\n")
+                    if line:
+                        yield unescape_article(line)
+        except UnicodeDecodeError as e:
+            raise CleanedFileError(f"{p}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line); "
+                                   "cleaned files are written by `python main.py clean`: re-run it "
+                                   "for this input, or remove the file") from None
+        except OSError as e:
+            raise CleanedFileError(f"{p}: cannot be read ({e.strerror or e})") from None

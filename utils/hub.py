@@ -1,0 +1,48 @@
+"""Hugging Face hub datasets, streamed: the one place the pipeline opens one (library).
+
+:func:`open_hub_dataset` wraps ``datasets.load_dataset(name, config, split=split,
+streaming=True)``: no data is downloaded until iteration, and a dataset *folder* given as
+``name`` streams the same way offline. It turns every failure (no network, offline mode,
+unknown name or config) into one :class:`~utils.cli.PipelineError` whose text says what to do,
+so no caller prints a traceback. Callers open the dataset once and iterate it as many times as
+they need (each ``iter`` starts a new pass; ``state_dict`` / ``load_state_dict`` resume one).
+
+:func:`iter_rows` iterates every row of such a dataset in order, also inside a torch
+``DataLoader`` worker: plain ``iter(ds)`` there would silently give each worker only its share
+of the dataset's files (datasets' own worker sharding), which breaks readers that assign
+documents to workers and to splits by their position in the whole stream.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+from utils.cli import PipelineError
+
+OFFLINE_HINT = ("The hub is unreachable or offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); "
+                "use a local copy of the data instead.")
+
+
+def open_hub_dataset(name: str, config: Optional[str] = None, split: str = "train", *,
+                     explain: Optional[Callable[[BaseException], str]] = None):
+    """``datasets.load_dataset(name, config, split=split, streaming=True)`` (an
+    ``IterableDataset``), or a PipelineError: ``explain(error)`` when given, else a generic
+    message naming the dataset, the error and :data:`OFFLINE_HINT`."""
+    try:
+        import datasets
+        return datasets.load_dataset(name, name=config, split=split, streaming=True)
+    except Exception as e:   # offline, no network, unknown name: all end the same way
+        if explain is not None:
+            raise PipelineError(explain(e)) from e
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        raise PipelineError(f"cannot stream dataset '{name}' (config {config!r}, split {split!r}) from "
+                            f"the Hugging Face hub: {type(e).__name__}: {first}. {OFFLINE_HINT}") from e
+
+
+def iter_rows(ds: Any, batch_size: int = 256) -> Iterator[dict]:
+    """Every row of a streamed dataset, in order, in any process (see the module docstring)."""
+    for batch in ds.iter(batch_size=batch_size):
+        keys = list(batch)
+        if not keys:
+            continue
+        for values in zip(*(batch[k] for k in keys)):
+            yield dict(zip(keys, values))
