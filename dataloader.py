@@ -19,10 +19,13 @@ Item format
     A batch is fetched with one vectorized index lookup (``__getitems__``), tensors contiguous.
 
 Start-up cost
-    Shards are memory-mapped (``np.load(mmap_mode="r", allow_pickle=False)``, through
-    :mod:`utils.shards`), and every count is computed arithmetically from the per-shard token
-    counts in ``metadata.json``: start-up reads no token data and its time and memory do not
-    grow with the dataset (only the block table below, a few bytes per 16k tokens, does).
+    Shards are memory-mapped through :func:`utils.shards.open_shard` (the ``.npy`` header is
+    parsed and checked without pickle, the data is mapped read-only and not read), the token-id
+    range comes from each shard's ``max_token_id`` in ``metadata.json``, and every count is
+    computed arithmetically from the per-shard token counts there: start-up reads no token
+    data and its time and memory do not grow with the dataset (only the block table below, a
+    few bytes per 16k tokens, does). A set whose metadata predates ``max_token_id`` costs one
+    sequential max over each shard, once per start-up (a note says so).
 
 Train/validation split (no leakage)
     Each shard's token range is cut into *blocks* of ``split_block_windows * stride`` tokens
@@ -64,13 +67,15 @@ On-the-fly mode (``dataset.mode = "on_the_fly"``, seeds/000)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -78,7 +83,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_
 
 from utils.cli import PipelineError
 from utils.config import PROJECT_ROOT, Config
-from utils.shards import (ShardSetError, load_shards, read_metadata, rebuild_command,
+from utils.shards import (ShardSetError, load_shards, open_shard, read_metadata, rebuild_command,
                           validate_metadata)
 
 # Fields of ShardSetError that mean "this set was built differently": rebuild with --force.
@@ -98,16 +103,24 @@ def tokenizer_info(cfg: Config, tokenizer: Any = None) -> dict:
 
 
 # --------------------------------------------------------------------------- shard set
-def _rebuild(cfg: Config) -> str:
-    return rebuild_command(cfg.dataset.source, cfg.test)
+def _rebuild(cfg: Config, directory: Optional[Path] = None) -> str:
+    """The pasteable prep command for this config (its --config file, and --output-dir when
+    the set is not in the configured folder)."""
+    from utils.config import DEFAULT_CONFIG_FILE
+    files = [s for s in cfg.sources if s != "command-line flags"
+             and Path(s).resolve() != Path(DEFAULT_CONFIG_FILE).resolve()]
+    custom = directory is not None and Path(directory).resolve() != cfg.shard_dir().resolve()
+    return rebuild_command(cfg.dataset.source, cfg.test, config_file=files[-1] if files else None,
+                           output_dir=str(directory) if custom else None)
 
 
 def _check(cfg: Config, directory: Path, tok_info: dict) -> tuple[dict, list[np.ndarray]]:
-    """read_metadata + validate against the tokenizer + memory-map. Raises ShardSetError."""
-    rebuild = _rebuild(cfg)
+    """read_metadata + validate against the tokenizer + open every shard (headers only, plus
+    the token-id range from metadata). Raises ShardSetError."""
+    rebuild = _rebuild(cfg, directory)
     meta = read_metadata(directory, rebuild)
     validate_metadata(meta, directory, tokenizer_info=tok_info, rebuild=rebuild)
-    arrays = load_shards(directory, meta)  # header reads only: checks dtype and lengths
+    arrays = load_shards(directory, meta, rebuild=rebuild)
     return meta, arrays
 
 
@@ -129,30 +142,32 @@ def run_prep(cfg: Config, force: bool, output_dir: Optional[Path] = None) -> Non
     if proc.returncode != 0:
         raise PipelineError(f"dataset.auto_prepare: the prep stage `python -m {module}` failed "
                             f"(exit code {proc.returncode}); see its output above. Run "
-                            f"`{_rebuild(cfg)}` by hand to investigate.")
+                            f"`{_rebuild(cfg, output_dir)}` by hand to investigate.")
 
 
 def open_shard_set(cfg: Config, tokenizer: Any = None,
                    directory: Optional[Path] = None) -> tuple[Path, dict, list[np.ndarray]]:
     """Validate and memory-map the configured shard set: (directory, metadata, arrays).
 
-    Refuses (ShardSetError, exit code 1) a missing, incomplete, corrupt or stale set (other
-    tokenizer) and a vocabulary that does not fit ``model.vocab_size``, naming the field and
-    the rebuild command. With ``dataset.auto_prepare`` a missing/incomplete set is finished
-    and a stale one rebuilt (``--force``) by running the prep stage first, then re-checked.
+    Refuses (ShardSetError, exit code 1) a missing, incomplete, damaged or stale set (other
+    tokenizer), malformed shard files, token ids outside the vocabulary and a vocabulary that
+    does not fit ``model.vocab_size``, naming the file or field and the rebuild command
+    (:mod:`utils.shards`; docs/loader.md). With ``dataset.auto_prepare`` a missing/incomplete
+    set is finished and a stale or damaged one rebuilt (``--force``) by running the prep stage
+    first, then re-checked; a metadata.json that cannot be read or parsed is never acted on.
     """
     d = Path(directory) if directory is not None else cfg.shard_dir()
     info = tokenizer_info(cfg, tokenizer)
     try:
         meta, arrays = _check(cfg, d, info)
     except ShardSetError as e:
-        if not cfg.dataset.auto_prepare:
+        if not cfg.dataset.auto_prepare or not e.auto_rebuild:
             raise
         run_prep(cfg, force=e.field not in _INCOMPLETE_FIELDS,
                  output_dir=Path(directory) if directory is not None else None)
         meta, arrays = _check(cfg, d, info)
     # The model check comes after any rebuild: rebuilding with the same tokenizer cannot fix it.
-    validate_metadata(meta, d, model_vocab_size=cfg.model.vocab_size, rebuild=_rebuild(cfg))
+    validate_metadata(meta, d, model_vocab_size=cfg.model.vocab_size, rebuild=_rebuild(cfg, d))
     return d, meta, arrays
 
 
@@ -278,8 +293,8 @@ class ShardWindowDataset(Dataset):
 
     @property
     def arrays(self) -> list[np.ndarray]:
-        if self._arrays is None:
-            self._arrays = [np.load(p, mmap_mode="r", allow_pickle=False) for p in self.paths]
+        if self._arrays is None:   # a worker process: re-open (headers re-validated, no pickle)
+            self._arrays = [open_shard(Path(p)) for p in self.paths]
         return self._arrays
 
     def window(self, i: int) -> np.ndarray:
@@ -318,15 +333,22 @@ def collate_batch(data):
 # --------------------------------------------------------------------------- sampler
 _U64 = np.uint64
 _MIX1, _MIX2 = _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
+_MASK64 = (1 << 64) - 1
 
 
-def _mix64_np(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer on a uint64 array (wrapping arithmetic)."""
-    x = x ^ (x >> _U64(30))
-    x = x * _MIX1
-    x = x ^ (x >> _U64(27))
-    x = x * _MIX2
-    return x ^ (x >> _U64(31))
+def mix64(x) -> np.ndarray:
+    """splitmix64 finalizer: a fixed, platform-independent 64-bit hash, elementwise on a uint64
+    array (wrapping arithmetic); Python ints are taken modulo 2**64. The one hash behind the
+    shuffle (:class:`IndexPermutation`) and the on-the-fly validation split (:func:`is_val_doc`)."""
+    if isinstance(x, int):
+        x = np.uint64(x & _MASK64)
+    x = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> _U64(30))
+        x = x * _MIX1
+        x = x ^ (x >> _U64(27))
+        x = x * _MIX2
+        return x ^ (x >> _U64(31))
 
 
 class IndexPermutation:
@@ -350,7 +372,7 @@ class IndexPermutation:
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
         left, right = x >> self.half, x & self.mask
         for k in self.keys:
-            left, right = right, left ^ (_mix64_np(right ^ k) & self.mask)
+            left, right = right, left ^ (mix64(right ^ k) & self.mask)
         return (left << self.half) | right
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
@@ -569,17 +591,14 @@ def describe_info(info: dict) -> str:
 _TEXT_SUFFIXES = (".parquet", ".jsonl", ".txt")
 
 
-def _mix64(x: int) -> int:
-    """splitmix64 finalizer: a fixed, platform-independent hash of an integer."""
-    x &= (1 << 64) - 1
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return x ^ (x >> 31)
-
-
-def is_val_doc(doc_index: int, seed: int, val_split: float) -> bool:
-    """Deterministic per-document validation assignment for on-the-fly mode."""
-    return _mix64(_mix64(seed) ^ doc_index) < val_split * 2.0**64
+def is_val_doc(doc_index, seed: int, val_split: float):
+    """Deterministic per-document validation assignment for on-the-fly mode: a bool for an int
+    ``doc_index``, a bool array for an array of them."""
+    key = mix64(seed) ^ np.asarray(doc_index, dtype=np.uint64)
+    limit = math.ceil(val_split * 2.0**64)  # hash < val_split * 2**64, exactly, in integers
+    h = mix64(key)
+    out = np.ones(h.shape, dtype=bool) if limit >= 2**64 else h < np.uint64(max(limit, 0))
+    return bool(out) if out.ndim == 0 else out
 
 
 def local_text_files(path: Path) -> list[Path]:
@@ -631,17 +650,13 @@ def iter_local_texts(files: Sequence[Path], text_column: str = "text") -> Iterat
                         yield unescape_article(line)
 
 
-def hub_stream(name: str, config: Optional[str], split: str):
-    """``datasets.load_dataset(name, config, split=split, streaming=True)``, or a PipelineError
-    with a hint when the hub cannot be reached."""
-    try:
-        import datasets
-        return datasets.load_dataset(name, config, split=split, streaming=True)
-    except Exception as e:
-        raise PipelineError(
-            f"cannot stream dataset '{name}' (config {config!r}, split {split!r}) from the Hugging "
-            f"Face hub: {type(e).__name__}: {str(e)[:200]}. Offline, set dataset.on_the_fly_source "
-            "to a local .parquet/.jsonl/.txt file or folder.") from e
+def _hub_help(name: str, config: Optional[str], split: str) -> Callable[[BaseException], str]:
+    def explain(e: BaseException) -> str:
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return (f"cannot stream dataset '{name}' (config {config!r}, split {split!r}) from the Hugging "
+                f"Face hub: {type(e).__name__}: {first}. Offline, set dataset.on_the_fly_source to a "
+                "local .parquet/.jsonl/.txt file or folder.")
+    return explain
 
 
 class OnTheFlyDataset(IterableDataset):
@@ -652,12 +667,18 @@ class OnTheFlyDataset(IterableDataset):
     documents with ``split_position % G == g``. Each document is BOS + tokens + EOS; each
     worker packs its own stream, so the content is deterministic for a fixed (G, g).
     Yields (x, y), each (T,) int64, like :class:`ShardWindowDataset`.
+
+    A hub source is opened once (:func:`utils.hub.open_hub_dataset`, in the constructor, so a
+    bad name fails before training starts) and every pass iterates that same object; pass
+    ``hub=`` to share it between the train and validation datasets. ``local`` forces the
+    source's kind (default: a path that exists or looks like one is local).
     """
 
     def __init__(self, source: str, tokenizer, *, window: int, stride: int, split: str = "train",
                  val_split: float = 0.1, seed: int = 42, rank: int = 0, world_size: int = 1,
                  hub_config: Optional[str] = None, hub_split: str = "train",
-                 text_column: str = "text", batch_docs: int = 256, root: Optional[Path] = None):
+                 text_column: str = "text", batch_docs: int = 256, root: Optional[Path] = None,
+                 local: Optional[bool] = None, hub: Any = None):
         self.source, self.tokenizer = source, tokenizer
         self.window, self.stride, self.split = window, stride, split
         self.val_split, self.seed, self.rank, self.world_size = val_split, seed, rank, world_size
@@ -666,18 +687,26 @@ class OnTheFlyDataset(IterableDataset):
         p = Path(os.path.expanduser(source))
         if not p.is_absolute() and root is not None:
             p = Path(root) / p
-        self.local = p.exists() or source.endswith(_TEXT_SUFFIXES) or source.startswith((".", "/", "~"))
+        if local is None:
+            local = p.exists() or source.endswith(_TEXT_SUFFIXES) or source.startswith((".", "/", "~"))
+        self.local = local
         self.files = local_text_files(p) if self.local else None
         self.bos, self.eos = tokenizer.bos_token_id, tokenizer.eos_token_id
         if self.bos is None or self.eos is None:
             raise PipelineError("on-the-fly mode needs a tokenizer with BOS and EOS tokens.")
+        self.hub = None
+        if not self.local:
+            from utils.hub import open_hub_dataset
+            self.hub = hub if hub is not None else open_hub_dataset(
+                source, hub_config, hub_split, explain=_hub_help(source, hub_config, hub_split))
 
     def texts(self) -> Iterator[str]:
         """All documents of the source, in order."""
         if self.local:
             yield from iter_local_texts(self.files, self.text_column)
         else:
-            for row in hub_stream(self.source, self.hub_config, self.hub_split):
+            from utils.hub import iter_rows
+            for row in iter_rows(self.hub, self.batch_docs):
                 t = row.get(self.text_column)
                 if t:
                     yield t
@@ -687,13 +716,20 @@ class OnTheFlyDataset(IterableDataset):
         wi = get_worker_info()
         nw, wid = (wi.num_workers, wi.id) if wi is not None else (1, 0)
         G, g = self.world_size * nw, self.rank * nw + wid
-        want_val, pos = self.split == "val", 0
-        for i, t in enumerate(self.texts()):
-            if is_val_doc(i, self.seed, self.val_split) != want_val:
-                continue
-            if pos % G == g:
-                yield t
-            pos += 1
+        want_val, pos, i, block = self.split == "val", 0, 0, 1024
+        texts = self.texts()
+        while True:
+            chunk = list(itertools.islice(texts, block))
+            if not chunk:
+                return
+            val = is_val_doc(np.arange(i, i + len(chunk)), self.seed, self.val_split)
+            i += len(chunk)
+            for t, v in zip(chunk, val.tolist()):
+                if v != want_val:
+                    continue
+                if pos % G == g:
+                    yield t
+                pos += 1
 
     def _encode(self, texts: list[str]) -> np.ndarray:
         """The documents framed as in the shards (utils.packing.encode_frame), concatenated."""
@@ -740,10 +776,8 @@ def _build_on_the_fly(cfg: Config, tokenizer, *, batch_size, device, rank, world
               world_size=world_size, hub_config=ds.on_the_fly_config, hub_split=ds.on_the_fly_split,
               text_column=ds.on_the_fly_text_column, batch_docs=ds.on_the_fly_batch_docs,
               root=cfg.root)
-    train_ds = OnTheFlyDataset(ds.on_the_fly_source, tokenizer, split="train", **kw)
-    if not train_ds.local:
-        hub_stream(train_ds.source, ds.on_the_fly_config, ds.on_the_fly_split)  # fail early
-    val_ds = OnTheFlyDataset(ds.on_the_fly_source, tokenizer, split="val", **kw)
+    train_ds = OnTheFlyDataset(ds.on_the_fly_source, tokenizer, split="train", **kw)  # opens a hub source
+    val_ds = OnTheFlyDataset(ds.on_the_fly_source, tokenizer, split="val", hub=train_ds.hub, **kw)
     train_loader = OnTheFlyLoader(train_ds, batch_size=batch_size, device=device,
                                   num_workers=num_workers)
     val_loader = None
@@ -759,24 +793,40 @@ def _build_on_the_fly(cfg: Config, tokenizer, *, batch_size, device, rank, world
 
 
 # --------------------------------------------------------------------------- inspection CLI
+def build_parser():
+    """The inspection CLI's flags (``python dataloader.py --help``)."""
+    from utils.cli import StageParser, cli_path
+
+    parser = StageParser("dataloader.py", "Validate a token shard set (the configured one, or "
+                         "--shards DIR) against the configured tokenizer and model, print its "
+                         "train/val split and decode the first windows of a training batch.")
+    parser.config_flag("--source", key="dataset.source", choices=["wikipedia", "fineweb"],
+                       metavar="{wikipedia,fineweb}", help="which configured shard set to read")
+    parser.add_argument("--shards", type=cli_path, default=None, metavar="DIR",
+                        help="read the shard set in DIR instead of the configured folder")
+    parser.config_flag("--window", key="dataset.window", type=int, metavar="N",
+                       help="window length in tokens")
+    parser.config_flag("--stride", key="dataset.stride", type=int, metavar="N",
+                       help="tokens between window starts (default: window // 2)")
+    parser.config_flag("--batch-size", key="training.batch_size", type=int, metavar="N",
+                       help="windows per batch")
+    parser.add_argument("--show", type=int, default=2, metavar="N",
+                        help="windows of the first batch to decode")
+    parser.add_argument("--chars", type=int, default=400, metavar="N",
+                        help="characters shown per window")
+    return parser
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python dataloader.py [--config FILE] [--test]``: validate the configured data set
+    """``python dataloader.py [--config FILE] [--test] [--shards DIR] ...``: validate the data set
     (building it first when ``dataset.auto_prepare`` is on), print its split and decode the
     first windows of a training batch — a quick look at exactly what the trainer will see."""
-    from utils.cli import StageParser
     from utils.tok import load_tokenizer
 
-    parser = StageParser("dataloader.py", "Validate the configured data set, print its train/val "
-                         "split and decode the first windows of a training batch.")
-    parser.config_flag("--source", key="dataset.source", choices=["wikipedia", "fineweb"],
-                       help="which shard set to read")
-    parser.config_flag("--window", key="dataset.window", type=int, help="window length in tokens")
-    parser.config_flag("--batch-size", key="training.batch_size", type=int, help="windows per batch")
-    parser.add_argument("--show", type=int, default=2, help="windows of the first batch to decode")
-    parser.add_argument("--chars", type=int, default=400, help="characters shown per window")
-    args, cfg = parser.parse(argv)
+    args, cfg = build_parser().parse(argv)
     tok = load_tokenizer(cfg)
-    train_loader, val_loader, info = build_loaders(cfg, tok)
+    directory = Path(args.shards) if args.shards else None
+    train_loader, val_loader, info = build_loaders(cfg, tok, directory=directory)
     print(describe_info(info))
     x, y = next(iter(train_loader))
     print(f"first training batch: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} "

@@ -28,7 +28,12 @@ instead of reading it again from the beginning. :func:`pack` turns the stream in
   with the same settings verifies those shards, skips the consumed documents and continues;
   the result is byte-identical to an uninterrupted run. ``metadata.json`` (``complete: true``)
   is written last, atomically, and ``.progress.json`` is then removed. Different settings are
-  refused unless ``force`` (which deletes the set's files and starts over).
+  refused unless ``force``, which builds the new set beside the old one (``out_dir/.rebuild``)
+  and replaces the old files only once the new set is complete: a failed --force run leaves
+  the old set byte-identical.
+- A bookkeeping file (``metadata.json``, ``.progress.json``) that exists but cannot be read
+  stops the run naming it; shard files that no record accounts for are never deleted (only
+  temp files and the single shard a run killed before its first record can leave).
 
 Test hook (read only by the tests, documented here): ``LLM_PREP_TEST_SHARD_DELAY=SECONDS``
 sleeps after each shard is recorded, so a test can interrupt a run deterministically between
@@ -41,9 +46,10 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -54,9 +60,10 @@ from utils.cli import PipelineError
 from utils.parallel import ordered_map
 from utils.shards import (FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, save_npy_atomic,
                           shard_name)
-from utils.textio import iter_articles
+from utils.textio import CleanedFileError, iter_articles
 
 PROGRESS_FILE = ".progress.json"
+REBUILD_DIR = ".rebuild"         # where --force builds a new set beside the old one
 SHARD_RE = re.compile(r"^tokens_(\d{5,})\.npy$")
 TEST_DELAY_ENV = "LLM_PREP_TEST_SHARD_DELAY"
 CHUNK_CHARS = 1_000_000   # at most about this many characters per worker task
@@ -252,10 +259,21 @@ def _remove_stale(d: Path, n_shards: int) -> int:
 
 
 def _read_json(path: Path) -> Optional[dict]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """A bookkeeping file of the set: None if absent. A file that exists but cannot be read or
+    is not a JSON object is a reason to stop (PipelineError naming it), never to delete."""
+    if not path.exists() and not path.is_symlink():
         return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        return data
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PipelineError(
+            f"{path} cannot be read ({why}); nothing in {path.parent} was changed. Restore the file "
+            f"(or move the folder away), or re-run with --force to build a new set beside it, which "
+            f"replaces the old files only once the new set is complete.") from None
 
 
 def _refuse(d: Path, what: str, fields: list[str]) -> PipelineError:
@@ -270,24 +288,31 @@ def _load_resume(job: PackJob, log: Callable[[str], None]) -> Optional[dict]:
     ``{"up_to_date": meta}``, or a progress dict to resume from. Raises on a settings clash."""
     d = job.out_dir
     settings = job.settings()
-    if job.force:
-        files = _set_files(d)
-        for p in files:
-            p.unlink(missing_ok=True)
-        if files:
-            log(f"--force: removed {len(files)} file(s) of the previous shard set in {d}")
-        return None
-    meta = _read_json(d / METADATA_FILE) if (d / METADATA_FILE).exists() else None
+    meta = _read_json(d / METADATA_FILE)
     if meta is not None and meta.get("complete") is True:
         if meta.get("settings") != settings:
             raise _refuse(d, "a complete shard set", _diff(meta.get("settings") or {}, settings))
         return {"up_to_date": meta}
-    progress = _read_json(d / PROGRESS_FILE) if (d / PROGRESS_FILE).exists() else None
+    progress = _read_json(d / PROGRESS_FILE)
     if progress is None:
+        shards = sorted(p.name for p in _set_files(d) if SHARD_RE.match(p.name))
+        # Without a progress record at most the first shard of a run killed before recording
+        # it can exist; anything more is a set whose records were lost: never delete it.
+        if meta is not None or shards not in ([], [shard_name(0)]):
+            what = f"{METADATA_FILE} (not complete)" if meta is not None else f"no {METADATA_FILE}"
+            raise PipelineError(
+                f"{d} holds {len(shards)} shard file(s) with {what} and no {PROGRESS_FILE}, so they "
+                f"cannot be verified or resumed; nothing was deleted. Move them away, or re-run with "
+                f"--force to build a new set beside them (they are replaced only once it is complete).")
         n = _remove_stale(d, 0)
         if n:
             log(f"removed {n} leftover file(s) of an unfinished run with no progress record in {d}")
         return None
+    if not isinstance(progress.get("shards"), list) or not all(
+            isinstance(s, dict) and isinstance(s.get("file"), str) and SHARD_RE.match(s["file"])
+            and isinstance(s.get("tokens"), int) for s in progress["shards"]):
+        raise PipelineError(f"{d / PROGRESS_FILE}: 'shards' is not a list of shard records; nothing "
+                            f"was deleted. Re-run with --force to build a new set beside this one.")
     if progress.get("settings") != settings:
         raise _refuse(d, "an unfinished shard set", _diff(progress.get("settings") or {}, settings))
     for s in progress["shards"]:
@@ -422,11 +447,55 @@ def _results(job: PackJob, chunks: Iterator[Chunk], dtype: np.dtype, bos: int, e
 
 
 def pack(job: PackJob, log: Callable[[str], None] = print) -> dict:
-    """Build (or resume, or confirm) the shard set described by ``job``; returns its metadata."""
+    """Build (or resume, or confirm) the shard set described by ``job``; returns its metadata.
+
+    With ``force`` and an existing set in ``out_dir``, the new set is built beside it in
+    ``out_dir/.rebuild`` and swapped in only once complete (:func:`_swap_in`): a failed or
+    interrupted --force run leaves the old set byte-identical (a --force re-run with the same
+    settings resumes the rebuild)."""
+    d = job.out_dir
+    d.mkdir(parents=True, exist_ok=True)
+    if not job.force:
+        return _pack(job, log)
+    if not _set_files(d):
+        return _pack(replace(job, force=False), log)
+    staging = d / REBUILD_DIR
+    if staging.is_dir():
+        try:
+            old = _read_json(staging / PROGRESS_FILE)
+        except PipelineError:
+            old = None
+        if old is None or old.get("settings") != job.settings():
+            shutil.rmtree(staging)
+    staging.mkdir(exist_ok=True)
+    meta = _pack(replace(job, out_dir=staging, force=False, on_complete=None), log)
+    _swap_in(staging, d, meta)
+    if job.on_complete is not None:
+        job.on_complete(d)
+    log(f"--force: the new shard set replaced the previous one in {d}")
+    return meta
+
+
+def _swap_in(staging: Path, d: Path, meta: dict) -> None:
+    """Move the complete set in ``staging`` over the set in ``d``. The old metadata goes first
+    (so no reader ever takes a mix of old and new shards for a complete set), then the new
+    shards, then the old shards beyond the new count, then the new metadata, last."""
+    for name in (METADATA_FILE, PROGRESS_FILE):
+        (d / name).unlink(missing_ok=True)
+    names = [s["file"] for s in meta["shards"]]
+    for name in names:
+        os.replace(staging / name, d / name)
+    for p in _set_files(d):
+        if p.name not in names and p.name != METADATA_FILE:
+            p.unlink(missing_ok=True)
+    os.replace(staging / METADATA_FILE, d / METADATA_FILE)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _pack(job: PackJob, log: Callable[[str], None]) -> dict:
     from utils.tok import require_bos_eos
 
     d = job.out_dir
-    d.mkdir(parents=True, exist_ok=True)
     state = _load_resume(job, log)
     if state and "up_to_date" in state:
         meta = state["up_to_date"]
@@ -536,7 +605,13 @@ def cleaned_article_stream(paths: list[Path]) -> Stream:
     """Stream over cleaned article files (one escaped article per line, blank lines skipped)."""
     def open_stream(start: int, resume: Optional[dict] = None) -> Iterator[tuple[str, Optional[str]]]:
         # Local files: skipping documents is cheap, no saved stream state is needed.
-        return ((text, None) for text in itertools.islice(iter_articles(paths), start, None))
+        def documents() -> Iterator[tuple[str, Optional[str]]]:
+            try:
+                for text in itertools.islice(iter_articles(paths), start, None):
+                    yield text, None
+            except CleanedFileError as e:
+                raise PipelineError(str(e)) from None
+        return documents()
     return open_stream
 
 

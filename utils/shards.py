@@ -1,19 +1,35 @@
 """Token shard sets on disk: the contract between prep stages and their readers.
 
 A shard set is a directory of ``tokens_NNNNN.npy`` files plus ``metadata.json``.
-Each shard is a 1-D array (uint16 if the vocabulary fits, else uint32) of whole documents,
-each stored as BOS + tokens + EOS; a document never spans two shards. Training windows are
-cut at read time, so no token is stored twice.
+Each shard is a 1-D array (uint16 if the vocabulary fits, else uint32; little-endian) of
+whole documents, each stored as BOS + tokens + EOS; a document never spans two shards.
+Training windows are cut at read time, so no token is stored twice.
 
 ``metadata.json`` is written last and atomically; a set without it, or with
-``complete: false``, is incomplete. Readers memory-map shards and validate the metadata
-against the current tokenizer and model before use.
+``complete: false``, is incomplete. Each ``shards[i]`` entry names its ``file`` and its
+``tokens`` and ``documents`` counts, and (sets built since it was recorded) ``max_token_id``.
+
+Reading is validation (docs/loader.md has the table). :func:`read_metadata` reads the JSON
+(never deleting anything it cannot read) and names every field of the wrong type at once;
+:func:`validate_metadata` compares it with the current tokenizer and model;
+:func:`load_shards` opens each shard with :func:`open_shard`, which parses the ``.npy``
+header itself (no pickle, ever: untrusted bytes are data) and memory-maps the token data
+without reading it, refusing truncated, non-``.npy``, object, 2-D or wrong-dtype files and
+token ids at or beyond the vocabulary. Every refusal is a :class:`ShardSetError` (exit
+code 1) naming the file and the command that rebuilds the set. Cost: the metadata, one
+header of about 128 bytes per shard, and no token data when ``max_token_id`` is recorded
+(otherwise one sequential max over each shard, reported).
 """
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import sys
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -24,13 +40,24 @@ FORMAT_NAME = "llm-pipeline-token-shards"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 SHARD_PATTERN = "tokens_{:05d}.npy"
+SHARD_FILE_RE = re.compile(r"^tokens_\d{5,}\.npy$")
+# The dtypes the contract allows, as .npy descriptors (little-endian unsigned).
+SHARD_DTYPES = {"uint16": "<u2", "uint32": "<u4"}
+MAX_NPY_HEADER = 10_000   # bytes; numpy's own safety limit for .npy headers
 
 
 class ShardSetError(PipelineError):
-    """A missing, incomplete or stale shard set (exit code 1)."""
+    """A missing, incomplete, damaged or stale shard set (exit code 1).
 
-    def __init__(self, message: str, field: Optional[str] = None):
+    ``field`` names what is wrong (``"directory"``, ``"complete"``, ``"tokenizer.fingerprint"``,
+    ``"shards"``...). ``auto_rebuild`` is False when a rebuild must not be attempted
+    automatically (``dataset.auto_prepare``): the set's metadata could not be read or parsed,
+    which is a reason to stop and say so, never a reason to delete anything.
+    """
+
+    def __init__(self, message: str, field: Optional[str] = None, auto_rebuild: bool = True):
         self.field = field
+        self.auto_rebuild = auto_rebuild
         super().__init__(message)
 
 
@@ -48,13 +75,108 @@ def save_npy_atomic(path: Path, arr: np.ndarray) -> None:
         np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
 
 
-def rebuild_command(source: Optional[str], test: bool) -> str:
+def rebuild_command(source: Optional[str], test: bool, *, config_file: Optional[str] = None,
+                    output_dir: Optional[str] = None) -> str:
+    """The command that (re)builds a shard set, ready to paste (quoted). Add ``--force`` to
+    start over; without it the prep stage resumes an unfinished set."""
     stage = "fineweb" if source == "fineweb" else "prepare"
-    return f"python main.py {stage}{' --test' if test else ''} (add --force to start over)"
+    parts = ["python", "main.py", stage]
+    if test:
+        parts.append("--test")
+    if config_file:
+        parts += ["--config", str(config_file)]
+    if output_dir:
+        parts += ["--output-dir", str(output_dir)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+# --------------------------------------------------------------------------- metadata
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _no_duplicates(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        raise ValueError(f"duplicated key(s) {', '.join(map(repr, dup))}")
+    return dict(pairs)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _type_problems(meta: dict) -> list[str]:
+    """Every field of the wrong type or out of range, each named (``tokenizer.vocab_size``,
+    ``shards[3].tokens``...). Optional fields are checked only when present."""
+    p: list[str] = []
+
+    def need(where: str, value: Any, ok: bool, what: str) -> bool:
+        if not ok:
+            p.append(f"{where} is {json.dumps(value)[:60]}, expected {what}")
+        return ok
+
+    def count(where: str, value: Any) -> None:
+        need(where, value, _is_int(value) and value >= 0, "an integer >= 0")
+
+    need("dtype", meta.get("dtype"), meta.get("dtype") in SHARD_DTYPES,
+         f"one of {', '.join(map(repr, SHARD_DTYPES))}")
+    tok = meta.get("tokenizer")
+    if need("tokenizer", tok, isinstance(tok, dict), "an object"):
+        need("tokenizer.vocab_size", tok.get("vocab_size"),
+             _is_int(tok.get("vocab_size")) and tok["vocab_size"] > 0, "an integer > 0")
+        for key in ("bos_id", "eos_id"):
+            count(f"tokenizer.{key}", tok.get(key))
+        for key in ("unk_id", "pad_id"):
+            if tok.get(key) is not None:
+                count(f"tokenizer.{key}", tok.get(key))
+        need("tokenizer.fingerprint", tok.get("fingerprint"), isinstance(tok.get("fingerprint"), str),
+             "a string")
+        if "name" in tok:
+            need("tokenizer.name", tok["name"], tok["name"] is None or isinstance(tok["name"], str),
+                 "a string")
+    shards = meta.get("shards")
+    if need("shards", shards, isinstance(shards, list) and len(shards) > 0, "a non-empty list"):
+        seen: set = set()
+        for i, s in enumerate(shards):
+            w = f"shards[{i}]"
+            if not need(w, s, isinstance(s, dict), "an object"):
+                continue
+            f = s.get("file")
+            if need(f"{w}.file", f, isinstance(f, str) and SHARD_FILE_RE.match(f) is not None,
+                    "a shard file name like 'tokens_00000.npy' (no folders)"):
+                if f in seen:
+                    p.append(f"{w}.file {f!r} is listed twice")
+                seen.add(f)
+            count(f"{w}.tokens", s.get("tokens"))
+            if "documents" in s:
+                count(f"{w}.documents", s.get("documents"))
+            if "max_token_id" in s:
+                count(f"{w}.max_token_id", s.get("max_token_id"))
+    for key in ("totals", "source", "stats", "settings"):
+        if key in meta:
+            need(key, meta[key], isinstance(meta[key], dict), "an object")
+    totals = meta.get("totals")
+    if isinstance(totals, dict):
+        for key in ("tokens", "documents", "shards"):
+            if key in totals:
+                count(f"totals.{key}", totals[key])
+        if (_is_int(totals.get("tokens")) and isinstance(shards, list)
+                and all(isinstance(s, dict) and _is_int(s.get("tokens")) for s in shards)
+                and totals["tokens"] != sum(s["tokens"] for s in shards)):
+            p.append(f"totals.tokens is {totals['tokens']} but the shards list "
+                     f"{sum(s['tokens'] for s in shards)} tokens")
+    for key in ("window", "stride"):
+        if key in meta and meta[key] is not None:
+            need(key, meta[key], _is_int(meta[key]) and meta[key] > 0, "an integer > 0")
+    return p
 
 
 def read_metadata(directory: Path, rebuild: str = "python main.py prepare") -> dict:
-    """Read and check the structural fields of a shard set's metadata.json."""
+    """Read and check a shard set's metadata.json: readable JSON object, format and version,
+    ``complete: true``, every field of the right type (all problems named at once), every
+    listed shard present. Raises :class:`ShardSetError`; never modifies the set."""
     d = Path(directory)
     mpath = d / METADATA_FILE
     if not d.is_dir():
@@ -62,23 +184,46 @@ def read_metadata(directory: Path, rebuild: str = "python main.py prepare") -> d
     if not mpath.exists():
         raise ShardSetError(f"{d} has no {METADATA_FILE}: the shard set is incomplete (an interrupted "
                             f"prep?). Finish it with: {rebuild}", "metadata.json")
+    keep = ("Nothing was changed or deleted; check the file (or move the folder aside) and "
+            f"rebuild with: {rebuild} --force")
     try:
-        meta = json.loads(mpath.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ShardSetError(f"{mpath} is not valid JSON ({e}). Rebuild with: {rebuild}", "metadata.json")
+        raw = mpath.read_bytes()
+    except OSError as e:
+        raise ShardSetError(f"{mpath} cannot be read ({e.strerror or e}). {keep}", "metadata.json",
+                            auto_rebuild=False) from None
+    try:
+        meta = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                          parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise ShardSetError(f"{mpath} is not UTF-8 text (byte {e.start}): damaged. {keep}",
+                            "metadata.json", auto_rebuild=False) from None
+    except (ValueError, RecursionError) as e:   # JSONDecodeError is a ValueError
+        what = "is empty" if not raw.strip() else f"is not valid JSON ({str(e)[:200]})"
+        raise ShardSetError(f"{mpath} {what}: damaged. {keep}", "metadata.json",
+                            auto_rebuild=False) from None
+    if not isinstance(meta, dict):
+        raise ShardSetError(f"{mpath} holds a JSON {type(meta).__name__}, not an object: damaged. "
+                            f"{keep}", "metadata.json", auto_rebuild=False)
     if meta.get("format") != FORMAT_NAME:
-        raise ShardSetError(f"{mpath}: format is {meta.get('format')!r}, expected {FORMAT_NAME!r}. "
-                            f"Rebuild with: {rebuild}", "format")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ShardSetError(f"{mpath}: format_version is {meta.get('format_version')!r}, this code reads "
-                            f"version {FORMAT_VERSION}. Rebuild with: {rebuild}", "format_version")
+        raise ShardSetError(f"{mpath}: format is {json.dumps(meta.get('format'))[:80]}, expected "
+                            f"{FORMAT_NAME!r}. Rebuild with: {rebuild} --force", "format")
+    version = meta.get("format_version")
+    if not _is_int(version) or version != FORMAT_VERSION:
+        raise ShardSetError(f"{mpath}: format_version is {json.dumps(version)[:80]}, this code reads "
+                            f"version {FORMAT_VERSION}. Rebuild with: {rebuild} --force", "format_version")
     if meta.get("complete") is not True:
-        raise ShardSetError(f"{mpath}: complete is not true (an interrupted prep). Finish it with: "
-                            f"{rebuild}", "complete")
-    for s in meta.get("shards", []):
-        if not (d / s["file"]).exists():
-            raise ShardSetError(f"{d}: shard {s['file']} listed in {METADATA_FILE} is missing. "
-                                f"Rebuild with: {rebuild}", "shards")
+        raise ShardSetError(f"{mpath}: complete is {json.dumps(meta.get('complete'))[:40]}, not true "
+                            f"(an interrupted prep). Finish it with: {rebuild}", "complete")
+    problems = _type_problems(meta)
+    if problems:
+        raise ShardSetError(f"{mpath}: {len(problems)} field(s) of the wrong type or value: "
+                            + "; ".join(problems[:20]) + (" ..." if len(problems) > 20 else "")
+                            + f". The file is damaged; {keep}", "metadata", auto_rebuild=False)
+    missing = [s["file"] for s in meta["shards"] if not (d / s["file"]).is_file()]
+    if missing:
+        raise ShardSetError(f"{d}: {len(missing)} shard file(s) listed in {METADATA_FILE} are missing "
+                            f"({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}). "
+                            f"Rebuild with: {rebuild} --force", "shards")
     return meta
 
 
@@ -98,21 +243,150 @@ def validate_metadata(meta: dict, directory: Path, *, tokenizer_info: Optional[d
                     f"{tokenizer_info.get(key)!r} for the configured tokenizer "
                     f"('{tokenizer_info.get('name')}'; shards were built with '{tmeta.get('name')}'). "
                     f"Rebuild with: {rebuild} --force", f"tokenizer.{key}")
-    if model_vocab_size is not None and tmeta.get("vocab_size", 0) > model_vocab_size:
-        raise ShardSetError(f"{where}: tokenizer.vocab_size {tmeta.get('vocab_size')} does not fit "
+    vocab = tmeta.get("vocab_size")
+    if _is_int(vocab) and meta.get("dtype") == "uint16" and vocab > 65536:
+        raise ShardSetError(f"{where}: dtype uint16 cannot hold the ids of a {vocab:,}-token vocabulary "
+                            f"(the contract is uint32 above 65,536). Rebuild with: {rebuild} --force",
+                            "dtype")
+    if model_vocab_size is not None and _is_int(vocab) and vocab > model_vocab_size:
+        raise ShardSetError(f"{where}: tokenizer.vocab_size {vocab} does not fit "
                             f"model.vocab_size {model_vocab_size}; raise model.vocab_size or rebuild the "
                             f"shards with a smaller tokenizer ({rebuild} --force)", "tokenizer.vocab_size")
 
 
-def load_shards(directory: Path, meta: dict) -> list[np.ndarray]:
-    """Memory-map every shard (read-only, no pickle); checks dtype and length against metadata."""
+# --------------------------------------------------------------------------- shard files
+class NpyHeader(NamedTuple):
+    shape: tuple
+    fortran_order: bool
+    dtype: np.dtype
+    offset: int        # bytes before the array data
+    file_size: int
+
+
+class ShardFileError(ValueError):
+    """What is wrong with one .npy file (our own words; never numpy's pickle advice)."""
+
+
+def read_npy_header(path: Path) -> NpyHeader:
+    """Parse a .npy header without ever unpickling: reads at most ``MAX_NPY_HEADER`` bytes.
+    Raises :class:`ShardFileError` for a file that is not a (complete) .npy header."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8 or head[:6] != b"\x93NUMPY":
+                raise ShardFileError("is empty (0 bytes)" if size == 0 else
+                                     "is not a NumPy .npy file (no .npy header: a raw token dump "
+                                     "or another file renamed .npy)")
+            major, minor = head[6], head[7]
+            if (major, minor) not in ((1, 0), (2, 0)):
+                raise ShardFileError(f"has .npy format version {major}.{minor}, which shards never use")
+            f.seek(0)
+            np.lib.format.read_magic(f)
+            reader = (np.lib.format.read_array_header_1_0 if major == 1
+                      else np.lib.format.read_array_header_2_0)
+            try:
+                shape, fortran, dtype = reader(f, max_header_size=MAX_NPY_HEADER)
+            except (ValueError, SyntaxError, TypeError, EOFError, MemoryError):
+                raise ShardFileError("has a truncated or damaged .npy header") from None
+            return NpyHeader(tuple(shape), bool(fortran), dtype, f.tell(), size)
+    except OSError as e:
+        raise ShardFileError(f"cannot be read ({e.strerror or e})") from None
+
+
+def _describe_dtype(dtype: np.dtype) -> str:
+    if dtype.hasobject:
+        return "Python objects (object dtype; shards are plain integers and are never unpickled)"
+    if dtype.names:
+        return f"a structured dtype {dtype.descr}"
+    return f"{dtype.name} ({dtype.str})"
+
+
+def open_shard(path: Path, dtype: Optional[str] = None, tokens: Optional[int] = None) -> np.ndarray:
+    """Validate one shard file's header and memory-map its tokens (read-only; no token data
+    is read). ``dtype`` / ``tokens``: what metadata.json says. Raises :class:`ShardFileError`."""
+    h = read_npy_header(path)
+    if h.dtype.str not in SHARD_DTYPES.values():
+        raise ShardFileError(f"holds {_describe_dtype(h.dtype)}; shards hold uint16 or uint32 "
+                             "(little-endian) token ids")
+    if len(h.shape) != 1:
+        raise ShardFileError(f"is a {len(h.shape)}-D array of shape {h.shape}"
+                             f"{' (Fortran order)' if h.fortran_order else ''}; shards are 1-D")
+    n = h.shape[0]
+    if not isinstance(n, int) or n < 0:
+        raise ShardFileError(f"has a damaged .npy header (shape {h.shape})")
+    need = h.offset + n * h.dtype.itemsize
+    if h.file_size < need:
+        raise ShardFileError(f"is truncated: its header promises {n:,} tokens ({need:,} bytes) but the "
+                             f"file has {h.file_size:,} bytes")
+    if h.file_size > need:
+        raise ShardFileError(f"has {h.file_size - need:,} bytes after its {n:,} tokens (damaged or "
+                             "not written by the prep stage)")
+    if dtype is not None and h.dtype.name != dtype:
+        raise ShardFileError(f"holds {h.dtype.name} but {METADATA_FILE} says {dtype}")
+    if tokens is not None and n != tokens:
+        raise ShardFileError(f"holds {n:,} tokens but {METADATA_FILE} lists {tokens:,}")
+    if n == 0:
+        return np.zeros(0, dtype=h.dtype)
+    return np.memmap(path, dtype=h.dtype, mode="r", offset=h.offset, shape=(n,))
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def shard_max(arr: np.ndarray, chunk: int = 1 << 24) -> int:
+    """The largest token id of a shard: one sequential pass over the memory map in chunks."""
+    m = 0
+    for a in range(0, len(arr), chunk):
+        m = max(m, int(arr[a:a + chunk].max()))
+    return m
+
+
+def load_shards(directory: Path, meta: dict, *, rebuild: str = "python main.py prepare",
+                vocab_size: Optional[int] = None,
+                log: Callable[[str], None] = _stderr) -> list[np.ndarray]:
+    """Open (memory-map) every shard listed in ``meta`` through :func:`open_shard`.
+
+    Refuses, naming every bad file at once: files that are not well-formed 1-D .npy arrays of
+    the metadata's dtype and length, and token ids ``>= vocab_size`` (default: the
+    metadata's ``tokenizer.vocab_size``), checked from each entry's ``max_token_id`` or, when
+    metadata does not record it, by one max over the shard (said in a note through ``log``).
+    ``.npy`` files in the folder that the metadata does not list get a warning.
+    """
     d = Path(directory)
-    out = []
+    vocab = vocab_size if vocab_size is not None else meta["tokenizer"]["vocab_size"]
+    out, bad, scanned, t0 = [], [], [], time.perf_counter()
     for s in meta["shards"]:
-        arr = np.load(d / s["file"], mmap_mode="r", allow_pickle=False)
-        if arr.ndim != 1 or str(arr.dtype) != meta["dtype"] or len(arr) != s["tokens"]:
-            raise ShardSetError(f"{d / s['file']}: shape {arr.shape} dtype {arr.dtype} does not match "
-                                f"{METADATA_FILE} ({s['tokens']} tokens of {meta['dtype']}); the set is "
-                                "corrupt, rebuild it with --force", "shards")
+        path = d / s["file"]
+        try:
+            arr = open_shard(path, meta["dtype"], s["tokens"])
+        except ShardFileError as e:
+            bad.append(f"{path} {e}")
+            continue
+        if "max_token_id" in s:
+            top = s["max_token_id"]
+        else:
+            top = shard_max(arr) if len(arr) else 0
+            scanned.append(len(arr))
+        if top >= vocab:
+            src = "max_token_id in metadata.json" if "max_token_id" in s else "found by a scan"
+            bad.append(f"{path} holds token id {top} ({src}), but the vocabulary has {vocab:,} ids "
+                       f"(0..{vocab - 1}); training would fail in the embedding lookup")
         out.append(arr)
+    if bad:
+        raise ShardSetError(f"{d}: {len(bad)} bad shard file(s): " + "; ".join(bad[:10])
+                            + (" ..." if len(bad) > 10 else "")
+                            + f". The set is damaged or was not written by the prep stage; rebuild it "
+                            f"with: {rebuild} --force", "shards")
+    if scanned:
+        log(f"note: {d / METADATA_FILE} records no max_token_id for {len(scanned)} shard(s) (an older "
+            f"prep); checked their token ids by a scan of {sum(scanned):,} tokens in "
+            f"{time.perf_counter() - t0:.2f} s. Rebuilding the set records it and skips this scan.")
+    listed = {s["file"] for s in meta["shards"]}
+    extra = sorted(p.name for p in d.glob("*.npy") if p.name not in listed)
+    if extra:
+        log(f"warning: {d} holds {len(extra)} .npy file(s) that {METADATA_FILE} does not list "
+            f"({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}); they are not read. Left "
+            "over from another run, or copied in by hand?")
     return out
