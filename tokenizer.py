@@ -10,12 +10,16 @@
 
 The configured tokenizer (``tokenizer.name``) is a Hugging Face hub name (the seed's
 ``codellama/CodeLlama-7b-hf``, through AutoTokenizer: from the hub or the local cache), a local
-tokenizer directory, or a SentencePiece ``.model`` file (converted to a fast tokenizer). The
-default action saves it under ``tokenizers/<name>/`` with ``pipeline_tokenizer.json`` (source,
+tokenizer directory, or a SentencePiece ``.model`` file (converted to a fast tokenizer that gives
+exactly the ``sentencepiece`` library's ids, utils/spm.py). The default action saves it under ``tokenizers/<name>/`` with ``pipeline_tokenizer.json`` (source,
 fingerprint, vocabulary size, special ids) and prints a report that includes the compression
 ratio (characters per token) on sample text. ``--train`` trains a byte-level BPE tokenizer
 with the ``tokenizers`` library instead: every Unicode string round-trips exactly, and the
 special tokens are <unk>=0, <s>=1 (BOS), </s>=2 (EOS), <pad>=3.
+
+Text is ordinary text (utils.tok.encode_plain): ``--encode "<s>"`` gives the pieces of the
+three characters, never the BOS id; only ``--add-special-tokens`` (the shard framing) adds
+BOS and EOS. See docs/tokenizer.md.
 """
 from __future__ import annotations
 
@@ -32,10 +36,11 @@ from typing import Iterable, Iterator, Optional, Sequence
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 from utils.config import Config
 from utils.textio import iter_articles
-from utils.tok import (SPECIAL_TOKENS, describe, fingerprint, has_tokenizer_files, load_tokenizer_from,
-                       looks_like_path, save_dir, special_ids, tokenizer_source)
+from utils.tok import (INFO_FILE, SPECIAL_TOKENS, SPM_CONVERSION, conversion_of, describe,
+                       encode_plain, fingerprint, has_tokenizer_files, load_tokenizer_from,
+                       looks_like_path, plain, save_dir, special_ids, special_merges,
+                       tokenizer_source)
 
-INFO_FILE = "pipeline_tokenizer.json"
 INFO_FORMAT = ("pipeline-tokenizer", 1)
 # Trained tokenizers: special tokens in id order (unk 0, bos 1, eos 2, pad 3, as in the seed).
 TRAIN_SPECIALS = [SPECIAL_TOKENS["unk"], SPECIAL_TOKENS["bos"], SPECIAL_TOKENS["eos"],
@@ -59,6 +64,8 @@ def source_kind(name: str, cfg: Optional[Config] = None) -> str:
     if p.exists() or looks_like_path(name):
         if p.suffix == ".model":
             return "SentencePiece model, converted to a fast tokenizer"
+        if p.is_dir() and not (p / "tokenizer.json").exists() and (p / "tokenizer.model").exists():
+            return "SentencePiece model (folder), converted to a fast tokenizer"
         if p.suffix == ".json":
             return "tokenizer.json file"
         return "local tokenizer directory"
@@ -105,7 +112,7 @@ def save_tokenizer(tok, directory: Path, source: str, extra: Optional[dict] = No
         shutil.rmtree(tmp)
     tok.save_pretrained(str(tmp))
     info = {"format": INFO_FORMAT[0], "version": INFO_FORMAT[1], "source": source,
-            "class": type(tok).__name__, **describe(tok, source),
+            "class": type(tok).__name__, "conversion": conversion_of(tok), **describe(tok, source),
             "special_tokens": special_tokens(tok),
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     if extra:
@@ -164,8 +171,9 @@ def _with_specials(tok, ids: list[int]) -> list[int]:
 
 
 def encode(tok, text: str, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of ``text``; with add_special_tokens, as BOS + ids + EOS (the shard layout)."""
-    ids = tok.encode(text, add_special_tokens=False)
+    """Token ids of ``text`` as ordinary text (a literal "<s>" is not BOS); with
+    add_special_tokens, framed as BOS + ids + EOS (the shard layout)."""
+    ids = encode_plain(tok, [text])[0]
     return _with_specials(tok, ids) if add_special_tokens else ids
 
 
@@ -173,7 +181,7 @@ def encode_batch(tok, texts: Sequence[str], add_special_tokens: bool = False) ->
     """Batch version of :func:`encode` (one call into the Rust tokenizer)."""
     if not texts:
         return []
-    out = tok(list(texts), add_special_tokens=False)["input_ids"]
+    out = encode_plain(tok, texts)
     return [_with_specials(tok, ids) for ids in out] if add_special_tokens else out
 
 
@@ -267,10 +275,25 @@ def train_bpe(documents: Iterable[str], vocab_size: int, min_frequency: int = 2,
                                   special_tokens=TRAIN_SPECIALS, show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(documents, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    backend = _without_special_merges(backend)
+    return plain(PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=SPECIAL_TOKENS["bos"], eos_token=SPECIAL_TOKENS["eos"],
         unk_token=SPECIAL_TOKENS["unk"], pad_token=SPECIAL_TOKENS["pad"],
-        clean_up_tokenization_spaces=False)
+        clean_up_tokenization_spaces=False))
+
+
+def _without_special_merges(backend):
+    """Drop learned merges that would rebuild a special-token string (e.g. "<s" + ">" when the
+    training text contains "<s>"), so text can never encode to a special id."""
+    bad = special_merges(backend)
+    if not bad:
+        return backend
+    from tokenizers import Tokenizer
+    data = json.loads(backend.to_str())
+    drop = {" ".join(m) for m in bad}
+    data["model"]["merges"] = [m for m in data["model"]["merges"]
+                               if (m if isinstance(m, str) else " ".join(m)) not in drop]
+    return Tokenizer.from_str(json.dumps(data))
 
 
 class _Counter:
@@ -304,6 +327,12 @@ def report(tok, name: str, source: str, cfg: Config, saved_to: Optional[Path] = 
             ("BOS", _token(tok, "bos")), ("EOS", _token(tok, "eos")),
             ("UNK", _token(tok, "unk")), ("PAD", _token(tok, "pad")),
             ("fingerprint", fingerprint(tok)), *extra]
+    conversion = conversion_of(tok)
+    if conversion:
+        exact = conversion == SPM_CONVERSION
+        rows.append(("conversion", f"{conversion}: " + ("ids exactly as the sentencepiece library"
+                                                         if exact else "ids may differ from "
+                                                         "the sentencepiece library's")))
     if saved_to is not None:
         rows.append(("saved to", str(saved_to)))
     rows += [("sample text", f"{label} ({chars:,} characters)"),

@@ -1,7 +1,10 @@
 """Tokenizer stage: the real Mistral SentencePiece model (a Llama-style SPM tokenizer that
 stands in for CodeLlama offline) and a byte-level BPE trained here on the real news sample.
 
-In-process tests cover round trips, special ids, batch encoding and fingerprints; CLI tests
+In-process tests cover exactness against the ``sentencepiece`` library (ids and decoding on
+every news document and on tricky strings), special-token strings in text (ordinary text;
+only framing adds BOS/EOS), round trips, special ids, batch encoding and fingerprints
+(honest: they change with the encoding, so shards of the old conversion are stale); CLI tests
 run `python main.py tokenize ...` as a user would (offline, outputs in a tmp root).
 """
 from __future__ import annotations
@@ -17,7 +20,8 @@ from tests.conftest import NEWS, SPM_MODEL, offline_env, run_main
 from utils.cli import UsageError
 from utils.config import load_config
 from utils.textio import escape_article
-from utils.tok import fingerprint, load_tokenizer_from
+from utils import tok as tok_lib
+from utils.tok import describe, encode_plain, fingerprint, load_tokenizer_from
 
 UNICODE_TEXTS = {
     "accents": "Héllo wörld, café crème, Ångström, naïve façade",
@@ -80,8 +84,9 @@ def test_special_token_ids(spm_tok, bpe_tok):
     assert (bpe_tok.unk_token_id, bpe_tok.bos_token_id, bpe_tok.eos_token_id,
             bpe_tok.pad_token_id) == (0, 1, 2, 3)
     assert bpe_tok.convert_ids_to_tokens([0, 1, 2, 3]) == ["<unk>", "<s>", "</s>", "<pad>"]
-    # Special tokens are atomic: "<s>" in text encodes to the BOS id, not to pieces of it.
-    assert stage.encode(bpe_tok, "<s>") == [1]
+    # "<s>" in text is ordinary text: pieces of its three characters, never the BOS id.
+    assert 1 not in stage.encode(bpe_tok, "<s>")
+    assert stage.decode(bpe_tok, stage.encode(bpe_tok, "<s>")) == "<s>"
 
 
 def test_batch_encoding_equals_single(any_tok):
@@ -187,6 +192,188 @@ def test_sample_text_sources(tmp_config, tmp_path, spm_tok):
     assert chars == len(stage.BUILTIN_SAMPLE) and 2.0 < ratio < 8.0
 
 
+# --------------------------------------------------------------------------- exact SentencePiece
+TRICKY = [
+    "", " ", "  ", "x", " x", "  x", "    x", "x ", "x  ", "a  b", "a   b", "a \t b",
+    "\tx", "\t\tx\t", "x\ny", "\n", "\n\nx\n\n", " \n ", "a\r\nb", "日本語の文章です。",
+    "中文 句子", " 한국어", "😀", "👨‍👩‍👧 🇮🇹", "\u00a0", "a\u00a0b", "\u00a0 x",
+    "\u0301", " \u0301", "a\u0301\u0308", "\u0301x", "\u200b", "ﬁ ① Ⅳ ｆｕｌｌ",
+    "price: 1,000,000.50 $", "  leading, double  and trailing  ", "\x00\x01", "\ufffd",
+]
+
+
+@pytest.fixture(scope="module")
+def sp(samples):
+    import sentencepiece
+    return sentencepiece.SentencePieceProcessor(model_file=str(SPM_MODEL))
+
+
+def test_spm_ids_equal_sentencepiece_on_every_news_document(spm_tok, sp):
+    docs = news_docs()
+    assert len(docs) == 300
+    ours = encode_plain(spm_tok, docs)
+    differing = [i for i, (d, ids) in enumerate(zip(docs, ours)) if ids != sp.encode(d)]
+    assert differing == []
+    assert [stage.decode(spm_tok, ids) for ids in ours] == [sp.decode(ids) for ids in ours]
+    # The transformers call path (tok(...)) gives the same ids.
+    assert spm_tok(docs[:20], add_special_tokens=False)["input_ids"] == ours[:20]
+
+
+@pytest.mark.parametrize("text", TRICKY, ids=[repr(t) for t in TRICKY])
+def test_spm_tricky_strings_equal_sentencepiece(spm_tok, sp, text):
+    ids = stage.encode(spm_tok, text)
+    assert ids == sp.encode(text)
+    assert stage.decode(spm_tok, ids) == sp.decode(ids)
+
+
+def test_spm_leading_spaces_are_kept(spm_tok, sp):
+    assert stage.encode(spm_tok, " x") != stage.encode(spm_tok, "x")
+    for n in range(1, 6):
+        text = " " * n + "x"
+        assert stage.decode(spm_tok, stage.encode(spm_tok, text)) == text == sp.decode(sp.encode(text))
+
+
+def old_conversion():
+    """The conversion the pipeline used before utils/spm.py (transformers' LlamaTokenizer)."""
+    import shutil
+    import tempfile
+
+    from transformers import LlamaTokenizer
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copyfile(SPM_MODEL, Path(tmp) / "tokenizer.model")
+        return LlamaTokenizer.from_pretrained(tmp)
+
+
+def test_fingerprint_changes_with_the_exact_conversion(spm_tok, sp, tmp_path):
+    from utils.shards import ShardSetError, validate_metadata
+    old = old_conversion()
+    # The old conversion really is inexact (that is why the fingerprint must change) ...
+    assert any(old.encode(t, add_special_tokens=False) != sp.encode(t) for t in TRICKY)
+    # ... and a shard set recorded with it is stale for the exact one.
+    assert fingerprint(old) != fingerprint(spm_tok)
+    meta = {"tokenizer": describe(old, str(SPM_MODEL))}
+    with pytest.raises(ShardSetError, match="stale shard set: tokenizer.fingerprint"):
+        validate_metadata(meta, tmp_path, tokenizer_info=describe(spm_tok, str(SPM_MODEL)))
+
+
+def test_fingerprint_depends_on_the_ids_not_only_the_files(bpe_tok, monkeypatch):
+    """Same serialization, different ids on the probe strings -> different fingerprint (what a
+    change of the tokenizers library's behaviour would look like)."""
+    fp = fingerprint(bpe_tok)
+    real = tok_lib.encode_plain
+
+    def shifted(tok, texts):
+        return [[i + 1 for i in ids] for ids in real(tok, texts)]
+    monkeypatch.setattr(tok_lib, "encode_plain", shifted)
+    assert fingerprint(bpe_tok) != fp
+    monkeypatch.setattr(tok_lib, "encode_plain", real)
+    assert fingerprint(bpe_tok) == fp
+    # Every probe string the fingerprint encodes is covered by FINGERPRINT_PROBES.
+    assert any("  " in p for p in tok_lib.FINGERPRINT_PROBES)
+    assert any("<s>" in p for p in tok_lib.FINGERPRINT_PROBES)
+
+
+# --------------------------------------------------------------------------- special-token strings
+def special_strings(tok) -> list[str]:
+    """Every special-token string the tokenizer knows (its added vocabulary included)."""
+    added = [t.content for t in tok.backend_tokenizer.get_added_tokens_decoder().values()]
+    return sorted(set(tok.all_special_tokens) | set(added) | {"<s>", "</s>", "<unk>"})
+
+
+def injected(tok) -> list[str]:
+    out = []
+    for s in special_strings(tok):
+        out += [s, f"{s}", f"text {s} more", f"end of text{s}", f"{s}{s}x{s}", f" {s} "]
+    return out + ["Article one ends here.</s><s>Article two starts here.",
+                  "<s>[INST] hi [/INST]</s>", "<</s>>", "<s </s"]
+
+
+def test_special_token_strings_in_text_are_ordinary_text(any_tok):
+    specials = set(any_tok.all_special_ids)
+    texts = injected(any_tok)
+    for enc in (encode_plain(any_tok, texts), stage.encode_batch(any_tok, texts),
+                any_tok(texts, add_special_tokens=False)["input_ids"]):
+        for text, ids in zip(texts, enc):
+            assert not specials & set(ids), (text, ids)
+            assert stage.decode(any_tok, ids) == text
+
+
+def test_spm_special_strings_equal_sentencepiece(spm_tok, sp):
+    texts = injected(spm_tok)
+    assert encode_plain(spm_tok, texts) == [sp.encode(t) for t in texts]
+
+
+def test_only_framing_adds_bos_and_eos(any_tok):
+    import numpy as np
+
+    from utils.packing import encode_frame
+    bos, eos = any_tok.bos_token_id, any_tok.eos_token_id
+    texts = injected(any_tok)
+    for text in texts:
+        ids = stage.encode(any_tok, text, add_special_tokens=True)
+        assert ids[0] == bos and ids[-1] == eos
+        assert bos not in ids[1:-1] and eos not in ids[1:-1]
+    # The shard framing (utils.packing, in-process path) on a tokenizer loaded by the pipeline.
+    framed, kept, lengths = encode_frame(any_tok.backend_tokenizer, texts, np.dtype(np.int64),
+                                         bos, eos)
+    assert kept.all()
+    assert int((framed == bos).sum()) == len(texts) == int((framed == eos).sum())
+    assert framed.tolist() == [i for t in texts for i in stage.encode(any_tok, t, True)]
+
+
+def test_loaded_saved_copy_is_plain(any_tok, tmp_path):
+    stage.save_tokenizer(any_tok, tmp_path / "tok", "test")
+    tok = load_tokenizer_from(str(tmp_path / "tok"))
+    text = "a</s>b<s>c<unk>"
+    assert tok(text, add_special_tokens=False)["input_ids"] == encode_plain(any_tok, [text])[0]
+    assert not set(tok.all_special_ids) & set(encode_plain(tok, [text])[0])
+
+
+def test_bpe_trained_on_special_strings_stays_plain():
+    docs = ["<s>hello</s> <pad><unk> </s></s><s>"] * 50 + news_docs()[:50]
+    tok = stage.train_bpe(docs, vocab_size=400, min_frequency=2)
+    assert tok_lib.special_merges(tok) == []
+    ids = encode_plain(tok, docs[:1])[0]
+    assert not set(tok.all_special_ids) & set(ids)
+    assert stage.decode(tok, ids) == docs[0]
+
+
+def test_special_merges_found(spm_tok, bpe_tok):
+    """special_merges sees merges that would rebuild a special string (here planted)."""
+    from tokenizers import Tokenizer
+    assert tok_lib.special_merges(spm_tok) == [] == tok_lib.special_merges(bpe_tok)
+    data = json.loads(bpe_tok.backend_tokenizer.to_str())
+    model = data["model"]
+    model["vocab"]["<s"] = len(model["vocab"])
+    as_list = isinstance(model["merges"][0], list)
+    model["merges"] += [["<", "s"], ["<s", ">"]] if as_list else ["< s", "<s >"]
+    planted = Tokenizer.from_str(json.dumps(data))
+    assert tok_lib.special_merges(planted) == [("<s", ">")]
+
+
+def test_unsupported_spm_model_falls_back_with_notice(tmp_path, capsys):
+    """A model utils.spm cannot convert exactly (here: user-defined pieces) still loads, through
+    transformers' conversion, and says so."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    proto = pb.ModelProto()
+    proto.ParseFromString(SPM_MODEL.read_bytes())
+    piece = proto.pieces.add()
+    piece.piece, piece.score, piece.type = "<extra>", 0.0, 4   # USER_DEFINED
+    path = tmp_path / "udp" / "tokenizer.model"
+    path.parent.mkdir()
+    path.write_bytes(proto.SerializeToString())
+    tok = load_tokenizer_from(str(path))
+    assert "no exact fast conversion" in capsys.readouterr().err
+    assert len(tok) == 32001 and tok.bos_token_id == 1
+
+
+def test_bad_spm_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "tokenizer.model"
+    bad.write_bytes(b"this is not a sentencepiece model")
+    with pytest.raises(stage.PipelineError, match=str(bad)):
+        load_tokenizer_from(str(bad))
+
+
 # --------------------------------------------------------------------------- CLI
 @pytest.fixture(scope="module")
 def saved_spm(samples, tmp_path_factory):
@@ -207,6 +394,7 @@ def test_cli_save_and_report(saved_spm):
     assert re.search(r"UNK\s*:\s*<unk> = 0", out) and re.search(r"PAD\s*:\s*none", out)
     assert re.search(r"compression\s*:\s*\d+\.\d+ characters per token", out)
     assert "news documents" in out and "round trip  : exact" in out
+    assert "ids exactly as the sentencepiece library" in out
     d = root / "tokenizers" / "mistral-v1"
     assert (d / "tokenizer.json").exists() and (d / "tokenizer_config.json").exists()
     assert json.loads((d / "resolved_config.json").read_text())["tokenizer"]["name"] == str(SPM_MODEL)
@@ -273,3 +461,34 @@ def test_cli_unreachable_hub_name_exits_1(tmp_path, tmp_config):
     assert "codellama/CodeLlama-7b-hf" in proc.stderr and "Offline options" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "tokenizers" / "CodeLlama-7b-hf").exists()
+
+
+def test_cli_encode_special_string_is_text(saved_spm, sp):
+    _, cfg, _ = saved_spm
+    text = "end</s><s>start <unk>"
+    proc = run_main("tokenize", "--config", cfg, "--encode", text, "--plain",
+                    "--add-special-tokens")
+    assert proc.returncode == 0, proc.stderr
+    assert [int(i) for i in proc.stdout.strip().split(",")] == [1, *sp.encode(text), 2]
+
+
+def test_cli_saved_copy_of_the_old_conversion_is_refused_then_resaved(samples, tmp_path,
+                                                                      tmp_config, sp):
+    cfg = tmp_config({"tokenizer": {"name": str(SPM_MODEL)}})
+    saved = tmp_path / "tokenizers" / "mistral-v1"
+    old = old_conversion()
+    old.save_pretrained(str(saved))    # what `tokenize` saved before utils/spm.py
+    (saved / stage.INFO_FILE).write_text(json.dumps({
+        "format": "pipeline-tokenizer", "version": 1, "source": str(SPM_MODEL),
+        "kind": "SentencePiece model, converted to a fast tokenizer",
+        **describe(old, str(SPM_MODEL))}), encoding="utf-8")
+    proc = run_main("tokenize", "--config", cfg, "--encode", " x")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert str(saved) in proc.stderr and "older conversion" in proc.stderr
+    assert "python main.py tokenize" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_main("tokenize", "--config", cfg)      # re-save from the .model
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((saved / stage.INFO_FILE).read_text())
+    assert info["conversion"] == tok_lib.SPM_CONVERSION
+    resaved = load_tokenizer_from(str(saved))
+    assert stage.encode(resaved, " x") == sp.encode(" x") != old.encode(" x", add_special_tokens=False)

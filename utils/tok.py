@@ -2,25 +2,50 @@
 
 A tokenizer is named by ``tokenizer.name`` in config.json: a Hugging Face hub name (the
 seed's ``codellama/CodeLlama-7b-hf``, loaded through AutoTokenizer, from the local cache when
-offline), a local directory with tokenizer files, or a SentencePiece ``.model`` file (turned
-into a fast, tokenizers-backed Llama tokenizer). Once the ``tokenize`` stage has saved it,
-every stage loads it from ``tokenizers/<slug>/`` so no network is needed afterwards.
+offline), a local directory with tokenizer files, or a SentencePiece ``.model`` file. Once the
+``tokenize`` stage has saved it, every stage loads it from ``tokenizers/<slug>/`` so no network
+is needed afterwards.
+
+Contracts (docs/tokenizer.md):
+
+- SentencePiece models (a ``.model`` file, or a folder or hub repo whose only tokenizer file
+  is ``tokenizer.model``) are converted by :mod:`utils.spm`, which gives exactly the ids of
+  the ``sentencepiece`` library. Models it cannot convert exactly fall back to transformers'
+  conversion with a notice on stderr saying the ids may differ from sentencepiece's.
+- Text is ordinary text: every tokenizer this module returns has special-token matching off
+  (``split_special_tokens``), and :func:`encode_plain` encodes documents so that a literal
+  ``<s>``, ``</s>``, ``<unk>`` or any other special-token string gives ordinary pieces. Only
+  framing code adds BOS/EOS ids.
+- :func:`fingerprint` hashes the tokenizer's canonical serialization together with the ids it
+  gives on fixed probe strings, so anything that changes the ids (a new conversion, a
+  different library behaviour) changes the fingerprint and marks shards built before as stale.
+- A saved copy under tokenizers/ of a SentencePiece model converted by an older, inexact
+  conversion is refused with the command that re-saves it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-import shutil
-import tempfile
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from utils.cli import PipelineError
 from utils.config import Config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SPECIAL_TOKENS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
+INFO_FILE = "pipeline_tokenizer.json"     # written by the tokenize stage next to a saved copy
+# How a SentencePiece model became a fast tokenizer (the ``conversion`` of INFO_FILE; a saved copy
+# of a SentencePiece tokenizer whose INFO_FILE has no ``conversion`` key predates it: stale).
+SPM_CONVERSION = "utils.spm/1"                  # exact
+FALLBACK_CONVERSION = "transformers (inexact)"  # model utils.spm cannot convert exactly
+FINGERPRINT_VERSION = 2
+# Probe strings whose ids enter the fingerprint (spaces, tabs, newlines, CJK, emoji, specials).
+FINGERPRINT_PROBES = ("x", " x", "  x", "a  b", "a   b \t c\n\nd ", "    def f(x):\n\treturn  x",
+                      "Héllo wörld, 日本語の文章。😀🚀 👨‍👩‍👧", "\u00a0nbsp\u0301 ̈",
+                      "<s> </s> <unk> <pad> end</s>", "")
 
 
 def slug(name: str) -> str:
@@ -62,9 +87,113 @@ def offline_help(name: str) -> str:
             "tokenizers/ here.")
 
 
+def _spm_tokenizer(model: Path):
+    """A SentencePiece model file as a fast tokenizer: exact (utils.spm) when possible, else
+    transformers' conversion with a notice."""
+    from utils import spm
+
+    try:
+        return _mark(spm.tokenizer_from_spm(model), SPM_CONVERSION)
+    except spm.SpmUnsupported as e:
+        import shutil
+        import tempfile
+
+        from transformers import LlamaTokenizer
+        print(f"notice: {e} Falling back to transformers' conversion (LlamaTokenizer): its "
+              "ids may differ from the sentencepiece library's (docs/tokenizer.md).",
+              file=sys.stderr)
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copyfile(model, Path(tmp) / "tokenizer.model")
+            return _mark(LlamaTokenizer.from_pretrained(tmp), FALLBACK_CONVERSION)
+
+
+def _hub_spm_file(name: str) -> Optional[Path]:
+    """The hub repo's tokenizer.model (local cache first), or None when it has none."""
+    try:
+        from huggingface_hub import hf_hub_download
+        return Path(hf_hub_download(name, "tokenizer.model"))
+    except Exception:
+        return None
+
+
+def _from_hub(name: str):
+    """A hub tokenizer; a repo with a SentencePiece BPE ``tokenizer.model`` gets the exact
+    conversion, keeping the repo's special tokens and added tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name)
+    model = _hub_spm_file(name)
+    if model is None or not getattr(tok, "is_fast", False):
+        return tok
+    from utils import spm
+    try:
+        proto = spm.read_model(model)
+    except PipelineError:
+        return tok
+    reason = spm.unsupported(proto)
+    if reason:
+        print(f"notice: the SentencePiece model of '{name}' has no exact fast conversion "
+              f"({reason}); using the hub's tokenizer.json: its ids may differ from the "
+              "sentencepiece library's (docs/tokenizer.md).", file=sys.stderr)
+        return _mark(tok, FALLBACK_CONVERSION)
+    exact = spm.tokenizer_from_spm(model)
+    if len(exact) != len(tok):
+        print(f"notice: '{name}' adds tokens beyond its SentencePiece model ({len(tok)} vs "
+              f"{len(exact)}); using the hub's tokenizer.json: its ids may differ from the "
+              "sentencepiece library's (docs/tokenizer.md).", file=sys.stderr)
+        return _mark(tok, FALLBACK_CONVERSION)
+    return _mark(exact, SPM_CONVERSION)
+
+
+def _mark(tok, conversion: Optional[str]):
+    """Record how a SentencePiece model was converted (read by :func:`conversion_of`)."""
+    tok.pipeline_conversion = conversion
+    return tok
+
+
+def conversion_of(tok) -> Optional[str]:
+    """:data:`SPM_CONVERSION`, :data:`FALLBACK_CONVERSION`, or None (not from a SentencePiece
+    model); the tokenize stage records it in INFO_FILE."""
+    return getattr(tok, "pipeline_conversion", None)
+
+
+def _check_saved_copy(d: Path) -> Optional[str]:
+    """The recorded conversion of a saved copy; refuses one of a SentencePiece tokenizer saved
+    before conversions were recorded (the old, inexact conversion)."""
+    info_file = d / INFO_FILE
+    if not info_file.is_file():
+        return None
+    try:
+        info = json.loads(info_file.read_text(encoding="utf-8"))
+        if not isinstance(info, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise PipelineError(f"cannot read {info_file} ({type(e).__name__}: {e}); re-save the "
+                            "tokenizer with `python main.py tokenize` (add the --config you "
+                            "use).") from e
+    if "conversion" in info:
+        return info["conversion"]
+    kind, source = str(info.get("kind", "")), str(info.get("source", ""))
+    if kind.startswith("trained"):
+        return None
+    if kind.startswith("SentencePiece") or source.endswith(".model") or (d / "tokenizer.model").exists():
+        raise PipelineError(
+            f"the saved tokenizer in {d} was converted from the SentencePiece model of "
+            f"'{source}' by an older conversion that does not give sentencepiece's ids (leading "
+            "and double spaces differ). Re-save it with `python main.py tokenize` (add the "
+            "--config you use); shard sets built with it are stale and must be rebuilt.")
+    return None
+
+
 def load_tokenizer_from(name: str, cfg: Optional[Config] = None):
-    """Load a fast tokenizer from a hub name, a local directory, or a .model/.json file."""
-    from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerFast
+    """Load a fast tokenizer from a hub name, a local directory, or a .model/.json file.
+
+    The result never matches special-token strings inside text (see :func:`plain`)."""
+    return plain(_load(name, cfg))
+
+
+def _load(name: str, cfg: Optional[Config]):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = cfg.resolve(name) if cfg is not None else Path(name).expanduser().resolve()
     if p.exists() or looks_like_path(name):
@@ -72,16 +201,15 @@ def load_tokenizer_from(name: str, cfg: Optional[Config] = None):
             raise PipelineError(f"tokenizer path {p} does not exist (tokenizer.name = '{name}').")
         try:
             if p.is_file() and p.suffix == ".model":
-                with tempfile.TemporaryDirectory() as tmp:
-                    shutil.copyfile(p, Path(tmp) / "tokenizer.model")
-                    return LlamaTokenizer.from_pretrained(tmp)
+                return _spm_tokenizer(p)
             if p.is_file() and p.suffix == ".json":
                 return PreTrainedTokenizerFast(tokenizer_file=str(p))
             if p.is_dir():
                 if (p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists():
-                    return AutoTokenizer.from_pretrained(str(p))
+                    conversion = _check_saved_copy(p)
+                    return _mark(AutoTokenizer.from_pretrained(str(p)), conversion)
                 if (p / "tokenizer.model").exists():
-                    return LlamaTokenizer.from_pretrained(str(p))
+                    return _spm_tokenizer(p / "tokenizer.model")
                 raise PipelineError(f"{p} holds no tokenizer files (expected one of "
                                     f"{', '.join(TOKENIZER_FILES)}).")
         except PipelineError:
@@ -90,9 +218,59 @@ def load_tokenizer_from(name: str, cfg: Optional[Config] = None):
             raise PipelineError(f"cannot load tokenizer from {p}: {type(e).__name__}: {e}") from e
         raise PipelineError(f"{p} is not a tokenizer directory, .model or tokenizer.json file.")
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return _from_hub(name)
     except Exception as e:
         raise PipelineError(offline_help(name) + f" (Underlying error: {type(e).__name__}.)") from e
+
+
+def backend_of(tok):
+    """The ``tokenizers.Tokenizer`` behind a transformers fast tokenizer (or tok itself)."""
+    return getattr(tok, "backend_tokenizer", tok)
+
+
+def plain(tok):
+    """Turn special-token matching off: text such as ``"<s>"`` encodes as ordinary pieces.
+
+    Sets transformers' ``split_special_tokens`` default and the backend's
+    ``encode_special_tokens``. The backend flag is not serialized (``to_str``/pickle), so code
+    that rebuilds a backend (worker processes) calls this, or :func:`encode_plain`, again.
+    Returns ``tok``.
+    """
+    if hasattr(tok, "split_special_tokens"):
+        tok.split_special_tokens = True
+    backend = backend_of(tok)
+    if hasattr(backend, "encode_special_tokens"):
+        backend.encode_special_tokens = True
+    return tok
+
+
+def encode_plain(tok, texts: Sequence[str]) -> list[list[int]]:
+    """Ids of each text as ordinary text: no BOS/EOS, and no special id for a literal special-
+    token string inside it. ``tok`` is a transformers fast tokenizer or a tokenizers backend."""
+    texts = list(texts)
+    if not texts:
+        return []
+    backend = backend_of(tok)
+    if not hasattr(backend, "encode_batch"):   # a slow (Python) tokenizer
+        return [list(ids) for ids in tok(texts, add_special_tokens=False,
+                                         split_special_tokens=True)["input_ids"]]
+    backend.encode_special_tokens = True
+    encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+    return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+
+def special_merges(tok) -> list[tuple[str, str]]:
+    """BPE merges whose result is a special-token string (they would turn text into a special
+    id even with special-token matching off); empty for a sound tokenizer."""
+    backend = backend_of(tok)
+    data = json.loads(backend.to_str())
+    model = data.get("model", {})
+    if model.get("type") != "BPE":
+        return []
+    specials = {t["content"] for t in data.get("added_tokens", []) if t.get("special")}
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
+              for m in model.get("merges", [])]
+    return [m for m in merges if "".join(m) in specials]
 
 
 def tokenizer_source(cfg: Config) -> tuple[str, Optional[Path]]:
@@ -108,11 +286,17 @@ def load_tokenizer(cfg: Config):
 
 
 def fingerprint(tok) -> str:
-    """sha256 of the canonical (sorted-key, compact) JSON serialization of the fast tokenizer."""
-    backend = getattr(tok, "backend_tokenizer", tok)
+    """sha256 over the canonical (sorted-key, compact) JSON serialization of the fast tokenizer
+    and the ids it gives, as ordinary text, on :data:`FINGERPRINT_PROBES` (version
+    :data:`FINGERPRINT_VERSION`). Two tokenizers that encode differently never share it."""
+    backend = backend_of(tok)
     canonical = json.dumps(json.loads(backend.to_str()), sort_keys=True, separators=(",", ":"),
                            ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    probes = encode_plain(backend, FINGERPRINT_PROBES)
+    h = hashlib.sha256(f"pipeline-tokenizer-fingerprint/{FINGERPRINT_VERSION}\n".encode())
+    h.update(canonical.encode("utf-8"))
+    h.update(("\n" + json.dumps(probes, separators=(",", ":"))).encode())
+    return h.hexdigest()
 
 
 def special_ids(tok) -> dict:
