@@ -1,0 +1,733 @@
+"""The model: a Llama-style decoder-only transformer, its loss and its generation.
+
+Contract (docs/DESIGN.md section 7; details and presets in docs/model.md):
+
+- ``ModelArgs`` (dataclass, ``to_dict`` / ``from_dict``) fully describes a model; checkpoints
+  store it. ``model_args_from_config(cfg, vocab_size, bos_id)`` builds it from config.json's
+  ``model`` section (preset first, explicit keys over it) and reports bad combinations as
+  configuration errors (exit 2) before anything is allocated. ``create_model(args)``.
+- ``Transformer.forward(idx, targets=None, loss_mask=None, return_logits=True)`` ->
+  ``(logits, loss)``. Targets equal to -100 are ignored; ``loss_mask`` (0/1 or fractional
+  weights) weights each position; the loss is the weighted mean over counted positions (0
+  when none count). With ``return_logits=False`` the loss is computed by a fused, chunked
+  linear + cross-entropy that never holds the (B, T, vocab) logits nor their fp32 copy: the
+  gradient of each chunk is computed right away (training pays no extra matmul), which is
+  where most of a small model's step memory goes on a 32k vocabulary.
+- ``generate(prompts, ...)`` / ``generate_stream(prompt, ...)``: KV cache, greedy
+  (temperature 0), temperature, top-k (0 disables), top-p (1.0 disables), ``seed`` (a private
+  ``torch.Generator``; the global RNG is untouched), stop at EOS (never returned), a batch of
+  prompts of different lengths (left padding, attention mask, positions per row).
+- ``to_hf_state_dict`` / ``from_hf_state_dict`` / ``hf_config``: a pure rename onto
+  ``transformers.LlamaForCausalLM`` (same layouts, same rotate-half RoPE convention).
+
+Building blocks: pre-norm blocks (RMSNorm, or bias-free LayerNorm), rotary embeddings as
+pure functions over cached fp32 tables, grouped-query attention, gated MLP
+(utils/activations.py), no biases, optional dropout, optional tied embeddings.
+
+Attention backends, picked per call: flash-attn (``flash_attn_func``; varlen for document
+masks) when importable, on CUDA, in fp16/bf16; else a compiled flex-attention block mask for
+document masks on CUDA; else ``F.scaled_dot_product_attention`` (``is_causal`` for plain
+windows, a boolean block-diagonal causal mask for document masks and padded batches).
+
+Importing this module has no side effects (flash-attn and transformers load lazily).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from utils.activations import HF_ACT_NAMES, GatedMLP, llama_ffn_hidden
+from utils.config import ConfigError, attention_shape_problems
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------- arguments
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    d_model: int = 384
+    n_layers: int = 8
+    n_heads: int = 6
+    n_kv_heads: int = 2
+    ffn_hidden: Optional[int] = None  # None: Llama's 8/3 rule rounded up to 256
+    activation: str = "swiglu"
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    max_seq_len: int = 512
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    document_mask: bool = False
+    bos_id: Optional[int] = None
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.ffn_hidden is None and isinstance(self.d_model, int) and self.d_model > 0:
+            self.ffn_hidden = llama_ffn_hidden(self.d_model)
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems, "the model arguments")
+
+    def problems(self) -> list[str]:
+        p = []
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+                     "max_seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                p.append(f"model.{name}: expected a positive integer, got {v!r}")
+        if p:
+            return p
+        p += attention_shape_problems(self.d_model, self.n_heads, self.n_kv_heads)
+        if self.activation not in HF_ACT_NAMES:
+            p.append(f"model.activation: {self.activation!r} is not one of {', '.join(HF_ACT_NAMES)}")
+        if self.norm not in ("rmsnorm", "layernorm"):
+            p.append(f"model.norm: {self.norm!r} is not one of 'rmsnorm', 'layernorm'")
+        if not 0.0 <= self.dropout < 1.0:
+            p.append(f"model.dropout: {self.dropout} must be in [0, 1)")
+        if not (self.norm_eps > 0 and self.rope_theta > 0 and self.init_std > 0):
+            p.append("model.norm_eps, model.rope_theta and model.init_std must be > 0")
+        if self.bos_id is not None and not 0 <= self.bos_id < self.vocab_size:
+            p.append(f"model.bos_id: {self.bos_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.document_mask and self.bos_id is None:
+            p.append("model.document_mask: needs the tokenizer's BOS id (documents start at BOS)")
+        return p
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError([f"model.{k}: unknown model argument" for k in unknown], "the model arguments")
+        if "vocab_size" not in d:
+            raise ConfigError(["model.vocab_size: missing"], "the model arguments")
+        return cls(**d)
+
+
+def model_args_from_config(cfg, vocab_size: Optional[int], bos_id: Optional[int] = None) -> ModelArgs:
+    """ModelArgs from ``cfg.model`` (a Config or a ModelConfig): the preset fills the shape
+    keys left null, explicit keys win; the vocabulary comes from the tokenizer
+    (``vocab_size``) unless ``model.vocab_size`` sets a larger one. Raises ConfigError (exit 2).
+    """
+    m = dataclasses.replace(getattr(cfg, "model", cfg))
+    problems = m.resolve_preset()
+    vocab = m.vocab_size if m.vocab_size is not None else vocab_size
+    if vocab is None:
+        problems.append("model.vocab_size: unknown (set it, or load the tokenizer to use its size)")
+    elif vocab_size is not None and vocab < vocab_size:
+        problems.append(f"model.vocab_size: {vocab} is smaller than the tokenizer's vocabulary "
+                        f"({vocab_size}); token ids would fall outside the embedding (use null)")
+    if m.document_mask and bos_id is None:
+        problems.append("model.document_mask: the tokenizer has no BOS token to find documents by")
+    if problems:
+        raise ConfigError(problems, "the model configuration")
+    return ModelArgs(vocab_size=vocab, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                     n_kv_heads=m.n_kv_heads, ffn_hidden=m.ffn_hidden, activation=m.activation,
+                     norm=m.norm, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+                     max_seq_len=m.max_seq_len, dropout=m.dropout, tie_embeddings=m.tie_embeddings,
+                     document_mask=m.document_mask, bos_id=bos_id, init_std=m.init_std)
+
+
+# --------------------------------------------------------------------------- RoPE (pure functions)
+def rope_tables(head_dim: int, n_positions: int, theta: float = 10_000.0,
+                device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (n_positions, head_dim) fp32, in the rotate-half layout (the frequency
+    of pair i sits at columns i and i + head_dim/2), as Hugging Face Llama computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+                                / head_dim))
+    t = torch.arange(n_positions, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)                      # (n_positions, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)               # (n_positions, head_dim)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, T, n_heads, head_dim) by per-position angles; ``cos``/``sin`` are
+    (T, head_dim) shared by the batch or (B, T, head_dim) per row (restarting positions)."""
+    cos = cos.unsqueeze(-2).to(x.dtype)                   # (T, 1, hd) or (B, T, 1, hd)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+# --------------------------------------------------------------------------- attention backends
+_FLASH: Any = None
+_FLEX: Any = None
+
+
+def _flash_attn():
+    """flash_attn's (func, varlen_func), or False when it is not importable."""
+    global _FLASH
+    if _FLASH is None:
+        try:
+            from flash_attn import flash_attn_func, flash_attn_varlen_func
+            _FLASH = (flash_attn_func, flash_attn_varlen_func)
+        except Exception:  # not installed, or built for another torch/CUDA
+            _FLASH = False
+    return _FLASH
+
+
+def _flex_attn():
+    """(compiled flex_attention, create_block_mask), or False when unavailable."""
+    global _FLEX
+    if _FLEX is None:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            _FLEX = (torch.compile(flex_attention, dynamic=False), create_block_mask)
+        except Exception:
+            _FLEX = False
+    return _FLEX
+
+
+@dataclass
+class AttnSpec:
+    """How every layer of one forward call attends (computed once per call).
+
+    kind: "causal" (SDPA is_causal), "full" (SDPA, no mask: one new token over the cache),
+    "mask" (SDPA with boolean ``mask`` (B, 1, Tq, Tk), True = attend), "flash", "varlen"
+    (flash-attn over ``cu_seqlens``), "flex" (flex-attention ``block_mask``).
+    """
+    kind: str = "causal"
+    mask: Optional[torch.Tensor] = None
+    cu_seqlens: Optional[torch.Tensor] = None
+    max_seqlen: int = 0
+    block_mask: Any = None
+
+
+class KVCache:
+    """Pre-allocated keys and values of one layer, (B, n_kv_heads, capacity, head_dim)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+        self.pos = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, T, D = k.shape
+        if self.k is None:
+            self.k = k.new_zeros(B, H, self.capacity, D)
+            self.v = v.new_zeros(B, H, self.capacity, D)
+        end = self.pos + T
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache full ({self.capacity} positions)")
+        self.k[:, :, self.pos:end] = k
+        self.v[:, :, self.pos:end] = v
+        self.pos = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def make_norm(args: ModelArgs) -> nn.Module:
+    if args.norm == "rmsnorm":
+        return RMSNorm(args.d_model, args.norm_eps)
+    return nn.LayerNorm(args.d_model, eps=args.norm_eps, bias=False)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back (as Llama does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.d_model, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.d_model, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.d_model, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.d_model, bias=False)
+        self.dropout = args.dropout
+        self.resid_dropout = nn.Dropout(args.dropout) if args.dropout > 0 else nn.Identity()
+
+    def forward(self, x, cos, sin, spec: AttnSpec, cache: Optional[KVCache] = None):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)       # (B, T, n_heads, hd)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)    # (B, T, n_kv_heads, hd)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        p = self.dropout if self.training else 0.0
+        gqa = self.n_kv_heads != self.n_heads
+        if spec.kind == "flash":
+            y = _flash_attn()[0](q, k, v, dropout_p=p, causal=True)   # (B, T, n_heads, hd)
+        elif spec.kind == "varlen":
+            n = B * T
+            y = _flash_attn()[1](q.reshape(n, self.n_heads, -1), k.reshape(n, self.n_kv_heads, -1),
+                                 v.reshape(n, self.n_kv_heads, -1), spec.cu_seqlens, spec.cu_seqlens,
+                                 spec.max_seqlen, spec.max_seqlen, dropout_p=p, causal=True)
+            y = y.view(B, T, self.n_heads, self.head_dim)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, H, T, hd)
+            if cache is not None:
+                k, v = cache.update(k, v)                                     # (B, Hkv, L, hd)
+            if spec.kind == "flex":
+                y = _flex_attn()[0](q, k, v, block_mask=spec.block_mask, enable_gqa=gqa)
+            else:
+                y = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=spec.mask if spec.kind == "mask" else None, dropout_p=p,
+                    is_causal=spec.kind == "causal", enable_gqa=gqa)
+            y = y.transpose(1, 2)                                             # (B, T, H, hd)
+        return self.resid_dropout(self.wo(y.reshape(B, T, self.n_heads * self.head_dim)))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attn_norm = make_norm(args)
+        self.attn = Attention(args)
+        self.mlp_norm = make_norm(args)
+        self.mlp = GatedMLP(args.d_model, args.ffn_hidden, args.activation, args.dropout)
+
+    def forward(self, x, cos, sin, spec: AttnSpec, cache: Optional[KVCache] = None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, spec, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# --------------------------------------------------------------------------- fused loss
+class _ChunkedLinearCE(torch.autograd.Function):
+    """sum_i w_i * CE(h_i @ W^T, y_i) over row chunks, with the gradients computed in the
+    same pass (softmax - onehot, scaled by w_i): the full (N, vocab) logits never exist."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, w, chunk: int):
+        dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(h.device.type, enabled=False):
+            hc_all = h.to(dtype)
+            wc = weight.to(dtype)
+            loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad_h = torch.empty_like(hc_all) if need_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+            safe_t = targets.clamp(min=0)
+            for s in range(0, h.shape[0], chunk):
+                hc = hc_all[s:s + chunk]
+                logits = (hc @ wc.t()).float()                             # (n, V)
+                t = safe_t[s:s + chunk]
+                wt = w[s:s + chunk]
+                lse = torch.logsumexp(logits, dim=-1)
+                tgt = logits.gather(1, t[:, None]).squeeze(1)
+                loss += ((lse - tgt) * wt).sum()
+                if need_h or need_w:
+                    g = logits.sub_(lse[:, None]).exp_()                   # softmax, in place
+                    g.scatter_add_(1, t[:, None], -torch.ones_like(wt)[:, None])
+                    g = g.mul_(wt[:, None]).to(dtype)
+                    if need_h:
+                        grad_h[s:s + chunk] = g @ wc
+                    if need_w:
+                        grad_w += (g.t() @ hc).float()
+        ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
+        ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        saved = list(ctx.saved_tensors)
+        grad_h = saved.pop(0).mul(grad_loss).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
+        grad_w = saved.pop(0).mul(grad_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w, None, None, None
+
+
+def _loss_weights(targets: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-position weights (N,) fp32 summing to 1 over counted positions (all 0 if none)."""
+    w = (targets != IGNORE_INDEX).float()
+    if loss_mask is not None:
+        w = w * loss_mask.reshape(-1).float()
+    return w / w.sum().clamp_min(torch.finfo(torch.float32).tiny)
+
+
+# --------------------------------------------------------------------------- the model
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.d_model)
+        self.emb_dropout = nn.Dropout(args.dropout) if args.dropout > 0 else nn.Identity()
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = make_norm(args)
+        self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        self.gradient_checkpointing = False  # recompute each block in backward (big models, small GPUs)
+        self.loss_chunk_rows = max(64, (1 << 21) // args.vocab_size * 4)  # ~32 MB of fp32 logits per chunk
+        self._rope: dict = {}  # device -> (cos, sin) fp32, grown on demand; not a buffer, so .to(bf16) keeps it fp32
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ init and sizes
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) matrices; residual output projections scaled by 1/sqrt(2L)."""
+        std = self.args.init_std
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                s = std / math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w_down.weight")) else std
+                nn.init.normal_(p, mean=0.0, std=s)
+            else:
+                nn.init.ones_(p)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Unique parameters (tied weights once); ``non_embedding`` leaves out the embedding
+        and, when untied, the output head."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_embeddings.weight.numel()
+            if not self.args.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> float:
+        """Training FLOPs per token (forward + backward): 6 x matmul parameters (the output
+        head included, the embedding lookup not) + 12 x layers x d_model x seq_len for
+        attention scores (PaLM appendix B). For MFU."""
+        a = self.args
+        T = seq_len or a.max_seq_len
+        n_matmul = self.num_params(non_embedding=True) + a.vocab_size * a.d_model
+        return 6.0 * n_matmul + 12.0 * a.n_layers * a.d_model * T
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    # ------------------------------------------------------------------ forward
+    def rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached (cos, sin) tables covering at least ``n`` positions on ``device``."""
+        key = str(device)
+        tab = self._rope.get(key)
+        if tab is None or tab[0].shape[0] < n:
+            size = max(n, self.args.max_seq_len, 0 if tab is None else 2 * tab[0].shape[0])
+            tab = rope_tables(self.args.head_dim, size, self.args.rope_theta, device)
+            self._rope[key] = tab
+        return tab
+
+    def _document_spec(self, idx: torch.Tensor) -> tuple[Optional[torch.Tensor], AttnSpec]:
+        """Positions (B, T) restarting at each BOS and the attention that keeps each token
+        inside its document; (None, causal) when no row holds a second document."""
+        B, T = idx.shape
+        is_bos = idx == self.args.bos_id
+        if T < 2 or not bool(is_bos[:, 1:].any()):
+            return None, AttnSpec("causal")
+        ar = torch.arange(T, device=idx.device)
+        start = is_bos.clone()
+        start[:, 0] = True
+        last_start = torch.where(start, ar, 0).cummax(dim=1).values
+        positions = ar - last_start                                          # (B, T)
+        doc = start.cumsum(dim=1)                                            # (B, T) document ids
+        cuda_half = idx.is_cuda and torch.is_autocast_enabled("cuda") or (
+            idx.is_cuda and self.tok_embeddings.weight.dtype in (torch.float16, torch.bfloat16))
+        if cuda_half and _flash_attn():
+            starts = (start.reshape(-1)).nonzero().squeeze(1).to(torch.int32)
+            cu = torch.cat([starts, torch.tensor([B * T], dtype=torch.int32, device=idx.device)])
+            return positions, AttnSpec("varlen", cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))
+        if idx.is_cuda and _flex_attn():
+            create_block_mask = _flex_attn()[1]
+
+            def mask_mod(b, h, q, k):
+                return (k <= q) & (doc[b, q] == doc[b, k])
+            return positions, AttnSpec("flex", block_mask=create_block_mask(mask_mod, B, None, T, T,
+                                                                             device=idx.device))
+        causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+        mask = causal & (doc[:, :, None] == doc[:, None, :])                 # (B, T, T)
+        return positions, AttnSpec("mask", mask=mask[:, None])
+
+    def _trunk(self, idx, positions, spec: AttnSpec, caches=None) -> torch.Tensor:
+        """Embeddings -> blocks -> final norm: (B, T) -> (B, T, d_model)."""
+        B, T = idx.shape
+        start = caches[0].pos if caches else 0
+        if positions is None:
+            cos, sin = self.rope(start + T, idx.device)
+            cos, sin = cos[start:start + T], sin[start:start + T]           # (T, hd)
+        else:
+            cos, sin = self.rope(int(positions.max()) + 1, idx.device)
+            cos, sin = cos[positions], sin[positions]                       # (B, T, hd)
+        h = self.emb_dropout(self.tok_embeddings(idx))                      # (B, T, d_model)
+        for i, layer in enumerate(self.layers):
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, spec, None, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, spec, caches[i] if caches else None)
+        return self.norm(h)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None, return_logits: bool = True):
+        """(B, T) token ids -> (logits (B, T, vocab) or None, loss or None)."""
+        B, T = idx.shape
+        positions, spec = None, AttnSpec("causal")
+        if self.args.document_mask:
+            positions, spec = self._document_spec(idx)
+        elif idx.is_cuda and _flash_attn() and (torch.is_autocast_enabled("cuda") or
+                                                self.tok_embeddings.weight.dtype in (torch.float16, torch.bfloat16)):
+            spec = AttnSpec("flash")
+        h = self._trunk(idx, positions, spec)
+        if targets is None:
+            return self.lm_head(h), None
+        w = _loss_weights(targets.reshape(-1), loss_mask)
+        if return_logits:
+            logits = self.lm_head(h)
+            ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="none")
+            return logits, (ce * w).sum()
+        loss = _ChunkedLinearCE.apply(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                      w, self.loss_chunk_rows)
+        return None, loss
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, eos_id: int | Iterable[int] | None = None,
+                 seed: Optional[int] = None) -> list[list[int]]:
+        """New tokens for each prompt (EOS ends a row and is not included)."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for row_tokens in self._decode(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, seed):
+            for r, t in row_tokens:
+                out[r].append(t)
+        return out
+
+    def generate_stream(self, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
+                        top_k: int = 0, top_p: float = 1.0, eos_id: int | Iterable[int] | None = None,
+                        seed: Optional[int] = None) -> Iterator[int]:
+        """Yield each new token of one prompt as soon as it is sampled (EOS ends, not yielded)."""
+        with torch.no_grad():
+            for row_tokens in self._decode([prompt], max_new_tokens, temperature, top_k, top_p, eos_id, seed):
+                for _, t in row_tokens:
+                    yield t
+
+    def _decode(self, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, seed):
+        """The one generation engine: yields, per step, [(row, token), ...] of unfinished rows."""
+        prompts = [list(p) for p in prompts]
+        V = self.args.vocab_size
+        if not prompts:
+            return
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty (give at least one token, e.g. BOS)")
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(f"prompt {i} holds a token id outside the vocabulary (0..{V - 1})")
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 0:
+            raise ValueError("need temperature >= 0, top_k >= 0, 0 < top_p <= 1, max_new_tokens >= 0")
+        if max_new_tokens == 0:
+            return
+        eos = set() if eos_id is None else ({int(eos_id)} if isinstance(eos_id, int) else {int(e) for e in eos_id})
+        was_training = self.training
+        self.eval()
+        try:
+            device = self.device
+            B, lens = len(prompts), [len(p) for p in prompts]
+            Tp = max(lens)
+            idx = torch.zeros(B, Tp, dtype=torch.long)
+            valid = torch.zeros(B, Tp, dtype=torch.bool)
+            for r, p in enumerate(prompts):                 # left padding
+                idx[r, Tp - len(p):] = torch.tensor(p)
+                valid[r, Tp - len(p):] = True
+            idx, valid = idx.to(device), valid.to(device)
+            capacity = Tp + max_new_tokens
+            caches = [KVCache(capacity) for _ in self.layers]
+            gen = torch.Generator(device=device)
+            if seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(int(seed))
+            padded = min(lens) < Tp
+            if padded:
+                positions = (valid.long().cumsum(1) - 1).clamp(min=0)        # (B, Tp)
+                eye = torch.eye(Tp, dtype=torch.bool, device=device)
+                causal = torch.ones(Tp, Tp, dtype=torch.bool, device=device).tril()
+                # pad queries see themselves only, so no row of the mask is empty
+                mask = causal & (valid[:, None, :] | eye)                    # (B, Tp, Tp)
+                spec = AttnSpec("mask", mask=mask[:, None])
+                key_valid = torch.zeros(B, capacity, dtype=torch.bool, device=device)
+                key_valid[:, :Tp] = valid
+                next_pos = positions[:, -1:] + 1                             # (B, 1)
+            else:
+                positions, spec = None, AttnSpec("causal")
+            h = self._trunk(idx, positions, spec, caches)
+            logits = self.lm_head(h[:, -1]).float()                          # (B, V)
+            done = [False] * B
+            for step in range(max_new_tokens):
+                tok = sample_next(logits, temperature, top_k, top_p, gen)   # (B,)
+                emitted = []
+                for r, t in enumerate(tok.tolist()):
+                    if done[r]:
+                        continue
+                    if t in eos:
+                        done[r] = True
+                    else:
+                        emitted.append((r, t))
+                if emitted:
+                    yield emitted
+                if all(done) or step == max_new_tokens - 1:
+                    break
+                x = tok[:, None]                                             # (B, 1)
+                if padded:
+                    L = Tp + step + 1
+                    key_valid[:, L - 1] = True
+                    h = self._trunk(x, next_pos, AttnSpec("mask", mask=key_valid[:, None, None, :L]), caches)
+                    next_pos = next_pos + 1
+                else:
+                    h = self._trunk(x, None, AttnSpec("full"), caches)
+                logits = self.lm_head(h[:, -1]).float()
+        finally:
+            self.train(was_training)
+
+
+# --------------------------------------------------------------------------- sampling
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Logits with all but the k largest per row set to -inf (k <= 0 or >= vocab: unchanged)."""
+    if k <= 0 or k >= logits.size(-1):
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability reaches
+    ``p`` (always at least one); the rest -inf. p >= 1 leaves the logits unchanged."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= p                 # mass before this token already >= p
+    drop[..., 0] = False
+    drop = drop.scatter(-1, order, drop)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids. Temperature 0 is greedy (argmax)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = top_p_filter(top_k_filter(logits.float() / temperature, top_k), top_p)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+def create_model(args: ModelArgs | dict, device: torch.device | str | None = None) -> Transformer:
+    """Build a freshly initialized Transformer (on ``device`` if given)."""
+    if isinstance(args, dict):
+        args = ModelArgs.from_dict(args)
+    model = Transformer(args)
+    return model.to(device) if device is not None else model
+
+
+# --------------------------------------------------------------------------- Hugging Face mapping
+_HF_NAMES = [  # (ours, Hugging Face LlamaForCausalLM); {i} is the layer index
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.attn.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attn.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attn.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attn.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.mlp.w_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.mlp.w_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.mlp.w_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+]
+
+
+def _rename(sd: dict, pairs: list[tuple[str, str]]) -> dict:
+    pats = [(re.compile("^" + re.escape(a).replace(r"\{i\}", r"(\d+)") + "$"), b) for a, b in pairs]
+    out, unknown = {}, []
+    for k, v in sd.items():
+        for pat, target in pats:
+            m = pat.match(k)
+            if m:
+                out[target.replace("{i}", m.group(1)) if m.groups() else target] = v
+                break
+        else:
+            unknown.append(k)
+    if unknown:
+        raise KeyError(f"no Llama counterpart for: {', '.join(unknown[:5])}")
+    return out
+
+
+def _check_hf_compatible(args: ModelArgs) -> None:
+    if args.norm != "rmsnorm":
+        raise ValueError("LlamaForCausalLM has no LayerNorm: only norm 'rmsnorm' models convert")
+
+
+def to_hf_state_dict(model: Transformer | dict, args: Optional[ModelArgs] = None) -> dict:
+    """Our state dict renamed to LlamaForCausalLM's (tensors shared, not copied). With tied
+    embeddings ``lm_head.weight`` is the embedding tensor, as HF's own state_dict has it."""
+    if isinstance(model, Transformer):
+        args, sd = model.args, model.state_dict()
+    else:
+        sd = model
+    if args is not None:
+        _check_hf_compatible(args)
+    sd = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in sd.items()}
+    out = _rename(sd, _HF_NAMES)
+    if "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def from_hf_state_dict(sd: dict, args: ModelArgs) -> dict:
+    """A LlamaForCausalLM state dict renamed to ours (load with ``model.load_state_dict``).
+    ``lm_head.weight`` may be absent when ``args.tie_embeddings``."""
+    _check_hf_compatible(args)
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    out = _rename(sd, [(b, a) for a, b in _HF_NAMES])
+    if args.tie_embeddings:
+        out["lm_head.weight"] = out["tok_embeddings.weight"]
+    elif "lm_head.weight" not in out:
+        raise KeyError("lm_head.weight missing but the model has untied embeddings")
+    return out
+
+
+def hf_config(args: ModelArgs, eos_id: Optional[int] = None):
+    """The ``transformers.LlamaConfig`` of the same architecture."""
+    _check_hf_compatible(args)
+    from transformers import LlamaConfig
+    return LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.d_model, intermediate_size=args.ffn_hidden,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
+        hidden_act=HF_ACT_NAMES[args.activation], max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        tie_word_embeddings=args.tie_embeddings, attention_bias=False, mlp_bias=False,
+        attention_dropout=args.dropout, initializer_range=args.init_std,
+        bos_token_id=args.bos_id, eos_token_id=eos_id)
+
+
+def model_args_from_hf_config(c, bos_id: Optional[int] = None) -> ModelArgs:
+    """ModelArgs of a LlamaConfig (for importing a Hugging Face Llama)."""
+    act = {v: k for k, v in HF_ACT_NAMES.items()}.get(c.hidden_act)
+    if act is None:
+        raise ValueError(f"hidden_act {c.hidden_act!r} has no gated-MLP counterpart here")
+    rope = getattr(c, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10_000.0))
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+    return ModelArgs(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
+                     n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+                     ffn_hidden=c.intermediate_size, activation=act, norm="rmsnorm", norm_eps=c.rms_norm_eps,
+                     rope_theta=float(theta), max_seq_len=c.max_position_embeddings, dropout=0.0,
+                     tie_embeddings=bool(c.tie_word_embeddings),
+                     bos_id=bos_id if bos_id is not None else c.bos_token_id)
