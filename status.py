@@ -1,0 +1,233 @@
+"""Stage ``status``: how is a training run doing? (seeds/000's check_training.py)
+
+    python main.py status              every run, newest first, one line each
+    python main.py status RUN          the run's latest step, loss and trend, tokens/s, ETA,
+                                       validation, checkpoints, and whether it is still running
+    python main.py status RUN --json   the same as one JSON object (for scripts)
+
+Reads only what training writes: ``logs/raw_metrics/<run>.jsonl`` (utils/logging_utils.py's
+records) and the run folder ``checkpoints/<run>/``. It never opens a checkpoint (they can be
+gigabytes) and never writes anything, so it is safe to run while training is writing.
+
+"Still running" means: the log's last record is not a terminal event (done, interrupted,
+stopped early) and it is recent, younger than max(2 minutes, 5 x the median gap between train
+records). A run killed with SIGKILL therefore shows as "stalled" once that time has passed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from utils.cli import PipelineError, StageParser, run_stage
+
+# The trainer's last event of a start (utils/trainer.py: Trainer.fit's reasons).
+TERMINAL_EVENTS = {"done", "interrupted", "early_stopping", "already_done"}
+MIN_STALE_S = 120.0
+
+
+def build_parser() -> StageParser:
+    p = StageParser("main.py status", "Show the progress of training runs (read-only).")
+    p.add_argument("run", nargs="?", default=None,
+                   help="run name (a folder of paths.checkpoints_dir or a log of "
+                        "paths.logs_dir/raw_metrics); default: list every run")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return p
+
+
+# ------------------------------------------------------------------------------ library
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def run_names(checkpoints_dir: Path, logs_dir: Path) -> list[tuple[str, float]]:
+    """(name, last activity) of every run with a metrics log or a checkpoint, newest first."""
+    seen: dict[str, float] = {}
+    raw = logs_dir / "raw_metrics"
+    if raw.is_dir():
+        for p in raw.glob("*.jsonl"):
+            if p.is_file():
+                seen[p.stem] = p.stat().st_mtime
+    if checkpoints_dir.is_dir():
+        for d in checkpoints_dir.iterdir():
+            if d.is_dir() and not d.name.startswith(".") and any(d.glob("*.pt")):
+                newest = max(p.stat().st_mtime for p in d.glob("*.pt"))
+                seen[d.name] = max(seen.get(d.name, 0.0), newest)
+    return sorted(seen.items(), key=lambda kv: kv[1], reverse=True)
+
+
+def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
+              now: Optional[float] = None) -> dict:
+    """Everything ``status RUN`` shows, as a dict (None where the log has no value yet)."""
+    from utils.logging_utils import latest_per_step, read_jsonl
+
+    now = time.time() if now is None else now
+    log_path = logs_dir / "raw_metrics" / f"{run}.jsonl"
+    run_dir = checkpoints_dir / run
+    if not log_path.is_file() and not run_dir.is_dir():
+        raise PipelineError(f"no run '{run}': neither {log_path} nor {run_dir} exists. "
+                            "`python main.py status` lists the runs.")
+    records = read_jsonl(log_path)
+    train = latest_per_step(records, "train")
+    val = latest_per_step(records, "val")
+    configs = [r for r in records if r.get("type") == "config"]
+    events = [r for r in records if r.get("type") == "event"]
+    hparams = (configs[-1].get("hparams") or {}) if configs else {}
+    total = hparams.get("total_steps")
+
+    out: dict = {"run": run, "log": str(log_path), "run_dir": str(run_dir),
+                 "total_steps": total if isinstance(total, int) else None,
+                 "step": None, "loss": None, "smoothed_loss": None, "lr": None,
+                 "tokens_per_s": None, "tokens_seen": None, "trend": None, "eta_s": None,
+                 "val_loss": None, "best_val_loss": None, "perplexity": None,
+                 "bits_per_byte": None, "last_event": None, "last_record_age_s": None,
+                 "state": "no log yet", "checkpoints": [], "sample": None}
+    if train:
+        last = train[-1]
+        out.update(step=last.get("step"), loss=last.get("loss"),
+                   smoothed_loss=last.get("smoothed_loss"), lr=last.get("lr"),
+                   tokens_seen=last.get("tokens_seen"))
+        rates = [r["tokens_per_s"] for r in train[-5:] if _finite(r.get("tokens_per_s"))]
+        out["tokens_per_s"] = statistics.median(rates) if rates else None
+        out["trend"] = loss_trend(train)
+        out["eta_s"] = eta_seconds(train, out["total_steps"])
+    if val:
+        good = [r for r in val if _finite(r.get("val_loss"))]
+        if good:
+            out.update(val_loss=good[-1]["val_loss"], perplexity=good[-1].get("perplexity"),
+                       bits_per_byte=good[-1].get("bits_per_byte"),
+                       best_val_loss=min(r["val_loss"] for r in good))
+    samples = [r for r in records if r.get("type") == "sample"]
+    if samples:
+        out["sample"] = {"step": samples[-1].get("step"), "prompt": samples[-1].get("prompt"),
+                         "text": samples[-1].get("text")}
+    if events:
+        out["last_event"] = events[-1].get("event")
+    times = [r["time"] for r in records if _finite(r.get("time"))]
+    if times:
+        age = max(0.0, now - max(times))
+        out["last_record_age_s"] = age
+        out["state"] = run_state(out["last_event"], age, train)
+    if run_dir.is_dir():
+        for p in sorted(run_dir.glob("*.pt"), key=lambda p: p.stat().st_mtime, reverse=True):
+            if p.is_file() and not p.name.startswith("."):
+                st = p.stat()
+                out["checkpoints"].append({"file": p.name, "mb": round(st.st_size / 1e6, 1),
+                                           "age_s": round(now - st.st_mtime, 1)})
+    return out
+
+
+def loss_trend(train: list[dict]) -> Optional[dict]:
+    """Mean loss of the last fifth of the train records against the fifth before it."""
+    losses = [r.get("smoothed_loss") if _finite(r.get("smoothed_loss")) else r.get("loss")
+              for r in train]
+    losses = [x for x in losses if _finite(x)]
+    if len(losses) < 4:
+        return None
+    k = max(1, len(losses) // 5)
+    recent, before = statistics.fmean(losses[-k:]), statistics.fmean(losses[-2 * k:-k])
+    change = recent - before
+    word = "falling" if change < -0.01 * abs(before) else (
+        "rising" if change > 0.01 * abs(before) else "flat")
+    return {"recent": recent, "before": before, "change": change, "direction": word}
+
+
+def eta_seconds(train: list[dict], total: Optional[int]) -> Optional[float]:
+    """Seconds left at the step rate of the recent train records (None when unknown)."""
+    pts = [(r["step"], r["time"]) for r in train if _finite(r.get("time"))][-20:]
+    if not total or len(pts) < 2:
+        return None
+    (s0, t0), (s1, t1) = pts[0], pts[-1]
+    if s1 <= s0 or t1 <= t0:
+        return None
+    return max(0, total - s1) * (t1 - t0) / (s1 - s0)
+
+
+def run_state(last_event: Optional[str], age: float, train: list[dict]) -> str:
+    if last_event in TERMINAL_EVENTS:
+        return "interrupted" if last_event == "interrupted" else "finished"
+    gaps = [b["time"] - a["time"] for a, b in zip(train, train[1:])
+            if _finite(a.get("time")) and _finite(b.get("time")) and b["time"] > a["time"]]
+    limit = max(MIN_STALE_S, 5 * statistics.median(gaps)) if gaps else MIN_STALE_S
+    return "running" if age <= limit else "stalled (no log record for " + _dur(age) + ")"
+
+
+def _dur(s: Optional[float]) -> str:
+    if s is None:
+        return "?"
+    s = int(round(s))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _num(x, fmt: str = ".4f") -> str:
+    return format(x, fmt) if _finite(x) else "n/a"
+
+
+def format_summary(s: dict) -> str:
+    step = s["step"] if s["step"] is not None else "n/a"
+    of = f" of {s['total_steps']}" if s["total_steps"] else ""
+    lines = [f"run {s['run']}: {s['state']}" + (f" (last event: {s['last_event']})"
+                                                if s["last_event"] else ""),
+             f"  step         {step}{of}" + (f" ({100 * s['step'] / s['total_steps']:.1f}%)"
+                                             if s["step"] is not None and s["total_steps"] else ""),
+             f"  loss         {_num(s['loss'])} (smoothed {_num(s['smoothed_loss'])}), "
+             f"lr {_num(s['lr'], '.3g')}"]
+    t = s["trend"]
+    if t:
+        lines.append(f"  trend        {t['direction']}: {t['before']:.4f} -> {t['recent']:.4f} "
+                     f"({t['change']:+.4f})")
+    lines.append(f"  tokens/s     {_num(s['tokens_per_s'], ',.0f')}"
+                 + (f"; {s['tokens_seen']:,} tokens seen" if isinstance(s["tokens_seen"], int) else ""))
+    if s["state"] == "running":
+        lines.append(f"  ETA          {_dur(s['eta_s'])}")
+    lines.append(f"  validation   loss {_num(s['val_loss'])} (best {_num(s['best_val_loss'])}), "
+                 f"perplexity {_num(s['perplexity'], '.2f')}, bits/byte {_num(s['bits_per_byte'])}")
+    if s["sample"]:
+        lines.append(f"  sample       step {s['sample']['step']}: {s['sample']['prompt']!r} -> "
+                     f"{(s['sample']['text'] or '')[:120]!r}")
+    if s["checkpoints"]:
+        lines.append(f"  checkpoints  in {s['run_dir']}:")
+        lines += [f"    {c['file']:<28} {c['mb']:>8.1f} MB  {_dur(c['age_s'])} ago"
+                  for c in s["checkpoints"]]
+    else:
+        lines.append(f"  checkpoints  none yet in {s['run_dir']}")
+    lines.append(f"  log          {s['log']}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ stage
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args, cfg = build_parser().parse(list(sys.argv[1:] if argv is None else argv))
+    ckdir, logs = cfg.path("paths.checkpoints_dir"), cfg.path("paths.logs_dir")
+    if args.run is None:
+        runs = run_names(ckdir, logs)
+        if args.json:
+            print(json.dumps([summarize(name, ckdir, logs) for name, _ in runs], indent=2))
+            return 0
+        if not runs:
+            print(f"No training runs yet (nothing in {ckdir} or {logs / 'raw_metrics'}). "
+                  "Start one with: python main.py train --test")
+            return 0
+        print(f"{len(runs)} run(s), newest first (details: python main.py status RUN):")
+        for name, _ in runs:
+            s = summarize(name, ckdir, logs)
+            step = f"step {s['step']}" + (f"/{s['total_steps']}" if s["total_steps"] else "") \
+                if s["step"] is not None else "no steps logged"
+            print(f"  {name:<32} {s['state']:<12} {step:<18} loss {_num(s['loss'])}  "
+                  f"val {_num(s['val_loss'])}  {len(s['checkpoints'])} checkpoint(s)")
+        return 0
+    s = summarize(args.run, ckdir, logs)
+    print(json.dumps(s, indent=2) if args.json else format_summary(s))
+    return 0
+
+
+if __name__ == "__main__":
+    run_stage(main)

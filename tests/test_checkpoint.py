@@ -1,0 +1,203 @@
+"""utils/checkpoint.py: the one loader refuses every bad file with a CheckpointError that names
+the file (exit 1), never runs pickled code, rebuilds the model from the file alone, and lists
+runs (newest first, legacy flat layout included).
+
+Checkpoints here are written by the real writer (save_checkpoint) with a tiny real model;
+bad files are made from them (truncated copies, flipped entries) or from scratch (random
+bytes, a Git LFS pointer, a pickle whose __reduce__ would run a command).
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as model_lib
+from utils.checkpoint import (FORMAT_VERSION, CheckpointError, find_run, list_runs,
+                              load_checkpoint, load_model, save_checkpoint)
+from utils.cli import EXIT_FAILURE
+
+ARGS = model_lib.ModelArgs.from_dict(dict(vocab_size=96, d_model=32, n_layers=2, n_heads=4,
+                                          n_kv_heads=2, ffn_hidden=64, max_seq_len=32))
+
+
+def payload(model=None, **extra) -> dict:
+    torch.manual_seed(0)
+    m = model or model_lib.create_model(ARGS)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    return {"kind": "pretrain", "model": m.state_dict(), "model_args": ARGS.to_dict(),
+            "optimizer": {"adamw": opt.state_dict()}, "scheduler": {"step": 3}, "step": 3,
+            "epoch": 0, "tokens_seen": 96, "data_position": {"epoch": 0, "index": 6},
+            "rng": {"world_size": 1, "ranks": [{"torch": torch.get_rng_state()}]},
+            "best_val_loss": None, "config": {"training": {"lr": 1e-3}}, **extra}
+
+
+@pytest.fixture
+def good(tmp_path) -> Path:
+    return save_checkpoint(tmp_path / "run" / "checkpoint_latest.pt", payload())
+
+
+def refused(path, match: str, purpose="weights") -> CheckpointError:
+    with pytest.raises(CheckpointError) as ei:
+        load_checkpoint(path, purpose=purpose)
+    msg = str(ei.value)
+    assert str(path) in msg, msg
+    assert match in msg, msg
+    assert ei.value.exit_code == EXIT_FAILURE
+    return ei.value
+
+
+# --------------------------------------------------------------------------- good files
+def test_roundtrip_and_load_model_from_the_file_alone(good):
+    ck = load_checkpoint(good, purpose="resume")
+    assert ck["format_version"] == FORMAT_VERSION and ck["step"] == 3
+    model, ck2 = load_model(good)
+    assert not model.training
+    ref = model_lib.create_model(ARGS)
+    ref.load_state_dict(payload()["model"])
+    x = torch.randint(0, ARGS.vocab_size, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], ref.eval()(x)[0])
+
+
+def test_prefixes_stripped(tmp_path):
+    p = payload()
+    p["model"] = {"module._orig_mod." + k: v for k, v in p["model"].items()}
+    path = save_checkpoint(tmp_path / "c.pt", p)
+    model, _ = load_model(path)
+    assert set(model.state_dict()) == set(payload()["model"])
+
+
+# --------------------------------------------------------------------------- bad files
+def test_missing_and_empty(tmp_path):
+    refused(tmp_path / "nope.pt", "file not found")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    refused(tmp_path / "empty.pt", "empty file")
+    refused(tmp_path, "is a directory")
+
+
+@pytest.mark.parametrize("keep", [0.1, 0.5, 0.95])
+def test_truncated(tmp_path, good, keep):
+    data = good.read_bytes()
+    bad = tmp_path / "trunc.pt"
+    bad.write_bytes(data[:int(len(data) * keep)])
+    refused(bad, "truncated or corrupt")
+
+
+def test_random_bytes_and_lfs_pointer_and_text(tmp_path):
+    rnd = tmp_path / "random.pt"
+    rnd.write_bytes(os.urandom(4096))
+    refused(rnd, "not a PyTorch checkpoint")
+    zipped = tmp_path / "zip.pt"
+    zipped.write_bytes(b"PK\x03\x04" + os.urandom(2000))
+    refused(zipped, "truncated or corrupt")
+    lfs = tmp_path / "lfs.pt"
+    lfs.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
+    refused(lfs, "Git LFS pointer")
+
+
+class _Evil:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (subprocess.call, ([sys.executable, "-c",
+                                   f"open({str(self.marker)!r}, 'w').write('pwned')"],))
+
+
+@pytest.mark.parametrize("how", ["torch.save", "raw pickle"])
+def test_pickled_code_is_refused_and_never_run(tmp_path, how):
+    marker = tmp_path / "EXECUTED"
+    bad = tmp_path / "evil.pt"
+    obj = {"format_version": 1, "model": {}, "model_args": {}, "x": _Evil(marker)}
+    if how == "torch.save":
+        torch.save(obj, bad)
+    else:
+        bad.write_bytes(pickle.dumps(obj, protocol=2))
+    e = refused(bad, "refused")
+    assert "Nothing from it was executed" in str(e) and "weights_only=False" not in str(e)
+    assert not marker.exists()
+
+
+def test_missing_entries_and_weights_only_for_resume(tmp_path, good):
+    p = payload()
+    del p["model_args"]
+    refused(save_checkpoint(tmp_path / "a.pt", p), "missing entries: model_args")
+    weights_only = {"model": payload()["model"], "model_args": ARGS.to_dict()}
+    path = save_checkpoint(tmp_path / "w.pt", weights_only)
+    load_checkpoint(path, purpose="weights")
+    e = refused(path, "cannot resume training", purpose="resume")
+    assert "optimizer" in str(e) and "data_position" in str(e)
+    bare = tmp_path / "bare.pt"
+    torch.save(payload()["model"], bare)
+    refused(bare, "bare state_dict")
+
+
+def test_nan_weights_and_wrong_shapes_and_newer_format(tmp_path):
+    p = payload()
+    k = next(iter(p["model"]))
+    p["model"][k] = p["model"][k].clone()
+    p["model"][k].view(-1)[0] = float("nan")
+    refused(save_checkpoint(tmp_path / "nan.pt", p), f"non-finite weights (NaN or inf) in {k}")
+    p = payload()
+    p["model_args"] = {**ARGS.to_dict(), "d_model": 64}
+    refused(save_checkpoint(tmp_path / "shape.pt", p), "shapes disagree")
+    p = payload()
+    path = tmp_path / "new.pt"
+    torch.save({**p, "format_version": FORMAT_VERSION + 1}, path)
+    refused(path, "newer than this program")
+    p = payload()
+    p["model"].pop(next(iter(p["model"])))
+    refused(save_checkpoint(tmp_path / "miss.pt", p), "missing weights")
+
+
+def test_cli_error_is_one_paragraph(tmp_path):
+    """A stage reading a bad checkpoint exits 1 with the message, no traceback."""
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(os.urandom(100))
+    code = ("import sys; from utils.cli import run_stage; from utils.checkpoint import "
+            f"load_checkpoint; run_stage(lambda a: load_checkpoint({str(bad)!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert str(bad) in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- runs
+def _touch(path: Path, t: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x")
+    os.utime(path, (t, t))
+
+
+def test_list_runs_newest_first_with_legacy_flat_layout(tmp_path):
+    base = tmp_path / "checkpoints"
+    now = time.time()
+    _touch(base / "old" / "checkpoint_latest.pt", now - 300)
+    _touch(base / "new" / "checkpoint_step_10.pt", now - 10)
+    _touch(base / "new" / "checkpoint_step_2.pt", now - 20)
+    _touch(base / "new" / "checkpoint_best.pt", now - 15)
+    _touch(base / "new" / "checkpoint_latest.pt", now - 10)
+    _touch(base / "new" / ".checkpoint_latest.pt.tmp-99999", now)      # a killed writer's temp
+    _touch(base / "sft_chat" / "checkpoint_best.pt", now - 100)
+    _touch(base / "checkpoint_epoch_3.pt", now - 200)                 # the seed's flat layout
+    (base / "empty_dir").mkdir()
+    runs = list_runs(base)
+    assert [r.name for r in runs] == ["new", "sft_chat", "checkpoints (flat layout)", "old"]
+    new = runs[0]
+    assert [p.name for p in new.checkpoints] == ["checkpoint_best.pt", "checkpoint_latest.pt",
+                                                 "checkpoint_step_10.pt", "checkpoint_step_2.pt"]
+    assert new.latest.name == "checkpoint_latest.pt" and new.best.name == "checkpoint_best.pt"
+    assert runs[1].kind == "sft" and runs[2].legacy and runs[2].latest is None
+    assert find_run(base).name == "new"
+    assert find_run(base, "old").path == base / "old"
+    assert find_run(base, "missing") is None
+    assert list_runs(tmp_path / "absent") == []

@@ -1,0 +1,146 @@
+"""`python main.py status`: read-only progress of training runs, from the logs the trainer's
+own writer (utils.logging_utils.DualLogger) produces and the run folder."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import status
+from tests.conftest import ROOT, offline_env, write_config
+from utils.logging_utils import DualLogger
+
+
+def _cfg(tmp_path):
+    return write_config(tmp_path, {
+        "paths": {"checkpoints_dir": str(tmp_path / "checkpoints"), "logs_dir": str(tmp_path / "logs")}}, name="status.json")
+
+
+def _log_run(tmp_path, run, losses, *, total=100, dt=2.0, t0=None, end_event=None, val=None):
+    """A run's JSONL written by the real logger; record times set to a fake clock."""
+    t0 = time.time() - dt * len(losses) if t0 is None else t0
+    lg = DualLogger(run, tmp_path / "logs", tensorboard=False, jsonl=True)
+    lg.config({"model": {}}, {"total_steps": total, "run": run})
+    lg.event(0, "start")
+    for i, loss in enumerate(losses, 1):
+        lg.log("train", i * 10, {"loss": loss, "smoothed_loss": loss, "lr": 1e-3,
+                                 "tokens_per_s": 1000.0 + i, "tokens_seen": i * 10 * 512})
+    for step, v in (val or []):
+        lg.log("val", step, {"val_loss": v, "perplexity": 2.718 ** v, "bits_per_byte": v / 3})
+    lg.text("sample", 10 * len(losses), "once upon a time", prompt="The history of")
+    if end_event:
+        lg.event(10 * len(losses), end_event)
+    lg.close()
+    # Rewrite the times as if one train record came every dt seconds from t0.
+    path = tmp_path / "logs" / "raw_metrics" / f"{run}.jsonl"
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    for k, r in enumerate(recs):
+        r["time"] = t0 + dt * (r.get("step", 0) / 10)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def _ckpt_dir(tmp_path, run, names=("checkpoint_latest.pt", "checkpoint_best.pt")):
+    d = tmp_path / "checkpoints" / run
+    d.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        (d / n).write_bytes(b"\0" * 1000)   # status never opens checkpoints
+    return d
+
+
+def test_summary_of_a_running_run(tmp_path):
+    losses = [9.0 - 0.3 * i for i in range(20)]
+    now = time.time()
+    _log_run(tmp_path, "exp1", losses, total=400, dt=2.0, t0=now - 40, val=[(100, 7.5), (200, 6.5)])
+    _ckpt_dir(tmp_path, "exp1")
+    s = status.summarize("exp1", tmp_path / "checkpoints", tmp_path / "logs", now=now)
+    assert s["step"] == 200 and s["total_steps"] == 400
+    assert s["loss"] == pytest.approx(losses[-1])
+    assert s["trend"]["direction"] == "falling" and s["trend"]["change"] < 0
+    assert s["state"] == "running"
+    # 10 steps every 2 s, 200 steps left -> 40 s
+    assert s["eta_s"] == pytest.approx(40.0)
+    assert s["val_loss"] == 6.5 and s["best_val_loss"] == 6.5
+    assert s["tokens_per_s"] == pytest.approx(1018.0)   # median of the last five records
+    assert {c["file"] for c in s["checkpoints"]} == {"checkpoint_latest.pt", "checkpoint_best.pt"}
+    assert s["sample"]["text"] == "once upon a time"
+
+
+def test_states_finished_interrupted_stalled(tmp_path):
+    now = time.time()
+    _log_run(tmp_path, "done_run", [5, 4, 3, 2], end_event="done", t0=now - 10)
+    _log_run(tmp_path, "int_run", [5, 4, 3, 2], end_event="interrupted", t0=now - 10)
+    _log_run(tmp_path, "dead_run", [5, 4, 3, 2], t0=now - 3600)      # SIGKILLed an hour ago
+    _log_run(tmp_path, "flat_run", [3, 3, 3, 3, 3], t0=now - 10)
+    get = lambda r: status.summarize(r, tmp_path / "checkpoints", tmp_path / "logs", now=now)
+    assert get("done_run")["state"] == "finished"
+    assert get("int_run")["state"] == "interrupted"
+    assert get("dead_run")["state"].startswith("stalled")
+    assert get("flat_run")["trend"]["direction"] == "flat"
+    assert get("flat_run")["state"] == "running"
+
+
+def test_a_rising_loss_is_called_rising(tmp_path):
+    _log_run(tmp_path, "bad", [2, 2.5, 3, 3.5, 4, 4.5])
+    s = status.summarize("bad", tmp_path / "checkpoints", tmp_path / "logs")
+    assert s["trend"]["direction"] == "rising"
+
+
+def test_torn_last_line_and_nan_values_are_tolerated(tmp_path):
+    path = _log_run(tmp_path, "torn", [5, 4, 3, 2, 1])
+    with open(path, "a") as f:
+        f.write('{"type": "train", "step": 60, "loss": nu')   # crash mid-write
+    s = status.summarize("torn", tmp_path / "checkpoints", tmp_path / "logs")
+    assert s["step"] == 50
+
+
+def _run(tmp_path, *args):
+    cfg = tmp_path / "status.json"
+    if not cfg.exists():
+        _cfg(tmp_path)
+    return subprocess.run([sys.executable, str(ROOT / "main.py"), "status", "--config",
+                           str(cfg), *args], capture_output=True, text=True,
+                          env=offline_env(), timeout=120)
+
+
+def test_cli_lists_runs_newest_first_and_shows_one(tmp_path):
+    now = time.time()
+    _log_run(tmp_path, "older", [5, 4, 3, 2], end_event="done", t0=now - 500)
+    _log_run(tmp_path, "newer", [5, 4, 3, 2], t0=now - 10)
+    os.utime(tmp_path / "logs/raw_metrics/older.jsonl", (now - 400, now - 400))
+    _ckpt_dir(tmp_path, "newer")
+    proc = _run(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("2 run(s)")
+    assert "newer" in lines[1] and "running" in lines[1] and "2 checkpoint(s)" in lines[1]
+    assert "older" in lines[2] and "finished" in lines[2]
+    one = _run(tmp_path, "newer")
+    assert one.returncode == 0, one.stderr
+    assert "run newer: running" in one.stdout and "step         40 of 100" in one.stdout
+    assert "checkpoint_latest.pt" in one.stdout and "trend        falling" in one.stdout
+    js = json.loads(_run(tmp_path, "newer", "--json").stdout)
+    assert js["step"] == 40 and js["state"] == "running"
+
+
+def test_cli_unknown_run_and_empty(tmp_path):
+    proc = _run(tmp_path)
+    assert proc.returncode == 0 and "No training runs yet" in proc.stdout
+    proc = _run(tmp_path, "nope")
+    assert proc.returncode == 1
+    assert "no run 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_status_writes_nothing(tmp_path):
+    _log_run(tmp_path, "r", [3, 2, 1, 0.5])
+    _ckpt_dir(tmp_path, "r")
+    cfg = _cfg(tmp_path)
+    snapshot = lambda: sorted((p, p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file())
+    before = snapshot()
+    assert _run(tmp_path, "r").returncode == 0
+    after = snapshot()
+    assert before == after

@@ -1,0 +1,230 @@
+"""`python main.py train`: files written, exact resume after a real SIGINT, stop signals, the
+--max-steps total, refusals (other tokenizer, reused run name), Muon and gradient accumulation.
+
+Every run is the CLI a user types (subprocess `python main.py train --test ...`) on a tiny shard
+set of the real news sample encoded with the Llama-style SentencePiece sample tokenizer and
+written by utils.shards (tests.test_dataloader.write_shard_set); tiny model, windows of 32
+tokens, batches of 2, so each run takes seconds. Signals are sent to the process when the
+run's own JSONL log shows a given step (polling the file), never after a sleep.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import NEWS, SPM_MODEL, popen_main, run_main, write_config
+from tests.test_dataloader import write_shard_set
+from utils.checkpoint import load_checkpoint
+from utils.logging_utils import latest_per_step, read_jsonl
+from utils.scheduler import CosineWarmupScheduler, lr_factor
+
+FLAGS = ["--window", "32", "--batch-size", "2", "--eval-batches", "2", "--sample-tokens", "4",
+         "--log-every", "1", "--warmup-steps", "2", "--eval-steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def tok(samples):
+    from utils.tok import load_tokenizer_from
+    return load_tokenizer_from(str(SPM_MODEL))
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory, tok):
+    from utils.tok import describe
+    lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines()]
+    docs_text = list(dict.fromkeys(x for x in lines if x))[:120]
+    ids = tok(docs_text, add_special_tokens=False)["input_ids"]
+    docs = [np.asarray([tok.bos_token_id, *x, tok.eos_token_id]) for x in ids]
+    d = tmp_path_factory.mktemp("train_shards") / "wikipedia_test"
+    write_shard_set(d, docs, describe(tok, str(SPM_MODEL)))
+    return d
+
+
+TOTAL = 12   # steps of the module's reference run
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("train_root")
+
+
+@pytest.fixture(scope="module")
+def cfg(root, shard_dir):
+    return write_config(root, {"tokenizer": {"name": str(SPM_MODEL)},
+                               "dataset": {"wikipedia_test_dir": str(shard_dir)}})
+
+
+@pytest.fixture(scope="module")
+def full_run(cfg, root):
+    """The reference run: TOTAL steps uninterrupted (name "full"); returns its stdout."""
+    return ok(train(cfg, "--name", "full", "--max-steps", TOTAL)).stdout
+
+
+def train(cfg, *args, timeout=240):
+    return run_main("train", "--test", "--config", cfg, *FLAGS, *map(str, args), timeout=timeout)
+
+
+def ok(proc, code=0):
+    assert proc.returncode == code, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def log_of(tmp_path, run) -> list[dict]:
+    return read_jsonl(tmp_path / "logs" / "raw_metrics" / f"{run}.jsonl")
+
+
+def losses(records) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in latest_per_step(records, "train")}
+
+
+def weights(path) -> dict:
+    return load_checkpoint(path, purpose="resume")["model"]
+
+
+def wait_for_step(path: Path, step: int, proc: subprocess.Popen, limit: float = 180) -> None:
+    """Poll the run's JSONL until a train record of ``step`` appears (the process must still run)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if any(r.get("type") == "train" and r.get("step", 0) >= step for r in read_jsonl(path)):
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"run ended (exit {proc.returncode}) before step {step}\n{out}\n{err}")
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail(f"no step {step} in {path} within {limit} s")
+
+
+# --------------------------------------------------------------------------- end to end
+def test_train_writes_run_files_and_loss_goes_down(root, cfg, full_run):
+    run = root / "checkpoints" / "full"
+    for name in ("checkpoint_latest.pt", "checkpoint_best.pt", "config.json"):
+        assert (run / name).is_file(), name
+    assert list((root / "logs" / "tensorboard" / "full").glob("events.out.tfevents.*"))
+    recs = log_of(root, "full")
+    assert recs[0]["type"] == "config" and recs[0]["hparams"]["total_steps"] == TOTAL
+    tr = losses(recs)
+    assert sorted(tr) == list(range(1, TOTAL + 1))
+    assert all(np.isfinite(v) for v in tr.values())
+    val = [r["val_loss"] for r in latest_per_step(recs, "val")]
+    assert len(val) >= 3 and val[-1] < val[0], val
+    assert any(r["type"] == "sample" for r in recs)
+    ck = load_checkpoint(run / "checkpoint_latest.pt", purpose="resume")
+    assert ck["step"] == TOTAL and ck["kind"] == "pretrain"
+    assert ck["model_args"]["d_model"] == 64 and ck["tokenizer"]["vocab_size"] == 32000
+    assert "python main.py status full" in full_run
+
+
+def test_reused_run_name_refused(root, cfg, full_run):
+    ck = root / "checkpoints" / "full" / "checkpoint_latest.pt"
+    before = ck.stat().st_mtime_ns
+    again = train(cfg, "--name", "full", "--max-steps", 4)
+    assert again.returncode == 2, again.stderr
+    assert "already holds a run" in again.stderr and "--resume auto" in again.stderr
+    assert ck.stat().st_mtime_ns == before
+
+
+# --------------------------------------------------------------------------- exact resume
+def test_sigint_then_resume_is_bit_exact(root, cfg, full_run):
+    log = root / "logs" / "raw_metrics" / "cut.jsonl"
+    p = popen_main("train", "--test", "--config", cfg, *FLAGS, "--name", "cut", "--max-steps", TOTAL)
+    wait_for_step(log, 3, p)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 130, f"{out}\n{err}"
+    assert "--name cut --resume auto" in err
+    cut = load_checkpoint(root / "checkpoints" / "cut" / "checkpoint_latest.pt", "resume")
+    assert 3 <= cut["step"] < TOTAL, "the signal should land mid-run"
+
+    ok(train(cfg, "--name", "cut", "--max-steps", TOTAL, "--resume", "auto"))
+    a = weights(root / "checkpoints" / "full" / "checkpoint_latest.pt")
+    b = weights(root / "checkpoints" / "cut" / "checkpoint_latest.pt")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    la, lb = losses(log_of(root, "full")), losses(log_of(root, "cut"))
+    assert sorted(lb) == list(range(1, TOTAL + 1))
+    assert la == lb                                   # every step's loss, bit for bit
+    lra = {r["step"]: r["lr"] for r in latest_per_step(log_of(root, "full"))}
+    lrb = {r["step"]: r["lr"] for r in latest_per_step(log_of(root, "cut"))}
+    assert lra == lrb
+
+
+def test_sigterm_exits_130_and_max_steps_is_the_run_total(root, cfg):
+    log = root / "logs" / "raw_metrics" / "term.jsonl"
+    p = popen_main("train", "--test", "--config", cfg, *FLAGS, "--name", "term", "--max-steps", 200)
+    wait_for_step(log, 2, p)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 130, f"{out}\n{err}"
+    ck = root / "checkpoints" / "term" / "checkpoint_latest.pt"
+    step = load_checkpoint(ck, "resume")["step"]
+    assert 2 <= step < 200
+    assert any(r.get("event") == "interrupted" for r in log_of(root, "term"))
+    # --max-steps is the run's total, not "N more": the resumed run stops at step step + 3.
+    ok(train(cfg, "--name", "term", "--max-steps", step + 3, "--resume", "auto"))
+    assert load_checkpoint(ck, "resume")["step"] == step + 3
+    assert sorted(losses(log_of(root, "term"))) == list(range(1, step + 4))
+
+
+def test_resume_with_another_tokenizer_refused(root, cfg, shard_dir, full_run):
+    from utils.tok import load_tokenizer_from
+    other = root / "other_tok"
+    tok2 = load_tokenizer_from(str(SPM_MODEL))     # the same vocabulary plus one added token
+    tok2.add_tokens(["<extra_token_for_the_test>"])
+    tok2.save_pretrained(str(other))
+    cfg2 = write_config(root, {"tokenizer": {"name": str(other)},
+                               "dataset": {"wikipedia_test_dir": str(shard_dir)}}, "other.json")
+    proc = train(cfg2, "--name", "full", "--max-steps", TOTAL + 4, "--resume", "auto")
+    assert proc.returncode == 1, proc.stderr
+    assert "another tokenizer" in proc.stderr and "checkpoint_latest.pt" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- optimizer options
+def test_muon_with_grad_accum_trains_and_resumes_exactly(root, cfg):
+    opt = ["--optimizer", "muon", "--grad-accum", "2"]
+    total = 8
+    ok(train(cfg, *opt, "--name", "mu_full", "--max-steps", total))
+    p = popen_main("train", "--test", "--config", cfg, *FLAGS, *opt, "--name", "mu_cut",
+                   "--max-steps", total)
+    wait_for_step(root / "logs" / "raw_metrics" / "mu_cut.jsonl", 2, p)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 130, f"{out}\n{err}"
+    ok(train(cfg, *opt, "--name", "mu_cut", "--max-steps", total, "--resume", "auto"))
+    ck = load_checkpoint(root / "checkpoints" / "mu_full" / "checkpoint_latest.pt", "resume")
+    assert set(ck["optimizer"]) == {"muon", "adamw"}
+    la, lb = losses(log_of(root, "mu_full")), losses(log_of(root, "mu_cut"))
+    assert sorted(la) == list(range(1, total + 1))
+    assert all(np.isfinite(v) for v in la.values()) and la == lb
+    b = weights(root / "checkpoints" / "mu_cut" / "checkpoint_latest.pt")
+    assert all(torch.equal(ck["model"][k], b[k]) for k in b)
+
+
+# --------------------------------------------------------------------------- scheduler
+def test_scheduler_warmup_cosine_min_and_resume():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=1.0)
+    s = CosineWarmupScheduler(opt, warmup=4, total=20, min_ratio=0.1)
+    seen = [s.apply(i) for i in range(25)]
+    assert seen[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert seen[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(seen[4:20], seen[5:20]))    # cosine decays monotonically
+    assert seen[12] == pytest.approx(0.1 + 0.9 * 0.5)              # half-way: mean of peak and min
+    assert seen[20:] == [0.1] * 5                                   # min lr after the end
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    s.apply(9)
+    state = s.state_dict()
+    opt2 = torch.optim.AdamW([p], lr=1.0)
+    s2 = CosineWarmupScheduler(opt2, warmup=4, total=20, min_ratio=0.1)
+    assert s2.load_state_dict(state) == [] and s2.step == 9
+    assert s2.apply(10) == s.apply(10)
+    s3 = CosineWarmupScheduler(torch.optim.AdamW([p], lr=1.0), warmup=4, total=30, min_ratio=0.1)
+    assert s3.load_state_dict(state) == ["total: 20 -> 30"]
+    assert lr_factor(0, warmup=0, total=10, min_ratio=0.0) == 1.0

@@ -1,0 +1,392 @@
+"""Checkpoint files: the ONE writer and the ONE loader every stage uses (library; no side effects).
+
+    save_checkpoint(path, payload)                         atomic (temp file + os.replace)
+    ckpt = load_checkpoint(path, purpose="weights"|"resume")   validated dict, or CheckpointError
+    model, ckpt = load_model(path, device="cpu")           rebuilt from ckpt["model_args"]
+    runs = list_runs(checkpoints_dir)                      runs newest first (RunInfo)
+
+Format (``FORMAT_VERSION``): ``torch.save`` of a dict of plain data and tensors only, so
+``torch.load(weights_only=True)`` reads it and a checkpoint is never code::
+
+    format_version, kind ("pretrain" | "sft"), model (state_dict, no ``_orig_mod.``/``module.``
+    prefixes), model_args (ModelArgs.to_dict()), optimizer ({name: optimizer state_dict}),
+    scheduler, grad_scaler, step, epoch, tokens_seen, data_position (the loader's state_dict:
+    plain ints), rng ({"ranks": [per-rank {"python", "numpy", "torch", "cuda"}]}: tensors and
+    plain types), best_val_loss, config (resolved config dict), tokenizer (utils.tok.describe),
+    chat_template (SFT only; None otherwise), metrics (smoothing window, patience, ...).
+
+A "weights" load needs format_version, model and model_args; a "resume" load needs the
+training state too. Every defect of a file becomes one :class:`CheckpointError` (exit 1)
+naming the file and the problem: missing, empty, a Git LFS pointer or other non-checkpoint
+file, truncated, pickled code (refused, never run), missing entries, a newer format,
+keys/shapes that disagree with the stored model_args, non-finite weights. Cost: a full
+load reads the file once and checks every weight for finiteness (one pass over memory).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pickle
+import re
+import time
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from utils.atomic import atomic_open
+from utils.cli import PipelineError
+
+FORMAT_VERSION = 1
+WEIGHTS_KEYS = ("format_version", "model", "model_args")
+RESUME_KEYS = ("optimizer", "scheduler", "step", "epoch", "tokens_seen", "data_position", "rng",
+               "best_val_loss", "config")
+_PREFIXES = ("_orig_mod.", "module.")
+CHECKPOINT_GLOB = "checkpoint_*.pt"
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint file that cannot be used: exit code 1, message names the file."""
+
+    def __init__(self, path, problem: str):
+        self.path, self.problem = Path(path), problem
+        super().__init__(f"checkpoint {path}: {problem}")
+
+
+# --------------------------------------------------------------------------- writing
+def save_checkpoint(path, payload: dict) -> Path:
+    """Write ``payload`` atomically: a crash, SIGKILL or Ctrl-C mid-write leaves the previous
+    file under ``path`` intact (at most a hidden ``.NAME.tmp-PID`` sibling remains)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format_version": FORMAT_VERSION, **payload}
+    with atomic_open(path, "wb") as f:
+        torch.save(payload, f)
+    return path
+
+
+def remove_stale_temps(directory) -> list[Path]:
+    """Delete temp files left by a killed writer (``.*.tmp-PID`` whose PID is not alive)."""
+    removed = []
+    for p in Path(directory).glob(".*.tmp-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid != os.getpid() and _alive(pid):
+            continue
+        p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --------------------------------------------------------------------------- reading
+def _sniff(path: Path) -> None:
+    """Refuse what is plainly not a torch checkpoint before handing it to torch.load."""
+    if not path.exists():
+        raise CheckpointError(path, "file not found. List runs with `python main.py status`.")
+    if path.is_dir():
+        raise CheckpointError(path, "is a directory; pass a checkpoint_*.pt file inside it "
+                                    "(or `--resume auto` with `--name RUN`).")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(path, "empty file (0 bytes): the write never completed. Use "
+                                    "another checkpoint of the run (checkpoint_step_N.pt).")
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head.startswith(b"version https://git-lfs"):
+        raise CheckpointError(path, "is a Git LFS pointer file, not the checkpoint itself; "
+                                    "fetch the real file with `git lfs pull`.")
+    if head.startswith(b"PK\x03\x04"):
+        return  # torch's zip format
+    if head[:1] == b"\x80":
+        return  # legacy (non-zip) torch.save format: a pickle stream; weights_only still applies
+    try:
+        text = head.decode("utf-8")
+        kind = "a text file" if text.isprintable() or "\n" in text else "not a checkpoint"
+    except UnicodeDecodeError:
+        kind = "not a checkpoint"
+    raise CheckpointError(path, f"is {kind} ({size} bytes starting {head[:24]!r}), not a "
+                                "PyTorch checkpoint written by this pipeline.")
+
+
+def _torch_load(path: Path, map_location) -> Any:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        msg = str(e)
+        found = re.findall(r"(?:GLOBAL|global|Unsupported global:)\s*([\w.]+(?:\s[\w.]+)?)", msg)
+        what = f" ({', '.join(sorted(set(found)))})" if found else ""
+        raise CheckpointError(path, f"refused: it contains pickled Python objects{what} that "
+                                    "would run code when loaded. A checkpoint must be plain data "
+                                    "and tensors; this file was not written by this pipeline "
+                                    "or has been tampered with. Nothing from it was executed.") from None
+    except (zipfile.BadZipFile, EOFError) as e:
+        raise CheckpointError(path, f"truncated or corrupt ({type(e).__name__}); the write was "
+                                    "probably interrupted. Use another checkpoint of the run.") from None
+    except RuntimeError as e:
+        msg = str(e)
+        if any(s in msg for s in ("zip archive", "central directory", "PytorchStreamReader",
+                                  "unexpected EOF", "file_size", "storage")):
+            raise CheckpointError(path, "truncated or corrupt (the zip archive is incomplete); "
+                                        "the write was probably interrupted. Use another "
+                                        "checkpoint of the run.") from None
+        raise CheckpointError(path, f"cannot be read: {msg.splitlines()[0][:200]}") from None
+    except OSError as e:
+        if _is_zip_start(path):   # torch's reader hits an offset past the end of a cut file
+            raise CheckpointError(path, "truncated or corrupt (the zip archive is incomplete: "
+                                        f"{e.strerror or e}); the write was probably "
+                                        "interrupted. Use another checkpoint of the run.") from None
+        raise CheckpointError(path, f"cannot be read: {e.strerror or e}") from None
+    except Exception as e:  # any other malformed content
+        raise CheckpointError(path, f"cannot be read ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+
+
+def _is_zip_start(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
+def strip_prefixes(state_dict: dict) -> dict:
+    """Remove torch.compile's ``_orig_mod.`` and DDP's ``module.`` key prefixes (any nesting)."""
+    out = {}
+    for k, v in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for p in _PREFIXES:
+                if k.startswith(p):
+                    k, changed = k[len(p):], True
+        out[k] = v
+    return out
+
+
+def _model_lib():
+    import model as model_lib  # the model library (imported lazily: only when needed)
+    return model_lib
+
+
+def model_args_of(ckpt: dict, path: Path):
+    """``ModelArgs`` from a checkpoint's stored dict, or CheckpointError."""
+    try:
+        return _model_lib().ModelArgs.from_dict(dict(ckpt["model_args"]))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
+
+
+def _check_weights(path: Path, ckpt: dict) -> None:
+    """Keys and shapes against a model built (on the meta device: no memory) from model_args;
+    every floating weight finite."""
+    sd = ckpt["model"]
+    args = model_args_of(ckpt, path)
+    try:
+        with torch.device("meta"):
+            ref = _model_lib().create_model(args)
+        expected = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    bad = [f"{k} {tuple(sd[k].shape)} vs {expected[k]}" for k in expected
+           if k in sd and tuple(sd[k].shape) != expected[k]]
+    problems = []
+    if missing:
+        problems.append(f"missing weights {_few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected weights {_few(unexpected)}")
+    if bad:
+        problems.append(f"shapes disagree with the stored model config: {_few(bad)}")
+    if problems:
+        raise CheckpointError(path, "; ".join(problems) + ". The weights do not belong to the "
+                                    "model its model_args describe (edited or mixed-up file).")
+    nonfinite = [k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if nonfinite:
+        raise CheckpointError(path, f"non-finite weights (NaN or inf) in {_few(nonfinite)}: "
+                                    "training diverged before this save. Use an earlier "
+                                    "checkpoint (checkpoint_best.pt or checkpoint_step_N.pt) "
+                                    "and a lower training.lr.")
+
+
+def _few(items: list, n: int = 4) -> str:
+    shown = ", ".join(map(str, items[:n]))
+    return shown + (f" (and {len(items) - n} more)" if len(items) > n else "")
+
+
+def load_checkpoint(path, purpose: str = "weights", map_location="cpu") -> dict:
+    """The one checkpoint loader: ``torch.load(weights_only=True)`` plus validation.
+
+    purpose "weights": needs the model and its config (SFT, inference, benchmark, export);
+    purpose "resume": also the optimizer, scheduler, step, data position and RNG states.
+    Returns the payload dict with prefix-free model keys. Raises :class:`CheckpointError`.
+    """
+    if purpose not in ("weights", "resume"):
+        raise ValueError(f"purpose must be 'weights' or 'resume', not {purpose!r}")
+    path = Path(path)
+    _sniff(path)
+    ckpt = _torch_load(path, map_location)
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(path, f"is not a checkpoint: it holds a {type(ckpt).__name__}, "
+                                    "not the pipeline's checkpoint dict.")
+    if "format_version" not in ckpt and "model" not in ckpt and ckpt and all(
+            isinstance(v, torch.Tensor) for v in ckpt.values()):
+        raise CheckpointError(path, "is a bare state_dict (weights only, no model config): the "
+                                    "model cannot be rebuilt from it. Missing entries: "
+                                    + ", ".join(WEIGHTS_KEYS[::2]) + ".")
+    version = ckpt.get("format_version")
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise CheckpointError(path, f"format version {version} is newer than this program reads "
+                                    f"(up to {FORMAT_VERSION}); update the pipeline (git pull).")
+    missing = [k for k in WEIGHTS_KEYS if k not in ckpt]
+    if missing:
+        raise CheckpointError(path, f"missing entries: {', '.join(missing)} (not a checkpoint "
+                                    "written by this pipeline, or an incomplete one).")
+    if not isinstance(version, int) or version < 1:
+        raise CheckpointError(path, f"format_version {version!r} is not a valid version number.")
+    if not isinstance(ckpt["model"], dict) or not all(
+            isinstance(v, torch.Tensor) for v in ckpt["model"].values()):
+        raise CheckpointError(path, "entry 'model' is not a state_dict of tensors.")
+    if not isinstance(ckpt["model_args"], dict):
+        raise CheckpointError(path, "entry 'model_args' is not a dict of model settings.")
+    if purpose == "resume":
+        missing = [k for k in RESUME_KEYS
+                   if k not in ckpt or (ckpt[k] is None and k != "best_val_loss")]
+        if missing:
+            raise CheckpointError(
+                path, f"cannot resume training from it: missing {', '.join(missing)} (a "
+                      "weights-only checkpoint: it has the model but not the optimizer, "
+                      "schedule, data position and RNG state an exact resume needs). Use it for "
+                      "inference, benchmark or sft, or start a new run without --resume.")
+    ckpt["model"] = strip_prefixes(ckpt["model"])
+    _check_weights(path, ckpt)
+    ckpt.setdefault("kind", "pretrain")
+    ckpt.setdefault("chat_template", None)
+    return ckpt
+
+
+def load_model(path, device="cpu"):
+    """``(model, ckpt)``: the model rebuilt from ``ckpt["model_args"]`` with its weights, in eval
+    mode on ``device``. Used by SFT, inference, benchmark and export."""
+    ckpt = load_checkpoint(path, purpose="weights", map_location="cpu")
+    args = model_args_of(ckpt, Path(path))
+    model = _model_lib().create_model(args)
+    model.load_state_dict(ckpt["model"], strict=True)
+    model.to(device)
+    model.eval()
+    return model, ckpt
+
+
+# --------------------------------------------------------------------------- runs
+@dataclasses.dataclass
+class RunInfo:
+    """One training run folder (or the legacy flat layout: ``legacy=True``)."""
+    name: str
+    path: Path
+    kind: str                      # "pretrain", "sft" or "legacy"
+    checkpoints: list              # Paths, best and latest first, then steps/epochs newest first
+    mtime: float                   # newest file in the run
+
+    @property
+    def latest(self) -> Optional[Path]:
+        p = self.path / "checkpoint_latest.pt"
+        return p if p in self.checkpoints else None
+
+    @property
+    def best(self) -> Optional[Path]:
+        p = self.path / "checkpoint_best.pt"
+        return p if p in self.checkpoints else None
+
+    @property
+    def legacy(self) -> bool:
+        return self.kind == "legacy"
+
+
+def _ckpt_order(p: Path) -> tuple:
+    name = p.stem
+    if name == "checkpoint_best":
+        return (0, 0)
+    if name == "checkpoint_latest":
+        return (1, 0)
+    m = re.search(r"(\d+)$", name)
+    return (2, -int(m.group(1)) if m else 0, name)
+
+
+def run_checkpoints(directory) -> list[Path]:
+    """The ``*.pt`` checkpoint files of a run folder (no temp files), best/latest first."""
+    d = Path(directory)
+    files = [p for p in d.glob("*.pt") if p.is_file() and not p.name.startswith(".")]
+    return sorted(files, key=_ckpt_order)
+
+
+def list_runs(checkpoints_dir) -> list[RunInfo]:
+    """Runs under ``checkpoints_dir``, newest first: every sub-folder holding checkpoints
+    (``sft_*`` folders are kind "sft") plus, when ``*.pt`` files sit directly in the folder
+    (the seed's old flat layout), one "legacy" run named after the folder."""
+    base = Path(checkpoints_dir)
+    runs: list[RunInfo] = []
+    if not base.is_dir():
+        return runs
+    for d in base.iterdir():
+        if not d.is_dir() or d.name.startswith("."):
+            continue
+        files = run_checkpoints(d)
+        if not files:
+            continue
+        kind = "sft" if d.name.startswith("sft") else "pretrain"
+        mtime = max(p.stat().st_mtime for p in files)
+        runs.append(RunInfo(d.name, d, kind, files, mtime))
+    flat = run_checkpoints(base)
+    if flat:
+        runs.append(RunInfo(f"{base.name} (flat layout)", base, "legacy", flat,
+                            max(p.stat().st_mtime for p in flat)))
+    runs.sort(key=lambda r: r.mtime, reverse=True)
+    return runs
+
+
+def find_run(checkpoints_dir, name: Optional[str] = None) -> Optional[RunInfo]:
+    """The named run, or the newest one when ``name`` is None."""
+    runs = list_runs(checkpoints_dir)
+    if name is None:
+        return runs[0] if runs else None
+    return next((r for r in runs if r.name == name), None)
+
+
+def describe_checkpoint(path) -> str:
+    """One line: step, kind, validation loss, size and age (for listings)."""
+    p = Path(path)
+    st = p.stat()
+    age = time.time() - st.st_mtime
+    return f"{p.name} ({st.st_size / 1e6:.1f} MB, {_age(age)} ago)"
+
+
+def _age(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def is_finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -1,0 +1,668 @@
+"""The one training loop, for pre-training and SFT (library; nothing runs on import).
+
+    trainer = Trainer(model, model_args, hp=cfg.training, log_cfg=cfg.logging,
+                      train_data=train_loader, val_data=val_loader, run_dir=run_dir,
+                      logger=logger, device=device, dist=dist_info, total_steps=N,
+                      steps_per_epoch=S, config=cfg.to_dict(), tokenizer_info=tok_info,
+                      kind="pretrain", chat_template=None, sample_fn=fn,
+                      bytes_per_token=bpt, resume_command=cmd)
+    if ckpt is not None: trainer.load_state(ckpt)    # a load_checkpoint(..., "resume") dict
+    result = trainer.fit()                           # TrainResult(reason, step, best_val_loss)
+
+Data
+    ``train_data`` is any iterable of batches with a resumable position: ``state_dict()``,
+    ``load_state_dict()`` and an ``epoch`` attribute (dataloader.TrainLoader, OnTheFlyLoader,
+    or SFT's own). Each ``for`` pass over it yields the rest of the current epoch. A batch is
+    a dict ``{"x", "y"}`` plus an optional ``"loss_mask"`` (all ``(B, T)``; y == -100 is
+    ignored), or an ``(x, y)`` tuple. ``val_data`` is re-iterable in a fixed order, or None.
+
+Step
+    ``hp.grad_accum`` micro-batches (loss / grad_accum; DDP syncs gradients only on the last
+    one) -> unscale (fp16) -> clip to ``hp.grad_clip`` (the norm is logged) -> learning rates
+    from utils.scheduler for this step -> optimizer step(s) -> zero grads. Autocast bf16/fp16
+    or fp32 (``hp.dtype``); fp16 uses a GradScaler. AdamW decays 2-D weights only (fused on
+    CUDA); ``hp.optimizer == "muon"``: torch.optim.Muon for the 2-D hidden matrices and AdamW
+    for embeddings, norms and an untied output head.
+
+Exact resume
+    A checkpoint is taken only at an optimizer-step boundary. It holds the weights, every
+    optimizer's and the scheduler's state, the GradScaler, the loader position (batches
+    consumed), the python/numpy/torch/CUDA RNG states of every rank, the metrics window and
+    the step / tokens counters. Evaluation and sample generation run inside
+    ``torch.random.fork_rng`` so they never perturb training randomness. On CPU a resumed run
+    therefore repeats the uninterrupted run bit for bit (same batches, LRs, losses, weights).
+
+Stopping
+    SIGINT / SIGTERM set a flag; the current optimizer step finishes, checkpoint_latest.pt is
+    written atomically, the resume command is printed and ``fit`` returns reason
+    "interrupted" (the stage exits 130). Further signals while finishing are ignored (with a
+    message), so a second Ctrl-C cannot interrupt the save. Under DDP the ranks agree on the
+    stop step (one all-reduce of a flag per step).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from utils import distributed as D
+from utils.checkpoint import remove_stale_temps, save_checkpoint
+from utils.cli import PipelineError
+from utils.metrics import (MetricsTracker, Throughput, bits_per_byte, device_peak_flops, mfu,
+                           peak_memory_mb, perplexity)
+from utils.scheduler import CosineWarmupScheduler
+
+
+# --------------------------------------------------------------------------- precision
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Autocast dtype for ``training.dtype``: auto = bf16 on CUDA (fp16 where bf16 is not
+    supported), fp32 on CPU (CPU bf16 autocast is usually slower than fp32)."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def autocast_ctx(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- optimizers
+def _embedding_and_head_params(model: nn.Module, vocab_size: Optional[int]) -> set[int]:
+    """ids of embedding weights and of an output head (a Linear producing vocab_size logits)."""
+    ids = set()
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            ids.add(id(m.weight))
+        elif isinstance(m, nn.Linear) and vocab_size and m.out_features == vocab_size:
+            ids.add(id(m.weight))
+    return ids
+
+
+def build_optimizers(model: nn.Module, hp, device: torch.device,
+                     vocab_size: Optional[int] = None, lr: Optional[float] = None
+                     ) -> dict[str, torch.optim.Optimizer]:
+    """``{"adamw": AdamW}`` or, with ``hp.optimizer == "muon"``, ``{"muon": Muon, "adamw": AdamW}``.
+
+    AdamW: weight decay on 2-D weights (matrices, embeddings), none on norms/biases; fused on
+    CUDA. Muon (torch.optim.Muon, ``adjust_lr_fn="match_rms_adamw"`` so it shares AdamW's
+    learning rate and weight decay): the 2-D hidden matrices; AdamW keeps embeddings, norms
+    and an untied head. Parameter order follows ``model.named_parameters()`` (deterministic).
+    """
+    lr = hp.lr if lr is None else lr
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    special = _embedding_and_head_params(model, vocab_size)
+    fused = device.type == "cuda"
+    kw = dict(lr=lr, betas=(hp.beta1, hp.beta2), eps=1e-8)
+    if fused:
+        kw["fused"] = True
+    opts: dict[str, torch.optim.Optimizer] = {}
+    if getattr(hp, "optimizer", "adamw") == "muon":
+        hidden = [p for n, p in params if p.ndim == 2 and id(p) not in special]
+        rest = [p for n, p in params if not (p.ndim == 2 and id(p) not in special)]
+        if not hidden:
+            raise PipelineError("training.optimizer is 'muon' but the model has no 2-D hidden "
+                                "matrices for it.")
+        opts["muon"] = torch.optim.Muon(hidden, lr=lr, weight_decay=hp.weight_decay,
+                                        momentum=getattr(hp, "muon_momentum", 0.95),
+                                        nesterov=True, adjust_lr_fn="match_rms_adamw")
+        decay = [p for p in rest if p.ndim >= 2]
+        no_decay = [p for p in rest if p.ndim < 2]
+    else:
+        decay = [p for n, p in params if p.ndim >= 2]
+        no_decay = [p for n, p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": hp.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    opts["adamw"] = torch.optim.AdamW([g for g in groups if g["params"]], **kw)
+    return opts
+
+
+# --------------------------------------------------------------------------- model wrappers
+def enable_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute each transformer block's activations in the backward pass (less memory,
+    about one extra forward). Blocks are the children of the model's first ModuleList."""
+    if hasattr(model, "gradient_checkpointing"):   # model.py's own switch
+        model.gradient_checkpointing = True
+        return len(getattr(model, "layers", []))
+    blocks = next((m for m in model.modules() if isinstance(m, nn.ModuleList)), None)
+    if blocks is None:
+        return 0
+    from torch.utils.checkpoint import checkpoint
+
+    def wrapped(fwd, *a, **k):
+        return checkpoint(fwd, *a, use_reentrant=False, **k)
+
+    for blk in blocks:
+        blk.forward = functools.partial(wrapped, blk.forward)
+    return len(blocks)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model under DDP (``.module``) and torch.compile (``._orig_mod``)."""
+    while True:
+        if hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+# --------------------------------------------------------------------------- RNG state
+def rng_state() -> dict:
+    """This process's RNG states as tensors and plain types (weights_only-loadable)."""
+    np_state = np.random.get_state(legacy=False)
+    state = {
+        "python": _plain(random.getstate()),
+        "numpy": {"bit_generator": np_state["bit_generator"],
+                  "key": torch.from_numpy(np.asarray(np_state["state"]["key"], dtype=np.int64)),
+                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                  "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return state
+
+
+def _plain(x):
+    if isinstance(x, tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _tuple(x):
+    if isinstance(x, list):
+        return tuple(_tuple(v) for v in x)
+    return x
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"],
+                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        cuda = list(state["cuda"])[:torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- signals
+class StopRequest:
+    """SIGINT/SIGTERM -> a flag checked at step boundaries (see module docstring)."""
+
+    def __init__(self, is_main: bool = True):
+        self.requested: Optional[str] = None
+        self.is_main = is_main
+        self._previous: dict = {}
+
+    def _handler(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested is None:
+            self.requested = name
+            if self.is_main:
+                print(f"\n{name} received: finishing the current step, then saving "
+                      "checkpoint_latest.pt ...", file=sys.stderr, flush=True)
+        elif self.is_main:
+            print(f"\n{name} again: still finishing and saving; the checkpoint will not be "
+                  "corrupted. Please wait.", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        return False
+
+
+# --------------------------------------------------------------------------- trainer
+@dataclasses.dataclass
+class TrainResult:
+    reason: str                 # "done", "interrupted", "early_stopping", "already_done"
+    step: int
+    best_val_loss: Optional[float]
+    last_val_loss: Optional[float]
+    checkpoint: Optional[Path]
+
+
+def _as_dict(batch) -> dict:
+    if isinstance(batch, dict):
+        return batch
+    x, y = batch[0], batch[1]
+    return {"x": x, "y": y}
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    nb = device.type == "cuda"
+    return {k: (v.to(device, non_blocking=nb) if isinstance(v, torch.Tensor) else v)
+            for k, v in batch.items()}
+
+
+class Trainer:
+    """See the module docstring. ``model`` is the plain model (already on ``device``); the
+    trainer adds activation checkpointing, torch.compile and DDP as configured."""
+
+    def __init__(self, model: nn.Module, model_args, *, hp, log_cfg, train_data, val_data,
+                 run_dir: Path, logger, device, dist: D.DistInfo = D.DistInfo(),
+                 total_steps: int, steps_per_epoch: Optional[int] = None,
+                 config: Optional[dict] = None, tokenizer_info: Optional[dict] = None,
+                 kind: str = "pretrain", chat_template: Optional[Any] = None,
+                 sample_fn: Optional[Callable[[nn.Module], list[tuple[str, str]]]] = None,
+                 bytes_per_token: Optional[float] = None, resume_command: Optional[str] = None,
+                 flops_per_token: Optional[float] = None, extra_payload: Optional[dict] = None,
+                 progress: bool = True, out=None):
+        self.hp, self.log_cfg = hp, log_cfg
+        self.device = torch.device(device)
+        self.dist = dist
+        self.raw_model = model
+        self.model_args = model_args
+        self.train_data, self.val_data = train_data, val_data
+        self.run_dir = Path(run_dir)
+        self.logger = logger
+        self.total_steps = int(total_steps)
+        self.steps_per_epoch = steps_per_epoch
+        self.config = config or {}
+        self.tokenizer_info = tokenizer_info
+        self.kind, self.chat_template = kind, chat_template
+        self.sample_fn = sample_fn
+        self.bytes_per_token = bytes_per_token
+        self.resume_command = resume_command
+        self.extra_payload = extra_payload or {}
+        self.progress = progress and dist.is_main
+        self.out = out or sys.stdout
+
+        self.dtype = resolve_dtype(hp.dtype, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+        vocab = getattr(model_args, "vocab_size", None)
+        self.optimizers = build_optimizers(model, hp, self.device, vocab_size=vocab)
+        warmup = min(hp.warmup_steps, max(0, self.total_steps // 5)) if self.total_steps else 0
+        self.warmup_capped = warmup != hp.warmup_steps
+        self.scheduler = CosineWarmupScheduler(list(self.optimizers.values()), warmup=warmup,
+                                               total=self.total_steps,
+                                               min_ratio=hp.min_lr / hp.lr)
+        self.metrics = MetricsTracker(log_cfg.smoothing_window, hp.early_stopping_patience)
+        self.step = 0
+        self.tokens_seen = 0
+        self.flops_per_token = flops_per_token
+        if flops_per_token is None and hasattr(model, "flops_per_token"):
+            try:
+                self.flops_per_token = float(model.flops_per_token())
+            except Exception:
+                self.flops_per_token = None
+        self.peak_flops = device_peak_flops(self.device)
+
+        # Model wrappers (the raw model stays reachable for saving and generation).
+        m = model
+        if getattr(hp, "activation_checkpointing", False):
+            enable_activation_checkpointing(m)
+        if hp.compile:
+            m = torch.compile(m)
+        if dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            m = DDP(m, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.model = m
+        self.eval_interval = self._eval_interval()
+        self._pending: list[torch.Tensor] = []   # per-step losses not yet pulled to the host
+        self._grad_norm: Optional[torch.Tensor] = None
+        self._last_val: Optional[float] = None
+        self._last_eval_step = -1
+        self._resumed_from: Optional[int] = None
+
+    # ------------------------------------------------------------------ schedule helpers
+    def _eval_interval(self) -> int:
+        hp = self.hp
+        if getattr(hp, "eval_steps", None):
+            return int(hp.eval_steps)
+        span = self.steps_per_epoch or self.total_steps
+        span = min(span, self.total_steps) if self.total_steps else span
+        return max(1, int(round(hp.eval_every * span)))
+
+    @property
+    def epoch_float(self) -> float:
+        pos = self.train_data.state_dict()
+        per = len(self.train_data) if hasattr(self.train_data, "__len__") else None
+        if per:
+            return pos["epoch"] + pos["index"] / max(1, pos.get("batch_size", 1)) / per
+        return float(pos["epoch"])
+
+    # ------------------------------------------------------------------ state
+    def state_payload(self) -> dict:
+        """Everything DESIGN.md section 3 lists, as plain data and tensors."""
+        self._flush_losses()
+        ranks = D.gather_objects(self.dist, rng_state()) if self.dist.enabled else [rng_state()]
+        return {
+            "kind": self.kind,
+            "model": self.raw_model.state_dict(),
+            "model_args": self.model_args.to_dict(),
+            "optimizer": {k: o.state_dict() for k, o in self.optimizers.items()},
+            "scheduler": self.scheduler.state_dict(),
+            "grad_scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "step": self.step,
+            "epoch": int(self.train_data.state_dict()["epoch"]),
+            "tokens_seen": self.tokens_seen,
+            "data_position": dict(self.train_data.state_dict()),
+            "rng": {"world_size": self.dist.world_size, "ranks": ranks},
+            "best_val_loss": self.metrics.best_val_loss,
+            "config": self.config,
+            "tokenizer": self.tokenizer_info,
+            "chat_template": self.chat_template,
+            "metrics": {**self.metrics.state_dict(), "last_val_loss": self._last_val,
+                        "last_eval_step": self._last_eval_step,
+                        "bytes_per_token": self.bytes_per_token},
+            **self.extra_payload,
+        }
+
+    def load_state(self, ckpt: dict) -> None:
+        """Continue from a ``load_checkpoint(path, purpose="resume")`` dict (weights included)."""
+        self.raw_model.load_state_dict(ckpt["model"], strict=True)
+        opt_states = ckpt["optimizer"]
+        if set(opt_states) != set(self.optimizers):
+            raise PipelineError(f"the checkpoint was trained with optimizer(s) {sorted(opt_states)}"
+                                f" but training.optimizer now gives {sorted(self.optimizers)}; "
+                                "resume with the same training.optimizer.")
+        for k, o in self.optimizers.items():
+            o.load_state_dict(opt_states[k])
+        changed = self.scheduler.load_state_dict(ckpt["scheduler"])
+        if changed and self.dist.is_main:
+            print("resume: the learning-rate schedule differs from the checkpoint's ("
+                  + "; ".join(changed) + "); the run follows the new one.", file=self.out)
+        if ckpt.get("grad_scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(ckpt["grad_scaler"])
+        self.step = int(ckpt["step"])
+        self.tokens_seen = int(ckpt["tokens_seen"])
+        pos = dict(ckpt["data_position"])
+        if "rank" in pos:
+            pos["rank"] = self.dist.rank
+        self.train_data.load_state_dict(pos)
+        m = ckpt.get("metrics") or {}
+        self.metrics.load_state_dict(m)
+        self._last_val = m.get("last_val_loss")
+        self._last_eval_step = int(m.get("last_eval_step", -1))
+        if self.bytes_per_token is None:
+            self.bytes_per_token = m.get("bytes_per_token")
+        rng = ckpt["rng"]
+        ranks = rng.get("ranks", [])
+        if len(ranks) != self.dist.world_size:
+            raise PipelineError(f"the checkpoint was written by {len(ranks)} process(es) but this "
+                                f"run has {self.dist.world_size}; resume with the same world size "
+                                "(torchrun --nproc_per_node) for an exact continuation.")
+        set_rng_state(ranks[self.dist.rank])
+        self._resumed_from = self.step
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, name: str) -> Optional[Path]:
+        """Write ``run_dir/name`` on rank 0 (every rank must call: RNG states are gathered)."""
+        payload = self.state_payload()
+        path = self.run_dir / name
+        if self.dist.is_main:
+            save_checkpoint(path, payload)
+        D.barrier(self.dist)
+        return path
+
+    def _rotate_step_checkpoints(self) -> None:
+        keep = self.hp.keep_checkpoints
+        files = sorted(self.run_dir.glob("checkpoint_step_*.pt"),
+                       key=lambda p: int(p.stem.rsplit("_", 1)[1]) if p.stem.rsplit("_", 1)[1].isdigit() else -1)
+        for p in files[:max(0, len(files) - keep)]:
+            p.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, max_batches: Optional[int] = None) -> Optional[float]:
+        """Token-weighted mean validation loss over the first ``max_batches`` batches (all
+        ranks' slices combined); None without validation data."""
+        if self.val_data is None:
+            return None
+        max_batches = max_batches or self.hp.eval_batches
+        model = self.raw_model if not self.dist.enabled else self.model
+        was = model.training
+        model.eval()
+        total = count = 0.0
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            for i, batch in enumerate(self.val_data):
+                if i >= max_batches:
+                    break
+                b = _to(_as_dict(batch), self.device)
+                with autocast_ctx(self.device, self.dtype):
+                    _, loss = self.raw_model(b["x"], b["y"], loss_mask=b.get("loss_mask"),
+                                             return_logits=False)
+                n = self._count(b)
+                total += float(loss) * n
+                count += n
+        model.train(was)
+        total, count = D.all_reduce_sum(self.dist, [total, count], self.device)
+        return total / count if count else None
+
+    @staticmethod
+    def _count(b: dict) -> float:
+        y = b["y"]
+        valid = (y != -100)
+        if b.get("loss_mask") is not None:
+            valid = valid & (b["loss_mask"] > 0)
+        return float(valid.sum())
+
+    def _samples(self) -> None:
+        if self.sample_fn is None or not self.dist.is_main:
+            return
+        was = self.raw_model.training
+        self.raw_model.eval()
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                with torch.no_grad(), autocast_ctx(self.device, self.dtype):
+                    pairs = self.sample_fn(self.raw_model)
+        finally:
+            self.raw_model.train(was)
+        for prompt, text in pairs:
+            self._print(f"  sample @ step {self.step}: {prompt!r} -> {text!r}")
+            self.logger.text("sample", self.step, text, prompt=prompt)
+
+    def _validate(self, bar=None) -> bool:
+        """Evaluate, log, save best/latest, print a sample; True when early stopping fires."""
+        val = self.evaluate()
+        self._last_eval_step = self.step
+        if val is None:
+            return False
+        self._last_val = val
+        is_best = self.metrics.update_val(self.step, val)
+        rec = {"val_loss": val, "perplexity": perplexity(val),
+               "bits_per_byte": bits_per_byte(val, self.bytes_per_token),
+               "best_val_loss": self.metrics.best_val_loss, "epoch": self.epoch_float}
+        self.logger.log("val", self.step, rec)
+        bpb = rec["bits_per_byte"]
+        self._print(f"step {self.step}/{self.total_steps} | val loss {val:.4f} | ppl "
+                    f"{rec['perplexity']:.1f}" + (f" | bpb {bpb:.3f}" if bpb else "")
+                    + (" | best" if is_best else f" | best {self.metrics.best_val_loss:.4f}"))
+        self._samples()
+        if self.step > 0:
+            if is_best:
+                self.save("checkpoint_best.pt")
+            self.save("checkpoint_latest.pt")
+        return self.metrics.should_stop
+
+    def _print(self, msg: str) -> None:
+        if not self.dist.is_main:
+            return
+        try:
+            from tqdm import tqdm
+            tqdm.write(msg, file=self.out)
+        except Exception:
+            print(msg, file=self.out, flush=True)
+
+    # ------------------------------------------------------------------ data
+    def _batches(self) -> Iterator[dict]:
+        """Micro-batches across epoch boundaries, forever (the step count bounds training)."""
+        empty = 0
+        while True:
+            got = False
+            for batch in self.train_data:
+                got = True
+                yield _as_dict(batch)
+            if not got:
+                empty += 1
+                if empty >= 2:
+                    raise PipelineError("the training data yielded no batch in a whole epoch "
+                                        "(too little data for one batch?).")
+            else:
+                empty = 0
+
+    def _flush_losses(self) -> None:
+        if not self._pending:
+            return
+        vals = torch.stack(self._pending).float()
+        if self.dist.enabled:
+            import torch.distributed as tdist
+            tdist.all_reduce(vals, op=tdist.ReduceOp.SUM)
+            vals = vals / self.dist.world_size
+        self._pending = []
+        self._last_losses = vals.tolist()
+        for v in self._last_losses:
+            self.metrics.update_loss(v)
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> TrainResult:
+        hp = self.hp
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(self.run_dir)
+        if self.step >= self.total_steps:
+            self._print(f"the run is already complete: step {self.step} of {self.total_steps}. "
+                        "Raise --max-steps (or training.epochs) to train further.")
+            return TrainResult("already_done", self.step, self.metrics.best_val_loss,
+                               self._last_val, None)
+        self.logger.event(self.step, "resume" if self._resumed_from is not None else "start",
+                          total_steps=self.total_steps)
+        if self.warmup_capped and self.dist.is_main and self._resumed_from is None:
+            self._print(f"note: warm-up shortened to {self.scheduler.warmup} steps (20% of the "
+                        f"run's {self.total_steps}) from training.warmup_steps = {hp.warmup_steps}.")
+        self.model.train()
+        for o in self.optimizers.values():
+            o.zero_grad(set_to_none=True)
+        if self._resumed_from is None and self.val_data is not None:
+            self._validate()   # step 0: the untrained model's loss, the curve's first point
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                       dynamic_ncols=True, file=sys.stderr, smoothing=0.1)
+        thr = Throughput()
+        reason = "done"
+        batches = self._batches()
+        ckpt_path = None
+        with StopRequest(self.dist.is_main) as stop:
+            try:
+                while self.step < self.total_steps:
+                    tokens = self._train_step(batches)
+                    thr.add(tokens)
+                    self.step += 1
+                    if bar is not None:
+                        bar.update(1)
+                    if self.step % self.log_cfg.log_every == 0 or self.step == self.total_steps:
+                        self._log_train(thr, bar)
+                    stopping = D.any_rank(self.dist, stop.requested is not None, self.device)
+                    if stopping:
+                        reason = "interrupted"
+                        break
+                    if self.step % self.eval_interval == 0 and self.step < self.total_steps:
+                        if self._validate(bar):
+                            reason = "early_stopping"
+                            self._print(f"early stopping: validation loss did not improve for "
+                                        f"{hp.early_stopping_patience} evaluations.")
+                            break
+                    if self.step % hp.checkpoint_every == 0 and hp.keep_checkpoints > 0:
+                        self.save(f"checkpoint_step_{self.step}.pt")
+                        if self.dist.is_main:
+                            self._rotate_step_checkpoints()
+                if reason == "done" and self._last_eval_step != self.step:
+                    self._validate(bar)
+                if bar is not None:
+                    bar.close()
+                ckpt_path = self.save("checkpoint_latest.pt")
+            finally:
+                if bar is not None:
+                    bar.close()
+                self.logger.flush()
+        self.logger.event(self.step, reason, best_val_loss=self.metrics.best_val_loss)
+        if reason == "interrupted" and self.dist.is_main:
+            print(f"\ninterrupted at step {self.step}/{self.total_steps} ({stop.requested}); "
+                  f"saved {ckpt_path}.", file=sys.stderr)
+            if self.resume_command:
+                print(f"resume with:\n  {self.resume_command}", file=sys.stderr, flush=True)
+        return TrainResult(reason, self.step, self.metrics.best_val_loss, self._last_val, ckpt_path)
+
+    def _train_step(self, batches: Iterator[dict]) -> int:
+        """One optimizer step over ``grad_accum`` micro-batches; returns tokens processed
+        (all ranks)."""
+        hp = self.hp
+        accum = hp.grad_accum
+        loss_sum = None
+        tokens = 0
+        for micro in range(accum):
+            b = _to(next(batches), self.device)
+            last = micro == accum - 1
+            sync = contextlib.nullcontext() if (last or not self.dist.enabled) else self.model.no_sync()
+            with sync:
+                with autocast_ctx(self.device, self.dtype):
+                    _, loss = self.model(b["x"], b["y"], loss_mask=b.get("loss_mask"),
+                                         return_logits=False)
+                self.scaler.scale(loss / accum).backward()
+            d = loss.detach()
+            loss_sum = d if loss_sum is None else loss_sum + d
+            tokens += b["x"].numel()
+        for o in self.optimizers.values():
+            self.scaler.unscale_(o)
+        params = [p for p in self.raw_model.parameters() if p.grad is not None]
+        max_norm = hp.grad_clip if hp.grad_clip > 0 else float("inf")
+        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.scheduler.apply(self.step)
+        for o in self.optimizers.values():
+            self.scaler.step(o)
+        self.scaler.update()
+        for o in self.optimizers.values():
+            o.zero_grad(set_to_none=True)
+        self._pending.append(loss_sum / accum)
+        tokens *= self.dist.world_size
+        self.tokens_seen += tokens
+        return tokens
+
+    def _log_train(self, thr: Throughput, bar) -> None:
+        self._flush_losses()
+        loss = self._last_losses[-1]
+        gn = float(self._grad_norm) if self._grad_norm is not None else None
+        rate = thr.rate()
+        rec = {"loss": loss, "smoothed_loss": self.metrics.smoothed(),
+               "lr": self.scheduler.lrs()[0], "grad_norm": gn, "tokens_per_s": rate,
+               "tokens_seen": self.tokens_seen, "epoch": self.epoch_float,
+               "peak_memory_mb": peak_memory_mb(self.device)}
+        u = mfu(rate, self.flops_per_token, self.peak_flops, self.dist.world_size)
+        if u is not None:
+            rec["mfu"] = u
+        if not math.isfinite(loss) and self.dist.is_main:
+            self._print(f"warning: loss is {loss} at step {self.step} (diverged); lower "
+                        "training.lr or use training.dtype bf16/fp32.")
+        self.logger.log("train", self.step, rec)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
