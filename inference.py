@@ -1,0 +1,550 @@
+"""Stage ``infer`` (alias ``inference``): generate text from checkpoints, interactively or in scripts.
+
+    python main.py infer                                   menu: single model / comparison / benchmark
+    python main.py infer --checkpoint PATH                 prompt loop with that checkpoint
+    python main.py infer --checkpoint PATH --prompt "The history of" --max-new-tokens 50 \\
+        --temperature 0 [--seed 1] [--json]                scripted: prints only the generated text
+    echo "Why is the sky blue?" | python main.py infer --checkpoint PATH --prompt -
+
+Interactive: pick a training run (newest first, highlighted; SFT runs and the legacy flat
+layout included), then a checkpoint (best in green, latest in blue), or several for a
+comparison (``1,3`` or ``all``: memory estimate and warning, the same prompt through each,
+outputs and a summary: fastest, most tokens, highest tokens/s). Prompts loop without
+reloading; parameters are the ``inference`` config section's defaults (200 new tokens,
+temperature 0.8, top-k 50, top-p 0.95) or customized per prompt. Text streams as it is
+generated, then statistics (tokens, seconds, tokens/s, time to first token).
+
+SFT checkpoints (kind "sft") get their stored chat template (User/Assistant) automatically,
+and the conversation is kept across turns until ``/clear`` or until the context is full
+(the oldest exchanges are then dropped, with a note); ``--raw`` turns the template off.
+
+Scripted mode (``--prompt``) writes only the generated text to stdout (``--json``: one
+object with text and statistics), everything else to stderr; the output equals
+``model.generate`` with the same ``--seed``. Colors only on a terminal and never with
+NO_COLOR. Bad checkpoints, end of input, empty prompts and Ctrl-C are handled without a
+traceback: Ctrl-C during generation stops that generation and returns to the prompt;
+at a prompt it ends the stage (exit 130). Details: docs/sft_inference.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from utils.cli import EXIT_INTERRUPTED, PipelineError, StageParser, Terminated, UsageError, cli_path, run_stage
+
+ROOT = Path(__file__).resolve().parent
+
+
+# --------------------------------------------------------------------------- terminal
+class Colors:
+    def __init__(self, enabled: bool):
+        on = enabled
+        self.green = "\033[32m" if on else ""
+        self.blue = "\033[34m" if on else ""
+        self.yellow = "\033[33m" if on else ""
+        self.cyan = "\033[36m" if on else ""
+        self.red = "\033[31m" if on else ""
+        self.bold = "\033[1m" if on else ""
+        self.dim = "\033[2m" if on else ""
+        self.reset = "\033[0m" if on else ""
+
+
+def use_color(stream=None) -> bool:
+    stream = stream or sys.stdout
+    return "NO_COLOR" not in os.environ and hasattr(stream, "isatty") and stream.isatty()
+
+
+class EndOfInput(Exception):
+    """Standard input closed at a prompt."""
+
+
+def ask(text: str, default: Optional[str] = None) -> str:
+    try:
+        got = input(text)
+    except EOFError:
+        raise EndOfInput() from None
+    got = got.strip()
+    return got if got else (default or "")
+
+
+# --------------------------------------------------------------------------- parser
+def build_parser() -> StageParser:
+    p = StageParser("inference.py", "Generate text from trained checkpoints: an interactive menu, "
+                    "or scripted with --checkpoint and --prompt.")
+    p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH",
+                   help="checkpoint file (skips the run/checkpoint menu)")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="scripted mode: generate once for TEXT ('-' reads standard input) and "
+                        "print only the generated text")
+    p.config_flag("--max-new-tokens", key="inference.max_new_tokens", type=int, metavar="N",
+                  help="tokens generated per prompt")
+    p.config_flag("--temperature", key="inference.temperature", type=float, metavar="T",
+                  help="sampling temperature (0 = greedy)")
+    p.config_flag("--top-k", key="inference.top_k", type=int, metavar="K", help="top-k filter (0 = off)")
+    p.config_flag("--top-p", key="inference.top_p", type=float, metavar="P", help="nucleus filter (1.0 = off)")
+    p.config_flag("--device", key="inference.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    p.add_argument("--json", action="store_true",
+                   help="scripted mode: print one JSON object (text and statistics)")
+    p.add_argument("--raw", action="store_true",
+                   help="no chat template, even for SFT checkpoints (plain completion)")
+    return p
+
+
+# --------------------------------------------------------------------------- models
+@dataclass
+class Params:
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: Optional[int] = None
+
+    def describe(self) -> str:
+        return (f"max new tokens {self.max_new_tokens}, temperature {self.temperature:g}, "
+                f"top-k {self.top_k}, top-p {self.top_p:g}"
+                + (f", seed {self.seed}" if self.seed is not None else ""))
+
+
+@dataclass
+class Stats:
+    tokens: int
+    seconds: float
+    ttft: Optional[float]
+    stopped: bool = False
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        ttft = f"{self.ttft:.3f} s" if self.ttft is not None else "n/a"
+        return (f"{self.tokens} tokens in {self.seconds:.2f} s ({self.rate:.1f} tokens/s; first "
+                f"token after {ttft})" + (" [stopped]" if self.stopped else ""))
+
+
+@dataclass
+class Loaded:
+    path: Path
+    label: str
+    model: object
+    ckpt_kind: str
+    template: Optional[dict]
+    n_params: int
+    history: list = field(default_factory=list)
+
+    @property
+    def chat(self) -> bool:
+        return self.template is not None
+
+
+def pick_device(name: str):
+    import torch
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"inference.device is '{name}' but CUDA is not available here; use "
+                         "--device cpu (or auto).")
+    return torch.device(name)
+
+
+class Engine:
+    """Tokenizer + loaded models + generation with streaming and statistics."""
+
+    def __init__(self, cfg, raw: bool = False, err=None):
+        self.cfg, self.raw = cfg, raw
+        self.err = err or sys.stderr
+        self.device = pick_device(cfg.inference.device)
+        self._tok = None
+        self._tok_info = None
+
+    @property
+    def tok(self):
+        if self._tok is None:
+            from utils.tok import describe, load_tokenizer
+            self._tok = load_tokenizer(self.cfg)
+            self._tok_info = describe(self._tok, self.cfg.tokenizer.name)
+        return self._tok
+
+    def load(self, path: Path, label: Optional[str] = None) -> Loaded:
+        from utils.checkpoint import load_model, run_checkpoints
+        path = Path(path)
+        if path.is_dir():        # a run folder: its best checkpoint (else latest, else newest)
+            files = run_checkpoints(path)
+            if not files:
+                raise PipelineError(f"{path} is a folder without checkpoint files (*.pt); pass "
+                                    "a checkpoint file or a run folder that holds one.")
+            print(f"infer: using {files[0].name} of {path}", file=self.err)
+            path = files[0]
+        model, ckpt = load_model(path, device=self.device)
+        tok = self.tok
+        saved = ckpt.get("tokenizer") or {}
+        if saved.get("fingerprint") and saved["fingerprint"] != self._tok_info["fingerprint"]:
+            raise PipelineError(
+                f"checkpoint {path} was trained with tokenizer '{saved.get('name')}' but the "
+                f"configured tokenizer is '{self.cfg.tokenizer.name}' (different fingerprint): "
+                "its output would be garbage. Set tokenizer.name to the checkpoint's tokenizer "
+                "(e.g. --config configs/offline.json).")
+        if model.args.vocab_size < len(tok):
+            raise PipelineError(f"checkpoint {path} has a vocabulary of {model.args.vocab_size} "
+                                f"tokens, smaller than the tokenizer's {len(tok)}.")
+        kind = ckpt.get("kind", "pretrain")
+        template = ckpt.get("chat_template") if (kind == "sft" and not self.raw) else None
+        n = sum(p.numel() for p in model.parameters())
+        return Loaded(Path(path), label or _label(Path(path)), model, kind, template, n)
+
+    def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
+        from utils import sft
+        tok = self.tok
+        limit = m.model.args.max_seq_len
+        if m.chat:
+            while True:
+                ids = sft.encode_prompt(tok, m.template, m.history, text, tok.bos_token_id,
+                                        tok.eos_token_id)
+                if len(ids) + max_new <= limit or not m.history:
+                    break
+                m.history.pop(0)
+                note(f"(context full: dropped the oldest exchange; {len(m.history)} kept)")
+        else:
+            ids = [tok.bos_token_id] + sft.encode_plain(tok, [text])[0]
+        if len(ids) > limit:
+            note(f"(prompt of {len(ids)} tokens shortened to its last {limit}: the model was "
+                 f"trained on {limit}-token sequences)")
+            ids = ids[-limit:]
+        return ids
+
+    def generate(self, m: Loaded, text: str, p: Params, on_text: Optional[Callable[[str], None]],
+                 note: Callable[[str], None] = lambda s: None) -> tuple[str, Stats]:
+        """Stream one completion; Ctrl-C stops it (the partial text is kept)."""
+        tok = self.tok
+        out: list[int] = []
+        shown = ""
+        t0 = time.perf_counter()
+        ttft = None
+        stopped = False
+        stream = None
+        try:
+            ids = self.prompt_ids(m, text, p.max_new_tokens, note)
+            stream = m.model.generate_stream(ids, max_new_tokens=p.max_new_tokens,
+                                             temperature=p.temperature, top_k=p.top_k,
+                                             top_p=p.top_p, eos_id=tok.eos_token_id, seed=p.seed)
+            for t in stream:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                out.append(t)
+                if on_text is not None:
+                    now = tok.decode(out, skip_special_tokens=True)
+                    if not now.endswith("\ufffd") and len(now) > len(shown) and now.startswith(shown):
+                        on_text(now[len(shown):])
+                        shown = now
+        except Terminated:
+            raise
+        except KeyboardInterrupt:
+            stopped = True
+        finally:
+            if stream is not None:
+                stream.close()
+        seconds = time.perf_counter() - t0
+        final = tok.decode(out, skip_special_tokens=True)
+        if on_text is not None and final != shown:
+            on_text(final[len(shown):] if final.startswith(shown) else "\n" + final)
+        if m.chat and not stopped:
+            m.history.append((text, final))
+        return final, Stats(len(out), seconds, ttft, stopped)
+
+
+def _label(path: Path) -> str:
+    return f"{path.parent.name}/{path.name}"
+
+
+# --------------------------------------------------------------------------- scripted mode
+def scripted(engine: Engine, args, params: Params) -> int:
+    if not args.checkpoint:
+        raise UsageError("--prompt needs --checkpoint PATH (scripted mode loads one checkpoint).")
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.prompt == "-":
+        text = text.rstrip("\n")
+    if not text.strip():
+        raise UsageError("the prompt is empty; pass --prompt TEXT (or --prompt - with text on "
+                         "standard input).")
+    m = engine.load(Path(args.checkpoint))
+    note = (lambda s: print(s, file=sys.stderr))
+    if args.json:
+        out, st = engine.generate(m, text, params, None, note)
+        print(json.dumps({"text": out, "checkpoint": str(m.path), "kind": m.ckpt_kind,
+                          "chat_template": m.chat, "prompt": text, "tokens": st.tokens,
+                          "seconds": round(st.seconds, 4), "tokens_per_s": round(st.rate, 2),
+                          "time_to_first_token_s": None if st.ttft is None else round(st.ttft, 4),
+                          "params": vars(params)}, ensure_ascii=False))
+        return 0
+    out, st = engine.generate(m, text, params, None, note)
+    sys.stdout.write(out + "\n")
+    sys.stdout.flush()
+    print(st.line(), file=sys.stderr)
+    return EXIT_INTERRUPTED if st.stopped else 0
+
+
+# --------------------------------------------------------------------------- interactive
+class UI:
+    def __init__(self, engine: Engine, defaults: Params):
+        self.engine, self.defaults = engine, defaults
+        self.c = Colors(use_color())
+
+    def say(self, s: str = "") -> None:
+        print(s, flush=True)
+
+    def choose_number(self, question: str, n: int, default: int = 1) -> int:
+        while True:
+            got = ask(f"{question} [1-{n}, Enter = {default}]: ", str(default))
+            if got.isdigit() and 1 <= int(got) <= n:
+                return int(got)
+            self.say(f"{self.c.red}Please enter a number from 1 to {n}.{self.c.reset}")
+
+    def pick_run(self):
+        from utils.checkpoint import list_runs
+        base = self.engine.cfg.path("paths.checkpoints_dir")
+        runs = list_runs(base)
+        if not runs:
+            raise PipelineError(f"no checkpoints under {base}. Train a model first (`python "
+                                "main.py train --test`) or pass --checkpoint PATH.")
+        c = self.c
+        self.say(f"\n{c.bold}Training runs{c.reset} (most recent first):")
+        for i, r in enumerate(runs, 1):
+            age = _age(time.time() - r.mtime)
+            line = f"  {i}) {r.name}  [{r.kind}]  {len(r.checkpoints)} checkpoint(s), {age} ago"
+            if i == 1:
+                line = f"{c.yellow}{c.bold}{line}  <- most recent{c.reset}"
+            self.say(line)
+        return runs[self.choose_number("Select a run", len(runs)) - 1]
+
+    def list_checkpoints(self, run) -> list:
+        c = self.c
+        self.say(f"\n{c.bold}Checkpoints in {run.name}:{c.reset}")
+        for i, p in enumerate(run.checkpoints, 1):
+            tag, color = "", ""
+            if p.name == "checkpoint_best.pt":
+                tag, color = "  (best)", c.green
+            elif p.name == "checkpoint_latest.pt":
+                tag, color = "  (latest)", c.blue
+            size = p.stat().st_size / 1e6
+            self.say(f"{color}  {i}) {p.name}{tag}  {size:.1f} MB{c.reset if color else ''}")
+        return run.checkpoints
+
+    def pick_checkpoint(self) -> Path:
+        run = self.pick_run()
+        files = self.list_checkpoints(run)
+        return files[self.choose_number("Select a checkpoint", len(files)) - 1]
+
+    def pick_many(self) -> list[Path]:
+        run = self.pick_run()
+        files = self.list_checkpoints(run)
+        while True:
+            got = ask("Select checkpoints to compare (e.g. 1,3 or all) [all]: ", "all").lower()
+            if got == "all":
+                return list(files)
+            try:
+                idx = [int(x) for x in got.replace(" ", "").split(",") if x]
+            except ValueError:
+                idx = []
+            if idx and all(1 <= i <= len(files) for i in idx):
+                return [files[i - 1] for i in dict.fromkeys(idx)]
+            self.say(f"{self.c.red}Enter numbers from 1 to {len(files)} separated by commas, or "
+                     f"'all'.{self.c.reset}")
+
+    def params(self) -> Params:
+        d = self.defaults
+        got = ask(f"Parameters: 1) defaults ({d.describe()})  2) customize [1]: ", "1")
+        if got != "2":
+            return d
+        return Params(self._num("Max new tokens", d.max_new_tokens, int, lambda v: v >= 1),
+                      self._num("Temperature (0 = greedy)", d.temperature, float, lambda v: v >= 0),
+                      self._num("Top-k (0 = off)", d.top_k, int, lambda v: v >= 0),
+                      self._num("Top-p (1.0 = off)", d.top_p, float, lambda v: 0 < v <= 1),
+                      d.seed)
+
+    def _num(self, name, default, typ, ok):
+        while True:
+            got = ask(f"  {name} [{default}]: ", str(default))
+            try:
+                v = typ(got)
+                if ok(v):
+                    return v
+            except ValueError:
+                pass
+            self.say(f"{self.c.red}  not a valid value for {name.lower()}.{self.c.reset}")
+
+    def read_prompt(self, chat: bool) -> Optional[str]:
+        """The next prompt; None to quit. Commands: /quit, /clear."""
+        hint = "/quit to exit" + (", /clear to forget the conversation" if chat else "")
+        while True:
+            got = ask(f"\n{self.c.cyan}Prompt{self.c.reset} ({hint}): ")
+            if got.lower() in ("/quit", "/exit", "/q", "quit", "exit"):
+                return None
+            if got == "/clear":
+                return "/clear"
+            if not got:
+                self.say("(empty prompt: type some text, or /quit)")
+                continue
+            return got
+
+    def out(self, s: str) -> None:
+        # generated text may hold control characters (\r, escape codes): never let them
+        # drive the terminal
+        s = "".join(ch if ch in "\n\t" or ch.isprintable() else "\ufffd" for ch in s)
+        sys.stdout.write(s)
+        sys.stdout.flush()
+
+    def single(self, path: Optional[Path] = None) -> None:
+        path = path or self.pick_checkpoint()
+        self.say(f"Loading {path} ...")
+        m = self.engine.load(path)
+        mode = "chat (User/Assistant template)" if m.chat else "completion"
+        self.say(f"Loaded {m.label}: {m.n_params:,} parameters, {m.ckpt_kind}, {mode}, on "
+                 f"{self.engine.device}.")
+        while True:
+            text = self.read_prompt(m.chat)
+            if text is None:
+                return
+            if text == "/clear":
+                m.history.clear()
+                self.say("(conversation cleared)")
+                continue
+            p = self.params()
+            self.say(f"\n{self.c.bold}Generated:{self.c.reset}")
+            _, st = self.engine.generate(m, text, p, self.out, lambda s: self.say(s))
+            self.say("")
+            if st.stopped:
+                self.say(f"{self.c.yellow}(generation stopped by Ctrl-C){self.c.reset}")
+            self.say(f"{self.c.dim}{st.line()}{self.c.reset}")
+
+    def compare(self) -> None:
+        paths = self.pick_many()
+        need = sum(_estimate_bytes(p) for p in paths)
+        avail = _available_bytes(self.engine.device)
+        self.say(f"\n{len(paths)} model(s) selected; estimated memory {need / 1e6:,.0f} MB"
+                 + (f" of {avail / 1e6:,.0f} MB available" if avail else "") + ".")
+        if avail and need > 0.8 * avail:
+            self.say(f"{self.c.red}Warning: the selected models may not fit in memory; choose "
+                     f"fewer checkpoints if loading fails.{self.c.reset}")
+        models = []
+        for p in paths:
+            self.say(f"Loading {_label(p)} ...")
+            models.append(self.engine.load(p))
+        while True:
+            text = self.read_prompt(False)
+            if text is None:
+                return
+            if text == "/clear":
+                continue
+            prm = self.params()
+            results = []
+            for i, m in enumerate(models, 1):
+                m.history.clear()
+                self.say(f"\n{self.c.bold}[{i}] {m.label}{self.c.reset}")
+                out, st = self.engine.generate(m, text, prm, self.out, lambda s: self.say(s))
+                self.say("")
+                self.say(f"{self.c.dim}{st.line()}{self.c.reset}")
+                results.append((m, out, st))
+            self.summary(results)
+
+    def summary(self, results) -> None:
+        c = self.c
+        w = max(len(m.label) for m, _, _ in results)
+        self.say(f"\n{c.bold}Comparison{c.reset}")
+        self.say(f"  {'model'.ljust(w)}  tokens  seconds  tokens/s  first token  output")
+        for m, out, st in results:
+            ttft = f"{st.ttft:.3f}" if st.ttft is not None else "n/a"
+            snippet = " ".join(out.split())[:50]
+            self.say(f"  {m.label.ljust(w)}  {st.tokens:6d}  {st.seconds:7.2f}  {st.rate:8.1f}  "
+                     f"{ttft:>11}  {snippet}")
+        fastest = min(results, key=lambda r: r[2].seconds)
+        most = max(results, key=lambda r: r[2].tokens)
+        rate = max(results, key=lambda r: r[2].rate)
+        self.say(f"Fastest: {fastest[0].label}; most tokens: {most[0].label}; highest tokens/s: "
+                 f"{rate[0].label}.")
+
+    def benchmark(self) -> None:
+        if not (ROOT / "benchmark.py").is_file():
+            self.say("The benchmark stage is not available in this checkout.")
+            return
+        extra = ask("Arguments for `main.py benchmark` (Enter for none): ", "")
+        import shlex
+        cmd = [sys.executable, str(ROOT / "main.py"), "benchmark", *shlex.split(extra)]
+        self.say("Running: " + " ".join(shlex.quote(x) for x in cmd[1:]))
+        code = subprocess.call(cmd)
+        self.say(f"benchmark finished with exit code {code}.")
+
+    def menu(self) -> None:
+        c = self.c
+        self.say(f"{c.bold}Inference{c.reset}\n  1) Single model inference\n  2) Multi-model "
+                 "comparison\n  3) Benchmark models\n  4) Quit")
+        choice = self.choose_number("Select a mode", 4)
+        if choice == 1:
+            self.single()
+        elif choice == 2:
+            self.compare()
+        elif choice == 3:
+            self.benchmark()
+
+
+def _age(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def _estimate_bytes(path: Path) -> int:
+    """Weights in memory: about the file's size for a weights-only file, about a third of a
+    training checkpoint (which also holds AdamW's two moments); plus 20% for activations."""
+    size = path.stat().st_size
+    return int(size / 3 * 1.2) if size > 0 else 0
+
+
+def _available_bytes(device) -> Optional[int]:
+    try:
+        import torch
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except Exception:
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args, cfg = build_parser().parse(argv)
+    inf = cfg.inference
+    params = Params(inf.max_new_tokens, inf.temperature, inf.top_k, inf.top_p, args.seed)
+    engine = Engine(cfg, raw=args.raw)
+    if args.prompt is not None:
+        return scripted(engine, args, params)
+    if args.json:
+        raise UsageError("--json needs --prompt (scripted mode).")
+    ui = UI(engine, params)
+    try:
+        if args.checkpoint:
+            ui.single(Path(args.checkpoint))
+        else:
+            ui.menu()
+    except EndOfInput:
+        print("\n(end of input)")
+    print("Bye.")
+    return 0
+
+
+if __name__ == "__main__":
+    run_stage(main)

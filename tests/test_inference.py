@@ -1,0 +1,209 @@
+"""`main.py infer`: scripted output equals model.generate, the chat template for SFT
+checkpoints, bad inputs without tracebacks, and the interactive screen through a real pty
+(pexpect): run and checkpoint menus, prompts, custom parameters, Ctrl-C during generation,
+a multi-model comparison, NO_COLOR."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from tests.conftest import offline_env, run_main, spawn_main, write_config
+from tests.test_sft import TOK_NAME, make_checkpoint, tokenizer
+
+pexpect = pytest.importorskip("pexpect")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, samples):
+    root = tmp_path_factory.mktemp("infer")
+    cfg = write_config(root, {"tokenizer": {"name": TOK_NAME}})
+    from utils import sft
+    ck = root / "checkpoints"
+    pre = make_checkpoint(ck / "run_pre" / "checkpoint_best.pt", seed=1)
+    make_checkpoint(ck / "run_pre" / "checkpoint_latest.pt", seed=2)
+    t0 = time.time()
+    os.utime(ck / "run_pre" / "checkpoint_best.pt", (t0 - 3600, t0 - 3600))
+    os.utime(ck / "run_pre" / "checkpoint_latest.pt", (t0 - 3600, t0 - 3600))
+    flat = make_checkpoint(ck / "checkpoint_old.pt", seed=4)       # the seed's legacy flat layout
+    os.utime(flat, (t0 - 7200, t0 - 7200))
+    chat = make_checkpoint(ck / "sft_demo_x" / "checkpoint_best.pt", kind="sft", seed=3,
+                           chat_template=sft.default_template())
+    return {"root": root, "cfg": cfg, "pre": pre, "chat": chat}
+
+
+def _model(path):
+    from utils.checkpoint import load_model
+    return load_model(path)[0]
+
+
+# --------------------------------------------------------------------------- scripted
+def test_scripted_output_equals_model_generate_with_the_same_seed(work):
+    from utils import sft
+    tok = tokenizer()
+    prompt = "The history of </s> science"
+    r = run_main("infer", "--config", work["cfg"], "--checkpoint", work["pre"], "--prompt", prompt,
+                 "--max-new-tokens", "12", "--temperature", "0.9", "--top-k", "40", "--seed", "7")
+    assert r.returncode == 0, r.stderr
+    ids = [tok.bos_token_id] + sft.encode_plain(tok, [prompt])[0]
+    assert tok.eos_token_id not in ids
+    want = _model(work["pre"]).generate([ids], 12, temperature=0.9, top_k=40, top_p=0.95,
+                                        eos_id=tok.eos_token_id, seed=7)[0]
+    assert r.stdout == tok.decode(want, skip_special_tokens=True) + "\n"
+    assert "tokens/s" in r.stderr          # statistics go to stderr, never into the pipeline
+
+
+def test_scripted_sft_checkpoint_uses_the_chat_template_and_json(work):
+    from utils import sft
+    tok = tokenizer()
+    r = run_main("infer", "--config", work["cfg"], "--checkpoint", work["chat"], "--prompt", "-",
+                 "--max-new-tokens", "8", "--temperature", "0", "--json",
+                 input="Why is the sky blue?\n")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    ids = sft.encode_prompt(tok, sft.default_template(), [], "Why is the sky blue?",
+                            tok.bos_token_id, tok.eos_token_id)
+    want = _model(work["chat"]).generate([ids], 8, temperature=0, eos_id=tok.eos_token_id)[0]
+    assert data["text"] == tok.decode(want, skip_special_tokens=True)
+    assert data["chat_template"] is True and data["kind"] == "sft"
+    assert data["tokens"] == len(want) and data["tokens_per_s"] > 0
+    assert data["time_to_first_token_s"] is not None
+
+
+def test_scripted_bad_inputs_exit_cleanly(work, tmp_path):
+    cfg = work["cfg"]
+    r = run_main("infer", "--config", cfg, "--checkpoint", tmp_path / "missing.pt", "--prompt", "x")
+    assert r.returncode == 1 and "file not found" in r.stderr and "Traceback" not in r.stderr
+    hostile = tmp_path / "hostile.pt"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+    torch.save({"format_version": 1, "model": Boom(), "model_args": {}}, hostile)
+    r = run_main("infer", "--config", cfg, "--checkpoint", hostile, "--prompt", "x")
+    assert r.returncode == 1 and "refused" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "pwned").exists()
+    trunc = tmp_path / "trunc.pt"
+    trunc.write_bytes(work["pre"].read_bytes()[:5000])
+    r = run_main("infer", "--config", cfg, "--checkpoint", trunc, "--prompt", "x")
+    assert r.returncode == 1 and "trunc.pt" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "empty_run").mkdir()
+    r = run_main("infer", "--config", cfg, "--checkpoint", tmp_path / "empty_run", "--prompt", "x")
+    assert r.returncode == 1 and "without checkpoint files" in r.stderr
+    r = run_main("infer", "--config", cfg, "--checkpoint", work["pre"].parent, "--prompt", "x",
+                 "--max-new-tokens", "2")
+    assert r.returncode == 0 and "using checkpoint_best.pt" in r.stderr
+    r = run_main("infer", "--config", cfg, "--checkpoint", work["pre"], "--prompt", "   ")
+    assert r.returncode == 2 and "prompt is empty" in r.stderr
+    r = run_main("infer", "--config", cfg, "--prompt", "x")
+    assert r.returncode == 2 and "--checkpoint" in r.stderr
+
+
+# --------------------------------------------------------------------------- interactive (pty)
+def _spawn(work, *extra, no_color=True):
+    env = offline_env()
+    if no_color:
+        env["NO_COLOR"] = "1"
+    else:
+        env.pop("NO_COLOR", None)
+    return spawn_main("infer", "--config", work["cfg"], *extra, env=env, timeout=90)
+
+
+def test_interactive_single_model_session(work):
+    c = _spawn(work, "--max-new-tokens", "6")
+    c.expect("Select a mode")
+    c.sendline("1")
+    c.expect("most recent first")
+    c.expect(r"1\) sft_demo_x .*<- most recent")     # newest run first and marked
+    c.expect(r"2\) run_pre")
+    c.expect(r"3\) checkpoints \(flat layout\)  \[legacy\]")
+    c.expect("Select a run")
+    c.sendline("2")
+    c.expect(r"1\) checkpoint_best.pt  \(best\)")
+    c.expect(r"2\) checkpoint_latest.pt  \(latest\)")
+    c.sendline("1")
+    c.expect("Loaded run_pre/checkpoint_best.pt")
+    c.expect("Prompt")
+    c.sendline("")                                    # empty prompt: asked again
+    c.expect("empty prompt")
+    c.expect("Prompt")
+    c.sendline("The history of")
+    c.expect("Parameters: 1\\) defaults \\(max new tokens 6")
+    c.sendline("")
+    c.expect("Generated:")
+    c.expect(r"(\d+) tokens in [\d.]+ s \([\d.]+ tokens/s; first token after")
+    c.expect("Prompt")
+    c.sendline("Once upon a time")                    # second prompt, customized parameters
+    c.expect("customize")
+    c.sendline("2")
+    c.expect("Max new tokens")
+    c.sendline("100000")
+    c.expect("Temperature")
+    c.sendline("abc")                                 # invalid: asked again
+    c.expect("not a valid value")
+    c.sendline("1.0")
+    c.expect("Top-k")
+    c.sendline("0")
+    c.expect("Top-p")
+    c.sendline("1.0")
+    c.expect("Generated:\r\n")
+    c.expect(r"\S")                                   # tokens are streaming
+    c.sendintr()                                      # Ctrl-C stops this generation only
+    c.expect("generation stopped by Ctrl-C")
+    c.expect(r"\[stopped\]")
+    c.expect("Prompt")
+    c.sendline("/quit")
+    c.expect("Bye.")
+    c.expect(pexpect.EOF)
+    c.close()
+    assert c.exitstatus == 0
+    assert "Traceback" not in c.before and "\x1b[" not in c.before
+
+
+def test_interactive_sft_chat_keeps_the_conversation(work):
+    c = _spawn(work, "--checkpoint", work["chat"], "--max-new-tokens", "4", "--temperature", "0")
+    c.expect("chat \\(User/Assistant template\\)")
+    c.expect("/clear")
+    c.sendline("Hello")
+    c.sendline("")
+    c.expect("tokens/s")
+    c.expect("Prompt")
+    c.sendline("/clear")
+    c.expect("conversation cleared")
+    c.expect("Prompt")
+    c.sendeof()                                       # end of input: clean exit
+    c.expect("Bye.")
+    c.expect(pexpect.EOF)
+    c.close()
+    assert c.exitstatus == 0
+
+
+def test_interactive_multi_model_comparison_with_colors(work):
+    c = _spawn(work, "--max-new-tokens", "5", no_color=False)
+    c.expect("Select a mode")
+    c.sendline("2")
+    c.expect("Select a run")
+    c.sendline("2")
+    c.expect("\x1b\\[32m  1\\) checkpoint_best.pt")    # best in green
+    c.expect("\x1b\\[34m  2\\) checkpoint_latest.pt")  # latest in blue
+    c.expect("Select checkpoints")
+    c.sendline("9")
+    c.expect("Enter numbers from 1 to 2")
+    c.sendline("all")
+    c.expect(r"2 model\(s\) selected; estimated memory [\d,]+ MB")
+    c.expect("Prompt")
+    c.sendline("The history of")
+    c.sendline("1")
+    c.expect(r"\[1\] run_pre/checkpoint_best.pt")
+    c.expect(r"\[2\] run_pre/checkpoint_latest.pt")
+    c.expect("Comparison")
+    c.expect("Fastest: run_pre/checkpoint_\\w+.pt; most tokens: ")
+    c.expect("Prompt")
+    c.sendintr()                                      # Ctrl-C at a prompt: the stage ends (130)
+    c.expect(pexpect.EOF)
+    c.close()
+    assert c.exitstatus == 130
+    assert "Traceback" not in c.before

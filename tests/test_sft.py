@@ -1,0 +1,322 @@
+"""SFT: the chat template and loss mask, malformed records, `main.py sft prepare` and
+`main.py sft train` (masked loss lowers, mismatches refused, Ctrl-C resumes exactly).
+
+Checkpoints here are tiny models built with model.py and saved with
+utils.checkpoint.save_checkpoint (the format load_checkpoint reads), with the offline sample
+tokenizer (Mistral v1 SentencePiece, 32,000 pieces)."""
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import SPM_MODEL, popen_main, run_main, write_config
+
+TOK_NAME = str(SPM_MODEL)
+
+
+# --------------------------------------------------------------------------- helpers
+_TOK = {}
+
+
+def tokenizer():
+    if "tok" not in _TOK:
+        from utils.tok import load_tokenizer_from
+        _TOK["tok"] = load_tokenizer_from(TOK_NAME)
+    return _TOK["tok"]
+
+
+def make_checkpoint(path: Path, *, kind: str = "pretrain", chat_template=None, seed: int = 0,
+                    tokenizer_info: dict | None = None, **args) -> Path:
+    """A tiny model saved as a weights checkpoint the pipeline loads (utils.checkpoint)."""
+    import model as model_lib
+    from utils.checkpoint import save_checkpoint
+    from utils.tok import describe
+    tok = tokenizer()
+    a = dict(vocab_size=len(tok), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+             max_seq_len=256, bos_id=tok.bos_token_id)
+    a.update(args)
+    margs = model_lib.ModelArgs(**a)
+    torch.manual_seed(seed)
+    m = model_lib.create_model(margs)
+    info = tokenizer_info or describe(tok, TOK_NAME)
+    save_checkpoint(path, {"kind": kind, "model": m.state_dict(), "model_args": margs.to_dict(),
+                           "tokenizer": info, "chat_template": chat_template, "step": 0})
+    return path
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, samples):
+    """A tmp root with a config (offline tokenizer), prepared SFT data and a base checkpoint."""
+    root = tmp_path_factory.mktemp("sft")
+    cfg = write_config(root, {"tokenizer": {"name": TOK_NAME},
+                              "logging": {"tensorboard": False, "log_every": 1}})
+    r = run_main("sft", "prepare", "--config", cfg, "--dataset", "samples", "--limit", "48",
+                 "--max-length", "96")
+    assert r.returncode == 0, r.stderr
+    base = make_checkpoint(root / "checkpoints" / "base" / "checkpoint_best.pt")
+    return {"root": root, "cfg": cfg, "base": base, "prepare_out": r.stdout}
+
+
+# --------------------------------------------------------------------------- template and mask
+def test_template_bos_eos_and_mask_cover_exactly_the_assistant_tokens():
+    from utils import sft
+    tok = tokenizer()
+    tpl = sft.default_template()
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    turns = ["What is 2+2?", "It is 4.", "And 3+3?", "It is 6."]
+    ids, mask = sft.encode_conversation(tok, tpl, turns, bos, eos)
+    assert len(ids) == len(mask)
+    # two exchanges, each BOS ... EOS
+    assert ids[0] == bos and ids[-1] == eos
+    assert ids.count(bos) == 2 and ids.count(eos) == 2
+    second = ids.index(bos, 1)
+    assert ids[second - 1] == eos
+    enc = sft.encode_plain(tok, [sft.prompt_text(tpl, turns[0]), turns[1],
+                                 sft.prompt_text(tpl, turns[2]), turns[3]])
+    expected_ids = [bos] + enc[0] + enc[1] + [eos] + [bos] + enc[2] + enc[3] + [eos]
+    expected_mask = ([0] * (1 + len(enc[0])) + [1] * (len(enc[1]) + 1)
+                     + [0] * (1 + len(enc[2])) + [1] * (len(enc[3]) + 1))
+    assert ids == expected_ids and mask == expected_mask
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "It is 4.</s> It is 6.</s>"
+    assert tok.decode(ids[:1 + len(enc[0])], skip_special_tokens=True).startswith("User: What is 2+2?\nAssistant:")
+
+
+def test_literal_special_token_strings_in_turns_stay_text():
+    from utils import sft
+    tok = tokenizer()
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    turns = ["Please print </s> and <s> literally", "Sure: </s> <s> <unk>"]
+    ids, mask = sft.encode_conversation(tok, sft.default_template(), turns, bos, eos)
+    assert ids.count(eos) == 1 and ids.count(bos) == 1 and tok.unk_token_id not in ids
+    assert ids[0] == bos and ids[-1] == eos
+    text = tok.decode(ids[1:-1])
+    assert "</s> and <s> literally" in text and "Sure: </s> <s> <unk>" in text
+
+
+def test_collate_shifts_and_masks():
+    from utils import sft
+    tokens = np.array([1, 5, 6, 7, 2, 1, 8, 9, 2], dtype=np.uint16)
+    mask = np.array([0, 0, 1, 1, 1, 0, 0, 1, 1], dtype=np.uint8)
+    offsets = np.array([0, 5, 9])
+    ex = sft.Examples(tokens, mask, offsets, {})
+    b = sft.collate(ex, [0, 1], pad_id=0)
+    assert b["x"].tolist() == [[1, 5, 6, 7], [1, 8, 9, 0]]
+    assert b["y"].tolist() == [[5, 6, 7, 2], [8, 9, 2, -100]]
+    assert b["loss_mask"].tolist() == [[0, 1, 1, 1], [0, 1, 1, 0]]
+
+
+def test_loader_position_resumes_the_same_batches():
+    from utils import sft
+    lens = [3, 4, 5, 6, 7, 3, 4]
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    tokens = np.arange(offsets[-1], dtype=np.uint16) % 50 + 3
+    ex = sft.Examples(tokens, np.ones_like(tokens, dtype=np.uint8), offsets, {})
+    a = sft.SFTLoader(ex, range(7), 2, seed=3, pad_id=0)
+    ref = [b["x"].tolist() for _ in range(2) for b in a]          # two epochs
+    b = sft.SFTLoader(ex, range(7), 2, seed=3, pad_id=0)
+    it = iter(b)
+    got = [next(it)["x"].tolist(), next(it)["x"].tolist()]
+    state = b.state_dict()
+    c = sft.SFTLoader(ex, range(7), 2, seed=3, pad_id=0)
+    c.load_state_dict(state)
+    got += [x["x"].tolist() for x in c] + [x["x"].tolist() for x in c]
+    assert got == ref and len(a) == 4
+
+
+# --------------------------------------------------------------------------- malformed records
+def test_malformed_records_skipped_with_file_line_and_reason(tmp_path):
+    from utils import sft
+    lines = [
+        json.dumps({"conversations": ["q1", "a1"]}).encode(),                               # 1 ok
+        json.dumps({"conversations": ["q", "a", "q2"]}).encode(),                           # 2 odd
+        json.dumps({"conversations": ["q", "   "]}).encode(),                               # 3 whitespace
+        json.dumps({"conversations": ["", "a"]}).encode(),                                  # 4 empty
+        json.dumps({"conversations": "q a"}).encode(),                                      # 5 not list
+        json.dumps({"conversations": ["q", 3]}).encode(),                                   # 6 not str
+        json.dumps({"conversations": [{"from": "human", "value": "hq"},
+                                      {"from": "gpt", "value": "ha"}]}).encode(),           # 7 sharegpt ok
+        json.dumps({"conversations": [{"from": "gpt", "value": "x"},
+                                      {"from": "human", "value": "y"}]}).encode(),          # 8 ambiguous
+        b'{"conversations": ["broken"',                                                     # 9 bad json
+        b'{"conversations": ["caf\xe9", "x"]}',                                             # 10 bad utf-8
+        json.dumps({"conversations": ["q3", "a3"]}).encode() + b"\r",                       # 11 crlf ok
+        json.dumps({"conversations": ["q", "x" * 5000]}).encode(),                          # 12 too long
+        json.dumps(["q", "a"]).encode(),                                                    # 13 not object
+        json.dumps({"text": "q"}).encode(),                                                 # 14 no key
+    ]
+    p = tmp_path / "mixed.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n")
+    skips = sft.Skips()
+    recs = sft.read_jsonl_records(p, 1000, skips)
+    assert [r["conversations"] for r in recs] == [["q1", "a1"], ["hq", "ha"], ["q3", "a3"]]
+    assert skips.counts == {"odd_turn_count": 1, "empty_turn": 2, "conversations_not_a_list": 1,
+                            "turn_not_a_string": 1, "sharegpt_turns_ambiguous": 1,
+                            "invalid_json": 1, "invalid_utf8": 1, "turn_too_long": 1,
+                            "not_an_object": 1, "no_conversations_key": 1}
+    where = "\n".join(skips.where)
+    for line, reason in [(2, "odd_turn_count"), (3, "empty_turn"), (4, "empty_turn"),
+                         (5, "conversations_not_a_list"), (6, "turn_not_a_string"),
+                         (8, "sharegpt_turns_ambiguous"), (9, "invalid_json"),
+                         (10, "invalid_utf8"), (12, "turn_too_long")]:
+        assert f"mixed.jsonl:{line}: {reason}" in where
+    assert skips.notes == {"utf8_bom_removed": 1, "sharegpt_dict_turns_to_strings": 1,
+                           "crlf_line_ends": 1}
+
+
+def test_json_array_saved_as_jsonl_is_read_and_said_so(tmp_path):
+    from utils import sft
+    p = tmp_path / "array.jsonl"
+    p.write_text(json.dumps([{"conversations": ["q", "a"]}, {"conversations": ["q"]}], indent=1))
+    skips = sft.Skips()
+    recs = sft.read_jsonl_records(p, 1000, skips)
+    assert len(recs) == 1 and skips.notes == {"json_array_read_as_records": 1}
+    assert skips.where == ["array.jsonl:[1]: odd_turn_count (1 turns; need user/assistant pairs)"]
+
+
+def test_prepare_with_no_usable_example_fails_and_writes_nothing(tmp_path):
+    cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"conversations": ["only a question"]}\n{"conversations": []}\nnot json\n')
+    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(bad))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert "no usable SFT example" in r.stderr and "bad.jsonl:1: odd_turn_count" in r.stderr
+    assert "bad.jsonl:3: invalid_json" in r.stderr
+    assert not (tmp_path / "data" / "post-training" / "metadata.json").exists()
+
+
+def test_default_lima_source_offline_says_what_to_do(tmp_path):
+    cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
+    r = run_main("sft", "prepare", "--config", cfg)          # sft.dataset = GAIR/lima (the default)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "GAIR/lima" in r.stderr and "--dataset samples" in r.stderr
+    r = run_main("sft")
+    assert r.returncode == 2 and "prepare" in r.stdout + r.stderr
+
+
+def test_prepare_local_jsonl_copies_source_and_reports_skips(tmp_path):
+    cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
+    src = tmp_path / "mine.jsonl"
+    src.write_text(json.dumps({"conversations": ["Hi </s> there", "Hello!"], "source": "t"}) + "\n"
+                   + json.dumps({"conversations": ["q", "a", "q2"]}) + "\n")
+    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "data" / "post-training"
+    assert (out / "mine.jsonl").read_bytes() == src.read_bytes()
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["counts"]["kept"] == 1 and meta["counts"]["skipped"] == {"odd_turn_count": 1}
+    assert meta["counts"]["skipped_examples"] == ["mine.jsonl:2: odd_turn_count (3 turns; need "
+                                                  "user/assistant pairs)"]
+    assert "mine.jsonl:2: odd_turn_count" in r.stdout
+    toks = np.load(out / "tokenized_examples.npy")
+    tok = tokenizer()
+    assert int((toks == tok.eos_token_id).sum()) == 1      # the literal "</s>" stayed text
+
+
+# --------------------------------------------------------------------------- prepare (samples)
+def test_prepare_samples_layout_counts_and_mask(work):
+    from utils import sft
+    out = work["root"] / "data" / "post-training"
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["complete"] and meta["source"]["kind"] == "qa_substitute"
+    assert "SUBSTITUTE for LIMA" in meta["source"]["label"]
+    c = meta["counts"]
+    assert c["considered"] == 48 and c["kept"] + c["too_long"] == 48 and c["kept"] > 0
+    assert f"kept {c['kept']}/48 examples" in work["prepare_out"]
+    assert meta["tokenizer"]["fingerprint"] and meta["template"]["user_prefix"] == "User: "
+    # the length filter: re-encode the copied records and count what exceeds 96 tokens
+    tok = tokenizer()
+    recs = [json.loads(l) for l in (out / meta["source"]["copy"]).read_text().splitlines()]
+    assert len(recs) == 48
+    enc = [sft.encode_conversation(tok, meta["template"], r["conversations"], tok.bos_token_id,
+                                   tok.eos_token_id) for r in recs]
+    kept = [e for e in enc if len(e[0]) <= 96]
+    assert len(kept) == c["kept"] and 48 - len(kept) == c["too_long"]
+    ex = sft.load_examples(out)
+    assert len(ex) == c["kept"]
+    for i, (ids, mask) in enumerate(kept):
+        t, m = ex.example(i)
+        assert t.tolist() == ids and m.tolist() == mask
+    shown = json.loads((out / "example_conversations.json").read_text())
+    assert shown[0]["formatted"].startswith("<s> User: ") and shown[0]["trained_on"].endswith("</s>")
+
+
+# --------------------------------------------------------------------------- train
+def _val_losses(root: Path, run: str) -> list[float]:
+    recs = [json.loads(l) for l in (root / "logs" / "raw_metrics" / f"{run}.jsonl").read_text().splitlines()]
+    return [r["val_loss"] for r in recs if r.get("type") == "val"]
+
+
+def test_train_lowers_masked_val_loss_and_writes_the_run(work):
+    root = work["root"]
+    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", work["base"],
+                 "--epochs", "2", "--batch-size", "4", "--lr", "3e-3", "--name", "t1",
+                 "--sample-tokens", "4", timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = sorted((root / "checkpoints").glob("sft_t1_*"))
+    assert len(runs) == 1
+    run = runs[0]
+    names = sorted(p.name for p in run.iterdir())
+    assert {"checkpoint_best.pt", "checkpoint_latest.pt", "checkpoint_epoch_1.pt",
+            "checkpoint_epoch_2.pt", "sft_config.json"} <= set(names)
+    assert not [n for n in names if n.startswith("checkpoint_step_")]
+    from utils.checkpoint import load_checkpoint
+    ck = load_checkpoint(run / "checkpoint_best.pt")
+    assert ck["kind"] == "sft" and ck["chat_template"]["assistant_prefix"] == "Assistant: "
+    conf = json.loads((run / "sft_config.json").read_text())
+    assert conf["base_checkpoint"] == str(work["base"]) and conf["hyperparameters"]["lr"] == 3e-3
+    vals = _val_losses(root, run.name)
+    assert len(vals) >= 3 and vals[-1] < vals[0] - 0.3, vals
+    assert "sample @ step" in r.stdout and "Why is the sky blue?" in r.stdout
+
+
+def test_train_refuses_tokenizer_and_architecture_mismatch(work):
+    root = work["root"]
+    from utils.tok import describe
+    info = dict(describe(tokenizer(), TOK_NAME), fingerprint="0" * 64, name="other-tokenizer")
+    other_tok = make_checkpoint(root / "mm" / "tok.pt", tokenizer_info=info)
+    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", other_tok)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "tokenizer mismatch" in r.stderr and "other-tokenizer" in r.stderr
+    short = make_checkpoint(root / "mm" / "short.pt", max_seq_len=16)
+    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", short)
+    assert r.returncode == 1 and "architecture mismatch" in r.stderr and "max_seq_len 16" in r.stderr
+    small = make_checkpoint(root / "mm" / "small.pt", vocab_size=1000, bos_id=1)
+    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", small)
+    assert r.returncode == 1 and "architecture mismatch" in r.stderr and "1000" in r.stderr
+    r = run_main("sft", "train", "--config", work["cfg"])
+    assert r.returncode == 2 and "--checkpoint" in r.stderr
+    assert not list((root / "checkpoints").glob("sft_lima_*"))
+
+
+def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(work):
+    root = work["root"]
+    common = ["--config", work["cfg"], "--checkpoint", work["base"], "--epochs", "4",
+              "--batch-size", "4", "--lr", "3e-3", "--sample-tokens", "0"]
+    ref = run_main("sft", "train", *common, "--name", "ref", timeout=400)
+    assert ref.returncode == 0, ref.stderr
+    proc = popen_main("sft", "train", *common, "--name", "cut")
+    for line in proc.stdout:   # a validation after step 0 prints inside the loop (Ctrl-C is a stop request there)
+        if line.startswith("step ") and not line.startswith("step 0/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out + err
+    assert "resume with:" in err and "Traceback" not in err
+    cmd = err.split("resume with:")[1].strip().splitlines()[0]
+    assert cmd.startswith("python main.py sft train ") and "--resume" in cmd
+    import shlex
+    args = shlex.split(cmd)[2:]
+    r = run_main(*args, timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    from utils.checkpoint import load_checkpoint
+    a = load_checkpoint(next((root / "checkpoints").glob("sft_ref_*")) / "checkpoint_latest.pt")
+    b = load_checkpoint(next((root / "checkpoints").glob("sft_cut_*")) / "checkpoint_latest.pt")
+    assert a["step"] == b["step"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k

@@ -1,0 +1,444 @@
+"""Instruction (SFT) data: records -> chat-formatted token ids with a loss mask, on disk, and
+back as resumable training batches (library; nothing runs on import).
+
+Contract (docs/DESIGN.md sections 3 and 7; docs/sft_inference.md):
+
+- A *record* is LIMA's schema: ``{"conversations": [user, assistant, user, assistant, ...],
+  "source": ...}``. :func:`read_jsonl_records` reads a local JSONL file into records and
+  reports every malformed line as ``file:line: reason`` (:class:`Skips`); unambiguous
+  repairs (UTF-8 BOM, CRLF line ends, ShareGPT-style ``{"from"/"role", "value"/"content"}``
+  turns, a JSON array saved as ``.jsonl``) are applied and counted as notes.
+- The chat template is data (:func:`default_template` from the ``sft`` config section),
+  stored in ``metadata.json`` and in SFT checkpoints. Each exchange is
+  ``BOS + "User: {q}\\nAssistant: " + answer + EOS``; a conversation is its exchanges
+  back to back. :func:`encode_conversation` is the only encoder: training data and
+  inference prompts (:func:`encode_prompt`) go through it, so inference renders exactly
+  what training saw. Text is encoded with ``utils.tok.encode_plain`` semantics: a literal
+  ``<s>`` / ``</s>`` typed in a turn is ordinary text, never a control id.
+- The loss mask is 1 exactly on the assistant answer tokens and each exchange's closing
+  EOS (0 on BOS, the user turn and the role markers).
+- On disk (``data/post-training/``): ``tokenized_examples.npy`` (all examples' ids
+  concatenated, uint16/uint32), ``loss_mask.npy`` (uint8, same length), ``offsets.npy``
+  (int64, n+1 boundaries), ``metadata.json`` (written last, atomically; ``complete: true``,
+  counts, lengths, tokenizer description and fingerprint, template, data fingerprint)
+  and ``example_conversations.json``. :func:`load_examples` validates and reads them.
+- :class:`SFTLoader`: padded batches ``{"x", "y", "loss_mask"}`` (``y == -100`` on
+  padding), shuffled per epoch from a seed, with a resumable position
+  (``state_dict`` / ``load_state_dict``, ``epoch``), as utils/trainer.py expects.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from utils.cli import PipelineError
+
+FORMAT_NAME = "sft-examples"
+FORMAT_VERSION = 1
+TOKENS_FILE = "tokenized_examples.npy"
+MASK_FILE = "loss_mask.npy"
+OFFSETS_FILE = "offsets.npy"
+METADATA_FILE = "metadata.json"
+EXAMPLES_FILE = "example_conversations.json"
+IGNORE_INDEX = -100
+MAX_TURN_CHARS_PER_TOKEN = 40      # a turn longer than max_length * this many characters is refused unread
+SKIP_EXAMPLES_KEPT = 50            # file:line reasons kept in metadata (all are counted)
+
+
+# --------------------------------------------------------------------------- template
+def default_template(sft_cfg=None) -> dict:
+    """The chat template as data (stored in metadata and checkpoints)."""
+    user = getattr(sft_cfg, "user_prefix", "User: ")
+    assistant = getattr(sft_cfg, "assistant_prefix", "Assistant: ")
+    return {"name": "user-assistant-v1", "user_prefix": user, "assistant_prefix": assistant,
+            "separator": "\n", "bos": True, "eos": True,
+            "exchange": "<s>{user_prefix}{question}{separator}{assistant_prefix}{answer}</s>",
+            "loss": "assistant answer tokens and each closing EOS"}
+
+
+def encode_plain(tok, texts: Sequence[str]) -> list[list[int]]:
+    """utils.tok.encode_plain when present; else the same contract (no special-token
+    interpretation of text) through the tokenizer's own switch."""
+    from utils import tok as tok_lib
+    fn = getattr(tok_lib, "encode_plain", None)
+    if fn is not None:
+        return fn(tok, list(texts))
+    if not texts:
+        return []
+    return [list(ids) for ids in tok(list(texts), add_special_tokens=False,
+                                     split_special_tokens=True)["input_ids"]]
+
+
+def prompt_text(template: dict, question: str) -> str:
+    return f"{template['user_prefix']}{question}{template['separator']}{template['assistant_prefix']}"
+
+
+def encode_conversation(tok, template: dict, turns: Sequence[str], bos_id: int, eos_id: int
+                        ) -> tuple[list[int], list[int]]:
+    """``(ids, mask)`` of a conversation (even number of turns: user, assistant, ...).
+    An odd final turn (a pending user question) is encoded as a prompt with no answer."""
+    prompts = [prompt_text(template, turns[i]) for i in range(0, len(turns), 2)]
+    answers = [turns[i] for i in range(1, len(turns), 2)]
+    enc = encode_plain(tok, prompts + answers)
+    p_ids, a_ids = enc[:len(prompts)], enc[len(prompts):]
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, p in enumerate(p_ids):
+        ids += [bos_id] + p
+        mask += [0] * (1 + len(p))
+        if i < len(a_ids):
+            ids += a_ids[i] + [eos_id]
+            mask += [1] * (len(a_ids[i]) + 1)
+    return ids, mask
+
+
+def encode_prompt(tok, template: dict, history: Sequence[tuple[str, str]], question: str,
+                  bos_id: int, eos_id: int) -> list[int]:
+    """Ids of a chat prompt: past (user, assistant) exchanges, then the new question up to
+    the assistant marker, exactly as training framed them."""
+    turns = [t for pair in history for t in pair] + [question]
+    return encode_conversation(tok, template, turns, bos_id, eos_id)[0]
+
+
+# --------------------------------------------------------------------------- reading records
+@dataclass
+class Skips:
+    """Malformed or dropped records: counts by reason, the first few as ``file:line: reason``,
+    and notes about unambiguous repairs."""
+    counts: dict = field(default_factory=dict)
+    where: list = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+
+    def skip(self, reason: str, location: str, detail: str = "") -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        if len(self.where) < SKIP_EXAMPLES_KEPT:
+            self.where.append(f"{location}: {reason}" + (f" ({detail})" if detail else ""))
+
+    def note(self, what: str, n: int = 1) -> None:
+        self.notes[what] = self.notes.get(what, 0) + n
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def to_dict(self) -> dict:
+        return {"skipped": dict(sorted(self.counts.items())), "skipped_total": self.total,
+                "skipped_examples": list(self.where), "converted": dict(sorted(self.notes.items()))}
+
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "bot": "assistant", "model": "assistant"}
+
+
+def normalize_record(obj: Any, loc: str, skips: Skips, max_turn_chars: int) -> Optional[dict]:
+    """A LIMA-schema record from one parsed JSON value, or None (skipped, with reason)."""
+    if not isinstance(obj, dict):
+        skips.skip("not_an_object", loc, f"a JSON {type(obj).__name__}")
+        return None
+    if "conversations" not in obj:
+        skips.skip("no_conversations_key", loc, "keys: " + ", ".join(sorted(map(str, obj))[:6]))
+        return None
+    conv = obj["conversations"]
+    if not isinstance(conv, list):
+        skips.skip("conversations_not_a_list", loc, f"a {type(conv).__name__}")
+        return None
+    if conv and all(isinstance(t, dict) for t in conv):
+        turns = []
+        for i, t in enumerate(conv):
+            role = t.get("from", t.get("role"))
+            text = t.get("value", t.get("content"))
+            want = "user" if i % 2 == 0 else "assistant"
+            if _SHAREGPT_ROLES.get(str(role).lower()) != want or not isinstance(text, str):
+                skips.skip("sharegpt_turns_ambiguous", loc,
+                           f"turn {i + 1} has role {role!r}; expected {want} turns alternating, "
+                           "user first")
+                return None
+            turns.append(text)
+        skips.note("sharegpt_dict_turns_to_strings")
+        conv = turns
+    if not all(isinstance(t, str) for t in conv):
+        bad = next(t for t in conv if not isinstance(t, str))
+        skips.skip("turn_not_a_string", loc, f"a {type(bad).__name__} turn")
+        return None
+    if not conv:
+        skips.skip("empty_conversation", loc)
+        return None
+    if len(conv) % 2:
+        skips.skip("odd_turn_count", loc, f"{len(conv)} turns; need user/assistant pairs")
+        return None
+    for i, t in enumerate(conv):
+        if not t.strip():
+            skips.skip("empty_turn", loc, f"turn {i + 1} is empty or whitespace")
+            return None
+        if len(t) > max_turn_chars:
+            skips.skip("turn_too_long", loc, f"turn {i + 1} has {len(t):,} characters")
+            return None
+    return {"conversations": list(conv), "source": obj.get("source", "unknown")}
+
+
+def read_jsonl_records(path: Path, max_turn_chars: int, skips: Skips) -> list[dict]:
+    """Records of a local JSONL file (see module docstring for the repairs and skips)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"SFT source {path} does not exist (or is not a file). Pass a JSON "
+                            "Lines file with one {\"conversations\": [user, assistant, ...]} "
+                            "object per line, or --dataset samples for the offline QA data.")
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+        skips.note("utf8_bom_removed")
+    name = path.name
+    stripped = raw.lstrip()
+    if stripped.startswith(b"["):
+        try:
+            arr = json.loads(stripped.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            arr = None
+        if isinstance(arr, list):
+            skips.note("json_array_read_as_records")
+            out = []
+            for i, obj in enumerate(arr):
+                rec = normalize_record(obj, f"{name}:[{i}]", skips, max_turn_chars)
+                if rec is not None:
+                    out.append(rec)
+            return out
+    out = []
+    crlf = 0
+    for lineno, line in enumerate(raw.split(b"\n"), 1):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+            crlf += 1
+        if not line.strip():
+            continue
+        loc = f"{name}:{lineno}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            skips.skip("invalid_utf8", loc, f"byte {e.start}")
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            skips.skip("invalid_json", loc, e.msg)
+            continue
+        rec = normalize_record(obj, loc, skips, max_turn_chars)
+        if rec is not None:
+            out.append(rec)
+    if crlf:
+        skips.note("crlf_line_ends", crlf)
+    return out
+
+
+def lima_records(name: str, split: str = "train") -> list[dict]:
+    """LIMA from the Hugging Face hub through ``datasets`` (the default source when online)."""
+    try:
+        import datasets
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # offline, gated, or a hub error
+        raise PipelineError(
+            f"cannot load the SFT dataset '{name}' from the Hugging Face hub ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}). Offline, use `--dataset samples` "
+            "(real SciQ and ARC question/answer pairs converted into LIMA's schema, labelled as a "
+            "substitute) or `--dataset FILE.jsonl` with one {\"conversations\": [...]} per line "
+            "(sft.dataset in config.json).") from None
+    return [{"conversations": list(r["conversations"]), "source": r.get("source", "lima")} for r in ds]
+
+
+def qa_substitute_records(samples_dir: Path) -> list[dict]:
+    """SciQ (answer written with its support text) and ARC-Easy/Challenge (the correct choice
+    written out) from the offline samples, as LIMA-schema records."""
+    import datasets
+    out: list[dict] = []
+    sources = {"sciq": samples_dir / "sciq" / "validation",
+               "arc_easy": samples_dir / "arc_easy" / "validation",
+               "arc_challenge": samples_dir / "arc_challenge" / "validation"}
+    missing = [str(p) for p in sources.values() if not p.is_dir()]
+    if missing:
+        raise PipelineError(f"offline QA samples missing: {', '.join(missing)}. Fetch them with "
+                            "`python main.py samples`.")
+    for name, p in sources.items():
+        ds = datasets.load_from_disk(str(p))
+        for r in ds:
+            q = (r.get("question") or "").strip()
+            if name == "sciq":
+                ans = (r.get("correct_answer") or "").strip()
+                if not q or not ans:
+                    continue
+                support = (r.get("support") or "").strip()
+                a = f"The answer is {ans}."
+                if support:
+                    a = f"{a} {support}"
+            else:
+                ch = r.get("choices") or {}
+                labels, texts = list(ch.get("label") or []), list(ch.get("text") or [])
+                key = r.get("answerKey")
+                if not q or key not in labels:
+                    continue
+                a = f"The answer is {texts[labels.index(key)].strip()}."
+            out.append({"conversations": [q, a], "source": name})
+    return out
+
+
+# --------------------------------------------------------------------------- tokenized examples
+def data_fingerprint(tokens: np.ndarray, mask: np.ndarray, offsets: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for a in (tokens, mask, offsets):
+        h.update(str(a.dtype).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def length_stats(lengths: Sequence[int]) -> dict:
+    if not len(lengths):
+        return {"count": 0}
+    a = np.asarray(lengths)
+    return {"count": int(a.size), "min": int(a.min()), "max": int(a.max()),
+            "mean": round(float(a.mean()), 2), "median": float(np.median(a)),
+            "p95": float(np.percentile(a, 95)), "total_tokens": int(a.sum())}
+
+
+@dataclass
+class Examples:
+    tokens: np.ndarray
+    mask: np.ndarray
+    offsets: np.ndarray
+    meta: dict
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.mask[a:b]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def load_examples(directory: Path, rebuild: str = "python main.py sft prepare") -> Examples:
+    """The prepared SFT examples, validated; PipelineError naming the file otherwise."""
+    d = Path(directory)
+    meta_path = d / METADATA_FILE
+    if not meta_path.is_file():
+        raise PipelineError(f"no prepared SFT data in {d} ({METADATA_FILE} missing). Build it "
+                            f"with `{rebuild}`.")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PipelineError(f"{meta_path} is not valid JSON ({e}); rebuild with `{rebuild}`.") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or not meta.get("complete"):
+        raise PipelineError(f"{meta_path} does not describe a complete SFT example set (format "
+                            f"{FORMAT_NAME}); rebuild with `{rebuild}`.")
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise PipelineError(f"{meta_path}: format version {meta.get('format_version')} is newer "
+                            "than this program reads; update the pipeline.")
+    arrays = []
+    for name in (TOKENS_FILE, MASK_FILE, OFFSETS_FILE):
+        p = d / name
+        try:
+            arrays.append(np.load(p, allow_pickle=False))
+        except FileNotFoundError:
+            raise PipelineError(f"{p} is missing; rebuild with `{rebuild}`.") from None
+        except (ValueError, OSError, EOFError) as e:
+            raise PipelineError(f"{p} cannot be read ({e}); rebuild with `{rebuild}`.") from None
+    tokens, mask, offsets = arrays
+    ok = (tokens.ndim == mask.ndim == offsets.ndim == 1 and len(tokens) == len(mask)
+          and len(offsets) >= 1 and int(offsets[0]) == 0 and int(offsets[-1]) == len(tokens)
+          and bool((np.diff(offsets) > 0).all()))
+    if not ok or data_fingerprint(tokens, mask, offsets) != meta.get("data_fingerprint"):
+        raise PipelineError(f"the SFT arrays in {d} do not match {METADATA_FILE} (damaged or "
+                            f"mixed files); rebuild with `{rebuild}`.")
+    return Examples(tokens, mask, offsets, meta)
+
+
+def split_indices(n: int, val_split: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed (seeded) train/validation split of ``n`` examples; at least one of each when
+    ``n >= 2`` and ``val_split > 0``."""
+    perm = np.random.default_rng(seed).permutation(n)
+    n_val = int(round(n * val_split)) if val_split > 0 else 0
+    if val_split > 0 and n >= 2:
+        n_val = min(max(1, n_val), n - 1)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def collate(examples: Examples, idx: Sequence[int], pad_id: int) -> dict:
+    """Padded next-token batch: x = ids[:-1], y = ids[1:] (-100 on padding), loss_mask = mask[1:]."""
+    import torch
+    pairs = [examples.example(int(i)) for i in idx]
+    T = max(len(t) for t, _ in pairs) - 1
+    B = len(pairs)
+    x = np.full((B, T), pad_id, dtype=np.int64)
+    y = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
+    m = np.zeros((B, T), dtype=np.float32)
+    for r, (t, k) in enumerate(pairs):
+        n = len(t) - 1
+        x[r, :n] = t[:-1]
+        y[r, :n] = t[1:]
+        m[r, :n] = k[1:]
+    return {"x": torch.from_numpy(x), "y": torch.from_numpy(y), "loss_mask": torch.from_numpy(m)}
+
+
+class SFTLoader:
+    """Training batches over a subset of examples, reshuffled each epoch from ``seed``.
+    Position: ``{"epoch", "index" (examples of this epoch consumed), "batch_size", "seed",
+    "num_examples"}``; each ``for`` pass yields the rest of the current epoch."""
+
+    def __init__(self, examples: Examples, indices: Sequence[int], batch_size: int, seed: int,
+                 pad_id: int, shuffle: bool = True):
+        self.examples, self.indices = examples, np.asarray(indices, dtype=np.int64)
+        self.batch_size, self.seed, self.pad_id, self.shuffle = int(batch_size), int(seed), pad_id, shuffle
+        self.epoch, self.index = 0, 0
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.indices) / self.batch_size)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return self.indices
+        return self.indices[np.random.default_rng([self.seed, epoch]).permutation(len(self.indices))]
+
+    def __iter__(self) -> Iterator[dict]:
+        order = self.order(self.epoch)
+        while self.index < len(order):
+            idx = order[self.index:self.index + self.batch_size]
+            self.index += len(idx)
+            yield collate(self.examples, idx, self.pad_id)
+        self.epoch += 1
+        self.index = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "batch_size": self.batch_size,
+                "seed": self.seed, "num_examples": int(len(self.indices))}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state.get("num_examples", len(self.indices))) != len(self.indices):
+            raise PipelineError(f"the checkpoint's SFT data position is over "
+                                f"{state.get('num_examples')} training examples but the prepared "
+                                f"data has {len(self.indices)}; resume with the same SFT data.")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+class SFTValData:
+    """Validation batches in a fixed order (re-iterable)."""
+
+    def __init__(self, examples: Examples, indices: Sequence[int], batch_size: int, pad_id: int):
+        self.examples, self.indices = examples, np.asarray(indices, dtype=np.int64)
+        self.batch_size, self.pad_id = int(batch_size), pad_id
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.indices) / self.batch_size)
+
+    def __iter__(self) -> Iterator[dict]:
+        for s in range(0, len(self.indices), self.batch_size):
+            yield collate(self.examples, self.indices[s:s + self.batch_size], self.pad_id)
+
+
+def decode_for_people(tok, ids: Iterable[int]) -> str:
+    return tok.decode(list(map(int, ids)), skip_special_tokens=False)
