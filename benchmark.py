@@ -1,0 +1,271 @@
+"""Stage `benchmark`: score checkpoints (and Hugging Face models) as lm-evaluation-harness does.
+
+    python main.py benchmark                               # newest pretrain and SFT runs
+    python main.py benchmark checkpoints/run_a/checkpoint_best.pt sft_run_b --preset standard
+    python main.py benchmark --hf-model path/to/hf_folder --limit hellaswag=200 --per-item
+    python main.py benchmark RUN --tasks lambada,hellaswag --preset full
+
+Models: checkpoint files, run folders or run names under ``paths.checkpoints_dir`` (a run
+gives its checkpoint_best.pt, else checkpoint_latest.pt), and ``--hf-model`` Hugging Face
+causal LMs (a save_pretrained folder, a .gguf file, or a hub name when online). With none
+given, the newest pre-training run and the newest SFT run are compared.
+
+Tasks, metrics, presets and the file formats: docs/benchmark.md. The library is
+:mod:`utils.bench`; this script only parses arguments and orchestrates. Results go to
+``paths.benchmark_dir/benchmark_<time>.json`` and ``.txt`` (``_items.jsonl`` with
+``--per-item``). Exit codes: 0 ok, 1 failure (bad checkpoint, unreadable data), 2 usage or
+configuration error, 130 Ctrl-C (nothing partial is written).
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
+from utils.config import Config
+
+# Items per task for each preset (the seed's quick / standard / comprehensive sizes for
+# perplexity, LAMBADA and HellaSwag; ARC follows HellaSwag; None = the whole set).
+PRESETS: dict[str, dict[str, Optional[int]]] = {
+    "quick": {"perplexity": 50, "lambada": 20, "hellaswag": 10, "arc_easy": 10,
+              "arc_challenge": 10, "completion": 10},
+    "standard": {"perplexity": 100, "lambada": 50, "hellaswag": 20, "arc_easy": 20,
+                 "arc_challenge": 20, "completion": 20},
+    "comprehensive": {"perplexity": 200, "lambada": 100, "hellaswag": 50, "arc_easy": 50,
+                      "arc_challenge": 50, "completion": 50},
+    "full": {t: None for t in ("perplexity", "lambada", "hellaswag", "arc_easy",
+                               "arc_challenge", "completion")},
+}
+TEST_CAP = 6          # --test: at most this many items per task
+TASKS = ("perplexity", "next_token", "lambada", "hellaswag", "arc_easy", "arc_challenge",
+         "completion")
+
+
+def build_parser() -> StageParser:
+    p = StageParser("main.py benchmark", __doc__.strip().splitlines()[0])
+    p.add_argument("models", nargs="*", metavar="CHECKPOINT",
+                   help="checkpoint files, run folders or run names (default: newest pretrain "
+                        "and SFT runs)")
+    p.add_argument("--hf-model", action="append", default=[], metavar="DIR|FILE|NAME",
+                   help="a Hugging Face causal LM: save_pretrained folder, .gguf file, or hub "
+                        "name (online); repeatable")
+    p.add_argument("--gguf-file", default=None, metavar="NAME",
+                   help="GGUF file name inside an --hf-model folder")
+    p.config_flag("--preset", key="benchmark.preset",
+                  choices=["quick", "standard", "comprehensive", "full"], help="items per task")
+    p.config_flag("--tasks", key="benchmark.tasks", type=_task_list, metavar="T1,T2",
+                  help=f"comma-separated tasks ({', '.join(TASKS)})")
+    p.add_argument("--limit", action="append", default=[], metavar="TASK=N",
+                   help="items for one task (overrides the preset; N=all for the whole set)")
+    p.config_flag("--seed", key="benchmark.seed", type=int, metavar="N",
+                  help="seed of the fixed item selection")
+    p.config_flag("--batch-size", key="benchmark.batch_size", type=int, metavar="N",
+                  help="sequences per forward pass")
+    p.config_flag("--device", key="benchmark.device", metavar="DEV", help="auto, cpu, cuda, cuda:N")
+    p.config_flag("--dtype", key="benchmark.dtype", choices=["auto", "fp32", "bf16", "fp16"],
+                  help="autocast dtype")
+    p.config_flag("--perplexity-source", key="benchmark.perplexity_source", metavar="SRC",
+                  help="WikiText hub name or local text/dump for perplexity")
+    p.add_argument("--per-item", action="store_true",
+                   help="also write every item's scores (benchmark_<time>_items.jsonl)")
+    p.add_argument("--output-dir", type=cli_path, default=None, metavar="DIR",
+                   help="where results go (default: paths.benchmark_dir)")
+    p.add_argument("--no-color", action="store_true", help="no colour in the table")
+    return p
+
+
+def _task_list(text: str) -> list:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    return tasks
+
+
+def parse_limits(specs: Sequence[str]) -> dict[str, Optional[int]]:
+    out: dict[str, Optional[int]] = {}
+    for spec in specs:
+        task, sep, n = spec.partition("=")
+        task = task.strip()
+        if not sep or task not in TASKS or task == "next_token":
+            valid = ", ".join(t for t in TASKS if t != "next_token")
+            raise UsageError(f"--limit {spec!r}: expected TASK=N with TASK one of {valid} "
+                             "(next_token uses the perplexity passages).")
+        if n.strip().lower() in ("all", "full", "none"):
+            out[task] = None
+            continue
+        try:
+            value = int(n)
+        except ValueError:
+            value = -1
+        if value < 1:
+            raise UsageError(f"--limit {spec!r}: N must be a positive integer or 'all'.")
+        out[task] = value
+    return out
+
+
+def check_tasks(tasks: Sequence[str]) -> list[str]:
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        import difflib
+        hints = [f"{t}" + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(t, TASKS, 1))
+                           else "") for t in bad]
+        raise UsageError(f"unknown task(s): {', '.join(hints) or '(none given)'}; tasks are "
+                         f"{', '.join(TASKS)}.")
+    return list(dict.fromkeys(tasks))
+
+
+def resolve_checkpoints(specs: Sequence[str], cfg: Config) -> list[Path]:
+    """Checkpoint files from files, run folders or run names; default: newest pretrain + SFT."""
+    from utils.checkpoint import list_runs
+    ckdir = cfg.path("paths.checkpoints_dir")
+    out: list[Path] = []
+    for spec in specs:
+        p = Path(spec).expanduser()
+        cands = [p, ckdir / spec] if not p.is_absolute() else [p]
+        hit = next((c for c in cands if c.exists()), None)
+        if hit is None:
+            raise PipelineError(f"checkpoint or run '{spec}' not found (looked for {cands[0]} and "
+                                f"{ckdir / spec}). `python main.py infer --list` shows the runs.")
+        if hit.is_dir():
+            pick = next((hit / n for n in ("checkpoint_best.pt", "checkpoint_latest.pt")
+                         if (hit / n).exists()), None)
+            if pick is None:
+                stepped = sorted(hit.glob("checkpoint_*.pt"), key=lambda q: q.stat().st_mtime)
+                if not stepped:
+                    raise PipelineError(f"{hit} holds no checkpoint_*.pt file.")
+                pick = stepped[-1]
+            hit = pick
+        out.append(hit.resolve())
+    if specs:
+        return out
+    runs = list_runs(ckdir) if ckdir.exists() else []
+    for kind in ("pretrain", "sft"):
+        run = next((r for r in runs if r.kind == kind and (r.best or r.latest)), None)
+        if run is not None:
+            out.append((run.best or run.latest).resolve())
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args, cfg = build_parser().parse(argv)
+    b = cfg.benchmark
+    tasks = check_tasks(b.tasks)
+    limits = dict(PRESETS[b.preset])
+    if cfg.test:
+        limits = {t: (TEST_CAP if n is None else min(n, TEST_CAP)) for t, n in limits.items()}
+    limits.update(parse_limits(args.limit))
+    if args.gguf_file and not args.hf_model:
+        raise UsageError("--gguf-file needs --hf-model (the folder holding the .gguf file).")
+
+    if "completion" in tasks:
+        missing = [m for m in ("sacrebleu", "rouge_score")
+                   if importlib.util.find_spec(m) is None]
+        if missing:
+            raise PipelineError(f"the completion task needs the packages {', '.join(missing)} "
+                                "(BLEU and ROUGE are computed by sacrebleu and rouge-score): "
+                                "`pip install -r requirements.txt`, or leave the task out with "
+                                "--tasks.")
+    ckpts = resolve_checkpoints(args.models, cfg)
+    if not ckpts and not args.hf_model:
+        raise PipelineError(f"nothing to benchmark: no checkpoints in {cfg.path('paths.checkpoints_dir')} "
+                            "and no --hf-model. Train first (`python main.py train --test`) or pass "
+                            "checkpoint paths.")
+
+    from utils.bench import adapters, data as D, report, runner, tasks as T
+
+    device = adapters.resolve_device(b.device)
+    root, samples_dir = cfg.root, cfg.path("paths.samples_dir")
+    print(f"Benchmark: preset {b.preset}{' (--test)' if cfg.test else ''}, tasks {', '.join(tasks)}, "
+          f"device {device}, seed {b.seed}", flush=True)
+
+    # ---- data: loaded and validated once, before any model is touched
+    loaded: dict = {}
+    sources = {"lambada": b.lambada_source, "hellaswag": b.hellaswag_source,
+               "arc_easy": b.arc_easy_source, "arc_challenge": b.arc_challenge_source}
+    if {"perplexity", "next_token", "completion"} & set(tasks):
+        texts = D.load_texts(b.perplexity_source, samples_dir, cfg.path("paths.cache_dir"), root)
+        for t in ("perplexity", "next_token", "completion"):
+            loaded[t] = texts
+    for t in tasks:
+        if t in sources:
+            loaded[t] = D.load_task(t, sources[t], samples_dir, root)
+    selected: dict = {}
+    shown_notes: set = set()
+    for t in tasks:
+        data = loaded[t]
+        if t == "completion":
+            comp = D.TaskData(task="completion", items=[], source=data.source, note=data.note)
+            comp.skipped.update(data.skipped)
+            for it in data.items:
+                try:
+                    comp.items.append(T.completion_item(it))
+                except T.BadRow as e:
+                    comp.skipped[e.reason] += 1
+            if not comp.items:
+                raise PipelineError(f"{data.source}: no passage is long enough for the completion "
+                                    f"task ({T.COMPLETION_PROMPT_WORDS}+{T.COMPLETION_REFERENCE_WORDS} words).")
+            loaded[t] = data = comp
+        limit = limits["perplexity" if t == "next_token" else t]
+        selected[t] = D.select(data.items, limit, b.seed)
+        note = f" [{data.note}]" if data.note and data.note not in shown_notes else ""
+        shown_notes.add(data.note)
+        print(f"  {t}: {len(selected[t])} of {len(data.items)} valid items"
+              f"{f' ({sum(data.skipped.values())} rows skipped)' if data.skipped else ''}{note}",
+              flush=True)
+
+    # ---- models, one at a time (memory is released between them)
+    models = []
+    specs = [("checkpoint", str(p)) for p in ckpts] + [("hf", s) for s in args.hf_model]
+    records_all: list = []
+    names_seen: dict[str, int] = {}
+    for kind, spec in specs:
+        t0 = time.perf_counter()
+        if kind == "checkpoint":
+            ad = adapters.CheckpointAdapter(Path(spec), cfg, device, b.dtype)
+        else:
+            ad = adapters.HFAdapter(spec, device, b.dtype, gguf_file=args.gguf_file)
+        n = names_seen.get(ad.name, 0)
+        names_seen[ad.name] = n + 1
+        if n:
+            ad.name = f"{ad.name}#{n + 1}"
+        print(f"Model {ad.name}: {ad.identity.get('parameters', 0):,} parameters, context "
+              f"{ad.max_length}, BOS-prefixed contexts: {ad.add_bos}", flush=True)
+        results, records = runner.run_all(ad, selected, loaded, b.batch_size)
+        models.append({"name": ad.name, "identity": ad.identity, "results": results,
+                       "add_bos": ad.add_bos, "max_length": ad.max_length,
+                       "seconds": round(time.perf_counter() - t0, 2)})
+        records_all += records
+        del ad
+
+    table = report.render_table(models, color=report.use_color(sys.stdout) and not args.no_color)
+    plain = report.render_table(models, color=False)
+    counts = report.render_counts(models)
+    out_dir = Path(args.output_dir) if args.output_dir else cfg.path("paths.benchmark_dir")
+    paths = report.output_paths(Path(out_dir))
+    settings = {"preset": b.preset, "test": cfg.test, "tasks": tasks, "limits": limits,
+                "seed": b.seed, "batch_size": b.batch_size, "device": str(device),
+                "dtype": b.dtype, "per_item": args.per_item,
+                "scoring": "lm-evaluation-harness 0.4 definitions (docs/benchmark.md)"}
+    payload = {
+        "format": "llm-pipeline-benchmark", "format_version": 1,
+        "created": paths["json"].stem.removeprefix("benchmark_"),
+        "settings": settings, "versions": report.package_versions(),
+        "models": models, "ranking": report.ranking(models) if len(models) > 1 else None,
+        "data": {t: {"source": d.source, "note": d.note, "rows": d.rows,
+                     "valid": len(d.items), "skipped": dict(d.skipped)} for t, d in loaded.items()},
+    }
+    header = (f"Benchmark {payload['created']}  preset {b.preset}  seed {b.seed}  device {device}"
+              f"  dtype {b.dtype}")
+    written = report.write_results(paths, payload, f"{header}\n\n{plain}\n\n{counts}",
+                                   records_all if args.per_item else None)
+    print()
+    print(table)
+    print()
+    print(counts)
+    print("\nWrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    run_stage(main)

@@ -1,0 +1,16 @@
+"""Benchmark library: task data, lm-evaluation-harness-compatible scoring, model adapters, reports.
+
+The ``benchmark`` stage (benchmark.py) only parses arguments and calls into this package:
+
+- :mod:`utils.bench.data`     load and validate task data (hub or local), count bad rows by reason
+- :mod:`utils.bench.tasks`    build requests the way lm-evaluation-harness does (prompts, targets)
+- :mod:`utils.bench.scoring`  pure scoring functions (acc, acc_norm, perplexity, bits per byte,
+  standard errors, rolling windows)
+- :mod:`utils.bench.adapters` one interface over our checkpoints and Hugging Face causal LMs:
+  batched continuation log-likelihoods, token log-probabilities, greedy generation
+- :mod:`utils.bench.runner`   run the tasks on an adapter (batched, no gradients, tqdm)
+- :mod:`utils.bench.report`   comparison tables, best-value highlighting, ranking, result files
+
+Importing any of them has no side effects (torch and transformers are imported lazily where
+they are heavy).
+"""

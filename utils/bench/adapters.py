@@ -1,0 +1,332 @@
+"""One scoring interface over our checkpoints and Hugging Face causal LMs.
+
+An adapter holds a model and its tokenizer and gives, in batches and without gradients:
+
+- :meth:`Adapter.score` — for token sequences, the log-probability of their last ``n`` tokens,
+  whether each of those is the greedy (argmax) token, and top-1/5/10 hits;
+- :meth:`Adapter.loglikelihood` — lm-evaluation-harness's ``loglikelihood``: (context,
+  continuation) strings -> (sum log p(continuation | context), is_greedy), with its pair
+  encoding (trailing context spaces move to the continuation; the whole string is encoded and
+  the continuation is what follows the context's tokens);
+- :meth:`Adapter.generate_greedy` — greedy continuation of prompts.
+
+Only :meth:`Adapter.logits` differs between our model and a Hugging Face one, so both are
+scored by the same code. Text is encoded with :func:`utils.tok.encode_plain` (a literal
+"<s>" in benchmark text is text, never a special id). BOS: our checkpoints saw every document
+as BOS + tokens + EOS, so a context starts with BOS; a Hugging Face model gets its tokenizer's
+default (what lm-eval 0.4 does: ``tokenizer.encode`` with its own special-token setting).
+Batches are right-padded (causal scoring never looks right), sorted longest first, and
+sequences longer than the model's context keep their last ``max_length + 1`` tokens (lm-eval's
+left truncation). Log-softmax is taken in float32.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from utils.cli import PipelineError
+
+TOPK = (1, 5, 10)
+
+
+@dataclass
+class SeqScore:
+    ll: float                 # sum of log-probs of the scored tokens
+    n: int                    # tokens scored
+    greedy: bool              # every scored token is the argmax
+    topk: dict                # k -> how many scored tokens were in the top k
+
+
+def encode_plain(tok, texts: Sequence[str]) -> list[list[int]]:
+    """utils.tok.encode_plain (no special-token interpretation)."""
+    from utils import tok as tok_lib
+    fn = getattr(tok_lib, "encode_plain", None)
+    if fn is not None:
+        return fn(tok, list(texts))
+    # Until utils.tok grows encode_plain: the same contract through the tokenizer's own switch.
+    return [list(ids) for ids in tok(list(texts), add_special_tokens=False,
+                                     split_special_tokens=True)["input_ids"]]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise PipelineError(f"device '{name}' was requested but CUDA is not available here; use "
+                            "--device cpu (or auto).")
+    return torch.device(name)
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> Optional[torch.dtype]:
+    """None = full float32. auto: bf16 on CUDA, float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+
+class Adapter:
+    """Base class: subclasses set ``tok``, ``device``, ``max_length``, ``add_bos``, ``identity``
+    and implement :meth:`logits`."""
+
+    name: str
+    tok = None
+    device: torch.device = torch.device("cpu")
+    max_length: int = 2048
+    add_bos: bool = False
+    identity: dict = {}
+    amp: Optional[torch.dtype] = None
+
+    # ---- model-specific
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:   # (B, T) -> (B, T, V)
+        raise NotImplementedError
+
+    # ---- shared
+    @property
+    def bos_id(self) -> Optional[int]:
+        return self.tok.bos_token_id
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return self.tok.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Start token for an empty context (lm-eval: BOS, else EOS)."""
+        pid = self.bos_id if self.bos_id is not None else self.eos_id
+        if pid is None:
+            raise PipelineError(f"{self.name}: the tokenizer has neither BOS nor EOS; an empty "
+                                "context cannot be scored.")
+        return pid
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return encode_plain(self.tok, texts)
+
+    def _framed(self, ids: list[int]) -> list[int]:
+        return ([self.bos_id] + ids) if self.add_bos and self.bos_id is not None else ids
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's pair encoding (see module docstring)."""
+        if context == "":
+            return [self.prefix_token_id], self.encode([continuation])[0]
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            continuation = context[-n_spaces:] + continuation
+            context = context[:-n_spaces]
+        whole, ctx = self.encode([context + continuation, context])
+        whole, ctx = self._framed(whole), self._framed(ctx)
+        return ctx, whole[len(ctx):]
+
+    def _forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.amp is not None:
+            with torch.autocast(device_type=self.device.type, dtype=self.amp):
+                return self.logits(idx)
+        return self.logits(idx)
+
+    @torch.no_grad()
+    def score(self, seqs: Sequence[Sequence[int]], n_score: Sequence[int], batch_size: int = 8,
+              progress=None) -> list[SeqScore]:
+        """Score the last ``n_score[i]`` tokens of each ``seqs[i]`` given what precedes them."""
+        items = []
+        for s, n in zip(seqs, n_score):
+            s = list(s)[-(self.max_length + 1):]
+            if n < 1 or n >= len(s) + 1 or len(s) < 2:
+                raise ValueError("each sequence needs at least one context token and n >= 1")
+            items.append((s, min(n, len(s) - 1)))
+        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
+        out: list[Optional[SeqScore]] = [None] * len(items)
+        for b in range(0, len(order), batch_size):
+            chunk = order[b:b + batch_size]
+            width = max(len(items[i][0]) - 1 for i in chunk)
+            idx = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, i in enumerate(chunk):
+                s = items[i][0][:-1]
+                idx[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+            logits = self._forward(idx.to(self.device))
+            for r, i in enumerate(chunk):
+                s, n = items[i]
+                inp_len = len(s) - 1
+                lg = logits[r, inp_len - n:inp_len].float()                   # (n, V)
+                tgt = torch.tensor(s[-n:], dtype=torch.long, device=lg.device)
+                logp = torch.log_softmax(lg, dim=-1).gather(1, tgt[:, None])[:, 0]
+                greedy = bool((lg.argmax(dim=-1) == tgt).all())
+                rank = (lg > lg.gather(1, tgt[:, None])).sum(dim=-1)          # strictly better
+                out[i] = SeqScore(ll=float(logp.sum()), n=n, greedy=greedy,
+                                  topk={k: int((rank < k).sum()) for k in TOPK})
+            if progress is not None:
+                progress.update(len(chunk))
+        return out  # type: ignore[return-value]
+
+    def loglikelihood(self, pairs: Sequence[tuple[str, str]], batch_size: int = 8,
+                      progress=None) -> list[tuple[float, bool, int]]:
+        """(log-likelihood, is_greedy, continuation tokens) per (context, continuation)."""
+        seqs, ns = [], []
+        for ctx, cont in pairs:
+            c, t = self.encode_pair(ctx, cont)
+            if not t:
+                raise ValueError(f"continuation {cont!r} encodes to no tokens")
+            seqs.append(c + t)
+            ns.append(len(t))
+        return [(s.ll, s.greedy, s.n) for s in self.score(seqs, ns, batch_size, progress)]
+
+    @torch.no_grad()
+    def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation (stops at EOS, which is not returned)."""
+        ids = list(prompt_ids)
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            window = ids[-self.max_length:]
+            logits = self._forward(torch.tensor([window], dtype=torch.long, device=self.device))
+            nxt = int(logits[0, -1].float().argmax())
+            if self.eos_id is not None and nxt == self.eos_id:
+                break
+            ids.append(nxt)
+            new.append(nxt)
+        return new
+
+
+# --------------------------------------------------------------------------- our checkpoints
+class CheckpointAdapter(Adapter):
+    """A checkpoint of this pipeline, loaded through utils.checkpoint.load_model."""
+
+    def __init__(self, path: Path, cfg, device: torch.device, dtype: str = "auto"):
+        from utils.checkpoint import load_model
+        self.path = Path(path)
+        self.model, ckpt = load_model(self.path, device=str(device))
+        self.device, self.amp = device, autocast_dtype(dtype, device)
+        args = ckpt["model_args"]
+        self.max_length = int(args.get("max_seq_len", 2048))
+        self.tok, tok_info = tokenizer_for_checkpoint(ckpt, cfg, self.path)
+        self.add_bos = self.tok.bos_token_id is not None
+        self.name = _run_label(self.path)
+        self.identity = {
+            "kind": "checkpoint", "path": str(self.path), "checkpoint_kind": ckpt.get("kind"),
+            "step": ckpt.get("step"), "tokens_seen": ckpt.get("tokens_seen"),
+            "fingerprint": weights_fingerprint(self.model.state_dict()),
+            "tokenizer": tok_info, "model_args": args,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+
+    def logits(self, idx):
+        logits, _ = self.model(idx)
+        return logits
+
+
+def _run_label(path: Path) -> str:
+    return f"{path.parent.name}/{path.stem}" if path.parent.name else path.stem
+
+
+# Tokenizers already loaded in this process (several checkpoints usually share one; loading a
+# SentencePiece model costs seconds). Keyed by (config object, candidate label).
+_TOKENIZERS: dict = {}
+
+
+def tokenizer_for_checkpoint(ckpt: dict, cfg, path: Path):
+    """The tokenizer the checkpoint was trained with, verified by fingerprint: the configured
+    one if it matches, else the one the checkpoint names."""
+    from utils import tok as tok_lib
+    info = ckpt.get("tokenizer") or {}
+    want = info.get("fingerprint")
+    tried = []
+    candidates = [("config", lambda: tok_lib.load_tokenizer(cfg))]
+    if info.get("name"):
+        candidates.append((info["name"], lambda: tok_lib.load_tokenizer_from(info["name"], cfg)))
+    for label, load in candidates:
+        key = (id(cfg), label)
+        try:
+            tok = _TOKENIZERS[key] if key in _TOKENIZERS else load()
+        except PipelineError as e:
+            tried.append(f"{label}: {str(e)[:160]}")
+            continue
+        _TOKENIZERS[key] = tok
+        fp = tok_lib.fingerprint(tok)
+        if want is None or fp == want:
+            return tok, {**info, "fingerprint": fp, "verified": want is not None}
+        tried.append(f"{label}: fingerprint {fp[:12]} differs")
+    raise PipelineError(f"{path}: cannot find the tokenizer this checkpoint was trained with "
+                        f"(fingerprint {str(want)[:12]}..., name {info.get('name')!r}); tried "
+                        + "; ".join(tried) + ". Set tokenizer.name in config.json to that tokenizer.")
+
+
+def weights_fingerprint(state_dict: dict) -> str:
+    """sha256 over parameter names, shapes, dtypes and bytes (identifies the exact weights)."""
+    h = hashlib.sha256()
+    for k in sorted(state_dict):
+        t = state_dict[k].detach().cpu().contiguous()
+        h.update(json.dumps([k, list(t.shape), str(t.dtype)]).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- Hugging Face
+class HFAdapter(Adapter):
+    """A Hugging Face causal LM: a local folder (save_pretrained), a folder or file with a
+    .gguf (``gguf_file``), or a hub name when online."""
+
+    def __init__(self, spec: str, device: torch.device, dtype: str = "auto",
+                 gguf_file: Optional[str] = None, model=None, tok=None):
+        self.device, self.amp = device, autocast_dtype(dtype, device)
+        self.name = Path(spec).name or spec
+        if model is None:
+            model, tok, spec = load_hf(spec, gguf_file)
+        self.model = model.to(device).eval()
+        self.tok = tok
+        enc = tok.encode("a")
+        bare = tok.encode("a", add_special_tokens=False)
+        self.add_bos = tok.bos_token_id is not None and len(enc) > len(bare) and enc[0] == tok.bos_token_id
+        c = model.config
+        self.max_length = int(getattr(c, "max_position_embeddings", None) or 2048)
+        from utils import tok as tok_lib
+        self.identity = {
+            "kind": "huggingface", "path": spec, "gguf_file": gguf_file,
+            "architecture": type(model).__name__,
+            "fingerprint": weights_fingerprint(model.state_dict()),
+            "tokenizer": {"name": getattr(tok, "name_or_path", None), "vocab_size": len(tok),
+                          "bos_id": tok.bos_token_id, "eos_id": tok.eos_token_id,
+                          "fingerprint": tok_lib.fingerprint(tok)},
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+
+    def logits(self, idx):
+        return self.model(input_ids=idx).logits
+
+    @torch.no_grad()
+    def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt_ids[-self.max_length:]], dtype=torch.long, device=self.device)
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=max_new_tokens, eos_token_id=self.eos_id,
+                                  pad_token_id=self.eos_id if self.eos_id is not None else 0)
+        new = out[0, ids.shape[1]:].tolist()
+        if self.eos_id is not None and self.eos_id in new:
+            new = new[:new.index(self.eos_id)]
+        return new
+
+
+def load_hf(spec: str, gguf_file: Optional[str] = None):
+    """(model, tokenizer, resolved spec) from a folder, a .gguf file, or a hub name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    p = Path(spec).expanduser()
+    kw = {}
+    if p.is_file() and p.suffix == ".gguf":
+        gguf_file, p = p.name, p.parent
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+    if p.exists():
+        where = str(p.resolve())
+    elif spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise PipelineError(f"--hf-model {spec}: no such folder or file.")
+    else:
+        where = spec
+    try:
+        tok = AutoTokenizer.from_pretrained(where, **kw)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw)
+    except Exception as e:
+        hint = ("" if p.exists() else " Offline, pass a local folder saved with save_pretrained "
+                "(or a .gguf file); hub names need network or the local HF cache.")
+        raise PipelineError(f"cannot load Hugging Face model '{spec}': {type(e).__name__}: "
+                            f"{str(e)[:300]}.{hint}") from e
+    return model, tok, where

@@ -1,0 +1,347 @@
+"""Benchmark data: read each task's rows from the hub or a local path, validate, select.
+
+Sources (config ``benchmark.*_source``; ``None`` = the default named per task below):
+
+- a folder written by ``datasets.save_to_disk`` (the offline samples are such folders),
+- a ``.jsonl`` / ``.jsonl.gz`` / ``.json`` / ``.parquet`` file,
+- a Hugging Face hub name (``datasets.load_dataset``; needs network or the local HF cache).
+
+Rows that cannot be scored (missing or empty fields, wrong number of endings, labels that
+are not numbers or out of range, lines that are not JSON) are skipped and counted by reason;
+they never cost the good rows. A source that cannot be read at all (missing, empty, truncated
+or damaged file) or has no valid row is refused with a :class:`PipelineError` naming the file.
+
+Item selection is fixed: with a limit N below the number of valid items, the N items are a
+seeded random sample (numpy ``default_rng(seed)``), kept in dataset order, so the same seed
+and limit give the same items for every model and every run.
+"""
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import os
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from utils.bench import tasks as T
+from utils.cli import PipelineError
+
+# Hub defaults (what lm-evaluation-harness reads) and the offline sample folders.
+HUB = {
+    "hellaswag": ("Rowan/hellaswag", None, "validation"),
+    "lambada": ("EleutherAI/lambada_openai", "default", "test"),
+    "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
+    "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
+    "wikitext": ("Salesforce/wikitext", "wikitext-103-raw-v1", "test"),
+}
+SAMPLES = {
+    "hellaswag": "hellaswag/validation",
+    "lambada": "lambada/requests.jsonl.gz",
+    "arc_easy": "arc_easy/validation",
+    "arc_challenge": "arc_challenge/validation",
+}
+BUILDERS: dict[str, Callable[[Any, int], Any]] = {
+    "hellaswag": T.hellaswag_item, "lambada": T.lambada_item,
+    "arc_easy": T.arc_item, "arc_challenge": T.arc_item,
+}
+MIN_PASSAGE_CHARS = 200
+OFFLINE = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
+
+# Held-out Wikipedia for offline perplexity: gensim's second real enwiki sample dump (5 articles
+# with tables). The pipeline trains on the other sample dump (data/samples/enwiki); articles
+# whose title also appears in the training dump are dropped, so no passage was trained on.
+HELDOUT_DEST = "enwiki_heldout/enwiki-table-markup.xml.bz2"
+HELDOUT_TRAIN_DUMP = "enwiki/enwiki-sample-pages-articles.xml.bz2"
+
+
+def heldout_sample():
+    from utils.samples import SampleFile
+    return SampleFile("gensim", "4.4.0", "gensim/test/test_data/enwiki-table-markup.xml.bz2",
+                      HELDOUT_DEST,
+                      "81415636d4dc79c99147ee52098d9a1b1d977d5727543a81227d85ce5cca9383",
+                      "real enwiki XML dump, 5 articles, held out from training (CC BY-SA)")
+
+
+@dataclass
+class TaskData:
+    task: str
+    items: list
+    source: str                     # what was read (path or hub name), for the results
+    skipped: Counter = field(default_factory=Counter)
+    rows: int = 0                   # rows read (valid + skipped)
+    note: Optional[str] = None      # honest label for substitutes
+
+
+# --------------------------------------------------------------------------- raw rows
+def _damaged(path: Path, e: BaseException, what: str = "dataset file") -> PipelineError:
+    return PipelineError(
+        f"cannot read {what} {path}: {type(e).__name__}: {e}. The file is truncated or damaged; "
+        "re-fetch it (offline samples: `python main.py samples` restores them by checksum) or "
+        "point the benchmark.*_source key at a good copy.")
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    if path.suffix == ".bz2":
+        return bz2.open(path, "rt", encoding="utf-8")
+    return open(path, "r", encoding="utf-8")
+
+
+def iter_jsonl(path: Path, skipped: Counter) -> Iterator[Any]:
+    """JSON objects, one per line; blank lines ignored, bad lines counted as 'invalid_json'."""
+    try:
+        with _open_text(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    skipped["invalid_json"] += 1
+    except (EOFError, OSError, zlib.error, UnicodeDecodeError) as e:
+        raise _damaged(path, e) from e
+
+
+def read_rows(source: str, split: str, skipped: Counter) -> Iterator[Any]:
+    """Rows of a local dataset folder / file, or of a hub dataset ``name[:config]``."""
+    path = Path(source)
+    if path.exists():
+        if path.is_dir():
+            yield from _read_saved_dataset(path, split)
+            return
+        if path.stat().st_size == 0:
+            raise PipelineError(f"{path} is empty (0 bytes); nothing to benchmark. Re-fetch it or "
+                                "point the benchmark.*_source key at a non-empty file.")
+        name = path.name.lower()
+        if name.endswith((".jsonl", ".jsonl.gz", ".jsonl.bz2")):
+            yield from iter_jsonl(path, skipped)
+        elif name.endswith(".json"):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise _damaged(path, e) from e
+            rows = data.get("data", data.get("rows")) if isinstance(data, dict) else data
+            if not isinstance(rows, list):
+                raise PipelineError(f"{path}: expected a JSON list of rows (or {{\"data\": [...]}})")
+            yield from rows
+        elif name.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+                yield from pq.read_table(path).to_pylist()
+            except Exception as e:
+                raise _damaged(path, e) from e
+        else:
+            raise PipelineError(f"{path}: unsupported dataset file type (use a datasets.save_to_disk "
+                                "folder, .jsonl[.gz], .json or .parquet)")
+        return
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise PipelineError(f"dataset path {source} does not exist.")
+    yield from _read_hub(source, split)
+
+
+def _read_saved_dataset(path: Path, split: str) -> Iterator[Any]:
+    import datasets
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise PipelineError(f"{path} is not a datasets.save_to_disk folder ({e}).") from e
+    except Exception as e:
+        raise _damaged(path, e, "dataset folder") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise PipelineError(f"{path} has splits {sorted(ds)}, not '{split}'.")
+        ds = ds[split]
+    try:
+        for batch in ds.iter(batch_size=1000):
+            keys = list(batch)
+            n = len(batch[keys[0]]) if keys else 0
+            for i in range(n):
+                yield {k: batch[k][i] for k in keys}
+    except Exception as e:
+        raise _damaged(path, e, "dataset folder") from e
+
+
+def _read_hub(source: str, split: str) -> Iterator[Any]:
+    name, _, config = source.partition(":")
+    if OFFLINE:
+        raise PipelineError(f"cannot load '{source}' from the Hugging Face hub: offline "
+                            "(HF_HUB_OFFLINE=1). Point the benchmark.*_source key at a local copy "
+                            "(the offline samples are under data/samples/, `python main.py samples`).")
+    import datasets
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split)
+    except Exception as e:
+        raise PipelineError(f"cannot load '{source}' (split {split}) from the Hugging Face hub: "
+                            f"{type(e).__name__}: {e}. Offline, point the benchmark.*_source key at "
+                            "a local copy.") from e
+    yield from ds
+
+
+def default_source(task: str, samples_dir: Path) -> tuple[str, str]:
+    """(source, split): the offline sample when present, else the hub dataset lm-eval reads."""
+    local = samples_dir / SAMPLES[task]
+    if local.exists():
+        return str(local), "validation" if task != "lambada" else "test"
+    name, config, split = HUB[task]
+    return (f"{name}:{config}" if config else name), split
+
+
+def load_task(task: str, source: Optional[str], samples_dir: Path, root: Path) -> TaskData:
+    """Read and validate one multiple-choice or LAMBADA task."""
+    if source is None:
+        src, split = default_source(task, samples_dir)
+    else:
+        p = Path(os.path.expanduser(source))
+        p = p if p.is_absolute() else root / p
+        src, split = (str(p), HUB[task][2]) if p.exists() else (source, HUB[task][2])
+    data = TaskData(task=task, items=[], source=src)
+    build = BUILDERS[task]
+    for i, row in enumerate(read_rows(src, split, data.skipped)):
+        try:
+            data.items.append(build(row, i))
+        except T.BadRow as e:
+            data.skipped[e.reason] += 1
+    data.rows = len(data.items) + sum(data.skipped.values())
+    if data.rows == 0:
+        raise PipelineError(f"{src} holds no rows for task {task}; nothing to benchmark.")
+    if not data.items:
+        reasons = ", ".join(f"{k}: {v}" for k, v in data.skipped.most_common())
+        raise PipelineError(f"{src}: none of its {data.rows} rows is a valid {task} item "
+                            f"(skipped: {reasons}). Is it the right file for this task?")
+    if src.endswith(SAMPLES.get(task, "\0")) and task.startswith("arc"):
+        data.note = "validation split (offline sample); lm-eval reports ARC on the test split"
+    return data
+
+
+# --------------------------------------------------------------------------- perplexity texts
+def _paragraphs(text: str) -> list[str]:
+    parts = text.split("\n\n") if "\n\n" in text else text.split("\n")
+    return [" ".join(p.split("\n")).strip() for p in parts]
+
+
+def _add_passages(data: TaskData, paragraphs, prefix: str) -> None:
+    for j, para in enumerate(paragraphs):
+        reason = T.passage_ok(para, MIN_PASSAGE_CHARS)
+        if reason:
+            data.skipped[reason] += 1
+        else:
+            data.items.append(T.TextItem(id=f"{prefix}{j}", text=para.strip()))
+
+
+def _dump_articles(path: Path) -> list[tuple[str, str]]:
+    """(title, cleaned text) of a MediaWiki XML dump, cleaned by the cleaner stage's own code."""
+    import cleaner
+    from utils.config import load_config
+    opts = cleaner.CleanOptions.from_config(load_config(base_file=None))
+    out = []
+    try:
+        with cleaner.open_binary(path) as stream:
+            for page in cleaner.iter_xml_pages(stream):
+                if page.ns != 0 or page.redirect or cleaner.is_redirect_text(page.text):
+                    continue
+                out.append((page.title, cleaner.wikitext_article_text(page.text, opts)))
+    except (EOFError, OSError, zlib.error, cleaner.InputFormatError) as e:
+        raise _damaged(path, e, "Wikipedia dump") from e
+    return out
+
+
+def _dump_titles(path: Path) -> set[str]:
+    import cleaner
+    titles = set()
+    with cleaner.open_binary(path) as stream:
+        for page in cleaner.iter_xml_pages(stream):
+            titles.add(page.title.strip().lower())
+    return titles
+
+
+def ensure_heldout(samples_dir: Path, cache_dir: Path) -> Path:
+    """The held-out dump under samples_dir, extracted (and verified) from the gensim wheel."""
+    from utils.samples import fetch_samples
+    target = samples_dir / HELDOUT_DEST
+    fetch_samples(samples_dir, cache_dir / "sample_wheels", [heldout_sample()], log=lambda *_: None)
+    return target
+
+
+def load_texts(source: Optional[str], samples_dir: Path, cache_dir: Path, root: Path) -> TaskData:
+    """Passages (paragraphs of at least MIN_PASSAGE_CHARS characters) for perplexity."""
+    if source is None and not OFFLINE:
+        try:
+            return _wikitext_hub("Salesforce/wikitext:wikitext-103-raw-v1")
+        except PipelineError as e:
+            print(f"benchmark: WikiText-103 is not reachable ({str(e)[:120]}...); "
+                  "using held-out Wikipedia articles instead.", flush=True)
+    if source is None:
+        path = ensure_heldout(samples_dir, cache_dir)
+        data = TaskData(task="perplexity", items=[], source=str(path))
+        train_dump = samples_dir / HELDOUT_TRAIN_DUMP
+        train_titles = _dump_titles(train_dump) if train_dump.exists() else set()
+        kept = []
+        for k, (title, text) in enumerate(_dump_articles(path)):
+            if title.strip().lower() in train_titles:
+                data.skipped["article_in_training_dump"] += 1
+                continue
+            kept.append(title)
+            _add_passages(data, _paragraphs(text), f"{k}:")
+        data.note = (f"held-out Wikipedia (offline substitute for WikiText-103): passages of "
+                     f"{len(kept)} real articles ({'; '.join(kept)}) from gensim's "
+                     "enwiki-table-markup sample dump, disjoint by title from the training dump")
+    else:
+        p = Path(os.path.expanduser(source))
+        p = p if p.is_absolute() else root / p
+        if not p.exists():
+            if "wikitext" in source.lower() and not source.startswith((".", "/", "~")):
+                name = source if "/" in source else f"Salesforce/wikitext:{source}-raw-v1"
+                return _wikitext_hub(name)
+            raise PipelineError(f"perplexity text {p} does not exist (benchmark.perplexity_source).")
+        data = TaskData(task="perplexity", items=[], source=str(p))
+        files = sorted(p.glob("*.txt")) if p.is_dir() else [p]
+        if not files:
+            raise PipelineError(f"{p} holds no .txt files for perplexity.")
+        for n, f in enumerate(files):
+            if f.name.endswith((".xml", ".xml.bz2")):
+                for k, (_, text) in enumerate(_dump_articles(f)):
+                    _add_passages(data, _paragraphs(text), f"{n}:{k}:")
+                continue
+            try:
+                text = f.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise _damaged(f, e, "text file") from e
+            # cleaned_*.txt files hold one article per line: each line is a passage source.
+            _add_passages(data, _paragraphs(text), f"{n}:")
+        data.note = "local text"
+    data.rows = len(data.items) + sum(data.skipped.values())
+    if not data.items:
+        raise PipelineError(f"{data.source}: no passage of at least {MIN_PASSAGE_CHARS} characters "
+                            "to measure perplexity on (is the file empty?).")
+    return data
+
+
+def _wikitext_hub(name: str) -> TaskData:
+    data = TaskData(task="perplexity", items=[], source=name, note="WikiText-103 test (detokenized)")
+    skipped: Counter = Counter()
+    for i, row in enumerate(read_rows(name, "test", skipped)):
+        text = row.get("text", "") if isinstance(row, dict) else ""
+        reason = T.passage_ok(text, MIN_PASSAGE_CHARS)
+        if reason:
+            data.skipped[reason] += 1
+        else:
+            data.items.append(T.TextItem(id=str(i), text=T.wikitext_detokenize(text.strip())))
+    data.rows = len(data.items) + sum(data.skipped.values())
+    return data
+
+
+# --------------------------------------------------------------------------- selection
+def select(items: Sequence, limit: Optional[int], seed: int) -> list:
+    """A fixed subset: all items when limit is None or >= len(items), else a seeded sample
+    kept in dataset order."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    idx = np.sort(np.random.default_rng(seed).permutation(len(items))[:limit])
+    return [items[i] for i in idx]

@@ -1,0 +1,192 @@
+"""Benchmark reports: the comparison table, best-per-metric highlighting, ranking, result files.
+
+The table has one row per metric and one column per model, each cell ``value ± stderr``.
+With several models the best value of each row is marked ``*`` (and, on a terminal that
+allows colour, bold green; never with ``NO_COLOR`` set or when output is not a TTY). The
+ranking orders models by their mean rank over the metrics every model has (ties share the
+better rank); the number of rows each model wins is shown next to it.
+
+Files (all written atomically): ``benchmark_<time>.json`` (results, settings, versions),
+``benchmark_<time>.txt`` (the same table, no colour codes), and with ``--per-item``
+``benchmark_<time>_items.jsonl`` (one JSON object per scored item and model).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional, Sequence
+
+from utils.atomic import atomic_open, write_json_atomic
+from utils.bench.runner import METRICS
+
+PERCENT = {"acc", "acc_norm", "top1", "top5", "top10"}
+BOLD_GREEN, RESET = "\033[1;32m", "\033[0m"
+
+
+def use_color(stream) -> bool:
+    """Colour only on a TTY, never with NO_COLOR set (https://no-color.org) or TERM=dumb."""
+    if "NO_COLOR" in os.environ or os.environ.get("TERM") == "dumb":
+        return False
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def fmt_value(metric: str, value: Optional[float], stderr: Optional[float] = None) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if metric in PERCENT:
+        s = f"{100 * value:.2f}"
+        return s + (f" ± {100 * stderr:.2f}" if stderr is not None else "")
+    digits = 3 if metric in ("bits_per_byte",) else 2
+    s = f"{value:.{digits}f}"
+    return s + (f" ± {stderr:.{digits}f}" if stderr is not None else "")
+
+
+def metric_rows(models: Sequence[dict]) -> list[dict]:
+    """One row per (task, metric) that any model has: label, values, best model indices."""
+    rows = []
+    for task, metrics in METRICS.items():
+        for metric, higher in metrics:
+            vals, errs = [], []
+            for m in models:
+                r = m["results"].get(task, {}).get("metrics", {}).get(metric)
+                vals.append(None if r is None else r["value"])
+                errs.append(None if r is None else r["stderr"])
+            if all(v is None for v in vals):
+                continue
+            have = [(v, i) for i, v in enumerate(vals) if v is not None and math.isfinite(v)]
+            best: list[int] = []
+            if len(models) > 1 and have:
+                target = max(v for v, _ in have) if higher else min(v for v, _ in have)
+                best = [i for v, i in have if v == target]
+            unit = " (%)" if metric in PERCENT else ""
+            rows.append({"task": task, "metric": metric, "higher_is_better": higher,
+                         "label": f"{task} {metric}{unit} {'↑' if higher else '↓'}",
+                         "values": vals, "stderrs": errs, "best": best})
+    return rows
+
+
+def ranking(models: Sequence[dict], rows: Optional[list] = None) -> list[dict]:
+    """Models by mean rank (1 = best) over the rows every model has a value for."""
+    rows = metric_rows(models) if rows is None else rows
+    full = [r for r in rows if all(v is not None for v in r["values"])]
+    ranks = [[] for _ in models]
+    wins = [0] * len(models)
+    for r in full:
+        vals = r["values"]
+        for i, v in enumerate(vals):
+            better = sum(1 for w in vals if (w > v if r["higher_is_better"] else w < v))
+            ranks[i].append(1 + better)
+        for i in r["best"]:
+            wins[i] += 1
+    out = [{"model": m["name"], "mean_rank": (sum(rk) / len(rk)) if rk else None,
+            "metrics_won": wins[i], "metrics_compared": len(full)}
+           for i, (m, rk) in enumerate(zip(models, ranks))]
+    out.sort(key=lambda d: (d["mean_rank"] is None, d["mean_rank"] or 0, -d["metrics_won"]))
+    for pos, d in enumerate(out, 1):
+        d["position"] = pos
+    return out
+
+
+def render_table(models: Sequence[dict], color: bool = False) -> str:
+    rows = metric_rows(models)
+    names = [m["name"] for m in models]
+    cells = []
+    for r in rows:
+        line = []
+        for i, (v, e) in enumerate(zip(r["values"], r["stderrs"])):
+            text = fmt_value(r["metric"], v, e) + (" *" if i in r["best"] else "  ")
+            line.append(text)
+        cells.append(line)
+    w0 = max([len("metric")] + [len(r["label"]) for r in rows])
+    widths = [max([len(n)] + [len(c[i]) for c in cells]) for i, n in enumerate(names)]
+    out = [f"{'metric':<{w0}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, widths))]
+    out.append("-" * len(out[0]))
+    for r, line in zip(rows, cells):
+        parts = []
+        for i, (c, w) in enumerate(zip(line, widths)):
+            s = f"{c:>{w}}"
+            parts.append(f"{BOLD_GREEN}{s}{RESET}" if color and i in r["best"] else s)
+        out.append(f"{r['label']:<{w0}}  " + "  ".join(parts))
+    if len(models) > 1:
+        out.append("")
+        out.append("* best value of the row;  ↑ higher is better, ↓ lower is better;  ± standard error")
+        out.append("")
+        out.append("Ranking (mean rank over the metrics every model has):")
+        for d in ranking(models, rows):
+            mr = "n/a" if d["mean_rank"] is None else f"{d['mean_rank']:.2f}"
+            out.append(f"  {d['position']}. {d['model']}  mean rank {mr}, best on "
+                       f"{d['metrics_won']} of {d['metrics_compared']} metrics")
+    else:
+        out.append("")
+        out.append("↑ higher is better, ↓ lower is better;  ± standard error")
+    return "\n".join(out)
+
+
+def render_counts(models: Sequence[dict]) -> str:
+    """Per model and task: items scored / selected, skipped reasons, data source notes."""
+    out = ["Items (scored/selected; skipped by reason; rows the data loader skipped in the file):"]
+    notes: dict[str, str] = {}
+    for m in models:
+        out.append(f"  {m['name']}:")
+        for task, r in m["results"].items():
+            it = r.get("items", {})
+            sk = ", ".join(f"{k} {v}" for k, v in it.get("skipped", {}).items()) or "none"
+            dsk = ", ".join(f"{k} {v}" for k, v in it.get("skipped_in_data", {}).items()) or "none"
+            out.append(f"    {task:<14} {it.get('scored')}/{it.get('selected')}  skipped: {sk};  "
+                       f"in data: {dsk}")
+            if r.get("note"):
+                notes[task] = f"{r['note']} [{r.get('source')}]"
+            elif r.get("source"):
+                notes.setdefault(task, str(r.get("source")))
+    out.append("Sources:")
+    out += [f"  {t}: {n}" for t, n in notes.items()]
+    return "\n".join(out)
+
+
+def timestamp() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%d_%H%M%S")
+
+
+def output_paths(out_dir: Path, stamp: Optional[str] = None) -> dict[str, Path]:
+    """benchmark_<time>.{json,txt} and _items.jsonl; never overwrites an earlier run's files."""
+    stamp = stamp or timestamp()
+    base, n = f"benchmark_{stamp}", 1
+    while (out_dir / f"{base}.json").exists() or (out_dir / f"{base}.txt").exists():
+        n += 1
+        base = f"benchmark_{stamp}_{n}"
+    return {"json": out_dir / f"{base}.json", "txt": out_dir / f"{base}.txt",
+            "items": out_dir / f"{base}_items.jsonl"}
+
+
+def write_results(paths: dict[str, Path], payload: dict, text: str,
+                  records: Optional[list] = None) -> list[Path]:
+    paths["json"].parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    if records is not None:
+        with atomic_open(paths["items"]) as f:
+            for rec in records:
+                f.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+        written.append(paths["items"])
+    with atomic_open(paths["txt"]) as f:
+        f.write((text + "\n").encode("utf-8"))
+    written.append(paths["txt"])
+    write_json_atomic(paths["json"], payload)       # last: its presence means the run completed
+    written.append(paths["json"])
+    return written
+
+
+def package_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for pkg in ("torch", "transformers", "tokenizers", "datasets", "numpy", "sacrebleu",
+                "rouge-score", "tqdm"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    import platform
+    out["python"] = platform.python_version()
+    return out
