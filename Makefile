@@ -37,17 +37,18 @@ demo: samples
 	@echo "== 6. data loader: validate the shard set, split it, decode a training window"
 	$(PY) dataloader.py $(OFFLINE) --test --window 128 --batch-size 8
 	@echo "== 7. train: tiny model on the Wikipedia shards (test mode); validation loss and a sample"
-	rm -rf checkpoints/demo logs/tensorboard/demo logs/raw_metrics/demo.jsonl
+	rm -rf checkpoints/demo checkpoints/sft_demo_* logs/tensorboard/demo logs/tensorboard/sft_demo_* logs/raw_metrics/demo.jsonl logs/raw_metrics/sft_demo_*.jsonl
 	$(PY) main.py train $(OFFLINE) --test --name demo
 	@echo "== 8. status: the run's progress, read from its log and folder"
 	$(PY) main.py status $(OFFLINE) demo
 	@echo "== 9. sft: SciQ + ARC in LIMA's format (offline substitute for LIMA), then fine-tune the demo model"
 	$(PY) main.py sft prepare $(OFFLINE) --dataset samples --test
 	$(PY) main.py sft train $(OFFLINE) --test --checkpoint checkpoints/demo/checkpoint_best.pt --name demo
-	@echo "== 10. infer: a scripted prompt through the pre-trained demo model (streamed)"
+	@echo "== 10. infer: a scripted prompt through each checkpoint (pre-trained, then SFT with the chat template)"
 	$(PY) main.py infer $(OFFLINE) --checkpoint checkpoints/demo/checkpoint_best.pt --prompt "The history of" --max-new-tokens 30 --seed 1
-	@echo "== 11. benchmark: perplexity, LAMBADA, HellaSwag, ARC, completion on the demo model (test mode)"
-	$(PY) main.py benchmark $(OFFLINE) --test checkpoints/demo/checkpoint_best.pt
+	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py infer $(OFFLINE) --checkpoint $$SFT/checkpoint_best.pt --prompt "Why is the sky blue?" --max-new-tokens 30 --seed 1
+	@echo "== 11. benchmark: the pre-trained and the SFT checkpoint compared (test mode: a few items per task)"
+	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py benchmark $(OFFLINE) --test checkpoints/demo/checkpoint_best.pt $$SFT/checkpoint_best.pt
 	@echo "== demo done: outputs in data/, tokenizers/, checkpoints/, logs/, benchmark_results/ (all git-ignored)"
 
 test: samples
