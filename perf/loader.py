@@ -17,8 +17,11 @@ a fresh subprocess:
   which the kernel reclaims freely) at the end.
 
 The same start-up is also measured on a 1/100 size set to show it does not grow with size.
-The tokenizer is described by a synthetic dict (the trainer passes its tokenizer; loading
-transformers is the trainer's cost, not the loader's). The shard files were just written, so
+That start-up gets the tokenizer's description precomputed (the trainer passes its loaded
+tokenizer). The "user path" line times what a user's first batch costs on top: loading the
+configured tokenizer (the offline sample's Llama-style SentencePiece model by default) and
+fingerprinting it, then build_loaders and the first batch, in a fresh process (imports not
+counted). The shard files were just written, so
 they are in the page cache (warm reads). The temporary directory is removed at the end.
 """
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TARGET_S = 1.0
 RSS_TARGET_MB = 300.0
+SAMPLE_TOKENIZER = ROOT / "data/samples/tokenizers/mistral-v1/tokenizer.model"
 
 
 def synthetic_tokenizer() -> dict:
@@ -46,7 +50,8 @@ def synthetic_tokenizer() -> dict:
             "pad_id": None, "fingerprint": hashlib.sha256(b"synthetic-perf").hexdigest()}
 
 
-def make_shard_set(directory: Path, tokens: int, n_shards: int, doc_len: int = 1000) -> dict:
+def make_shard_set(directory: Path, tokens: int, n_shards: int, doc_len: int = 1000,
+                   tokenizer: dict | None = None) -> dict:
     """Write n_shards uint16 shards totalling ``tokens`` tokens, then metadata.json."""
     import numpy as np
     from utils.atomic import write_json_atomic
@@ -72,7 +77,7 @@ def make_shard_set(directory: Path, tokens: int, n_shards: int, doc_len: int = 1
         shards.append({"file": name, "tokens": n, "documents": max(1, n // doc_len)})
     total = sum(per)
     meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "complete": True,
-            "dtype": "uint16", "tokenizer": synthetic_tokenizer(),
+            "dtype": "uint16", "tokenizer": tokenizer or synthetic_tokenizer(),
             "source": {"kind": "synthetic", "inputs": [], "filters": {}, "test": False},
             "window": 512, "stride": 256, "shards": shards,
             "totals": {"tokens": total, "documents": sum(s["documents"] for s in shards)},
@@ -93,7 +98,7 @@ def _status_mb() -> dict:
     return out
 
 
-def child(cfg_path: str, seconds: float, batch_size: int) -> None:
+def child(cfg_path: str, seconds: float, batch_size: int, user_path: bool = False) -> None:
     """Runs in a fresh process: import, build, first batch, iterate. Prints one JSON line."""
     import resource
     t0 = time.perf_counter()
@@ -110,9 +115,25 @@ def child(cfg_path: str, seconds: float, batch_size: int) -> None:
     rss_import = rss()
     cfg = load_config(cfg_path)
     torch.set_num_threads(1)
+    if user_path:
+        # What a user's first batch costs (dataloader.py / train): load the configured
+        # tokenizer, fingerprint it, build the loaders, take a batch.
+        from utils.tok import describe, load_tokenizer
+        t1 = time.perf_counter()
+        tok = load_tokenizer(cfg)
+        t_load = time.perf_counter() - t1
+        desc = describe(tok, cfg.tokenizer.name)
+        t_fp = time.perf_counter() - t1 - t_load
+        train, val, info = dl.build_loaders(cfg, desc, batch_size=batch_size)
+        x, y = next(iter(train))
+        print(json.dumps({"total_s": time.perf_counter() - t1, "load_s": t_load,
+                          "fingerprint_s": t_fp, "rss_first_batch_mb": rss()}))
+        return
 
+    shard_dir = Path(json.loads(Path(cfg_path).read_text())["dataset"]["wikipedia_full_dir"])
+    described = json.loads((shard_dir / "metadata.json").read_text())["tokenizer"]  # precomputed
     t1 = time.perf_counter()
-    train, val, info = dl.build_loaders(cfg, synthetic_tokenizer(), batch_size=batch_size)
+    train, val, info = dl.build_loaders(cfg, described, batch_size=batch_size)
     it = iter(train)
     x, y = next(it)
     t_start = time.perf_counter() - t1
@@ -139,16 +160,21 @@ def child(cfg_path: str, seconds: float, batch_size: int) -> None:
                       "split": info["split"]}))
 
 
-def measure(shard_dir: Path, work: Path, seconds: float, batch_size: int, window: int) -> dict:
-    cfg_path = work / f"config_{shard_dir.name}.json"
-    cfg_path.write_text(json.dumps({
-        "paths": {"root": str(work)},
-        "dataset": {"source": "wikipedia", "wikipedia_full_dir": str(shard_dir), "window": window},
-        "model": {"vocab_size": 32000, "max_seq_len": window},
-        "training": {"batch_size": batch_size, "num_workers": 0}}))
+def measure(shard_dir: Path, work: Path, seconds: float, batch_size: int, window: int,
+            tokenizer_name: str | None = None) -> dict:
+    cfg_path = work / f"config_{shard_dir.name}_{'user' if tokenizer_name else 'loader'}.json"
+    cfg = {"paths": {"root": str(work)},
+           "dataset": {"source": "wikipedia", "wikipedia_full_dir": str(shard_dir), "window": window},
+           "model": {"vocab_size": 32000, "max_seq_len": window},
+           "training": {"batch_size": batch_size, "num_workers": 0}}
+    if tokenizer_name:
+        cfg["tokenizer"] = {"name": tokenizer_name}
+    cfg_path.write_text(json.dumps(cfg))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", LLM_PIPELINE_BASE_CONFIG="none")
     proc = subprocess.run([sys.executable, __file__, "--child", str(cfg_path), "--seconds",
-                           str(seconds), "--batch-size", str(batch_size)],
-                          capture_output=True, text=True, cwd=ROOT)
+                           str(seconds), "--batch-size", str(batch_size)]
+                          + (["--user-path"] if tokenizer_name else []),
+                          capture_output=True, text=True, cwd=ROOT, env=env)
     if proc.returncode != 0:
         sys.exit(f"child failed:\n{proc.stdout}\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -177,19 +203,29 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--dir", default=None, help="parent of the temporary directory")
+    ap.add_argument("--tokenizer", default=str(SAMPLE_TOKENIZER),
+                    help="tokenizer for the user-path measurement (default: the offline sample's "
+                         "Llama-style SentencePiece model; '' skips it)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--user-path", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.seconds, args.batch_size)
+        child(args.child, args.seconds, args.batch_size, args.user_path)
         return 0
 
     sys.path.insert(0, str(ROOT))
     tokens = int(args.tokens)
     work = Path(tempfile.mkdtemp(prefix="perf-loader-", dir=args.dir))
     try:
+        user_tok = None
+        if args.tokenizer and Path(args.tokenizer).exists():
+            # The shard set is labelled with the real tokenizer, so the user path validates it
+            # exactly as it would a set built by `prepare` (ids stay below its 32,000).
+            from utils.tok import describe, load_tokenizer_from
+            user_tok = describe(load_tokenizer_from(args.tokenizer), args.tokenizer)
         t0 = time.perf_counter()
         big = work / "big"
-        make_shard_set(big, tokens, args.shards)
+        make_shard_set(big, tokens, args.shards, tokenizer=user_tok)
         t_make = time.perf_counter() - t0
         small = work / "small"
         make_shard_set(small, max(tokens // 100, 100_000), args.shards)
@@ -197,6 +233,8 @@ def main() -> int:
 
         r_small = measure(small, work, 1.0, args.batch_size, args.window)
         r = measure(big, work, args.seconds, args.batch_size, args.window)
+        r_user = (measure(big, work, 0, args.batch_size, args.window, args.tokenizer)
+                  if user_tok else None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -219,6 +257,14 @@ def main() -> int:
     print(f"  start-up : build_loaders -> first batch {r['startup_s'] * 1000:.0f} ms "
           f"(1/100 size set: {r_small['startup_s'] * 1000:.0f} ms)   target < {STARTUP_TARGET_S:.0f} s: "
           f"{'PASS' if ok_start else 'FAIL'}")
+    if r_user:
+        print(f"  user path: load tokenizer + fingerprint + build_loaders -> first batch "
+              f"{r_user['total_s'] * 1000:.0f} ms (load {r_user['load_s'] * 1000:.0f} ms, fingerprint "
+              f"{r_user['fingerprint_s'] * 1000:.0f} ms; {Path(args.tokenizer).name}), peak RSS "
+              f"{r_user['rss_first_batch_mb']:.0f} MB   target < {STARTUP_TARGET_S:.0f} s: "
+              f"{'PASS' if r_user['total_s'] < STARTUP_TARGET_S else 'FAIL'}")
+    else:
+        print("  user path: skipped (no tokenizer: run `python main.py samples` or pass --tokenizer)")
     print(f"  peak RSS : {r['rss_first_batch_mb']:.0f} MB at the first batch (loader's share "
           f"{r['rss_first_batch_mb'] - r['rss_import_mb']:.0f} MB; 1/100 size set: "
           f"{r_small['rss_first_batch_mb']:.0f} MB)   target < {RSS_TARGET_MB:.0f} MB: "
