@@ -164,6 +164,15 @@ def test_list_elements_are_validated(tmp_path):
     assert "wikipedia.namespaces: expected a list of integers, got 0" in text
     cfg = load_config(_write(tmp_path / "ok.json", {"wikipedia": {"namespaces": [0, 14.0]}}))
     assert cfg.wikipedia.namespaces == [0, 14] and all(type(n) is int for n in cfg.wikipedia.namespaces)
+    # Every list-valued key declares its element type, so no list escapes the check.
+    text = _problems(_write(tmp_path / "s.json", {"cleaning": {"drop_sections": ["References", 3]},
+                                                  "benchmark": {"tasks": ["lambada", None]}}))
+    assert "cleaning.drop_sections[1]: expected a string, got 3" in text
+    assert "benchmark.tasks[1]: expected a string, got null" in text
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if f.type in (list, "list") and not f.metadata.get("internal"):
+                raise AssertionError(f"{section}.{f.name}: declare the element type (list[...])")
 
 
 # ----------------------------------------------------------------------------- unreadable files

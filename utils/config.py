@@ -109,7 +109,7 @@ class CleaningConfig:
     min_chars: int = _f(200, "drop articles shorter than this (characters, after cleaning)", min=0)
     workers: int = _f(0, "processes (0 = all cores)", min=0)
     test_max_articles: int = _f(50_000, "articles per process in --test", min=1)
-    drop_sections: list = _f(["References", "External links", "See also", "Further reading",
+    drop_sections: list[str] = _f(["References", "External links", "See also", "Further reading",
                               "Notes", "Bibliography", "Sources", "Citations", "Footnotes",
                               "Notes and references", "References and notes", "Works cited",
                               "Cited works", "Sources and further reading"],
@@ -288,7 +288,7 @@ class BenchmarkConfig:
     preset: Literal["quick", "standard", "comprehensive", "full"] = _f(
         "quick", "items per task: quick 50 perplexity passages / 20 LAMBADA / 10 HellaSwag, "
         "standard 100/50/20, comprehensive 200/100/50, full = whole sets (docs/benchmark.md)")
-    tasks: list = _f(["perplexity", "next_token", "lambada", "hellaswag", "arc_easy",
+    tasks: list[str] = _f(["perplexity", "next_token", "lambada", "hellaswag", "arc_easy",
                       "arc_challenge", "completion"], "tasks to run")
     perplexity_source: Optional[str] = _f(None, "WikiText hub name, local .txt file/folder or "
                                           "XML dump (null: WikiText-103 online, else held-out "
