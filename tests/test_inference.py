@@ -8,13 +8,14 @@ import json
 import os
 import time
 
+import pexpect  # a pinned requirement: missing is a failure, not a skip
+
 import pytest
 import torch
 
 from tests.conftest import offline_env, run_main, spawn_main, write_config
 from tests.test_sft import TOK_NAME, make_checkpoint, tokenizer
 
-pexpect = pytest.importorskip("pexpect")
 
 
 @pytest.fixture(scope="module")
