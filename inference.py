@@ -145,13 +145,8 @@ class Loaded:
 
 
 def pick_device(name: str):
-    import torch
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"inference.device is '{name}' but CUDA is not available here; use "
-                         "--device cpu (or auto).")
-    return torch.device(name)
+    from utils.device import resolve_device
+    return resolve_device(name, "inference.device")
 
 
 class Engine:
@@ -307,7 +302,7 @@ class UI:
             self.say(f"{self.c.red}Please enter a number from 1 to {n}.{self.c.reset}")
 
     def pick_run(self):
-        from utils.checkpoint import list_runs
+        from utils.checkpoint import age_text, list_runs
         base = self.engine.cfg.path("paths.checkpoints_dir")
         runs = list_runs(base)
         if not runs:
@@ -316,7 +311,7 @@ class UI:
         c = self.c
         self.say(f"\n{c.bold}Training runs{c.reset} (most recent first):")
         for i, r in enumerate(runs, 1):
-            age = _age(time.time() - r.mtime)
+            age = age_text(time.time() - r.mtime)
             line = f"  {i}) {r.name}  [{r.kind}]  {len(r.checkpoints)} checkpoint(s), {age} ago"
             if i == 1:
                 line = f"{c.yellow}{c.bold}{line}  <- most recent{c.reset}"
@@ -492,15 +487,6 @@ class UI:
         elif choice == 3:
             self.benchmark()
 
-
-def _age(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
 
 
 def _estimate_bytes(path: Path) -> int:

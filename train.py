@@ -108,17 +108,8 @@ def resume_command(argv: Sequence[str], run: str, world_size: int) -> str:
 
 
 def pick_device(cfg, local_rank: int):
-    import torch
-    want = cfg.training.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UsageError(f"training.device is '{cfg.training.device}' but CUDA is not available "
-                             "here; use --device cpu (or auto).")
-        if want == "cuda":
-            want = f"cuda:{local_rank}"
-    return torch.device(want)
+    from utils.device import resolve_device
+    return resolve_device(cfg.training.device, "training.device", local_rank)
 
 
 def find_resume_checkpoint(cfg, spec: str, name: Optional[str]) -> Path:

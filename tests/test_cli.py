@@ -69,3 +69,24 @@ def test_real_stage_output_dir_that_cannot_be_created(tmp_path):
     assert "Traceback" not in proc.stderr
     assert str(blocker) in proc.stderr
     assert blocker.read_text() == "a file, not a folder"
+
+
+def test_cuda_asked_for_without_cuda_is_a_usage_error(tmp_path):
+    """One device rule (utils/device.py) for every stage: no silent CPU fallback."""
+    import pytest
+    import torch
+    from utils.cli import UsageError
+    from utils.device import resolve_device
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal cannot happen here")
+    assert resolve_device("auto").type == "cpu" and resolve_device("cpu").type == "cpu"
+    for setting in ("training.device", "inference.device", "benchmark.device"):
+        with pytest.raises(UsageError, match=re.escape(f"{setting} is 'cuda:1'")):
+            resolve_device("cuda:1", setting)
+    cfg = write_config(tmp_path)
+    proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "train", "--config", str(cfg),
+                           "--test", "--device", "cuda", "--name", "x"], capture_output=True,
+                          text=True, env=offline_env(), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "training.device is 'cuda' but CUDA is not available" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "checkpoints" / "x").exists()

@@ -375,12 +375,13 @@ def describe_checkpoint(path) -> str:
     p = Path(path)
     st = p.stat()
     age = time.time() - st.st_mtime
-    return f"{p.name} ({st.st_size / 1e6:.1f} MB, {_age(age)} ago)"
+    return f"{p.name} ({st.st_size / 1e6:.1f} MB, {age_text(age)} ago)"
 
 
-def _age(seconds: float) -> str:
+def age_text(seconds: float) -> str:
+    """A short human age: '45 s', '12 min', '3.5 h', '2.0 days'."""
     if seconds < 90:
-        return f"{seconds:.0f}s"
+        return f"{seconds:.0f} s"
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     if seconds < 2 * 86400:

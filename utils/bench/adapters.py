@@ -54,12 +54,8 @@ def encode_plain(tok, texts: Sequence[str]) -> list[list[int]]:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise PipelineError(f"device '{name}' was requested but CUDA is not available here; use "
-                            "--device cpu (or auto).")
-    return torch.device(name)
+    from utils.device import resolve_device as resolve
+    return resolve(name, "benchmark.device")
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> Optional[torch.dtype]:
