@@ -156,6 +156,30 @@ def sample_wheels(samples, tmp_path_factory) -> Path:
     return wheels
 
 
+# ----------------------------------------------------------------------------- training data
+def write_train_shards(directory: Path, n_docs: int = 120) -> Path:
+    """A tiny shard set for the train stage: the first ``n_docs`` distinct lines of the real
+    news sample, encoded with the sample SentencePiece tokenizer (BOS + ids + EOS per line) and
+    written by utils.shards (tests.test_dataloader.write_shard_set). Returns ``directory``."""
+    import numpy as np
+    from tests.test_dataloader import write_shard_set
+    from utils.tok import describe, load_tokenizer_from
+    tok = load_tokenizer_from(str(SPM_MODEL))
+    lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines()]
+    texts = list(dict.fromkeys(x for x in lines if x))[:n_docs]
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    docs = [np.asarray([tok.bos_token_id, *x, tok.eos_token_id]) for x in ids]
+    write_shard_set(Path(directory), docs, describe(tok, str(SPM_MODEL)))
+    return Path(directory)
+
+
+@pytest.fixture(scope="session")
+def train_shards(samples, tmp_path_factory) -> Path:
+    """The shard set of :func:`write_train_shards`, built once per session; configs point
+    ``dataset.wikipedia_test_dir`` at it (``train --test`` reads that set)."""
+    return write_train_shards(tmp_path_factory.mktemp("train_shards") / "wikipedia_test")
+
+
 # ----------------------------------------------------------------------------- configs
 def write_config(tmp_path: Path, sections: dict | None = None, name: str = "config.json") -> Path:
     """A config over the shipped defaults with paths.root = tmp_path (outputs land in tmp)."""

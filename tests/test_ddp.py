@@ -1,0 +1,186 @@
+"""DDP through torchrun: two CPU processes (gloo) train exactly like one process with the
+doubled batch; only rank 0 writes; Ctrl-C and resume work with the same world size.
+
+Contract checked here (docs/training.md, "Several processes"):
+
+- ``python -m torch.distributed.run --nproc_per_node=2 --standalone train.py ...`` (the
+  torchrun launch the README shows) with ``--batch-size B`` gives, after every optimizer
+  step, the weights of ``python main.py train ... --batch-size 2B`` in one process (within
+  1e-5): rank r reads windows ``perm[r::2]`` of the same permutation, so the two ranks'
+  micro-batches together are the single process's batch, and DDP averages the gradients.
+  Logged losses, learning rates and validation losses agree too.
+- Only rank 0 writes: one JSONL log with one record per step, one TensorBoard event file,
+  the same checkpoint files as the single-process run, each holding both ranks' RNG states.
+- Ctrl-C (SIGINT to the launch's whole process group, as a terminal sends it) stops both
+  ranks at the same step, saves checkpoint_latest.pt and prints a torchrun resume command;
+  resuming with the same world size reproduces the uninterrupted run bit for bit; resuming
+  with another world size is refused (exit 1, a message saying so).
+
+Same tiny model and shard set as tests/test_train.py; the checkpoints compared are
+checkpoint_step_N.pt files written every step (``--checkpoint-every 1``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, SPM_MODEL, default_signals, offline_env, write_config
+from tests.test_train import FLAGS, log_of, losses, ok, train, weights
+from utils.checkpoint import load_checkpoint
+from utils.logging_utils import latest_per_step
+
+STEPS = 8          # optimizer steps of the compared runs
+B = 2              # windows per rank per step (the single process takes 2 * B)
+ATOL = 1e-5
+EVERY_STEP = ["--checkpoint-every", "1", "--keep-checkpoints", str(STEPS + 1)]
+
+
+def torchrun_command(*args) -> list[str]:
+    """The user's launch: torchrun (as `python -m torch.distributed.run`) on train.py."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+            str(ROOT / "train.py"), "--test", *map(str, args)]
+
+
+def torchrun(cfg, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_command("--config", cfg, *FLAGS, *args), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=offline_env(),
+                          stdin=subprocess.DEVNULL, preexec_fn=default_signals)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ddp_root")
+
+
+@pytest.fixture(scope="module")
+def cfg(root, train_shards):
+    return write_config(root, {"tokenizer": {"name": str(SPM_MODEL)},
+                               "dataset": {"wikipedia_test_dir": str(train_shards)}})
+
+
+@pytest.fixture(scope="module")
+def ddp_run(cfg):
+    """Two ranks x batch B, STEPS steps, a checkpoint after every step (run "ddp")."""
+    return ok(torchrun(cfg, "--batch-size", B, "--name", "ddp", "--max-steps", STEPS, *EVERY_STEP))
+
+
+@pytest.fixture(scope="module")
+def single_run(cfg):
+    """One process x batch 2B, otherwise the same run (run "single")."""
+    return ok(train(cfg, "--batch-size", 2 * B, "--name", "single", "--max-steps", STEPS,
+                    *EVERY_STEP))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def test_each_step_equals_one_process_with_the_doubled_batch(root, ddp_run, single_run):
+    ck = root / "checkpoints"
+    previous = None
+    for step in range(1, STEPS + 1):
+        d = load_checkpoint(ck / "ddp" / f"checkpoint_step_{step}.pt", "resume")
+        s = load_checkpoint(ck / "single" / f"checkpoint_step_{step}.pt", "resume")
+        assert d["step"] == s["step"] == step
+        assert max_diff(d["model"], s["model"]) < ATOL, f"step {step}"
+        if previous is not None:   # each step moves the weights far more than the tolerance
+            assert max_diff(d["model"], previous) > 10 * ATOL, f"step {step} changed nothing"
+        previous = d["model"]
+        # The same windows were consumed: rank 0's slice position is half the single one's.
+        assert d["data_position"]["index"] == s["data_position"]["index"] // 2 == step * B
+        assert d["tokens_seen"] == s["tokens_seen"]
+    assert max_diff(weights(ck / "ddp" / "checkpoint_latest.pt"),
+                    weights(ck / "single" / "checkpoint_latest.pt")) < ATOL
+
+    rd, rs = log_of(root, "ddp"), log_of(root, "single")
+    ld, ls = losses(rd), losses(rs)
+    assert sorted(ld) == sorted(ls) == list(range(1, STEPS + 1))
+    assert all(abs(ld[k] - ls[k]) < ATOL for k in ld), (ld, ls)     # mean over both ranks
+    lr = lambda recs: {r["step"]: r["lr"] for r in latest_per_step(recs, "train")}
+    assert lr(rd) == pytest.approx(lr(rs), rel=1e-12)
+    vd = {r["step"]: r["val_loss"] for r in latest_per_step(rd, "val")}
+    vs = {r["step"]: r["val_loss"] for r in latest_per_step(rs, "val")}
+    assert vd.keys() == vs.keys() and len(vd) >= 2                 # both ranks' val slices
+    assert all(abs(vd[k] - vs[k]) < ATOL for k in vd), (vd, vs)
+
+
+def test_only_rank_0_writes(root, ddp_run, single_run):
+    ck = root / "checkpoints"
+    names = lambda d: sorted(p.name for p in d.iterdir())
+    assert names(ck / "ddp") == names(ck / "single")               # no extra, no temp files
+    assert sorted(p.name for p in ck.iterdir()) == ["ddp", "single"]
+    recs = log_of(root, "ddp")
+    train_steps = [r["step"] for r in recs if r["type"] == "train"]
+    assert train_steps == list(range(1, STEPS + 1))                # once each, not per rank
+    configs = [r for r in recs if r["type"] == "config"]
+    assert len(configs) == 1 and configs[0]["hparams"]["world_size"] == 2
+    assert configs[0]["hparams"]["effective_batch"] == 2 * B
+    events = lambda run: sorted((root / "logs" / "tensorboard" / run).glob("events.out.tfevents.*"))
+    assert len(events("ddp")) == len(events("single")) >= 1
+    assert len({p.name.split(".")[-2] for p in events("ddp")}) == 1   # one writer process
+    assert sorted(p.name for p in (root / "logs" / "raw_metrics").iterdir()) == [
+        "ddp.jsonl", "single.jsonl"]
+    ckpt = load_checkpoint(ck / "ddp" / "checkpoint_latest.pt", "resume")
+    assert len(ckpt["rng"]["ranks"]) == 2 and ckpt["rng"]["world_size"] == 2
+    out = ddp_run.stdout
+    assert out.count("train: model ") == 1 and "2 processes (gloo)" in out
+    assert out.count("train: done at step") == 1
+    assert "python main.py status ddp" in out
+
+
+def _wait_for_step(log: Path, step: int, proc: subprocess.Popen, limit: float = 240) -> None:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if log.exists():
+            for line in log.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue          # a line being written
+                if r.get("type") == "train" and r.get("step", 0) >= step:
+                    return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"torchrun ended (exit {proc.returncode}) before step {step}\n{out}\n{err}")
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"no step {step} in {log} within {limit} s")
+
+
+def test_ctrl_c_then_resume_with_the_same_world_size_is_exact(root, cfg, ddp_run):
+    args = ["--batch-size", B, "--max-steps", STEPS, *EVERY_STEP]
+    p = subprocess.Popen(torchrun_command("--config", cfg, *FLAGS, *args, "--name", "cut"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=offline_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals,
+                         start_new_session=True)
+    _wait_for_step(root / "logs" / "raw_metrics" / "cut.jsonl", 2, p)
+    os.killpg(p.pid, signal.SIGINT)          # Ctrl-C: torchrun and both ranks get SIGINT
+    out, err = p.communicate(timeout=240)
+    latest = root / "checkpoints" / "cut" / "checkpoint_latest.pt"
+    cut = load_checkpoint(latest, "resume")
+    assert 2 <= cut["step"] < STEPS, f"the signal should land mid-run\n{out}\n{err}"
+    assert len(cut["rng"]["ranks"]) == 2
+    assert "torchrun --nproc_per_node=2 train.py" in err and "--name cut --resume auto" in err
+
+    # Another world size cannot continue exactly: refused, nothing written.
+    before = latest.stat().st_mtime_ns
+    other = train(cfg, *args, "--name", "cut", "--resume", "auto")
+    assert other.returncode == 1, f"{other.stdout}\n{other.stderr}"
+    assert "world size" in other.stderr and "Traceback" not in other.stderr
+    assert latest.stat().st_mtime_ns == before
+
+    ok(torchrun(cfg, *args, "--name", "cut", "--resume", "auto"))
+    a = weights(root / "checkpoints" / "ddp" / "checkpoint_latest.pt")
+    b = weights(latest)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    la, lb = losses(log_of(root, "ddp")), losses(log_of(root, "cut"))
+    assert sorted(lb) == list(range(1, STEPS + 1)) and la == lb
