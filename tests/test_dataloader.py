@@ -1,8 +1,9 @@
 """dataloader.py: shard windows, leak-free split, resumable DDP sampler, validation, on-the-fly.
 
-Shard sets are written here directly through utils.shards (real token ids: the Llama-style
-SentencePiece sample tokenizer encoding the real news sample documents as BOS + ids + EOS),
-so these tests do not depend on the prep stages. Only the auto_prepare test runs a prep stage.
+Shard sets are written here by the real writer, utils.shards.write_shard_set (the pieces the
+prep engine writes with; real token ids: the Llama-style SentencePiece sample tokenizer
+encoding the real news sample documents as BOS + ids + EOS), so a format change fails these
+tests too, yet they do not run a prep stage. Only the auto_prepare test runs one.
 """
 from __future__ import annotations
 
@@ -19,43 +20,25 @@ import dataloader as dl
 from tests.conftest import NEWS, SPM_MODEL, write_config
 from utils.cli import PipelineError
 from utils.config import load_config
-from utils.atomic import write_json_atomic
-from utils.shards import (FORMAT_NAME, FORMAT_VERSION, ShardSetError, dtype_for_vocab,
-                          save_npy_atomic, shard_name)
+from utils import shards
+from utils.shards import ShardSetError, dtype_for_vocab, save_npy_atomic, shard_name
 
 WINDOW = 64
 
 
 # --------------------------------------------------------------------------- helpers
 def write_shard_set(directory: Path, docs: list[np.ndarray], tok_info: dict, *,
-                    shard_tokens: int = 20_000, complete: bool = True) -> dict:
-    """Pack whole documents (already BOS + ids + EOS) into shards, then metadata.json last."""
-    directory.mkdir(parents=True, exist_ok=True)
-    dtype = dtype_for_vocab(tok_info["vocab_size"])
-    shards, cur = [], []
+                    shard_tokens: int = 20_000) -> dict:
+    """The real writer (utils.shards.write_shard_set, the pieces the prep engine writes with)
+    with this module's window and a test source: documents already BOS + ids + EOS."""
+    return shards.write_shard_set(directory, docs, tok_info, shard_tokens=shard_tokens,
+                                  source={"kind": "test", "inputs": [str(NEWS)], "test": True},
+                                  window=WINDOW, stride=WINDOW // 2)
 
-    def flush():
-        arr = np.concatenate(cur).astype(dtype)
-        name = shard_name(len(shards))
-        save_npy_atomic(directory / name, arr)
-        shards.append({"file": name, "tokens": int(len(arr)), "documents": len(cur)})
 
-    for d in docs:
-        cur.append(d)
-        if sum(len(c) for c in cur) >= shard_tokens:
-            flush()
-            cur = []
-    if cur:
-        flush()
-    meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "complete": complete,
-            "dtype": str(dtype), "tokenizer": dict(tok_info),
-            "source": {"kind": "test", "inputs": [str(NEWS)], "filters": {}, "test": True},
-            "window": WINDOW, "stride": WINDOW // 2, "shards": shards,
-            "totals": {"tokens": sum(s["tokens"] for s in shards),
-                       "documents": sum(s["documents"] for s in shards)},
-            "stats": {}, "created": "test"}
-    write_json_atomic(directory / "metadata.json", meta)
-    return meta
+def framed(tok_info: dict, ids) -> np.ndarray:
+    """One document as the shards store it: BOS + ids + EOS."""
+    return np.asarray([tok_info["bos_id"], *ids, tok_info["eos_id"]])
 
 
 def make_cfg(tmp_path: Path, shard_dir: Path, **sections):
@@ -178,11 +161,12 @@ def test_uint32_shards_carry_ids_beyond_65535(tmp_path, tok_info):
     big = dict(tok_info, vocab_size=100_000)
     assert dtype_for_vocab(big["vocab_size"]) == np.uint32
     rng = np.random.default_rng(0)
-    docs = [np.concatenate([[1], rng.integers(60_000, 100_000, 300), [2]]) for _ in range(20)]
+    docs = [framed(big, rng.integers(60_000, 100_000, 300)) for _ in range(20)]
     d = tmp_path / "wide"
     meta = write_shard_set(d, docs, big)
     assert meta["dtype"] == "uint32"
     assert np.load(d / meta["shards"][0]["file"], allow_pickle=False).dtype == np.uint32
+    assert max(s["max_token_id"] for s in meta["shards"]) > 65_535
     train, _, _ = dl.build_loaders(make_cfg(tmp_path, d, model={"vocab_size": 100_000}), big)
     x, y = next(iter(train))
     assert int(x.max()) > 65_535 and int(x.max()) < 100_000
@@ -330,7 +314,10 @@ def test_stale_set_refused_after_tokenizer_change(tmp_path, news_set, tok_info):
 
 def test_incomplete_and_missing_sets_refused(tmp_path, tok_info):
     d = tmp_path / "shards"
-    write_shard_set(d, [np.arange(1, 500)] * 10, tok_info, complete=False)
+    write_shard_set(d, [framed(tok_info, range(3, 500))] * 10, tok_info)
+    # What an interrupted prep leaves: metadata.json saying complete: false.
+    meta = json.loads((d / "metadata.json").read_text())
+    (d / "metadata.json").write_text(json.dumps(dict(meta, complete=False)))
     cfg = make_cfg(tmp_path, d)
     with pytest.raises(ShardSetError, match="complete") as e:
         dl.build_loaders(cfg, tok_info)
@@ -347,7 +334,7 @@ def test_incomplete_and_missing_sets_refused(tmp_path, tok_info):
 
 def test_corrupt_shard_refused(tmp_path, tok_info):
     d = tmp_path / "shards"
-    write_shard_set(d, [np.arange(1, 500)] * 10, tok_info)
+    write_shard_set(d, [framed(tok_info, range(3, 500))] * 10, tok_info)
     save_npy_atomic(d / "tokens_00000.npy", np.arange(10, dtype=np.uint16))
     with pytest.raises(ShardSetError, match="tokens_00000.npy holds 10 tokens but metadata.json "
                                             "lists 4,990") as e:
@@ -390,16 +377,15 @@ def test_startup_reads_no_token_data(tmp_path, tok_info):
     bytes read by syscalls and the growth of resident memory, which a scan would inflate)."""
     d = tmp_path / "big"
     d.mkdir()
-    shards = []
+    records = []
     for i in range(4):
         name = shard_name(i)
         mm = np.lib.format.open_memmap(d / name, mode="w+", dtype=np.uint16, shape=(500_000_000,))
-        del mm  # sparse: only the header is written
-        shards.append({"file": name, "tokens": 500_000_000, "documents": 1, "max_token_id": 0})
-    write_json_atomic(d / "metadata.json", {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "complete": True,
-        "dtype": "uint16", "tokenizer": tok_info, "source": {"kind": "synthetic"},
-        "window": 512, "stride": 256, "shards": shards, "totals": {}, "stats": {}, "created": "t"})
+        del mm  # sparse: only the header is written (4 GB through write_shard would be real)
+        records.append({"file": name, "tokens": 500_000_000, "documents": 1, "max_token_id": 0})
+    shards.write_metadata(d, shards.shard_set_metadata(
+        records, dtype=np.uint16, tokenizer_info=tok_info, source={"kind": "synthetic"},
+        window=512, stride=256, shard_tokens=500_000_000))
     cfg = make_cfg(tmp_path, d, dataset={"window": 512})
     rchar0, rss0 = _proc_io("rchar"), _proc_status_kb("VmRSS")
     train, val, info = dl.build_loaders(cfg, tok_info)

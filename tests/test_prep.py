@@ -163,6 +163,36 @@ def test_prepare_end_to_end_and_workers_determinism(prep_env, tmp_path, tok):
     assert p.returncode == 0 and "up to date" in p.stdout
 
 
+def test_shard_writer_is_the_engines_format(prep_env, tmp_path):
+    """utils.shards.write_shard_set (what the loader and train tests write their sets with)
+    fed the engine's own documents writes the engine's bytes and shard records."""
+    from utils.shards import write_shard_set
+    ref = prep_env["ref"]
+    meta = json.loads((ref / "metadata.json").read_text())
+    tok_info = meta["tokenizer"]
+    docs = [doc for p in sorted(ref.glob("tokens_*.npy"))
+            for doc in documents(np.load(p, allow_pickle=False), tok_info["bos_id"], tok_info["eos_id"])]
+    out = tmp_path / "written"
+    mine = write_shard_set(out, docs, tok_info, shard_tokens=meta["shard_tokens"],
+                           source=meta["source"], window=meta["window"], stride=meta["stride"])
+    assert shard_bytes(out) == shard_bytes(ref)
+    assert mine["shards"] == meta["shards"] and all("max_token_id" in s for s in mine["shards"])
+    for key in ("format", "format_version", "complete", "dtype", "tokenizer", "source", "window",
+                "stride", "shard_tokens"):
+        assert mine[key] == meta[key], key
+    assert {k: meta["totals"][k] for k in mine["totals"]} == mine["totals"]
+    assert json.loads((out / "metadata.json").read_text()) == mine
+    # It writes nothing the reader would refuse, and never over an existing set.
+    with pytest.raises(ValueError, match="already holds"):
+        write_shard_set(out, docs, tok_info, shard_tokens=3000, source={})
+    bad = [docs[0], docs[1][:-1]]
+    with pytest.raises(ValueError, match="document 1 is not framed"):
+        write_shard_set(tmp_path / "b1", bad, tok_info, shard_tokens=3000, source={})
+    big = np.array([tok_info["bos_id"], tok_info["vocab_size"], tok_info["eos_id"]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        write_shard_set(tmp_path / "b2", [big], tok_info, shard_tokens=3000, source={})
+
+
 def test_test_mode_limit_and_default_dir(prep_env, tok):
     cfg = prep_env["config"]("test_config.json", test_max_documents=40)
     p = run_main("prepare", "--config", cfg, "--test")

@@ -41,7 +41,6 @@ shards.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import itertools
 import json
 import os
@@ -58,8 +57,8 @@ import numpy as np
 from utils.atomic import write_json_atomic
 from utils.cli import PipelineError
 from utils.parallel import ordered_map
-from utils.shards import (FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, save_npy_atomic,
-                          shard_name)
+from utils.shards import (FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, shard_name,
+                          shard_set_metadata, write_metadata, write_shard)
 from utils.textio import CleanedFileError, iter_articles
 
 PROGRESS_FILE = ".progress.json"
@@ -401,9 +400,7 @@ class _Packer:
         self.stream_resume = ({"position": chunk.start, "state": chunk.state}
                               if chunk is not None and chunk.state is not None else None)
         arr = np.concatenate(self.buffer) if len(self.buffer) != 1 else self.buffer[0]
-        name = shard_name(len(self.shards))
-        save_npy_atomic(d / name, arr.astype(self.dtype, copy=False))
-        self.shards.append({"file": name, "tokens": int(len(arr)), "documents": self.fill_docs})
+        self.shards.append(write_shard(d, len(self.shards), arr, self.fill_docs, self.dtype))
         self.committed.add(self.pending)
         self.pending = Counts()
         self.buffer, self.fill, self.fill_docs = [], 0, 0
@@ -546,32 +543,29 @@ def _pack(job: PackJob, log: Callable[[str], None]) -> dict:
                             f"{c.dropped or {}}. Check the input and the filters ({job.filters}).")
     seconds = packer.seconds
     run_seconds = time.time() - packer.t0
-    meta = {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "complete": True,
-        "dtype": dtype.name, "tokenizer": job.tokenizer_info,
-        "source": {"kind": job.kind, "inputs": job.inputs, "filters": job.filters, "test": job.test,
-                   "max_documents": job.max_documents, **job.extra_source},
-        "window": job.window, "stride": job.stride, "shard_tokens": job.shard_tokens,
-        "shards": packer.shards,
-        "totals": {"tokens": c.tokens, "documents": c.kept, "characters": c.characters,
-                   "shards": len(packer.shards)},
-        "stats": {"documents_read": c.read, "documents_kept": c.kept,
-                  "documents_dropped": sum(c.dropped.values()), "dropped_by_reason": c.dropped,
-                  "content_tokens": c.content_tokens,
-                  "chars_per_token": round(c.characters / max(c.content_tokens, 1), 4),
-                  "seconds": round(seconds, 3), "runs": packer.runs,
-                  "tokens_per_second": round(c.content_tokens / max(seconds, 1e-9), 1),
-                  "this_run_seconds": round(run_seconds, 3),
-                  "this_run_tokens_per_second": round(packer.new_tokens / max(run_seconds, 1e-9), 1),
-                  "workers": job.workers, "batch": job.batch,
-                  "stopped_at_max_files": packer.capped},
-        "truncated": packer.capped,
-        "settings": job.settings(),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+    meta = shard_set_metadata(
+        packer.shards, dtype=dtype, tokenizer_info=job.tokenizer_info,
+        source={"kind": job.kind, "inputs": job.inputs, "filters": job.filters, "test": job.test,
+                "max_documents": job.max_documents, **job.extra_source},
+        window=job.window, stride=job.stride, shard_tokens=job.shard_tokens,
+        totals={"characters": c.characters},
+        stats={"documents_read": c.read, "documents_kept": c.kept,
+               "documents_dropped": sum(c.dropped.values()), "dropped_by_reason": c.dropped,
+               "content_tokens": c.content_tokens,
+               "chars_per_token": round(c.characters / max(c.content_tokens, 1), 4),
+               "seconds": round(seconds, 3), "runs": packer.runs,
+               "tokens_per_second": round(c.content_tokens / max(seconds, 1e-9), 1),
+               "this_run_seconds": round(run_seconds, 3),
+               "this_run_tokens_per_second": round(packer.new_tokens / max(run_seconds, 1e-9), 1),
+               "workers": job.workers, "batch": job.batch,
+               "stopped_at_max_files": packer.capped},
+        truncated=packer.capped, settings=job.settings())
+    if (meta["totals"]["tokens"], meta["totals"]["documents"]) != (c.tokens, c.kept):
+        raise RuntimeError(f"packing bookkeeping error: shards hold {meta['totals']['tokens']} tokens "
+                           f"of {meta['totals']['documents']} documents, counted {c.tokens} of {c.kept}")
     if job.on_complete is not None:
         job.on_complete(d)
-    write_json_atomic(d / METADATA_FILE, meta)
+    write_metadata(d, meta)
     (d / PROGRESS_FILE).unlink(missing_ok=True)
     return meta
 

@@ -9,6 +9,13 @@ Training windows are cut at read time, so no token is stored twice.
 ``complete: false``, is incomplete. Each ``shards[i]`` entry names its ``file`` and its
 ``tokens`` and ``documents`` counts, and (sets built since it was recorded) ``max_token_id``.
 
+Writing is one set of functions, used by the prep engine (:mod:`utils.packing`, which streams)
+and by anyone with documents already tokenized (the tests): :func:`write_shard` writes one
+shard atomically and returns its ``shards[i]`` record; :func:`shard_set_metadata` builds the
+``metadata.json`` of a complete set and refuses (``ValueError``) anything the reader below
+would refuse; :func:`write_metadata` writes it, last; :func:`write_shard_set` does all three
+for a list of framed documents ("these documents -> a shard set").
+
 Reading is validation (docs/loader.md has the table). :func:`read_metadata` reads the JSON
 (never deleting anything it cannot read) and names every field of the wrong type at once;
 :func:`validate_metadata` compares it with the current tokenizer and model;
@@ -22,6 +29,7 @@ header of about 128 bytes per shard, and no token data when ``max_token_id`` is 
 """
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
 import re
@@ -29,11 +37,11 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import numpy as np
 
-from utils.atomic import atomic_open
+from utils.atomic import atomic_open, write_json_atomic
 from utils.cli import PipelineError
 
 FORMAT_NAME = "llm-pipeline-token-shards"
@@ -252,6 +260,104 @@ def validate_metadata(meta: dict, directory: Path, *, tokenizer_info: Optional[d
         raise ShardSetError(f"{where}: tokenizer.vocab_size {vocab} does not fit "
                             f"model.vocab_size {model_vocab_size}; raise model.vocab_size or rebuild the "
                             f"shards with a smaller tokenizer ({rebuild} --force)", "tokenizer.vocab_size")
+
+
+# --------------------------------------------------------------------------- writing
+def write_shard(directory: Path, index: int, tokens: np.ndarray, documents: int,
+                dtype: np.dtype) -> dict:
+    """Write shard ``index`` of a set (``tokens``: whole documents, each BOS + ids + EOS, as
+    one 1-D array) atomically as ``dtype``; returns its ``shards[i]`` record for metadata.json.
+    Raises ``ValueError`` for ids that ``dtype`` cannot hold (they would wrap silently)."""
+    arr = np.asarray(tokens)
+    dt = np.dtype(dtype)
+    if dt.str not in SHARD_DTYPES.values():
+        raise ValueError(f"shard dtype {dt} is not one of {', '.join(SHARD_DTYPES)}")
+    if arr.ndim != 1:
+        raise ValueError(f"a shard is a 1-D array of token ids, got shape {arr.shape}")
+    if arr.dtype != dt and len(arr) and (int(arr.min()) < 0 or int(arr.max()) > np.iinfo(dt).max):
+        raise ValueError(f"token ids {int(arr.min())}..{int(arr.max())} do not fit {dt.name}")
+    arr = arr.astype(dt, copy=False)
+    name = shard_name(index)
+    save_npy_atomic(Path(directory) / name, arr)
+    return {"file": name, "tokens": int(len(arr)), "documents": int(documents),
+            "max_token_id": int(arr.max()) if len(arr) else 0}
+
+
+def shard_set_metadata(shards: list, *, dtype: np.dtype, tokenizer_info: dict, source: dict,
+                       window: Optional[int], stride: Optional[int], shard_tokens: Optional[int],
+                       totals: Optional[dict] = None, **extra: Any) -> dict:
+    """The ``metadata.json`` of a complete set of ``shards`` (records from :func:`write_shard`).
+
+    ``totals`` tokens/documents/shards are counted from the records (``totals`` adds keys such
+    as ``characters``); ``extra`` keys (``stats``, ``settings``...) are added as given. Raises
+    ``ValueError`` naming every field the reader (:func:`read_metadata`) would refuse."""
+    shards = list(shards)
+    meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "complete": True,
+            "dtype": np.dtype(dtype).name, "tokenizer": dict(tokenizer_info), "source": dict(source),
+            "window": window, "stride": stride, "shard_tokens": shard_tokens, "shards": shards,
+            "totals": {"tokens": sum(s["tokens"] for s in shards),
+                       "documents": sum(s["documents"] for s in shards),
+                       **(totals or {}), "shards": len(shards)},
+            **extra,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    problems = _type_problems(meta)
+    if meta["dtype"] == "uint16" and _is_int(tokenizer_info.get("vocab_size")) \
+            and tokenizer_info["vocab_size"] > 65536:
+        problems.append(f"dtype uint16 cannot hold a {tokenizer_info['vocab_size']:,}-token vocabulary")
+    if problems:
+        raise ValueError("shard set metadata the reader would refuse: " + "; ".join(problems))
+    return meta
+
+
+def write_metadata(directory: Path, meta: dict) -> None:
+    """Write ``metadata.json`` atomically: the last file of a set (it makes the set complete)."""
+    write_json_atomic(Path(directory) / METADATA_FILE, meta)
+
+
+def write_shard_set(directory: Path, docs: Iterable[np.ndarray], tokenizer_info: dict, *,
+                    shard_tokens: int, source: dict, window: Optional[int] = None,
+                    stride: Optional[int] = None) -> dict:
+    """Documents -> a complete shard set in ``directory`` (new or empty); returns its metadata.
+
+    Each document is a 1-D array of token ids already framed as BOS + ids + EOS
+    (``tokenizer_info``'s ``bos_id``/``eos_id``, every id below its ``vocab_size``). Shards
+    are packed as the prep engine packs them: whole documents in order, a shard closed once it
+    holds ``shard_tokens`` tokens or more, dtype from the vocabulary size, metadata.json last.
+    Raises ``ValueError`` for a document that is not framed or holds an id out of range, and
+    for a directory that already holds a set (nothing is overwritten)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    present = sorted(p.name for p in d.iterdir()
+                     if SHARD_FILE_RE.match(p.name) or p.name == METADATA_FILE)
+    if present:
+        raise ValueError(f"{d} already holds {', '.join(present[:3])}; write a new set into an "
+                         "empty folder")
+    vocab, bos, eos = (tokenizer_info["vocab_size"], tokenizer_info["bos_id"],
+                       tokenizer_info["eos_id"])
+    dtype = dtype_for_vocab(vocab)
+    shards: list = []
+    buf: list = []
+    fill = 0
+    for i, doc in enumerate(docs):
+        doc = np.asarray(doc)
+        if doc.ndim != 1 or len(doc) < 2 or doc[0] != bos or doc[-1] != eos:
+            raise ValueError(f"document {i} is not framed as BOS ({bos}) + ids + EOS ({eos})")
+        if int(doc.min()) < 0 or int(doc.max()) >= vocab:
+            raise ValueError(f"document {i} holds token ids {int(doc.min())}..{int(doc.max())}, "
+                             f"outside the vocabulary (0..{vocab - 1})")
+        buf.append(doc)
+        fill += len(doc)
+        if fill >= shard_tokens:
+            shards.append(write_shard(d, len(shards), np.concatenate(buf), len(buf), dtype))
+            buf, fill = [], 0
+    if buf:
+        shards.append(write_shard(d, len(shards), np.concatenate(buf), len(buf), dtype))
+    if not shards:
+        raise ValueError("no documents: a shard set holds at least one")
+    meta = shard_set_metadata(shards, dtype=dtype, tokenizer_info=tokenizer_info, source=source,
+                              window=window, stride=stride, shard_tokens=shard_tokens)
+    write_metadata(d, meta)
+    return meta
 
 
 # --------------------------------------------------------------------------- shard files
