@@ -33,6 +33,7 @@ Importing this module has no side effects (flash-attn and transformers load lazi
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -296,6 +297,25 @@ class Attention(nn.Module):
             y = y.transpose(1, 2)                                             # (B, T, H, hd)
         return self.resid_dropout(self.wo(y.reshape(B, T, self.n_heads * self.head_dim)))
 
+    def decode(self, x, cos, sin, cache: KVCache, key_bias: Optional[torch.Tensor]):
+        """One new token per row over the cache: x (B, 1, d_model). Plain matmul attention
+        (softmax(q k^T / sqrt(hd) + key_bias) v, the query heads of one KV head batched
+        together) instead of SDPA, whose CPU kernel pays a parallel region per call for a
+        single query. ``key_bias`` (B, capacity): 0 for keys to attend, -inf for padding."""
+        B = x.shape[0]
+        Hkv, G, hd = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
+        q = apply_rope(self.wq(x).view(B, 1, self.n_heads, hd), cos, sin)
+        k = apply_rope(self.wk(x).view(B, 1, Hkv, hd), cos, sin)
+        v = self.wv(x).view(B, 1, Hkv, hd)
+        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2))    # (B, Hkv, L, hd)
+        L = keys.shape[2]
+        att = torch.matmul(q.view(B, Hkv, G, hd), keys.transpose(-1, -2))    # (B, Hkv, G, L)
+        att.mul_(1.0 / math.sqrt(hd))
+        if key_bias is not None:
+            att.add_(key_bias[:, None, None, :L])
+        y = torch.matmul(att.softmax(dim=-1), values)                         # (B, Hkv, G, hd)
+        return self.wo(y.view(B, 1, self.n_heads * hd))
+
 
 class Block(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -307,6 +327,10 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, spec: AttnSpec, cache: Optional[KVCache] = None):
         x = x + self.attn(self.attn_norm(x), cos, sin, spec, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def decode(self, x, cos, sin, cache: KVCache, key_bias: Optional[torch.Tensor]):
+        x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache, key_bias)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -376,6 +400,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.tok_embeddings.weight
         self.gradient_checkpointing = False  # recompute each block in backward (big models, small GPUs)
         self.loss_chunk_rows = max(64, (1 << 21) // args.vocab_size * 4)  # ~32 MB of fp32 logits per chunk
+        self.decode_threads: Optional[int] = None  # generation steps' CPU threads; None: see _step_threads
         self._rope: dict = {}  # device -> (cos, sin) fp32, grown on demand; not a buffer, so .to(bf16) keeps it fp32
         self.reset_parameters()
 
@@ -511,11 +536,12 @@ class Transformer(nn.Module):
     def generate_stream(self, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
                         top_k: int = 0, top_p: float = 1.0, eos_id: int | Iterable[int] | None = None,
                         seed: Optional[int] = None) -> Iterator[int]:
-        """Yield each new token of one prompt as soon as it is sampled (EOS ends, not yielded)."""
-        with torch.no_grad():
-            for row_tokens in self._decode([prompt], max_new_tokens, temperature, top_k, top_p, eos_id, seed):
-                for _, t in row_tokens:
-                    yield t
+        """Yield each new token of one prompt as soon as it is sampled (EOS ends, not yielded).
+        Each step runs in inference mode of its own, so the caller's code between tokens runs
+        with its own grad mode and thread count."""
+        for row_tokens in self._decode([prompt], max_new_tokens, temperature, top_k, top_p, eos_id, seed):
+            for _, t in row_tokens:
+                yield t
 
     def _decode(self, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, seed):
         """The one generation engine: yields, per step, [(row, token), ...] of unfinished rows."""
@@ -552,26 +578,31 @@ class Transformer(nn.Module):
                 gen.seed()
             else:
                 gen.manual_seed(int(seed))
+            cos_all, sin_all = self.rope(capacity, device)  # outside inference mode: the table is kept
+            n_params = self.num_params()
             padded = min(lens) < Tp
-            if padded:
-                positions = (valid.long().cumsum(1) - 1).clamp(min=0)        # (B, Tp)
-                eye = torch.eye(Tp, dtype=torch.bool, device=device)
-                causal = torch.ones(Tp, Tp, dtype=torch.bool, device=device).tril()
-                # pad queries see themselves only, so no row of the mask is empty
-                mask = causal & (valid[:, None, :] | eye)                    # (B, Tp, Tp)
-                spec = AttnSpec("mask", mask=mask[:, None])
-                key_valid = torch.zeros(B, capacity, dtype=torch.bool, device=device)
-                key_valid[:, :Tp] = valid
-                next_pos = positions[:, -1:] + 1                             # (B, 1)
-            else:
-                positions, spec = None, AttnSpec("causal")
-            h = self._trunk(idx, positions, spec, caches)
-            logits = self.lm_head(h[:, -1]).float()                          # (B, V)
+            with _step_mode(self._step_threads(B * Tp, n_params)):
+                key_bias = None
+                if padded:
+                    positions = (valid.long().cumsum(1) - 1).clamp(min=0)    # (B, Tp)
+                    eye = torch.eye(Tp, dtype=torch.bool, device=device)
+                    causal = torch.ones(Tp, Tp, dtype=torch.bool, device=device).tril()
+                    # pad queries see themselves only, so no row of the mask is empty
+                    mask = causal & (valid[:, None, :] | eye)                # (B, Tp, Tp)
+                    spec = AttnSpec("mask", mask=mask[:, None])
+                    key_bias = torch.zeros(B, capacity, dtype=self.tok_embeddings.weight.dtype, device=device)
+                    key_bias[:, :Tp].masked_fill_(~valid, float("-inf"))    # new tokens: all valid
+                    next_pos = positions[:, -1:] + 1                         # (B, 1)
+                else:
+                    positions, spec = None, AttnSpec("causal")
+                h = self._trunk(idx, positions, spec, caches)
+                tok = sample_next(self.lm_head(h[:, -1]).float(), temperature, top_k, top_p, gen)
+                toks = tok.tolist()
+            threads = self._step_threads(B, n_params)
             done = [False] * B
             for step in range(max_new_tokens):
-                tok = sample_next(logits, temperature, top_k, top_p, gen)   # (B,)
                 emitted = []
-                for r, t in enumerate(tok.tolist()):
+                for r, t in enumerate(toks):
                     if done[r]:
                         continue
                     if t in eos:
@@ -582,17 +613,52 @@ class Transformer(nn.Module):
                     yield emitted
                 if all(done) or step == max_new_tokens - 1:
                     break
-                x = tok[:, None]                                             # (B, 1)
-                if padded:
-                    L = Tp + step + 1
-                    key_valid[:, L - 1] = True
-                    h = self._trunk(x, next_pos, AttnSpec("mask", mask=key_valid[:, None, None, :L]), caches)
-                    next_pos = next_pos + 1
-                else:
-                    h = self._trunk(x, None, AttnSpec("full"), caches)
-                logits = self.lm_head(h[:, -1]).float()
+                with _step_mode(threads):
+                    if padded:
+                        cos, sin = cos_all[next_pos], sin_all[next_pos]     # (B, 1, hd)
+                        next_pos = next_pos + 1
+                    else:
+                        cos, sin = cos_all[Tp + step:Tp + step + 1], sin_all[Tp + step:Tp + step + 1]
+                    h = self.tok_embeddings(tok[:, None])                    # (B, 1, d_model)
+                    for layer, cache in zip(self.layers, caches):
+                        h = layer.decode(h, cos, sin, cache, key_bias)
+                    logits = self.lm_head(self.norm(h[:, 0])).float()        # (B, V): last position only
+                    tok = sample_next(logits, temperature, top_k, top_p, gen)
+                    toks = tok.tolist()
         finally:
             self.train(was_training)
+
+    def _step_threads(self, n_tokens: int, n_params: int) -> Optional[int]:
+        """Intra-op threads for one generation step over ``n_tokens`` tokens: on CPU, 1 when
+        the step is small (at most 2^28 multiply-adds, roughly 25 ms on one core: a 32-token
+        prompt or 8 decode rows of a 7M model, one decode row of a 250M one), else unchanged
+        (None). On an idle second core such a step saves a few ms at best (batch-1 decoding is
+        bound by reading the weights, not by arithmetic), while every op's parallel region
+        waits a scheduler time slice whenever a worker thread is descheduled on a busy machine
+        (measured on 2 shared cores: 2 threads 5-8x slower than 1 per decode step, 5-50x per
+        32-token prefill). ``self.decode_threads`` (an int) overrides the rule."""
+        if self.decode_threads is not None:
+            return self.decode_threads
+        if self.device.type != "cpu":
+            return None
+        return 1 if n_tokens * n_params <= 1 << 28 else None
+
+
+@contextlib.contextmanager
+def _step_mode(threads: Optional[int]):
+    """Inference mode, and ``threads`` intra-op threads (None: unchanged), for one generation
+    step; both are restored before the caller's code runs again (generate_stream yields
+    between steps)."""
+    prev = torch.get_num_threads()
+    change = threads is not None and threads != prev
+    if change:
+        torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        if change:
+            torch.set_num_threads(prev)
 
 
 # --------------------------------------------------------------------------- sampling

@@ -10,6 +10,17 @@ after one warm-up call; new tokens/s = batch x new tokens / seconds. Both conten
 one process, alternating per repeat, with the same threads; min / median / max over repeats.
 The outputs are compared too: greedy decoding of the same weights must give the same tokens
 (a mismatch is printed, since a fast wrong answer is worth nothing).
+
+``--threads N`` sets the process's intra-op threads for both contenders (default: torch's
+own, one per core). Our generation additionally runs each small step (at most 2^28
+multiply-adds: every 7m step here but the batch-8 prefill) on one thread, see ``Transformer._step_threads``;
+``--threads 1`` therefore compares the code alone, both sides on one thread.
+
+Batch 1 also times the interactive path: inference.py's ``Engine.generate`` (what ``main.py
+infer`` runs per prompt: ``generate_stream`` plus incremental detokenization and a text
+callback per token) with the sample Mistral tokenizer (32k vocabulary, the same size),
+reporting its time to first token (prompt in, first token out, prefill included) and its
+new tokens/s, next to ``generate``'s, so the streaming layer's cost is visible.
 """
 from __future__ import annotations
 
@@ -41,9 +52,12 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--size", default="7m", choices=sorted(SIZES))
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     a = ap.parse_args()
 
     import torch
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
     import model as M
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -59,7 +73,7 @@ def main() -> int:
     hf.tie_weights()
     print(f"perf/generate_throughput.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {a.size} model "
+          f"{torch.get_num_threads()} threads (ours: 1 per small step); {a.size} model "
           f"({sum(p.numel() for p in ours.parameters()) / 1e6:.1f}M params), fp32, greedy, "
           f"prompt {a.prompt_len} tokens, {a.new_tokens} new tokens, {a.repeats} repeats")
 
@@ -92,7 +106,45 @@ def main() -> int:
         print(f"  ours  new tokens/s {spread(r_ours, ',.0f')}")
         print(f"  HF    new tokens/s {spread(r_hf, ',.0f')}")
         print(f"  ratio ours/HF      {spread([o / h for o, h in zip(r_ours, r_hf)], '.2f')}")
+        if batch == 1:
+            interactive(ours, a, run_ours)
     return 0
+
+
+def interactive(ours, a, run_ours) -> None:
+    """Batch 1 through inference.Engine.generate (streaming + detokenizing) vs generate."""
+    import types
+    import inference
+    from utils.tok import load_tokenizer_from
+    tok_dir = ROOT / "data" / "samples" / "tokenizers" / "mistral-v1"
+    if not tok_dir.exists():
+        print(f"  interactive path: skipped ({tok_dir} is missing; run `make samples`)")
+        return
+    engine = inference.Engine.__new__(inference.Engine)
+    engine._tok = load_tokenizer_from(str(tok_dir))
+    engine.cfg, engine.raw, engine.err = None, False, sys.stderr
+    loaded = inference.Loaded(Path("perf"), "perf", ours, "pretrain", None, 0)
+    words = "the history of the river valley and the people who lived near it " * 8
+    text = engine._tok.decode(engine._tok(words, add_special_tokens=False)["input_ids"][:a.prompt_len - 1])
+    params = inference.Params(max_new_tokens=a.new_tokens, temperature=0.0, top_k=0, top_p=1.0)
+    shown = []
+    note = types.SimpleNamespace(lines=[])
+    engine.generate(loaded, text, params, shown.append, note.lines.append)   # warm-up
+    ttft, rate, plain = [], [], []
+    for _ in range(a.repeats):
+        shown.clear()
+        _, st = engine.generate(loaded, text, params, shown.append, note.lines.append)
+        ttft.append(st.ttft * 1e3)
+        rate.append(st.tokens / st.seconds)
+        t0 = time.perf_counter()
+        run_ours()
+        plain.append(a.new_tokens / (time.perf_counter() - t0))
+    print(f"  interactive (inference.Engine.generate: stream + detokenize, "
+          f"{len(engine._tok(text, add_special_tokens=False)['input_ids']) + 1}-token prompt):")
+    print(f"    time to first token ms {spread(ttft, ',.1f')}")
+    print(f"    new tokens/s           {spread(rate, ',.0f')}")
+    print(f"    generate() tokens/s    {spread(plain, ',.0f')}  (interleaved with the above)")
+    print(f"    ratio interactive/generate {spread([r / p for r, p in zip(rate, plain)], '.2f')}")
 
 
 if __name__ == "__main__":
