@@ -239,8 +239,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.config(cfg.to_dict(), hparams)
 
     bpt = None
-    if main_proc and val_loader is not None and not ckpt:
+    if val_loader is not None and not ckpt:
         bpt = measure_bytes_per_token(_take(val_loader, 8), tok.decode)
+        if dist.enabled:   # each rank measured its own, equally long val slice: average them
+            bpt = D.all_reduce_sum(dist, [bpt or 0.0], device)[0] / dist.world_size
 
     prompt = hp.sample_prompt
     prompt_ids = [tok.bos_token_id] + _encode_plain(tok, prompt)

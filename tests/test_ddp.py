@@ -8,7 +8,7 @@ Contract checked here (docs/training.md, "Several processes"):
   step, the weights of ``python main.py train ... --batch-size 2B`` in one process (within
   1e-5): rank r reads windows ``perm[r::2]`` of the same permutation, so the two ranks'
   micro-batches together are the single process's batch, and DDP averages the gradients.
-  Logged losses, learning rates and validation losses agree too.
+  Logged losses, learning rates, validation losses and bits per byte agree too.
 - Only rank 0 writes: one JSONL log with one record per step, one TensorBoard event file,
   the same checkpoint files as the single-process run, each holding both ranks' RNG states.
 - Ctrl-C (SIGINT to the launch's whole process group, as a terminal sends it) stops both
@@ -111,6 +111,10 @@ def test_each_step_equals_one_process_with_the_doubled_batch(root, ddp_run, sing
     vs = {r["step"]: r["val_loss"] for r in latest_per_step(rs, "val")}
     assert vd.keys() == vs.keys() and len(vd) >= 2                 # both ranks' val slices
     assert all(abs(vd[k] - vs[k]) < ATOL for k in vd), (vd, vs)
+    # bits per byte: bytes per token measured over both ranks' val slices, like one process
+    bd = {r["step"]: r["bits_per_byte"] for r in latest_per_step(rd, "val")}
+    bs = {r["step"]: r["bits_per_byte"] for r in latest_per_step(rs, "val")}
+    assert all(abs(bd[k] - bs[k]) < ATOL for k in bd), (bd, bs)
 
 
 def test_only_rank_0_writes(root, ddp_run, single_run):
