@@ -129,13 +129,12 @@ def test_hub_streaming_path_resumes_from_saved_stream_state(parquet_dir, tmp_con
                                                             tmp_path):
     """The streaming (hub) code path, run offline on a local dataset folder: an interrupted run
     restores the stream from its saved state (not by reading it again) and ends byte-identical."""
-    import os
     import signal
     import subprocess
     import sys
 
-    from tests.conftest import ROOT, offline_env
-    from tests.test_prep import _wait_for_shards
+    from tests.conftest import ROOT, default_signals, offline_env
+    from tests.test_prep import _signal_when
     from utils.config import load_config
 
     fw = {"dataset": str(parquet_dir[0]), "config_name": None, "workers": 2,
@@ -162,9 +161,14 @@ def test_hub_streaming_path_resumes_from_saved_stream_state(parquet_dir, tmp_con
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fineweb", "--config", str(cfg),
                              "--output-dir", str(out), "--no-progress"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=offline_env(LLM_PREP_TEST_SHARD_DELAY="0.3"), start_new_session=True)
-    _wait_for_shards(out, 2, proc)
-    os.killpg(proc.pid, signal.SIGINT)
+                            env=offline_env(), preexec_fn=default_signals, start_new_session=True)
+
+    def two_shards_recorded(names) -> bool:
+        try:
+            return len(json.loads((out / ".progress.json").read_text())["shards"]) >= 2
+        except (OSError, ValueError, KeyError):
+            return False
+    _signal_when(proc, out, two_shards_recorded, signal.SIGINT)   # Ctrl-C from outside, no hook
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     progress = json.loads((out / ".progress.json").read_text())

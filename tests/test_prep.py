@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
 
-from tests.conftest import NEWS, ROOT, SPM_MODEL, offline_env, run_main
+from tests.conftest import NEWS, ROOT, SPM_MODEL, default_signals, offline_env, run_main
 from utils.textio import escape_article, unescape_article
 
 SHARD_TOKENS = 3000
@@ -203,63 +207,207 @@ def test_test_mode_limit_and_default_dir(prep_env, tok):
     assert meta["source"]["test"] is True
 
 
-def _start(cfg, out, **env):
+# --------------------------------------------------------------------------- interrupts
+# Interrupts come from the outside, at moments no hook chooses: `prepare` runs on enough text
+# to work for a second or more (the news articles BIG_COPIES times, ~160 shards), a signal
+# goes to its process group (router, stage and tokenizer workers, as a terminal's Ctrl-C or
+# an OOM kill would) a while after its first output appears, and the same command then
+# resumes. The delays are fractions of the work time of an uninterrupted reference run
+# measured at the start of the module, with seeded jitter: they land mid-tokenize, mid-pack
+# and mid-write. The promise checked is the same for every moment: shards recorded as done
+# are the reference's shards, and the resumed set is byte-identical to the reference.
+BIG_COPIES, BIG_SHARD_TOKENS = 24, 12_000
+SET_FILES = ("tokens_", ".tokens_", ".progress.json")
+
+
+def _start(cfg, out) -> subprocess.Popen:
+    """`main.py prepare` in its own process group, default signal handling (also when the
+    tests run as a background job, where SIGINT starts ignored)."""
     return subprocess.Popen([sys.executable, str(ROOT / "main.py"), "prepare", "--config", str(cfg),
                              "--output-dir", str(out), "--no-progress"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=offline_env(**env), start_new_session=True)
+                            stdin=subprocess.DEVNULL, env=offline_env(),
+                            preexec_fn=default_signals, start_new_session=True)
 
 
-def _wait_for_shards(out: Path, n: int, proc, timeout: float = 60) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
+def _names(out: Path) -> list[str]:
+    try:
+        return [e.name for e in os.scandir(out)]
+    except FileNotFoundError:
+        return []
+
+
+def _wait_for(proc, out: Path, ready, timeout: float = 180, interval: float = 0.002) -> Optional[float]:
+    """Poll ``out`` until ``ready(names)``; the monotonic time then, or None if the run ended."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if ready(_names(out)):
+            return time.monotonic()
+        if proc.poll() is not None:
+            return None
+        time.sleep(interval)
+    raise AssertionError(f"prepare wrote nothing to {out} in {timeout} s")
+
+
+def _signal_when(proc, out: Path, ready, sig: int) -> list[str]:
+    """Send ``sig`` to the run's process group at a moment when ``ready(names)`` holds: seen
+    by polling, then checked again with the group frozen (SIGSTOP), so the moment cannot
+    pass before the signal lands; if it has passed, the run goes on to the next one. Returns
+    the folder's names at that moment."""
+    while True:
+        assert _wait_for(proc, out, ready) is not None, "the run ended before the moment to signal"
         try:
-            if len(json.loads((out / ".progress.json").read_text())["shards"]) >= n:
-                return
-        except (OSError, ValueError, KeyError):
+            os.killpg(proc.pid, signal.SIGSTOP)
+            time.sleep(0.01)   # every process of the group is stopped by now
+            names = _names(out)
+            if ready(names):
+                os.killpg(proc.pid, sig)
+                os.killpg(proc.pid, signal.SIGCONT)
+                return names
+            os.killpg(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:   # the run ended meanwhile: _wait_for says so
             pass
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError("prep did not get going")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
-def test_interrupted_prep_resumes_byte_identical(prep_env, tmp_path, sig):
-    """Ctrl-C (the whole process group, like a terminal) or kill -9 mid-run, then re-run."""
-    cfg, ref, out = prep_env["cfg"], prep_env["ref"], tmp_path / "out"
-    # LLM_PREP_TEST_SHARD_DELAY (test hook, utils/packing.py) slows the run down between shards.
-    proc = _start(cfg, out, LLM_PREP_TEST_SHARD_DELAY="0.25")
-    _wait_for_shards(out, 3, proc)
-    os.killpg(proc.pid, sig)
-    _, err = proc.communicate(timeout=60)
-    if sig == signal.SIGINT:
-        assert proc.returncode == 130, err
-        assert "interrupted" in err
-    else:
-        assert proc.returncode == -signal.SIGKILL
-        # A crash can leave a shard written but not yet recorded, and a temp file.
-        progress = json.loads((out / ".progress.json").read_text())
-        (out / f"tokens_{len(progress['shards']):05d}.npy").write_bytes(b"half-written")
-        (out / ".tokens_00042.npy.tmp-12345").write_bytes(b"junk")
-    assert not (out / "metadata.json").exists()
-    done = json.loads((out / ".progress.json").read_text())["shards"]
-    assert 3 <= len(done) < len(shard_bytes(ref))
-    if sig == signal.SIGINT:   # other settings: refused with a pointer to --force
-        p = run_main("prepare", "--config", cfg, "--output-dir", out, "--shard-tokens", "5000")
-        assert p.returncode == 1 and "--force" in p.stderr and "shard_tokens" in p.stderr
-    # The same command resumes and ends with the same bytes.
+def _started(names) -> bool:
+    return any(n.startswith(SET_FILES) for n in names)
+
+
+@pytest.fixture(scope="module")
+def big_env(prep_env):
+    """The large input, its config, and the uninterrupted reference run, timed from outside:
+    ``work`` is the time from its first output file to its exit."""
+    from tests.conftest import write_config
+    root = prep_env["root"] / "big"
+    cleaned = root / "cleaned"
+    cleaned.mkdir(parents=True)
+    arts = [f"{a} ({k})" for k in range(BIG_COPIES) for a in prep_env["articles"]]
+    for i in range(3):
+        part = arts[i * len(arts) // 3:(i + 1) * len(arts) // 3]
+        (cleaned / f"cleaned_part{i}.txt").write_text("".join(escape_article(a) + "\n" for a in part),
+                                                      encoding="utf-8")
+    base = json.loads(prep_env["cfg"].read_text())
+    cfg = write_config(root, {"tokenizer": base["tokenizer"], "paths": {"cleaned_dir": str(cleaned)},
+                              "dataset": {"shard_tokens": BIG_SHARD_TOKENS, "window": 64, "workers": 2}})
+    ref = root / "reference"
+    proc = _start(cfg, ref)
+    first = _wait_for(proc, ref, _started)
+    _, err = proc.communicate(timeout=300)
+    end = time.monotonic()
+    assert proc.returncode == 0 and first is not None, err
+    meta = json.loads((ref / "metadata.json").read_text())
+    assert meta["totals"]["shards"] > 100 and meta["stats"]["documents_read"] == len(arts)
+    return {"cfg": cfg, "ref": ref, "work": end - first, "documents": len(arts), "root": root}
+
+
+def _interrupt(cfg, out: Path, sig: int, after: Callable[[subprocess.Popen, int], Optional[float]],
+               attempts: int = 4) -> tuple[subprocess.Popen, str, int]:
+    """Start prepare, send ``sig`` to its process group at the moment ``after(proc, attempt)`` returns
+    (monotonic time; None = the run ended first), and wait. A run that completed before the
+    signal (a machine faster than the measured run) is started again, and signalled sooner.
+    Returns the process, its stderr and the attempt that was interrupted."""
+    for attempt in range(attempts):
+        shutil.rmtree(out, ignore_errors=True)
+        proc = _start(cfg, out)
+        at = after(proc, attempt)
+        if at is not None:
+            time.sleep(max(0.0, at - time.monotonic()))
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        _, err = proc.communicate(timeout=180)
+        if not (out / "metadata.json").exists():
+            return proc, err, attempt
+    raise AssertionError(f"prepare completed before the signal in {attempts} attempts")
+
+
+def _check_resume(cfg, ref: Path, out: Path, documents: int) -> None:
+    """What an interrupted run left is consistent, and the same command finishes it to the
+    reference's bytes."""
+    progress = (json.loads((out / ".progress.json").read_text())
+                if (out / ".progress.json").exists() else None)
+    done = progress["shards"] if progress else []
+    ref_meta = json.loads((ref / "metadata.json").read_text())
+    assert len(done) < len(ref_meta["shards"])
+    for s, r in zip(done, ref_meta["shards"]):   # what is recorded as done is final
+        assert s == r and (out / s["file"]).read_bytes() == (ref / s["file"]).read_bytes()
     p = run_main("prepare", "--config", cfg, "--output-dir", out)
     assert p.returncode == 0, p.stderr
-    assert "resuming" in p.stdout
+    assert ("resuming" in p.stdout) == (progress is not None), p.stdout
     assert shard_bytes(out) == shard_bytes(ref)
-    meta, ref_meta = (json.loads((d / "metadata.json").read_text()) for d in (out, ref))
+    meta = json.loads((out / "metadata.json").read_text())
     assert meta["shards"] == ref_meta["shards"] and meta["totals"] == ref_meta["totals"]
-    assert meta["stats"]["documents_read"] == 300 and meta["stats"]["runs"] == 2
-    assert not list(out.glob(".*tmp*"))
+    assert meta["stats"]["documents_read"] == documents
+    assert meta["stats"]["runs"] == (2 if progress else 1)
+    assert sorted(_names(out)) == sorted([s["file"] for s in meta["shards"]]
+                                         + ["metadata.json", "resolved_config.json"])
+
+
+_MOMENTS = [("ctrl-c", 0.10, True), ("kill-9", 0.35, True), ("ctrl-c", 0.35, False),
+            ("kill-9", 0.60, False), ("ctrl-c", 0.60, True), ("kill-9", 0.85, True),
+            ("ctrl-c", 0.85, True), ("kill-9", 0.10, True)]   # (signal, fraction, slow)
+
+
+@pytest.mark.parametrize("how,fraction", [
+    pytest.param(how, f, id=f"{how}-{round(f * 100)}pct", marks=[pytest.mark.slow] if slow else [])
+    for how, f, slow in _MOMENTS])
+def test_interrupted_prep_resumes_byte_identical(big_env, tmp_path, how, fraction):
+    """Ctrl-C or kill -9 to the whole process group at a fraction of the measured work time
+    (seeded jitter), then the same command: same bytes as the uninterrupted run."""
+    sig = signal.SIGINT if how == "ctrl-c" else signal.SIGKILL
+    cfg, ref, out = big_env["cfg"], big_env["ref"], tmp_path / "out"
+    jitter = random.Random(f"{how}-{fraction}").uniform(-0.05, 0.05)
+    delay = big_env["work"] * (fraction + jitter)
+
+    def after(proc, attempt):
+        first = _wait_for(proc, out, _started)
+        return None if first is None else first + delay / 2 ** attempt
+
+    proc, err, _ = _interrupt(cfg, out, sig, after)
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130, err
+        assert "completed work is kept" in err and "Traceback" not in err
+        assert not [n for n in _names(out) if ".tmp-" in n]   # Ctrl-C cleans its temp files
+    else:
+        assert proc.returncode == -signal.SIGKILL, err
+    if sig == signal.SIGINT and not fraction < 0.2 and (out / ".progress.json").exists():
+        # Other settings on an unfinished set: refused with a pointer to --force.
+        p = run_main("prepare", "--config", cfg, "--output-dir", out, "--shard-tokens", "5000")
+        assert p.returncode == 1 and "--force" in p.stderr and "shard_tokens" in p.stderr
+    _check_resume(cfg, ref, out, big_env["documents"])
+
+
+@pytest.mark.parametrize("writing", [
+    pytest.param(r"^\.tokens_\d+\.npy\.tmp-", id="shard", marks=pytest.mark.slow),
+    pytest.param(r"^\.\.progress\.json\.tmp-", id="progress-record")])
+def test_kill_9_mid_write_resumes_byte_identical(big_env, tmp_path, writing):
+    """kill -9 while a file is being written, seen from outside: a shard (its temp file is
+    left), or the progress record after a shard (that shard is on disk but not recorded, and
+    the record's temp file is left). The group is frozen (SIGSTOP) when the temp file is
+    seen and killed only if it is still there, so the kill lands mid-write every time."""
+    cfg, ref, out = big_env["cfg"], big_env["ref"], tmp_path / "out"
+    n_ref = len(json.loads((ref / "metadata.json").read_text())["shards"])
+    target = random.Random(f"mid-write-{writing}").randrange(n_ref // 4, 3 * n_ref // 4)
+    temp = re.compile(writing)
+
+    def shards_on_disk(names) -> int:
+        return sum(1 for n in names if n.startswith("tokens_"))
+
+    proc = _start(cfg, out)
+    names = _signal_when(proc, out, lambda names: shards_on_disk(names) >= target
+                         and any(temp.match(n) for n in names), signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err
+    assert not (out / "metadata.json").exists()
+    recorded = len(json.loads((out / ".progress.json").read_text())["shards"])
+    if "progress" in writing:
+        assert shards_on_disk(names) == recorded + 1   # the last shard is not recorded yet
+    _check_resume(cfg, ref, out, big_env["documents"])
 
 
 def test_complete_set_with_other_settings_needs_force(prep_env, tmp_path):
-    import shutil
     cfg, out = prep_env["cfg"], tmp_path / "o"
     shutil.copytree(prep_env["ref"], out)
     # Windows are cut at read time: another window needs no rebuild.

@@ -35,9 +35,8 @@ instead of reading it again from the beginning. :func:`pack` turns the stream in
   stops the run naming it; shard files that no record accounts for are never deleted (only
   temp files and the single shard a run killed before its first record can leave).
 
-Test hook (read only by the tests, documented here): ``LLM_PREP_TEST_SHARD_DELAY=SECONDS``
-sleeps after each shard is recorded, so a test can interrupt a run deterministically between
-shards.
+Interrupt tests need no hook here: they signal a real run from outside at measured moments
+(tests/test_prep.py).
 """
 from __future__ import annotations
 
@@ -64,7 +63,6 @@ from utils.textio import CleanedFileError, iter_articles
 PROGRESS_FILE = ".progress.json"
 REBUILD_DIR = ".rebuild"         # where --force builds a new set beside the old one
 SHARD_RE = re.compile(r"^tokens_(\d{5,})\.npy$")
-TEST_DELAY_ENV = "LLM_PREP_TEST_SHARD_DELAY"
 CHUNK_CHARS = 1_000_000   # at most about this many characters per worker task
 
 Stream = Callable[..., Iterator[tuple[str, Optional[str]]]]   # open_stream(start, resume=None)
@@ -345,7 +343,6 @@ class _Packer:
         self.t0 = time.time()
         self.capped = False
         self.new_tokens = 0           # content tokens tokenized in this run (for tokens/s)
-        self.delay = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
         self.stream_resume = progress.get("stream_resume") if progress else None
 
     @property
@@ -409,8 +406,6 @@ class _Packer:
         self.save_progress()
         if self.job.max_files is not None and len(self.shards) >= self.job.max_files:
             self.capped = True
-        if self.delay:
-            time.sleep(self.delay)
 
     def finish(self) -> None:
         """End of stream: write the last partial shard and account trailing dropped docs."""
