@@ -1,14 +1,16 @@
 """`python main.py train`: files written, exact resume after a real SIGINT, stop signals, the
---max-steps total, refusals (other tokenizer, reused run name), Muon and gradient accumulation.
+--max-steps total, refusals (other tokenizer, reused run name), Muon and gradient accumulation,
+and SIGKILL during a checkpoint save (the previous checkpoint stays loadable; resume works).
 
 Every run is the CLI a user types (subprocess `python main.py train --test ...`) on a tiny shard
 set of the real news sample encoded with the Llama-style SentencePiece sample tokenizer and
-written by utils.shards (tests.test_dataloader.write_shard_set); tiny model, windows of 32
+written by utils.shards (tests/conftest.py: write_train_shards); tiny model, windows of 32
 tokens, batches of 2, so each run takes seconds. Signals are sent to the process when the
 run's own JSONL log shows a given step (polling the file), never after a sleep.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -18,8 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import NEWS, SPM_MODEL, popen_main, run_main, write_config
-from tests.test_dataloader import write_shard_set
+from tests.conftest import SPM_MODEL, popen_main, run_main, write_config
 from utils.checkpoint import load_checkpoint
 from utils.logging_utils import latest_per_step, read_jsonl
 from utils.scheduler import CosineWarmupScheduler, lr_factor
@@ -29,21 +30,9 @@ FLAGS = ["--window", "32", "--batch-size", "2", "--eval-batches", "2", "--sample
 
 
 @pytest.fixture(scope="module")
-def tok(samples):
-    from utils.tok import load_tokenizer_from
-    return load_tokenizer_from(str(SPM_MODEL))
-
-
-@pytest.fixture(scope="module")
-def shard_dir(tmp_path_factory, tok):
-    from utils.tok import describe
-    lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines()]
-    docs_text = list(dict.fromkeys(x for x in lines if x))[:120]
-    ids = tok(docs_text, add_special_tokens=False)["input_ids"]
-    docs = [np.asarray([tok.bos_token_id, *x, tok.eos_token_id]) for x in ids]
-    d = tmp_path_factory.mktemp("train_shards") / "wikipedia_test"
-    write_shard_set(d, docs, describe(tok, str(SPM_MODEL)))
-    return d
+def shard_dir(train_shards):
+    """The shared tiny shard set (tests/conftest.py: write_train_shards)."""
+    return train_shards
 
 
 TOTAL = 12   # steps of the module's reference run
@@ -228,3 +217,56 @@ def test_scheduler_warmup_cosine_min_and_resume():
     s3 = CosineWarmupScheduler(torch.optim.AdamW([p], lr=1.0), warmup=4, total=30, min_ratio=0.1)
     assert s3.load_state_dict(state) == ["total: 20 -> 30"]
     assert lr_factor(0, warmup=0, total=10, min_ratio=0.0) == 1.0
+
+
+# --------------------------------------------------------------------------- SIGKILL mid-save
+def _catch_save(run_dir: Path, proc: subprocess.Popen, skip: set, limit: float = 180):
+    """Spin until a training process starts writing checkpoint_latest.pt over an existing one:
+    its temp file ``.checkpoint_latest.pt.tmp-PID`` appears (PID: the writer, i.e. the stage
+    process that main.py started). Returns (pid, temp path)."""
+    latest = run_dir / "checkpoint_latest.pt"
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if latest.exists():
+            for t in run_dir.glob(".checkpoint_latest.pt.tmp-*"):
+                pid = int(t.name.rsplit("-", 1)[1])
+                if pid not in skip:
+                    return pid, t
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"run ended (exit {proc.returncode}) before a second save\n{out}\n{err}")
+        time.sleep(0.001)                 # a save takes tens of ms; leave the CPU to the run
+    proc.kill()
+    pytest.fail(f"no save of {latest} within {limit} s")
+
+
+def test_sigkill_during_checkpoint_save_keeps_the_previous_checkpoint(root, cfg):
+    """kill -9 the writer at moments inside the atomic save of checkpoint_latest.pt (as its
+    temp file appears, and a few ms later): each time the file under the real name is the
+    previous complete checkpoint (the one loader accepts it for a resume), and `--resume auto`
+    continues from it to the end and removes the dead writers' temp files."""
+    run_dir = root / "checkpoints" / "killed"
+    total = 8
+    args = ["--name", "killed", "--max-steps", str(total), "--eval-steps", "1"]  # save every step
+    killed, mid_save, resume, before = set(), 0, [], 0
+    for delay in (0.0, 0.002, 0.01):
+        p = popen_main("train", "--test", "--config", cfg, *FLAGS, *args, *resume)
+        pid, tmp = _catch_save(run_dir, p, killed)
+        if delay:
+            time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode not in (0, 130), f"{out}\n{err}"
+        mid_save += tmp.exists()              # the writer died before its rename
+        ck = load_checkpoint(run_dir / "checkpoint_latest.pt", "resume")
+        assert before <= ck["step"] < total
+        assert ck["optimizer"]["adamw"]["state"], "optimizer state missing"
+        before, resume = ck["step"], ["--resume", "auto"]
+    assert mid_save >= 2, "the kills should land inside the save (temp file left behind)"
+    ok(train(cfg, *args, "--resume", "auto"))
+    assert load_checkpoint(run_dir / "checkpoint_latest.pt", "resume")["step"] == total
+    assert not list(run_dir.glob(".*.tmp-*")), "temp files of the killed writers remain"
+    steps = losses(log_of(root, "killed"))
+    assert sorted(steps) == list(range(1, total + 1))
+    assert all(np.isfinite(v) for v in steps.values())
