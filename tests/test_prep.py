@@ -8,6 +8,7 @@ stage run does not convert it again. Small shard_tokens make many shards.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -262,11 +263,12 @@ def _signal_when(proc, out: Path, ready, sig: int) -> list[str]:
             names = _names(out)
             if ready(names):
                 os.killpg(proc.pid, sig)
-                os.killpg(proc.pid, signal.SIGCONT)
-                return names
-            os.killpg(proc.pid, signal.SIGCONT)
         except ProcessLookupError:   # the run ended meanwhile: _wait_for says so
-            pass
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGCONT)   # a pending SIGINT is taken now
+        if ready(names):
+            return names
 
 
 def _started(names) -> bool:
