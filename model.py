@@ -353,19 +353,24 @@ class _ChunkedLinearCE(torch.autograd.Function):
             for s in range(0, h.shape[0], chunk):
                 hc = hc_all[s:s + chunk]
                 logits = (hc @ wc.t()).float()                             # (n, V)
-                t = safe_t[s:s + chunk]
-                wt = w[s:s + chunk]
-                lse = torch.logsumexp(logits, dim=-1)
-                tgt = logits.gather(1, t[:, None]).squeeze(1)
-                loss += ((lse - tgt) * wt).sum()
+                t = safe_t[s:s + chunk, None]
+                wt = w[s:s + chunk, None]
+                tgt = logits.gather(1, t)
+                mx = logits.amax(dim=-1, keepdim=True)
+                p = logits.sub_(mx).exp_()                                 # in place: one (n, V) buffer
+                z = p.sum(dim=-1, keepdim=True)
+                loss += ((mx + z.log() - tgt) * wt).sum()                  # logsumexp - target logit
                 if need_h or need_w:
-                    g = logits.sub_(lse[:, None]).exp_()                   # softmax, in place
-                    g.scatter_add_(1, t[:, None], -torch.ones_like(wt)[:, None])
-                    g = g.mul_(wt[:, None]).to(dtype)
+                    g = p.mul_(wt / z)                                     # w * softmax
+                    g.scatter_add_(1, t, -wt)                              # w * (softmax - onehot)
+                    g = g.to(dtype)
                     if need_h:
-                        grad_h[s:s + chunk] = g @ wc
+                        torch.mm(g, wc, out=grad_h[s:s + chunk])
                     if need_w:
-                        grad_w += (g.t() @ hc).float()
+                        if dtype == torch.float32:
+                            grad_w.addmm_(g.t(), hc)
+                        else:
+                            grad_w += (g.t() @ hc).float()
         ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
         return loss
@@ -373,8 +378,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         saved = list(ctx.saved_tensors)
-        grad_h = saved.pop(0).mul(grad_loss).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
-        grad_w = saved.pop(0).mul(grad_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        one = grad_loss.device.type == "cpu" and bool(grad_loss == 1)     # the usual case: no copy
+
+        def scaled(g, dtype):
+            return g.to(dtype) if one else g.mul(grad_loss).to(dtype)
+        grad_h = scaled(saved.pop(0), ctx.h_dtype) if ctx.needs_input_grad[0] else None
+        grad_w = scaled(saved.pop(0), ctx.w_dtype) if ctx.needs_input_grad[1] else None
         return grad_h, grad_w, None, None, None
 
 
