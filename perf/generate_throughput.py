@@ -6,7 +6,8 @@
 Same weights on both sides (ours copied into LlamaForCausalLM with model.to_hf_state_dict,
 attn "sdpa"), fp32, greedy, the same random prompts, EOS disabled so every row produces
 exactly ``--new-tokens`` tokens. Timed region: one whole ``generate`` call (prefill + decode),
-after one warm-up call; new tokens/s = batch x new tokens / seconds. Both contenders run in
+after one warm-up call; new tokens/s = batch x new tokens / seconds (also per CPU-second
+of the process, which other processes' load disturbs less). Both contenders run in
 one process, alternating per repeat, with the same threads; min / median / max over repeats.
 The outputs are compared too: greedy decoding of the same weights must give the same tokens
 (a mismatch is printed, since a fast wrong answer is worth nothing).
@@ -92,20 +93,22 @@ def main() -> int:
             return out[:, a.prompt_len:].tolist()
 
         same = run_ours() == run_hf()   # also the warm-up
-        t_ours, t_hf = [], []
+        t_ours, t_hf, c_ours, c_hf = [], [], [], []
         for _ in range(a.repeats):
-            t0 = time.perf_counter()
-            run_ours()
-            t_ours.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            run_hf()
-            t_hf.append(time.perf_counter() - t0)
+            for fn, wall, cpu in ((run_ours, t_ours, c_ours), (run_hf, t_hf, c_hf)):
+                c0, t0 = time.process_time(), time.perf_counter()
+                fn()
+                wall.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
         n = batch * a.new_tokens
         r_ours, r_hf = [n / t for t in t_ours], [n / t for t in t_hf]
         print(f"\nbatch {batch}: identical greedy tokens: {'yes' if same else 'NO'}")
         print(f"  ours  new tokens/s {spread(r_ours, ',.0f')}")
         print(f"  HF    new tokens/s {spread(r_hf, ',.0f')}")
         print(f"  ratio ours/HF      {spread([o / h for o, h in zip(r_ours, r_hf)], '.2f')}")
+        print(f"  new tokens per CPU-second (all threads; less sensitive to other load): "
+              f"ours {statistics.median(n / c for c in c_ours):,.0f}, HF {statistics.median(n / c for c in c_hf):,.0f}, "
+              f"ratio {spread([h / o for o, h in zip(c_ours, c_hf)], '.2f')}")
         if batch == 1:
             interactive(ours, a, run_ours)
     return 0
