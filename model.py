@@ -313,7 +313,7 @@ class Attention(nn.Module):
         att.mul_(1.0 / math.sqrt(hd))
         if key_bias is not None:
             att.add_(key_bias[:, None, None, :L])
-        y = torch.matmul(att.softmax(dim=-1), values)                         # (B, Hkv, G, hd)
+        y = torch.matmul(att.softmax(dim=-1, dtype=torch.float32).to(values.dtype), values)  # (B, Hkv, G, hd)
         return self.wo(y.view(B, 1, self.n_heads * hd))
 
 
