@@ -52,10 +52,14 @@ def synthetic_tokenizer() -> dict:
 
 def make_shard_set(directory: Path, tokens: int, n_shards: int, doc_len: int = 1000,
                    tokenizer: dict | None = None) -> dict:
-    """Write n_shards uint16 shards totalling ``tokens`` tokens, then metadata.json."""
+    """Write n_shards uint16 shards totalling ``tokens`` tokens, then metadata.json.
+
+    The shards are filled through a memory map in blocks (a 1e9-token set never sits in
+    memory); the metadata comes from the real writer's ``shard_set_metadata`` with each
+    shard's ``max_token_id``, as prep records it, so the loader validates the set from
+    metadata alone, as it does a set built by `prepare`."""
     import numpy as np
-    from utils.atomic import write_json_atomic
-    from utils.shards import FORMAT_NAME, FORMAT_VERSION, shard_name
+    from utils.shards import shard_name, shard_set_metadata, write_metadata
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     per = [tokens // n_shards + (1 if i < tokens % n_shards else 0) for i in range(n_shards)]
@@ -66,23 +70,22 @@ def make_shard_set(directory: Path, tokens: int, n_shards: int, doc_len: int = 1
         name = shard_name(i)
         tmp = directory / f".{name}.tmp"
         mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint16, shape=(n,))
+        top = 0
         for a in range(0, n, chunk):
             block = rng.integers(3, 32000, size=min(chunk, n - a), dtype=np.uint16)
             block[0::doc_len] = 1            # BOS ... EOS every doc_len tokens (chunk is a
             block[doc_len - 1::doc_len] = 2  # multiple of doc_len only roughly: content is synthetic)
             mm[a:a + len(block)] = block
+            top = max(top, int(block.max()))
         mm.flush()
         del mm
         os.replace(tmp, directory / name)
-        shards.append({"file": name, "tokens": n, "documents": max(1, n // doc_len)})
-    total = sum(per)
-    meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "complete": True,
-            "dtype": "uint16", "tokenizer": tokenizer or synthetic_tokenizer(),
-            "source": {"kind": "synthetic", "inputs": [], "filters": {}, "test": False},
-            "window": 512, "stride": 256, "shards": shards,
-            "totals": {"tokens": total, "documents": sum(s["documents"] for s in shards)},
-            "stats": {}, "created": datetime.datetime.now().isoformat(timespec="seconds")}
-    write_json_atomic(directory / "metadata.json", meta)
+        shards.append({"file": name, "tokens": n, "documents": max(1, n // doc_len),
+                       "max_token_id": top})
+    meta = shard_set_metadata(shards, dtype=np.uint16, tokenizer_info=tokenizer or synthetic_tokenizer(),
+                              source={"kind": "synthetic", "inputs": [], "filters": {}, "test": False},
+                              window=512, stride=256, shard_tokens=None, stats={})
+    write_metadata(directory, meta)
     return meta
 
 
