@@ -114,13 +114,14 @@ def _rebuild(cfg: Config, directory: Optional[Path] = None) -> str:
                            output_dir=str(directory) if custom else None)
 
 
-def _check(cfg: Config, directory: Path, tok_info: dict) -> tuple[dict, list[np.ndarray]]:
+def _check(cfg: Config, directory: Path, tok_info: dict,
+           log: Optional[Callable[[str], None]] = None) -> tuple[dict, list[np.ndarray]]:
     """read_metadata + validate against the tokenizer + open every shard (headers only, plus
     the token-id range from metadata). Raises ShardSetError."""
     rebuild = _rebuild(cfg, directory)
     meta = read_metadata(directory, rebuild)
     validate_metadata(meta, directory, tokenizer_info=tok_info, rebuild=rebuild)
-    arrays = load_shards(directory, meta, rebuild=rebuild)
+    arrays = load_shards(directory, meta, rebuild=rebuild, **({"log": log} if log else {}))
     return meta, arrays
 
 
@@ -145,8 +146,8 @@ def run_prep(cfg: Config, force: bool, output_dir: Optional[Path] = None) -> Non
                             f"`{_rebuild(cfg, output_dir)}` by hand to investigate.")
 
 
-def open_shard_set(cfg: Config, tokenizer: Any = None,
-                   directory: Optional[Path] = None) -> tuple[Path, dict, list[np.ndarray]]:
+def open_shard_set(cfg: Config, tokenizer: Any = None, directory: Optional[Path] = None,
+                   log: Optional[Callable[[str], None]] = None) -> tuple[Path, dict, list[np.ndarray]]:
     """Validate and memory-map the configured shard set: (directory, metadata, arrays).
 
     Refuses (ShardSetError, exit code 1) a missing, incomplete, damaged or stale set (other
@@ -159,13 +160,13 @@ def open_shard_set(cfg: Config, tokenizer: Any = None,
     d = Path(directory) if directory is not None else cfg.shard_dir()
     info = tokenizer_info(cfg, tokenizer)
     try:
-        meta, arrays = _check(cfg, d, info)
+        meta, arrays = _check(cfg, d, info, log)
     except ShardSetError as e:
         if not cfg.dataset.auto_prepare or not e.auto_rebuild:
             raise
         run_prep(cfg, force=e.field not in _INCOMPLETE_FIELDS,
                  output_dir=Path(directory) if directory is not None else None)
-        meta, arrays = _check(cfg, d, info)
+        meta, arrays = _check(cfg, d, info, log)
     # The model check comes after any rebuild: rebuilding with the same tokenizer cannot fix it.
     validate_metadata(meta, d, model_vocab_size=cfg.model.vocab_size, rebuild=_rebuild(cfg, d))
     return d, meta, arrays
@@ -527,7 +528,8 @@ class OnTheFlyLoader:
 
 def build_loaders(cfg: Config, tokenizer: Any = None, *, batch_size: Optional[int] = None,
                   device: Any = "cpu", rank: int = 0, world_size: int = 1,
-                  num_workers: Optional[int] = None, directory: Optional[Path] = None):
+                  num_workers: Optional[int] = None, directory: Optional[Path] = None,
+                  log: Optional[Callable[[str], None]] = None):
     """The trainer's entry point: ``(train_loader, val_loader, info)``.
 
     tokenizer: the tokenizer object (or its ``utils.tok.describe`` dict; None loads the
@@ -536,6 +538,7 @@ def build_loaders(cfg: Config, tokenizer: Any = None, *, batch_size: Optional[in
         this process's DDP slice. num_workers: default ``training.num_workers``.
     train_loader: :class:`TrainLoader` (or :class:`OnTheFlyLoader`); val_loader: a
         DataLoader in a fixed order, or None when there is no validation data.
+    log: where notes about the set go (default: stderr on rank 0, nowhere on other ranks).
     info: dict with mode, shard_dir, tokenizer, window, stride, train/val windows and tokens,
         the split summary and batches per epoch.
     """
@@ -544,7 +547,9 @@ def build_loaders(cfg: Config, tokenizer: Any = None, *, batch_size: Optional[in
     if cfg.dataset.mode == "on_the_fly":
         return _build_on_the_fly(cfg, tokenizer, batch_size=batch_size, device=device, rank=rank,
                                  world_size=world_size, num_workers=num_workers)
-    d, meta, arrays = open_shard_set(cfg, tokenizer, directory)
+    if log is None and rank != 0:
+        log = lambda msg: None   # noqa: E731  (notes about the set once, from rank 0)
+    d, meta, arrays = open_shard_set(cfg, tokenizer, directory, log)
     ds = cfg.dataset
     train_idx, val_idx, split = split_windows(
         [s["tokens"] for s in meta["shards"]], window=ds.window, stride=cfg.stride,

@@ -194,6 +194,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "auto`, or choose another --name.")
 
     # ---- data
+    if dist.enabled and cfg.dataset.mode != "on_the_fly":
+        # Rank 0 checks the shard set first (and, with dataset.auto_prepare, builds it); the
+        # other ranks wait, then open the finished set: never several preps in one folder.
+        if dist.rank == 0:
+            dataloader.open_shard_set(cfg, tok)
+        D.barrier(dist)
     train_loader, val_loader, info = dataloader.build_loaders(
         cfg, tok, device=device, rank=dist.rank, world_size=dist.world_size)
     say("train: " + dataloader.describe_info(info))
