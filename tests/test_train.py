@@ -108,6 +108,11 @@ def test_train_writes_run_files_and_loss_goes_down(root, cfg, full_run):
     assert ck["step"] == TOTAL and ck["kind"] == "pretrain"
     assert ck["model_args"]["d_model"] == 64 and ck["tokenizer"]["vocab_size"] == 32000
     assert "python main.py status full" in full_run
+    # On CPU with glibc the stage restarted itself once with the malloc tunables, and said so.
+    from utils.allocator import CPU_MALLOC_TUNABLES, cpu_allocator_env
+    if cpu_allocator_env() and "GLIBC_TUNABLES" not in os.environ:
+        assert full_run.count(f"restarting once with GLIBC_TUNABLES={CPU_MALLOC_TUNABLES}") == 1
+        assert "glibc malloc tunables set" in full_run
 
 
 def test_reused_run_name_refused(root, cfg, full_run):
