@@ -215,14 +215,8 @@ def run_ours(gguf: Path, items: dict, batch_size: int) -> tuple[dict, dict]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from perf.machine import cpu_model
+    cpu = cpu_model()
     return f"{platform.node()} {platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} CPUs"
 
 

@@ -190,11 +190,8 @@ def machine() -> str:
         mem = f", {kb / 2**20:.0f} GB RAM"
     except (OSError, StopIteration):
         pass
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(l for l in open("/proc/cpuinfo") if l.startswith("model name")).split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        pass
+    from perf.machine import cpu_model
+    cpu = cpu_model()
     return f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} cores{mem}"
 
 

@@ -115,14 +115,8 @@ def machine_info() -> str:
     import numpy
     import tokenizers
     import transformers
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from perf.machine import cpu_model
+    cpu = cpu_model()
     mem = ""
     try:
         kb = int(Path("/proc/meminfo").read_text().split()[1])

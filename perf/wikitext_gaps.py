@@ -25,7 +25,6 @@ full diff, so the script also prints a few examples of each kind from the "befor
 from __future__ import annotations
 
 import argparse
-import bz2
 import datetime
 import os
 import platform

@@ -8,13 +8,11 @@ bytes, a Git LFS pointer, a pickle whose __reduce__ would run a command).
 """
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import pytest

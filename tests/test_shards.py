@@ -10,7 +10,6 @@ traceback, never numpy's advice to load with allow_pickle, never a deleted file.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shlex
 import shutil
@@ -22,7 +21,6 @@ import numpy as np
 import pytest
 
 from tests.conftest import NEWS, ROOT, SPM_MODEL, offline_env, write_config
-from utils.config import load_config
 from utils.shards import (METADATA_FILE, ShardSetError, load_shards, open_shard, read_metadata,
                           read_npy_header, rebuild_command, save_npy_atomic, validate_metadata)
 

@@ -138,7 +138,7 @@ def test_cli_unknown_run_and_empty(tmp_path):
 def test_status_writes_nothing(tmp_path):
     _log_run(tmp_path, "r", [3, 2, 1, 0.5])
     _ckpt_dir(tmp_path, "r")
-    cfg = _cfg(tmp_path)
+    _cfg(tmp_path)
     snapshot = lambda: sorted((p, p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file())
     before = snapshot()
     assert _run(tmp_path, "r").returncode == 0

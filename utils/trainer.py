@@ -48,7 +48,6 @@ import math
 import random
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
