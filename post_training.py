@@ -33,7 +33,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from utils.cli import EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, cli_path, run_stage
+from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, argv_without,
+                       cli_path, run_stage)
 
 SAMPLES_SOURCE = "samples"
 SAMPLE_QUESTION = "Why is the sky blue?"
@@ -272,17 +273,7 @@ def _resume_path(cfg, spec: str, name: str) -> Path:
 
 
 def _resume_command(argv: Sequence[str], latest: Path) -> str:
-    out, skip = [], False
-    for a in argv[1:]:
-        if skip:
-            skip = False
-            continue
-        if a in ("--resume", "--checkpoint"):
-            skip = True
-            continue
-        if a.startswith(("--resume=", "--checkpoint=")):
-            continue
-        out.append(a)
+    out = argv_without(argv[1:], ("--resume", "--checkpoint"))
     return "python main.py sft train " + shlex.join(out + ["--resume", str(latest)])
 
 

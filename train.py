@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from utils.cli import EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, run_stage
+from utils.cli import EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, argv_without, run_stage
 
 # --test: a quick CPU profile. Each entry applies unless its flag is given on the command line
 # (it then overrides the config file's value, like any flag).
@@ -84,24 +84,8 @@ def build_parser() -> StageParser:
     return p
 
 
-def _forwarded_args(argv: Sequence[str]) -> list[str]:
-    """The user's arguments without --resume/--name (for the printed resume command)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("--resume", "--name"):
-            skip = True
-            continue
-        if a.startswith(("--resume=", "--name=")):
-            continue
-        out.append(a)
-    return out
-
-
 def resume_command(argv: Sequence[str], run: str, world_size: int) -> str:
-    rest = _forwarded_args(argv) + ["--name", run, "--resume", "auto"]
+    rest = argv_without(argv, ("--resume", "--name")) + ["--name", run, "--resume", "auto"]
     if world_size > 1:
         return f"torchrun --nproc_per_node={world_size} train.py {shlex.join(rest)}"
     return f"python main.py train {shlex.join(rest)}"

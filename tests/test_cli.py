@@ -90,3 +90,10 @@ def test_cuda_asked_for_without_cuda_is_a_usage_error(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "training.device is 'cuda' but CUDA is not available" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "checkpoints" / "x").exists()
+
+
+def test_argv_without_drops_flags_and_their_values():
+    from utils.cli import argv_without
+    argv = ["--test", "--resume", "auto", "--name=x", "--lr", "1e-3", "--resume=p.pt", "--name", "y"]
+    assert argv_without(argv, ("--resume", "--name")) == ["--test", "--lr", "1e-3"]
+    assert argv_without(["--resumeX", "1"], ("--resume",)) == ["--resumeX", "1"]

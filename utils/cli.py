@@ -240,6 +240,20 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
     sys.exit(code)
 
 
+def argv_without(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """``argv`` without the given value-taking flags (``--flag VALUE`` and ``--flag=VALUE``):
+    what a printed resume command keeps of the user's own arguments."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
+
+
 def workers_or_cores(n: int) -> int:
     """0 means all cores."""
     return n if n and n > 0 else (os.cpu_count() or 1)
