@@ -315,7 +315,7 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
         raise UsageError("--eval-every must be in (0, 1].")
 
     import model as model_lib
-    from train import pick_device
+    from utils.device import resolve_device
     from utils import sft
     from utils.atomic import write_json_atomic
     from utils.checkpoint import load_checkpoint
@@ -377,7 +377,7 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
     hp.checkpoint_every, hp.keep_checkpoints = steps_per_epoch, 10 ** 9
     hp.max_steps = total
 
-    device = pick_device(cfg, 0)
+    device = resolve_device(cfg.training.device, "training.device")
     seed_everything(seed)
     net = model_lib.create_model(model_args)
     if ckpt is not None:

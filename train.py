@@ -127,7 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from utils.checkpoint import load_checkpoint
     from utils.logging_utils import DualLogger
     from utils.metrics import measure_bytes_per_token
-    from utils.tok import describe, load_tokenizer
+    from utils.tok import describe, encode_plain, load_tokenizer
     from utils.trainer import Trainer, resolve_dtype, seed_everything
 
     hp = cfg.training
@@ -137,12 +137,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     main_proc = dist.is_main
     say = (lambda *a, **k: print(*a, **k, flush=True)) if main_proc else (lambda *a, **k: None)
     if device.type == "cpu":
-        note = ""
-        try:
-            from utils.allocator import apply_cpu_allocator
-            note = apply_cpu_allocator() or ""
-        except ImportError:
-            pass
+        from utils.allocator import apply_cpu_allocator
+        note = apply_cpu_allocator() or ""
         say(f"train: no CUDA GPU: training on CPU ({torch.get_num_threads()} threads)"
             + (f"; {note}" if note else "") + ".")
     else:
@@ -235,7 +231,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bpt = D.all_reduce_sum(dist, [bpt or 0.0], device)[0] / dist.world_size
 
     prompt = hp.sample_prompt
-    prompt_ids = [tok.bos_token_id] + _encode_plain(tok, prompt)
+    prompt_ids = [tok.bos_token_id] + encode_plain(tok, [prompt])[0]
 
     def sample_fn(m):
         out = m.generate([prompt_ids], max_new_tokens=hp.sample_tokens, temperature=0.8, top_k=50,
@@ -265,15 +261,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"{run_dir}; metrics in {logger.jsonl_path}. Next: python main.py status {run}")
     D.shutdown()
     return 0
-
-
-def _encode_plain(tok, text: str) -> list[int]:
-    """Text -> ids with no special tokens (utils.tok.encode_plain when available)."""
-    try:
-        from utils.tok import encode_plain
-    except ImportError:
-        return tok(text, add_special_tokens=False)["input_ids"]
-    return encode_plain(tok, [text])[0]
 
 
 def _take(loader, n: int):

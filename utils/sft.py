@@ -38,6 +38,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from utils.cli import PipelineError
+from utils.tok import encode_plain  # the one plain-text encoder (also used as sft.encode_plain)
 
 FORMAT_NAME = "sft-examples"
 FORMAT_VERSION = 1
@@ -60,19 +61,6 @@ def default_template(sft_cfg=None) -> dict:
             "separator": "\n", "bos": True, "eos": True,
             "exchange": "<s>{user_prefix}{question}{separator}{assistant_prefix}{answer}</s>",
             "loss": "assistant answer tokens and each closing EOS"}
-
-
-def encode_plain(tok, texts: Sequence[str]) -> list[list[int]]:
-    """utils.tok.encode_plain when present; else the same contract (no special-token
-    interpretation of text) through the tokenizer's own switch."""
-    from utils import tok as tok_lib
-    fn = getattr(tok_lib, "encode_plain", None)
-    if fn is not None:
-        return fn(tok, list(texts))
-    if not texts:
-        return []
-    return [list(ids) for ids in tok(list(texts), add_special_tokens=False,
-                                     split_special_tokens=True)["input_ids"]]
 
 
 def prompt_text(template: dict, question: str) -> str:

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from utils.cli import PipelineError
+from utils.tok import encode_plain
 
 TOPK = (1, 5, 10)
 
@@ -40,17 +41,6 @@ class SeqScore:
     n: int                    # tokens scored
     greedy: bool              # every scored token is the argmax
     topk: dict                # k -> how many scored tokens were in the top k
-
-
-def encode_plain(tok, texts: Sequence[str]) -> list[list[int]]:
-    """utils.tok.encode_plain (no special-token interpretation)."""
-    from utils import tok as tok_lib
-    fn = getattr(tok_lib, "encode_plain", None)
-    if fn is not None:
-        return fn(tok, list(texts))
-    # Until utils.tok grows encode_plain: the same contract through the tokenizer's own switch.
-    return [list(ids) for ids in tok(list(texts), add_special_tokens=False,
-                                     split_special_tokens=True)["input_ids"]]
 
 
 def resolve_device(name: str) -> torch.device:
