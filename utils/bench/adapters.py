@@ -49,10 +49,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> Optional[torch.dtype]:
-    """None = full float32. auto: bf16 on CUDA, float32 on CPU."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    """The training rule (utils.trainer.resolve_dtype: auto = bf16 on CUDA, fp16 where bf16 is
+    unsupported, float32 on CPU), with None for full float32."""
+    from utils.trainer import resolve_dtype
+    resolved = resolve_dtype(dtype, device)
+    return None if resolved == torch.float32 else resolved
 
 
 class Adapter:
