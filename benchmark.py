@@ -117,7 +117,7 @@ def check_tasks(tasks: Sequence[str]) -> list[str]:
 
 def resolve_checkpoints(specs: Sequence[str], cfg: Config) -> list[Path]:
     """Checkpoint files from files, run folders or run names; default: newest pretrain + SFT."""
-    from utils.checkpoint import list_runs
+    from utils.checkpoint import list_runs, run_checkpoints
     ckdir = cfg.path("paths.checkpoints_dir")
     out: list[Path] = []
     for spec in specs:
@@ -126,16 +126,12 @@ def resolve_checkpoints(specs: Sequence[str], cfg: Config) -> list[Path]:
         hit = next((c for c in cands if c.exists()), None)
         if hit is None:
             raise PipelineError(f"checkpoint or run '{spec}' not found (looked for {cands[0]} and "
-                                f"{ckdir / spec}). `python main.py infer --list` shows the runs.")
+                                f"{ckdir / spec}). `python main.py status` lists the runs.")
         if hit.is_dir():
-            pick = next((hit / n for n in ("checkpoint_best.pt", "checkpoint_latest.pt")
-                         if (hit / n).exists()), None)
-            if pick is None:
-                stepped = sorted(hit.glob("checkpoint_*.pt"), key=lambda q: q.stat().st_mtime)
-                if not stepped:
-                    raise PipelineError(f"{hit} holds no checkpoint_*.pt file.")
-                pick = stepped[-1]
-            hit = pick
+            files = run_checkpoints(hit)      # best, latest, then the newest step/epoch
+            if not files:
+                raise PipelineError(f"{hit} holds no checkpoint (.pt) file.")
+            hit = files[0]
         out.append(hit.resolve())
     if specs:
         return out
