@@ -173,15 +173,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise UsageError(f"{run_dir} already holds a run. Continue it with `--name {run} --resume "
                          "auto`, or choose another --name.")
 
-    # ---- data
-    if dist.enabled and cfg.dataset.mode != "on_the_fly":
+    # ---- data: shard sets are checked against tok_info (already fingerprinted above); only
+    # on-the-fly mode needs the tokenizer object itself.
+    on_the_fly = cfg.dataset.mode == "on_the_fly"
+    if dist.enabled and not on_the_fly:
         # Rank 0 checks the shard set first (and, with dataset.auto_prepare, builds it); the
         # other ranks wait, then open the finished set: never several preps in one folder.
         if dist.rank == 0:
-            dataloader.open_shard_set(cfg, tok)
+            dataloader.open_shard_set(cfg, tok_info)
         D.barrier(dist)
     train_loader, val_loader, info = dataloader.build_loaders(
-        cfg, tok, device=device, rank=dist.rank, world_size=dist.world_size)
+        cfg, tok if on_the_fly else tok_info, device=device, rank=dist.rank,
+        world_size=dist.world_size)
     say("train: " + dataloader.describe_info(info))
     per_epoch = info.get("batches_per_epoch")
     steps_per_epoch = per_epoch // hp.grad_accum if per_epoch else None
