@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -99,6 +100,48 @@ def spawn_main(*args, cwd=None, env=None, preexec_fn=default_signals, timeout: f
     return pexpect.spawn(sys.executable, [str(ROOT / "main.py"), *map(str, args)],
                          cwd=str(cwd or ROOT), env=env or offline_env(), encoding="utf-8",
                          timeout=timeout, dimensions=(50, 200), preexec_fn=preexec_fn)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of process ``pid`` (from /proc; Linux)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue   # exited meanwhile
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def stage_pid(main_pid: int, timeout: float = 60.0) -> int:
+    """The pid of the stage process that `main.py` (``main_pid``) started."""
+    deadline = time.monotonic() + timeout
+    while not (kids := child_pids(main_pid)):
+        assert time.monotonic() < deadline, f"main.py (pid {main_pid}) started no stage"
+        time.sleep(0.01)
+    assert len(kids) == 1, kids
+    return kids[0]
+
+
+def wait_until_blocked(pid: int, timeout: float = 60.0) -> None:
+    """Wait until process ``pid`` sleeps in a system call (state S in /proc/PID/stat).
+
+    Tests that interrupt a process waiting for input call this before they send the signal.
+    CPython runs Python signal handlers between bytecodes; a signal that lands after the last
+    check but before a blocking read() has started only sets a flag, and the read then waits
+    for data that never comes. Once the process sleeps inside the call, a signal interrupts
+    it (EINTR) and the handler runs. A second Ctrl-C would rescue a person in that window; a
+    test must not depend on it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "S":
+            return
+        assert time.monotonic() < deadline, f"process {pid} never blocked (state {state})"
+        time.sleep(0.005)
 
 
 # ----------------------------------------------------------------------------- markers

@@ -13,7 +13,7 @@ import pexpect  # a pinned requirement: missing is a failure, not a skip
 import pytest
 import torch
 
-from tests.conftest import offline_env, run_main, spawn_main, write_config
+from tests.conftest import offline_env, run_main, spawn_main, stage_pid, wait_until_blocked, write_config
 from tests.test_sft import TOK_NAME, make_checkpoint, tokenizer
 
 
@@ -203,6 +203,7 @@ def test_interactive_multi_model_comparison_with_colors(work):
     c.expect("Comparison")
     c.expect("Fastest: run_pre/checkpoint_\\w+.pt; most tokens: ")
     c.expect("Prompt")
+    wait_until_blocked(stage_pid(c.pid))              # waiting for the line
     c.sendintr()                                      # Ctrl-C at a prompt: the stage ends (130)
     c.expect(pexpect.EOF)
     c.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from tests.conftest import ROOT, offline_env, run_main
+from tests.conftest import ROOT, offline_env, run_main, stage_pid, wait_until_blocked
 
 sys.path.insert(0, str(ROOT))
 import main  # noqa: E402
@@ -83,6 +83,7 @@ def test_ctrl_c_in_stage_exits_130_cli(tmp_path):
                             env=offline_env(), start_new_session=True)
     fd = _open_fifo_writer(fifo)
     try:
+        wait_until_blocked(stage_pid(proc.pid))  # in read(), not just past open()
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole group
         out, err = proc.communicate(timeout=60)
     finally:
@@ -179,8 +180,9 @@ def test_menu_ctrl_c_in_stage_returns_to_menu(tmp_path):
     child.sendline(_menu_number("samples"))
     child.expect("Arguments for 'samples'")
     child.sendline(f"--config {fifo}")
-    fd = _open_fifo_writer(fifo)  # the stage is now blocked reading its config
+    fd = _open_fifo_writer(fifo)  # the stage has its config open
     try:
+        wait_until_blocked(stage_pid(child.pid))  # and now waits in read()
         child.sendintr()  # Ctrl-C on the terminal
         child.expect("interrupted by user")
         child.expect(r"Stage 'samples' was interrupted \(exit 130\); completed work is kept")
@@ -197,6 +199,7 @@ def test_menu_ctrl_c_in_stage_returns_to_menu(tmp_path):
 
 def test_menu_ctrl_c_at_prompt_exits_130(tmp_path):
     child = _spawn_menu(tmp_path)
+    wait_until_blocked(child.pid)  # waiting for the choice
     child.sendintr()
     child.expect(pexpect.EOF)
     child.close()
