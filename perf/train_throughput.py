@@ -16,7 +16,10 @@ run plainly (what a user of the train stage gains):
   loading, no logging);
 - ours: ``model(x, y, return_logits=False)`` (the chunked fused loss the trainer uses);
   HF: ``hf(input_ids=x).logits`` then ``F.cross_entropy`` in fp32 (what a user writes);
-- both: ``torch.optim.AdamW`` (foreach), autocast bf16 on CPU for "bf16", fp32 otherwise;
+- ours: the train stage's optimizer (``utils.trainer.build_optimizers``: fused AdamW,
+  weight decay on matrices only); HF: ``torch.optim.AdamW(..., foreach=True)``, the faster of
+  the unfused forms; the same learning rate, betas and decay;
+- both: autocast bf16 on CPU for "bf16", fp32 otherwise;
 - peak memory of the process (VmHWM, read from /proc) after the timed steps; user and system
   CPU seconds and minor page faults per timed step (getrusage), which show the allocator's
   effect even when the machine's load makes wall-clock figures noisy.
@@ -77,7 +80,14 @@ def child(kind: str, size: str, dtype: str, steps: int, batch: int, seq: int) ->
         net.tie_weights()
         del ours
     net.train()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+    if kind == "ours":   # the train stage's optimizer (fused AdamW on CPU, decay on matrices only)
+        import types
+        from utils.trainer import build_optimizers
+        hp = types.SimpleNamespace(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, optimizer="adamw")
+        opt = build_optimizers(net, hp, torch.device("cpu"), vocab_size=VOCAB)["adamw"]
+    else:                # what a user writes (foreach: torch's faster non-fused form)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                foreach=True)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, VOCAB, (batch, seq), generator=g)
     y = torch.randint(0, VOCAB, (batch, seq), generator=g)

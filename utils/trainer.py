@@ -21,7 +21,7 @@ Step
     one) -> unscale (fp16) -> clip to ``hp.grad_clip`` (the norm is logged) -> learning rates
     from utils.scheduler for this step -> optimizer step(s) -> zero grads. Autocast bf16/fp16
     or fp32 (``hp.dtype``); fp16 uses a GradScaler. AdamW decays 2-D weights only (fused on
-    CUDA); ``hp.optimizer == "muon"``: torch.optim.Muon for the 2-D hidden matrices and AdamW
+    CUDA and CPU); ``hp.optimizer == "muon"``: torch.optim.Muon for the 2-D hidden matrices and AdamW
     for embeddings, norms and an untied output head.
 
 Exact resume
@@ -98,16 +98,18 @@ def build_optimizers(model: nn.Module, hp, device: torch.device,
     """``{"adamw": AdamW}`` or, with ``hp.optimizer == "muon"``, ``{"muon": Muon, "adamw": AdamW}``.
 
     AdamW: weight decay on 2-D weights (matrices, embeddings), none on norms/biases; fused on
-    CUDA. Muon (torch.optim.Muon, ``adjust_lr_fn="match_rms_adamw"`` so it shares AdamW's
+    CUDA and CPU. Muon (torch.optim.Muon, ``adjust_lr_fn="match_rms_adamw"`` so it shares AdamW's
     learning rate and weight decay): the 2-D hidden matrices; AdamW keeps embeddings, norms
     and an untied head. Parameter order follows ``model.named_parameters()`` (deterministic).
     """
     lr = hp.lr if lr is None else lr
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     special = _embedding_and_head_params(model, vocab_size)
-    fused = device.type == "cuda"
+    # torch's fused AdamW (one kernel over all tensors) on CUDA and on CPU, where it takes a
+    # third of the time of the foreach form (3.8 vs 11.1 ms per step for a 7.7M model here,
+    # perf/train_throughput.py); the arithmetic is AdamW's either way.
     kw = dict(lr=lr, betas=(hp.beta1, hp.beta2), eps=1e-8)
-    if fused:
+    if device.type in ("cuda", "cpu"):
         kw["fused"] = True
     opts: dict[str, torch.optim.Optimizer] = {}
     if getattr(hp, "optimizer", "adamw") == "muon":
