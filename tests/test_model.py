@@ -274,6 +274,32 @@ def test_batched_generation_equals_one_by_one():
         assert got == (single[:single.index(eos)] if eos in single else single)
 
 
+@pytest.mark.parametrize("tie,act", [(True, "swiglu"), (False, "geglu")])
+def test_cpu_decode_pack_follows_the_weights(monkeypatch, tie, act):
+    """fp32 generation on CPU multiplies by a transposed copy of the weights kept between
+    calls: it must agree with the Linear path, be rebuilt after any in-place change of the
+    weights, and not outlive a call made in training mode."""
+    m = build(seed=7, tie_embeddings=tie, activation=act)
+    prompts = [[1, 5, 9, 11], [1, 2]]
+    gen = lambda n=12: m.generate(prompts, n, temperature=1.0, seed=3)  # noqa: E731 (tied greedy repeats)
+    packed = gen()
+    pack = m._pack
+    assert pack is not None and len(pack.layers) == 2
+    assert gen() == packed and m._pack is pack      # reused
+    with monkeypatch.context() as mp:
+        mp.setattr(M, "DECODE_PACK_MAX_BYTES", 0)                                    # over the cap
+        assert gen() == packed and m._pack is None  # Linear path
+    m.generate(prompts, 1)
+    other = build(seed=8, tie_embeddings=tie, activation=act)
+    want = other.generate(prompts, 12, temperature=1.0, seed=3)
+    assert want != packed                                   # the swap below must show
+    m.load_state_dict(other.state_dict())                   # in place, like an optimizer step
+    assert gen() == want
+    m.train()
+    assert gen(3) == [w[:3] for w in want]
+    assert m._pack is None and m.training                   # training: weights move on
+
+
 def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone():
     m = build(seed=5)
     prompts = [[1, 2, 3], [1, 4]]
