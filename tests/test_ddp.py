@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, SPM_MODEL, default_signals, offline_env, write_config
+from tests.conftest import NEWS, ROOT, SPM_MODEL, default_signals, offline_env, write_config
 from tests.test_train import FLAGS, log_of, losses, ok, train, weights
 from utils.checkpoint import load_checkpoint
 from utils.logging_utils import latest_per_step
@@ -188,3 +188,25 @@ def test_ctrl_c_then_resume_with_the_same_world_size_is_exact(root, cfg, ddp_run
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     la, lb = losses(log_of(root, "ddp")), losses(log_of(root, "cut"))
     assert sorted(lb) == list(range(1, STEPS + 1)) and la == lb
+
+
+def test_auto_prepare_builds_the_missing_set_on_rank_0_only(tmp_path):
+    """dataset.auto_prepare under torchrun: rank 0 runs the prep stage once while the other
+    rank waits at the barrier, then both open the finished set and train."""
+    cleaned = tmp_path / "cleaned"
+    cleaned.mkdir()
+    lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines()]
+    (cleaned / "cleaned_news.txt").write_text("\n".join(dict.fromkeys(x for x in lines if x)) + "\n",
+                                              encoding="utf-8")
+    shards = tmp_path / "shards"                                    # missing: auto_prepare builds it
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)},
+                                  "paths": {"cleaned_dir": str(cleaned)},
+                                  "dataset": {"wikipedia_test_dir": str(shards), "auto_prepare": True,
+                                              "shard_tokens": 20_000}})
+    p = ok(torchrun(cfg, "--batch-size", B, "--name", "auto", "--max-steps", 2))
+    assert p.stderr.count("dataset.auto_prepare: the shard set is missing") == 1, p.stderr
+    meta = json.loads((shards / "metadata.json").read_text())
+    assert len(meta["shards"]) == len(list(shards.glob("tokens_*.npy"))) >= 2
+    assert not [f for f in shards.iterdir() if ".tmp" in f.name]
+    assert [r["step"] for r in log_of(tmp_path, "auto") if r["type"] == "train"] == [1, 2]
+    assert p.stdout.count("train: done at step 2") == 1
