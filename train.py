@@ -4,7 +4,8 @@
     python main.py train --name exp1                   checkpoints/exp1/, logs/*/exp1
     python main.py train --name exp1 --resume auto     continue exp1 exactly where it stopped
     python main.py train --resume checkpoints/exp1/checkpoint_step_2000.pt
-    torchrun --nproc_per_node=4 train.py --name exp1   DDP on 4 GPUs (gloo on CPU)
+    python main.py train --nproc-per-node 4 --name exp1   DDP on 4 GPUs of this machine (gloo on CPU)
+    torchrun --nproc_per_node=4 train.py --name exp1   the same through torchrun (multi-node flags)
 
 The loop itself is utils/trainer.py (shared with SFT); checkpoints go through
 utils/checkpoint.py. This file parses flags, picks the device, builds the data, the model and
@@ -12,6 +13,7 @@ the logger, and reports. docs/training.md describes every flag, file and guarant
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import shlex
@@ -81,13 +83,33 @@ def build_parser() -> StageParser:
                   help="training window length in tokens (--test: 64)")
     p.config_flag("--sample-tokens", key="training.sample_tokens", type=int,
                   help="tokens of the sample generated at each validation (0 = none)")
+    p.add_argument("--nproc-per-node", type=_positive_int, default=1, metavar="N",
+                   help="DDP on N processes of this machine (one per GPU; gloo on CPU): "
+                        "torchrun --standalone, launched for you")
     return p
 
 
-def resume_command(argv: Sequence[str], run: str, world_size: int) -> str:
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of processes >= 1, got {text!r}")
+    return n
+
+
+def resume_command(argv: Sequence[str], run: str, world_size: int,
+                   local_world_size: Optional[int] = None) -> str:
+    """The command that continues this run: main.py's, with ``--nproc-per-node`` for DDP on
+    one machine; torchrun's when the ranks span several machines (its rendezvous flags are
+    the user's to add)."""
     rest = argv_without(argv, ("--resume", "--name")) + ["--name", run, "--resume", "auto"]
+    local = world_size if local_world_size is None else local_world_size
+    if world_size > 1 and local != world_size:
+        return f"torchrun --nproc_per_node={local} train.py {shlex.join(rest)}"
     if world_size > 1:
-        return f"torchrun --nproc_per_node={world_size} train.py {shlex.join(rest)}"
+        rest += ["--nproc-per-node", str(world_size)]
     return f"python main.py train {shlex.join(rest)}"
 
 
@@ -119,6 +141,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.set_defaults(**{dest: value for flag, (dest, value) in TEST_DEFAULTS.items()
                                if not any(a == flag or a.startswith(flag + "=") for a in argv)})
     args, cfg = parser.parse(argv)
+    if args.nproc_per_node > 1:
+        from utils import distributed as D
+        if D.env_world_size() > 1:
+            raise UsageError("--nproc-per-node launches the ranks itself; under torchrun, leave "
+                             "it out (torchrun's --nproc_per_node sets the count).")
+        return D.launch_local(Path(__file__).resolve(), args.nproc_per_node,
+                              argv_without(argv, ("--nproc-per-node",)), "train.py")
 
     import torch
     import dataloader
@@ -179,9 +208,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if dist.enabled and not on_the_fly:
         # Rank 0 checks the shard set first (and, with dataset.auto_prepare, builds it); the
         # other ranks wait, then open the finished set: never several preps in one folder.
+        failure: Optional[BaseException] = None
         if dist.rank == 0:
-            dataloader.open_shard_set(cfg, tok_info)
-        D.barrier(dist)
+            try:
+                dataloader.open_shard_set(cfg, tok_info)
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+                failure = e
+        if D.any_rank(dist, failure is not None, device):    # also the barrier
+            if failure is not None:
+                raise failure
+            raise PipelineError("rank 0 could not open the shard set (its own error message says why).")
     train_loader, val_loader, info = dataloader.build_loaders(
         cfg, tok if on_the_fly else tok_info, device=device, rank=dist.rank,
         world_size=dist.world_size)
@@ -247,7 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       config=cfg.to_dict(), tokenizer_info=tok_info, kind="pretrain",
                       sample_fn=sample_fn if hp.sample_tokens > 0 else None,
                       bytes_per_token=bpt,
-                      resume_command=resume_command(argv, run, dist.world_size))
+                      resume_command=resume_command(argv, run, dist.world_size,
+                                                     int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))))
     if ckpt is not None:
         trainer.load_state(ckpt)
         del ckpt

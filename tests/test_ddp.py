@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import NEWS, ROOT, SPM_MODEL, default_signals, offline_env, write_config
+from tests.conftest import (NEWS, ROOT, SPM_MODEL, default_signals, main_command, offline_env,
+                            run_main, write_config)
 from tests.test_train import FLAGS, log_of, losses, ok, train, weights
 from utils.checkpoint import load_checkpoint
 from utils.logging_utils import latest_per_step
@@ -161,19 +162,24 @@ def _wait_for_step(log: Path, step: int, proc: subprocess.Popen, limit: float = 
 
 
 def test_ctrl_c_then_resume_with_the_same_world_size_is_exact(root, cfg, ddp_run):
+    """The launch a user types, `main.py train --nproc-per-node 2`, stopped by a signal to
+    the whole process group (main.py, the launcher and both ranks), then resumed."""
     args = ["--batch-size", B, "--max-steps", STEPS, *EVERY_STEP]
-    p = subprocess.Popen(torchrun_command("--config", cfg, *FLAGS, *args, "--name", "cut"),
+    launch = ["train", "--test", "--config", cfg, *FLAGS, *args, "--nproc-per-node", 2]
+    p = subprocess.Popen(main_command(*launch, "--name", "cut"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                          env=offline_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals,
                          start_new_session=True)
     _wait_for_step(root / "logs" / "raw_metrics" / "cut.jsonl", 2, p)
-    os.killpg(p.pid, signal.SIGINT)          # Ctrl-C: torchrun and both ranks get SIGINT
+    os.killpg(p.pid, signal.SIGINT)          # main.py also forwards it: the launcher gets two
     out, err = p.communicate(timeout=240)
+    assert p.returncode == 130, f"{out}\n{err}"
+    assert "Traceback" not in err and "the 2 ranks were stopped by SIGINT" in err
     latest = root / "checkpoints" / "cut" / "checkpoint_latest.pt"
     cut = load_checkpoint(latest, "resume")
     assert 2 <= cut["step"] < STEPS, f"the signal should land mid-run\n{out}\n{err}"
     assert len(cut["rng"]["ranks"]) == 2
-    assert "torchrun --nproc_per_node=2 train.py" in err and "--name cut --resume auto" in err
+    assert "python main.py train" in err and "--name cut --resume auto --nproc-per-node 2" in err
 
     # Another world size cannot continue exactly: refused, nothing written.
     before = latest.stat().st_mtime_ns
@@ -182,7 +188,7 @@ def test_ctrl_c_then_resume_with_the_same_world_size_is_exact(root, cfg, ddp_run
     assert "world size" in other.stderr and "Traceback" not in other.stderr
     assert latest.stat().st_mtime_ns == before
 
-    ok(torchrun(cfg, *args, "--name", "cut", "--resume", "auto"))
+    ok(run_main(*launch, "--name", "cut", "--resume", "auto", timeout=300))
     a = weights(root / "checkpoints" / "ddp" / "checkpoint_latest.pt")
     b = weights(latest)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -210,3 +216,18 @@ def test_auto_prepare_builds_the_missing_set_on_rank_0_only(tmp_path):
     assert not [f for f in shards.iterdir() if ".tmp" in f.name]
     assert [r["step"] for r in log_of(tmp_path, "auto") if r["type"] == "train"] == [1, 2]
     assert p.stdout.count("train: done at step 2") == 1
+
+
+def test_launcher_reports_a_failed_rank_in_one_line(tmp_path):
+    """A shard set that does not exist: rank 0 says so, the other rank learns it from rank 0
+    (not from a broken connection), and the launch ends with exit 1 and no traceback."""
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)},
+                                  "dataset": {"wikipedia_test_dir": str(tmp_path / "none")}})
+    p = run_main("train", "--test", "--config", cfg, "--nproc-per-node", 2, "--name", "f")
+    assert p.returncode == 1, p.stderr
+    assert f"token shard set {tmp_path / 'none'} does not exist" in p.stderr
+    assert "rank 0 could not open the shard set" in p.stderr
+    assert "of 2 failed (exit code 1)" in p.stderr
+    assert "Traceback" not in p.stderr and "unexpected error" not in p.stderr
+    bad = run_main("train", "--test", "--config", cfg, "--nproc-per-node", 0)
+    assert bad.returncode == 2 and "--nproc-per-node: expected a whole number" in bad.stderr

@@ -4,13 +4,21 @@
 WORLD_SIZE in their environment; :func:`init` turns that into a process group (NCCL on
 CUDA, gloo on CPU) and a :class:`DistInfo`. A plain ``python train.py`` is world size 1 and
 never touches torch.distributed. Only rank 0 logs and writes (``dist.is_main``).
+
+:func:`launch_local` is the one-machine launch behind ``python main.py train --nproc-per-node
+N``: torchrun's own entry point (``--standalone``) run inside the calling process, so that a
+Ctrl-C or SIGTERM ends with the ranks' own messages and exit code 130 (or 128 + N) instead
+of the launcher's traceback, and a failed rank with one line naming it.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import os
-from typing import Any, Optional
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -95,3 +103,46 @@ def broadcast_object(info: DistInfo, obj: Any) -> Any:
     box = [obj]
     tdist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def launch_local(script: Path, nproc: int, argv: Sequence[str], prog: str) -> int:
+    """Run ``script argv`` as ``nproc`` DDP ranks on this machine and wait for them: what
+    ``torchrun --standalone --nproc_per_node=N script ARGS`` does (torch's elastic agent,
+    called in this process). Returns the exit code: 0; 128 + the signal when a stop signal
+    ended the run (the agent passes it to the ranks, which save their state and print how
+    to resume); a failed rank's own exit code otherwise (its error is printed above, then
+    torch's summary)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import api as pcontext
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    # The agent turns a stop signal into SignalException and then waits for the ranks to
+    # stop. A second signal (a supervisor's killpg also reaches main.py, which forwards it)
+    # would raise again inside that wait and cut it short; take only the first one. The
+    # agent installs the handler by this module-level name (torch 2.13, pinned).
+    handler = getattr(pcontext, "_terminate_process_handler", None)
+    fired: list[int] = []
+
+    def first_signal_only(signum, frame):
+        if not fired:
+            fired.append(signum)
+            handler(signum, frame)
+    if handler is not None:
+        pcontext._terminate_process_handler = first_signal_only
+    try:
+        torchrun.main([f"--nproc_per_node={nproc}", "--standalone", str(script), *map(str, argv)])
+    except SignalException as e:
+        name = signal.Signals(e.sigval).name
+        print(f"{prog}: the {nproc} ranks were stopped by {name}; see their messages above.",
+              file=sys.stderr)
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        print(f"{prog}: rank {rank} of {nproc} failed (exit code {code}); its message is above.",
+              file=sys.stderr)
+        return code if code and code > 0 else 1
+    finally:
+        if handler is not None:
+            pcontext._terminate_process_handler = handler
+    return 0
