@@ -420,7 +420,7 @@ class UI:
 
     def compare(self) -> None:
         paths = self.pick_many()
-        need = sum(_estimate_bytes(p) for p in paths)
+        need = sum(_estimate_bytes(p, self.engine.device) for p in paths)
         avail = _available_bytes(self.engine.device)
         self.say(f"\n{len(paths)} model(s) selected; estimated memory {need / 1e6:,.0f} MB"
                  + (f" of {avail / 1e6:,.0f} MB available" if avail else "") + ".")
@@ -489,11 +489,15 @@ class UI:
 
 
 
-def _estimate_bytes(path: Path) -> int:
-    """Weights in memory: about the file's size for a weights-only file, about a third of a
-    training checkpoint (which also holds AdamW's two moments); plus 20% for activations."""
-    size = path.stat().st_size
-    return int(size / 3 * 1.2) if size > 0 else 0
+def _estimate_bytes(path: Path, device=None) -> int:
+    """Weights in memory: about a third of a training checkpoint (which also holds AdamW's
+    two moments), twice that on CPU up to model.DECODE_PACK_MAX_BYTES (generation keeps a
+    transposed copy, model.Transformer._decode_pack); plus 20% for activations."""
+    import model as model_lib
+    weights = path.stat().st_size / 3
+    if getattr(device, "type", "cpu") == "cpu" and weights <= model_lib.DECODE_PACK_MAX_BYTES:
+        weights *= 2
+    return int(weights * 1.2)
 
 
 def _available_bytes(device) -> Optional[int]:
