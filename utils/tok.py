@@ -193,8 +193,8 @@ def load_tokenizer_from(name: str, cfg: Optional[Config] = None):
 
 
 def _load(name: str, cfg: Optional[Config]):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
+    # transformers is imported per branch: AutoTokenizer's import alone costs about 1 s, and a
+    # .model or tokenizer.json file does not need it (perf/loader.py's "user path").
     p = cfg.resolve(name) if cfg is not None else Path(name).expanduser().resolve()
     if p.exists() or looks_like_path(name):
         if not p.exists():
@@ -203,9 +203,11 @@ def _load(name: str, cfg: Optional[Config]):
             if p.is_file() and p.suffix == ".model":
                 return _spm_tokenizer(p)
             if p.is_file() and p.suffix == ".json":
+                from transformers import PreTrainedTokenizerFast
                 return PreTrainedTokenizerFast(tokenizer_file=str(p))
             if p.is_dir():
                 if (p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists():
+                    from transformers import AutoTokenizer
                     conversion = _check_saved_copy(p)
                     return _mark(AutoTokenizer.from_pretrained(str(p)), conversion)
                 if (p / "tokenizer.model").exists():
