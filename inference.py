@@ -491,11 +491,12 @@ class UI:
 
 def _estimate_bytes(path: Path, device=None) -> int:
     """Weights in memory: about a third of a training checkpoint (which also holds AdamW's
-    two moments), twice that on CPU up to model.DECODE_PACK_MAX_BYTES (generation keeps a
-    transposed copy, model.Transformer._decode_pack); plus 20% for activations."""
+    two moments), twice that where generation keeps a transposed copy
+    (model.decode_pack_applies); plus 20% for activations."""
+    import torch
     import model as model_lib
-    weights = path.stat().st_size / 3
-    if getattr(device, "type", "cpu") == "cpu" and weights <= model_lib.DECODE_PACK_MAX_BYTES:
+    weights = path.stat().st_size / 3                                  # checkpoints keep fp32 weights
+    if model_lib.decode_pack_applies(getattr(device, "type", "cpu"), torch.float32, weights):
         weights *= 2
     return int(weights * 1.2)
 

@@ -53,6 +53,12 @@ IGNORE_INDEX = -100
 DECODE_PACK_MAX_BYTES = 1 << 30   # models with more weights generate without a transposed copy
 
 
+def decode_pack_applies(device_type: str, dtype: torch.dtype, weight_bytes: float) -> bool:
+    """Whether generation keeps a transposed copy of the weights (Transformer._decode_pack):
+    fp32 weights on CPU, at most DECODE_PACK_MAX_BYTES of them."""
+    return device_type == "cpu" and dtype == torch.float32 and weight_bytes <= DECODE_PACK_MAX_BYTES
+
+
 # --------------------------------------------------------------------------- arguments
 @dataclass
 class ModelArgs:
@@ -342,10 +348,8 @@ class Block(nn.Module):
     def decode(self, x, cos, sin, cache: KVCache, key_bias: Optional[torch.Tensor],
                packed: Optional["PackedLayer"] = None):
         x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache, key_bias, packed)
-        if packed is None:
-            return x + self.mlp(self.mlp_norm(x))
-        gate, up = (self.mlp_norm(x) @ packed.gate_up).chunk(2, dim=-1)     # (B, 1, hidden) each
-        return x + (self.mlp.act(gate) * up) @ packed.down
+        h = self.mlp_norm(x)
+        return x + (self.mlp(h) if packed is None else self.mlp.packed(h, packed.gate_up, packed.down))
 
 
 class PackedLayer(NamedTuple):
@@ -695,8 +699,7 @@ class Transformer(nn.Module):
         CUDA (its GEMV has no such gap) nor for bf16/fp16 weights (slower transposed on CPU)."""
         w = self.lm_head.weight
         params = list(self.parameters())
-        if (w.device.type != "cpu" or w.dtype != torch.float32
-                or sum(p.numel() * p.element_size() for p in params) > DECODE_PACK_MAX_BYTES):
+        if not decode_pack_applies(w.device.type, w.dtype, sum(p.numel() * p.element_size() for p in params)):
             self._pack = None                                                # e.g. moved to CUDA since
             return None
         key = tuple((p.data_ptr(), p._version) for p in params)

@@ -51,3 +51,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model) -> (B, T, d_model)
         return self.dropout(self.w_down(self.act(self.w_gate(x)) * self.w_up(x)))
+
+    def packed(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """The same function (no dropout: inference) with transposed weights, ``gate_up`` =
+        (w_gate | w_up)^T (d_model, 2 hidden) and ``down`` = w_down^T (hidden, d_model)."""
+        gate, up = (x @ gate_up).chunk(2, dim=-1)
+        return (self.act(gate) * up) @ down
