@@ -231,3 +231,19 @@ def test_launcher_reports_a_failed_rank_in_one_line(tmp_path):
     assert "Traceback" not in p.stderr and "unexpected error" not in p.stderr
     bad = run_main("train", "--test", "--config", cfg, "--nproc-per-node", 0)
     assert bad.returncode == 2 and "--nproc-per-node: expected a whole number" in bad.stderr
+
+
+def test_sigterm_to_main_py_alone_stops_the_launch_with_130(root, cfg):
+    """A supervisor's SIGTERM to main.py only: forwarded to the launcher, passed to the ranks,
+    which save; the launch ends with 130 like a single process, not 143."""
+    p = subprocess.Popen(main_command("train", "--test", "--config", cfg, *FLAGS, "--batch-size", B,
+                                      "--max-steps", 50, "--nproc-per-node", 2, "--name", "term"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=offline_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals,
+                         start_new_session=True)
+    _wait_for_step(root / "logs" / "raw_metrics" / "term.jsonl", 1, p)
+    os.kill(p.pid, signal.SIGTERM)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 130, f"{out}\n{err}"
+    assert "the 2 ranks were stopped by SIGTERM" in err and "Traceback" not in err
+    assert 1 <= load_checkpoint(root / "checkpoints" / "term" / "checkpoint_latest.pt", "resume")["step"] < 50

@@ -7,11 +7,12 @@ never touches torch.distributed. Only rank 0 logs and writes (``dist.is_main``).
 
 :func:`launch_local` is the one-machine launch behind ``python main.py train --nproc-per-node
 N``: torchrun's own entry point (``--standalone``) run inside the calling process, so that a
-Ctrl-C or SIGTERM ends with the ranks' own messages and exit code 130 (or 128 + N) instead
+Ctrl-C or SIGTERM ends with the ranks' own messages and exit code 130 instead
 of the launcher's traceback, and a failed rank with one line naming it.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -22,6 +23,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as tdist
+
+from utils.cli import EXIT_INTERRUPTED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,10 @@ def init(device_kind: str = "cpu", timeout_s: float = 1800.0) -> DistInfo:
         torch.cuda.set_device(local_rank)
     if not tdist.is_initialized():
         tdist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # Every way out destroys the group, errors included: a group still alive when the
+        # interpreter exits lets C++ threads be destroyed unjoined ("terminate called without
+        # an active exception", SIGABRT instead of the stage's exit code).
+        atexit.register(shutdown)
     return DistInfo(rank, local_rank, world, backend)
 
 
@@ -108,9 +115,9 @@ def broadcast_object(info: DistInfo, obj: Any) -> Any:
 def launch_local(script: Path, nproc: int, argv: Sequence[str], prog: str) -> int:
     """Run ``script argv`` as ``nproc`` DDP ranks on this machine and wait for them: what
     ``torchrun --standalone --nproc_per_node=N script ARGS`` does (torch's elastic agent,
-    called in this process). Returns the exit code: 0; 128 + the signal when a stop signal
-    ended the run (the agent passes it to the ranks, which save their state and print how
-    to resume); a failed rank's own exit code otherwise (its error is printed above, then
+    called in this process). Returns the exit code: 0; 130 when a stop signal (SIGINT,
+    SIGTERM) ended the run, as for one process (the agent passes it to the ranks, which save
+    their state and print how to resume); a failed rank's own exit code otherwise (its error is printed above, then
     torch's summary)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import api as pcontext
@@ -135,7 +142,7 @@ def launch_local(script: Path, nproc: int, argv: Sequence[str], prog: str) -> in
         name = signal.Signals(e.sigval).name
         print(f"{prog}: the {nproc} ranks were stopped by {name}; see their messages above.",
               file=sys.stderr)
-        return 128 + int(e.sigval)
+        return EXIT_INTERRUPTED
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
