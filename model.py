@@ -181,29 +181,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --------------------------------------------------------------------------- attention backends
 _FLASH: Any = None
 _FLEX: Any = None
+_FLASH_WHY = _FLEX_WHY = ""
 
 
 def _flash_attn():
-    """flash_attn's (func, varlen_func), or False when it is not importable."""
-    global _FLASH
+    """flash_attn's (func, varlen_func), or False when it is not importable (the reason is
+    kept in ``_FLASH_WHY`` for :meth:`Transformer.attention_path`)."""
+    global _FLASH, _FLASH_WHY
     if _FLASH is None:
         try:
             from flash_attn import flash_attn_func, flash_attn_varlen_func
             _FLASH = (flash_attn_func, flash_attn_varlen_func)
-        except Exception:  # not installed, or built for another torch/CUDA
-            _FLASH = False
+        except (ImportError, OSError, RuntimeError) as e:  # not installed, or built for another torch/CUDA
+            _FLASH, _FLASH_WHY = False, f"{type(e).__name__}: {e}"
     return _FLASH
 
 
 def _flex_attn():
-    """(compiled flex_attention, create_block_mask), or False when unavailable."""
-    global _FLEX
+    """(compiled flex_attention, create_block_mask), or False when unavailable (the reason
+    in ``_FLEX_WHY``)."""
+    global _FLEX, _FLEX_WHY
     if _FLEX is None:
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
             _FLEX = (torch.compile(flex_attention, dynamic=False), create_block_mask)
-        except Exception:
-            _FLEX = False
+        except (ImportError, RuntimeError) as e:
+            _FLEX, _FLEX_WHY = False, f"{type(e).__name__}: {e}"
     return _FLEX
 
 
@@ -370,12 +373,18 @@ class DecodePack(NamedTuple):
 # --------------------------------------------------------------------------- fused loss
 class _ChunkedLinearCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) over row chunks, with the gradients computed in the
-    same pass (softmax - onehot, scaled by w_i): the full (N, vocab) logits never exist."""
+    same pass (softmax - onehot, scaled by w_i): the full (N, vocab) logits never exist.
+
+    ``grad`` is the caller's grad mode (``torch.is_grad_enabled()`` at the call): inside
+    ``forward`` grad mode is always off and ``ctx.needs_input_grad`` only says which inputs
+    require grad, which the head weight does under ``torch.no_grad()`` too. Without grad
+    (evaluation, inference_mode) the loss alone is computed: no (vocab, d) gradient buffer,
+    one matmul per chunk instead of three."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, w, chunk: int):
+    def forward(ctx, h, weight, targets, w, chunk: int, grad: bool):
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_h, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         with torch.autocast(h.device.type, enabled=False):
             hc_all = h.to(dtype)
             wc = weight.to(dtype)
@@ -420,7 +429,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             return g.to(dtype) if one else g.mul(grad_loss).to(dtype)
         grad_h = scaled(saved.pop(0), ctx.h_dtype) if ctx.needs_input_grad[0] else None
         grad_w = scaled(saved.pop(0), ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def _loss_weights(targets: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -451,6 +460,14 @@ class Transformer(nn.Module):
         self._rope: dict = {}  # device -> (cos, sin) fp32, grown on demand; not a buffer, so .to(bf16) keeps it fp32
         self._pack: Optional[DecodePack] = None  # CPU fp32 generation's transposed weights, see _decode_pack
         self.reset_parameters()
+
+    def train(self, mode: bool = True) -> "Transformer":
+        """Also drops generation's transposed weight copy when training starts (``mode``
+        True): the optimizer is about to move the weights, so the copy would only hold memory.
+        The trainer draws its samples in eval mode and switches back with ``train()``."""
+        if mode:
+            self._pack = None
+        return super().train(mode)
 
     # ------------------------------------------------------------------ init and sizes
     @torch.no_grad()
@@ -488,6 +505,29 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight.device
 
     # ------------------------------------------------------------------ forward
+    def attention_path(self, device_type: str, dtype: torch.dtype) -> str:
+        """Which attention kernel training runs with on ``device_type`` under autocast ``dtype``
+        (the rule ``forward`` applies), and why the faster ones are not used, in one line."""
+        half = dtype in (torch.float16, torch.bfloat16) or self.tok_embeddings.weight.dtype in (
+            torch.float16, torch.bfloat16)
+        doc = self.args.document_mask
+        cuda = device_type == "cuda"
+        if cuda and half and _flash_attn():
+            return "flash-attn" + (" varlen (document masks)" if doc else "")
+        why = []
+        if not cuda:
+            why.append(f"flash-attn and flex attention run on CUDA only, this is {device_type}")
+        elif not half:
+            why.append("flash-attn needs fp16/bf16, this run is fp32")
+        elif not _flash_attn():
+            why.append(f"flash-attn is not importable ({_FLASH_WHY})")
+        if doc and cuda:
+            if _flex_attn():
+                return "flex attention with a document block mask (" + "; ".join(why) + ")"
+            why.append(f"flex attention is unavailable ({_FLEX_WHY})")
+        kind = "a block-diagonal causal mask (document masks)" if doc else "is_causal"
+        return f"PyTorch SDPA with {kind} (" + "; ".join(why) + ")"
+
     def rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached (cos, sin) tables covering at least ``n`` positions on ``device``."""
         key = str(device)
@@ -566,7 +606,7 @@ class Transformer(nn.Module):
                                  ignore_index=IGNORE_INDEX, reduction="none")
             return logits, (ce * w).sum()
         loss = _ChunkedLinearCE.apply(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
-                                      w, self.loss_chunk_rows)
+                                      w, self.loss_chunk_rows, torch.is_grad_enabled())
         return None, loss
 
     # ------------------------------------------------------------------ generation
@@ -677,9 +717,7 @@ class Transformer(nn.Module):
                     tok = sample_next(logits, temperature, top_k, top_p, gen)
                     toks = tok.tolist()
         finally:
-            if was_training:
-                self._pack = None                                           # training: weights move on
-            self.train(was_training)
+            self.train(was_training)                                        # train() drops the pack
 
     def _decode_pack(self) -> Optional[DecodePack]:
         """The weights of generation steps, transposed, on CPU in fp32; None elsewhere.
@@ -692,8 +730,8 @@ class Transformer(nn.Module):
         product 1.8 -> 0.7 ms, a whole token 2.9 -> 1.6 ms. The copy is made on the first
         call and kept while the weights stay the same (same storage, no in-place update
         since: an optimizer step or ``load_state_dict`` invalidates it), so interactive
-        prompts pay it once; a model in training mode drops it after each call (train's
-        samples). Cost: a second copy of the weights in memory while the model generates,
+        prompts pay it once; ``train()`` drops it (the trainer's samples run in eval mode
+        and end with ``train()``), and a call made in training mode drops it on return. Cost: a second copy of the weights in memory while the model generates,
         so models above ``DECODE_PACK_MAX_BYTES`` of weights are not packed. Sums run in
         another order, so logits can differ from the Linear's in the last bits. Not on
         CUDA (its GEMV has no such gap) nor for bf16/fp16 weights (slower transposed on CPU)."""

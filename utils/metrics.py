@@ -39,6 +39,20 @@ def device_peak_flops(device: torch.device) -> Optional[float]:
     return None
 
 
+def mfu_unavailable_reason(device: torch.device, flops_per_token: Optional[float]) -> Optional[str]:
+    """Why MFU cannot be computed for a run on ``device``, or None when it can."""
+    if not flops_per_token:
+        return "the model does not report its FLOPs per token"
+    if device.type != "cuda":
+        return f"no peak FLOP/s is known for {device.type.upper()} devices (MFU is reported on CUDA GPUs)"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if device_peak_flops(device) is None:
+        return (f"the peak FLOP/s of '{torch.cuda.get_device_name(device)}' is not in "
+                "utils/metrics.PEAK_FLOPS (add it there)")
+    return None
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak allocated CUDA memory of the device, or this process's peak RSS on CPU (MB)."""
     if device.type == "cuda":

@@ -59,6 +59,7 @@ from utils import distributed as D
 from utils.checkpoint import remove_stale_temps, save_checkpoint
 from utils.cli import PipelineError
 from utils.metrics import (MetricsTracker, Throughput, bits_per_byte, device_peak_flops, mfu,
+                           mfu_unavailable_reason,
                            peak_memory_mb, perplexity)
 from utils.scheduler import CosineWarmupScheduler
 
@@ -310,11 +311,9 @@ class Trainer:
         self.tokens_seen = 0
         self.flops_per_token = flops_per_token
         if flops_per_token is None and hasattr(model, "flops_per_token"):
-            try:
-                self.flops_per_token = float(model.flops_per_token())
-            except Exception:
-                self.flops_per_token = None
+            self.flops_per_token = float(model.flops_per_token())
         self.peak_flops = device_peak_flops(self.device)
+        self.mfu_note = mfu_unavailable_reason(self.device, self.flops_per_token)
 
         # Model wrappers (the raw model stays reachable for saving and generation).
         m = model
@@ -555,7 +554,12 @@ class Trainer:
             return TrainResult("already_done", self.step, self.metrics.best_val_loss,
                                self._last_val, None)
         self.logger.event(self.step, "resume" if self._resumed_from is not None else "start",
-                          total_steps=self.total_steps)
+                          total_steps=self.total_steps, mfu_unavailable=self.mfu_note)
+        path = getattr(self.raw_model, "attention_path", None)
+        if path is not None and self.dist.is_main:
+            self._print(f"attention: {path(self.device.type, self.dtype)}.")
+        if self.mfu_note and self.dist.is_main:
+            self._print(f"note: MFU is not logged: {self.mfu_note}.")
         if self.warmup_capped and self.dist.is_main and self._resumed_from is None:
             self._print(f"note: warm-up shortened to {self.scheduler.warmup} steps (20% of the "
                         f"run's {self.total_steps}) from training.warmup_steps = {hp.warmup_steps}.")
