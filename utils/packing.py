@@ -59,6 +59,7 @@ from utils.parallel import ordered_map
 from utils.shards import (FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, shard_name,
                           shard_set_metadata, write_metadata, write_shard)
 from utils.textio import CleanedFileError, iter_articles
+from utils.tok import encode_plain
 
 PROGRESS_FILE = ".progress.json"
 REBUILD_DIR = ".rebuild"         # where --force builds a new set beside the old one
@@ -69,21 +70,17 @@ Stream = Callable[..., Iterator[tuple[str, Optional[str]]]]   # open_stream(star
 
 
 # --------------------------------------------------------------------------- encoding
-def batch_encoder(backend) -> Callable:
-    """The backend's batch encoder: ``encode_batch_fast`` (same ids, no offsets) if present."""
-    return getattr(backend, "encode_batch_fast", None) or backend.encode_batch
-
-
 def encode_frame(backend, texts: list[str], dtype: np.dtype, bos: int, eos: int,
                  min_tokens: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Tokenize ``texts`` and frame each kept one as BOS + ids + EOS.
 
     Returns ``(framed, kept, lengths)``: the concatenated framed documents (1-D ``dtype``),
     a bool mask over ``texts`` of documents with at least ``min_tokens`` tokens, and every
-    document's token count (without BOS/EOS).
+    document's token count (without BOS/EOS). Text goes through :func:`utils.tok.encode_plain`,
+    the one plain-text encoder: a literal ``<s>`` or ``</s>`` in a document stays text, also on
+    a backend rebuilt in a worker process (``Tokenizer.from_str`` does not keep that setting).
     """
-    encodings = batch_encoder(backend)(texts, add_special_tokens=False)
-    ids = [e.ids for e in encodings]
+    ids = encode_plain(backend, texts)
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     kept = lengths >= max(min_tokens, 1)
     if not kept.all():

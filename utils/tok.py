@@ -108,11 +108,21 @@ def _spm_tokenizer(model: Path):
 
 
 def _hub_spm_file(name: str) -> Optional[Path]:
-    """The hub repo's tokenizer.model (local cache first), or None when it has none."""
+    """The hub repo's tokenizer.model (local cache first), or None when it has none.
+
+    Expected: the repo has no tokenizer.model (its tokenizer.json is the tokenizer: None,
+    silently), or the file is not in the local cache while offline (None, with one notice
+    saying the hub's tokenizer.json is used instead). Anything else propagates."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
     try:
-        from huggingface_hub import hf_hub_download
         return Path(hf_hub_download(name, "tokenizer.model"))
-    except Exception:
+    except LocalEntryNotFoundError:
+        print(f"notice: '{name}' has no tokenizer.model in the local cache and the hub cannot be "
+              "reached; using its tokenizer.json, whose ids may differ from the sentencepiece "
+              "library's (docs/tokenizer.md).", file=sys.stderr)
+        return None
+    except EntryNotFoundError:
         return None
 
 
