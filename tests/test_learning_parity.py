@@ -8,7 +8,8 @@ the same warm-up + cosine schedule, reach the same validation loss (within 0.02)
 evaluation, and the loss goes well down on the way. A broken piece on either side (attention,
 RoPE, loss shift, optimizer groups, schedule, data order) shows up as a gap.
 
-How the two sides are lined up, without re-implementing the stage:
+How the two sides are lined up, without re-implementing the stage (the reference loop is
+perf/reference_loop.py, which perf/optimizer_study.py also runs):
 
 - ours is the real CLI run (fp32, one process); its JSONL log gives the validation losses,
   the train losses and the learning rate of every step; its resolved config.json gives every
@@ -23,12 +24,9 @@ The fast variant (20 steps of 8 x 32 tokens, about 20 s) runs by default; a long
 """
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
-import torch.nn.functional as F
 
+from perf.reference_loop import reference_run
 from tests.conftest import SPM_MODEL, run_main, write_config
 from utils.logging_utils import latest_per_step, read_jsonl
 
@@ -39,68 +37,6 @@ def _flags(steps: int, eval_steps: int) -> list[str]:
     return ["--window", "32", "--batch-size", "8", "--max-steps", str(steps), "--dtype", "fp32",
             "--eval-steps", str(eval_steps), "--eval-batches", "3", "--warmup-steps", "5",
             "--sample-tokens", "0", "--log-every", "1", "--device", "cpu"]
-
-
-def _reference_run(cfg, args, total: int, eval_steps: int) -> tuple[dict, dict]:
-    """LlamaForCausalLM trained like the stage: {step: val_loss}, {step: lr}."""
-    import dataloader
-    import model as model_lib
-    from transformers import LlamaForCausalLM
-    from utils.scheduler import CosineWarmupScheduler
-    from utils.tok import load_tokenizer
-    from utils.trainer import _as_dict, build_optimizers, seed_everything
-
-    hp = cfg.training
-    assert hp.grad_accum == 1 and args.dropout == 0.0 and hp.optimizer == "adamw"
-    tok = load_tokenizer(cfg)
-    train_loader, val_loader, _ = dataloader.build_loaders(cfg, tok, device="cpu")
-
-    seed_everything(hp.seed)                       # as train.py does right before create_model
-    ours = model_lib.create_model(args)
-    hf = LlamaForCausalLM(model_lib.hf_config(args, eos_id=tok.eos_token_id))
-    missing, unexpected = hf.load_state_dict(model_lib.to_hf_state_dict(ours), strict=False)
-    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
-    del ours
-    hf.train()
-
-    opts = build_optimizers(hf, hp, torch.device("cpu"), vocab_size=args.vocab_size)
-    warmup = min(hp.warmup_steps, total // 5)     # the stage caps warm-up at 20% of the run
-    sched = CosineWarmupScheduler(list(opts.values()), warmup=warmup, total=total,
-                                  min_ratio=hp.min_lr / hp.lr)
-
-    def loss_of(batch):
-        batch = _as_dict(batch)                    # {"x", "y"} from a dict or an (x, y) pair
-        logits = hf(input_ids=batch["x"]).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["y"].flatten(),
-                               ignore_index=-100)
-
-    @torch.no_grad()
-    def evaluate() -> float:
-        hf.eval()
-        total_loss = count = 0.0
-        for i, b in enumerate(val_loader):
-            if i >= hp.eval_batches:
-                break
-            n = float((_as_dict(b)["y"] != -100).sum())
-            total_loss += float(loss_of(b)) * n
-            count += n
-        hf.train()
-        return total_loss / count
-
-    val, lrs = {0: evaluate()}, {}
-    batches = iter(train_loader)
-    for step in range(total):
-        loss = loss_of(next(batches))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in hf.parameters() if p.grad is not None],
-                                       hp.grad_clip if hp.grad_clip > 0 else math.inf)
-        lrs[step + 1] = sched.apply(step) * hp.lr
-        for o in opts.values():
-            o.step()
-            o.zero_grad(set_to_none=True)
-        if (step + 1) % eval_steps == 0 or step + 1 == total:
-            val[step + 1] = evaluate()
-    return val, lrs
 
 
 @pytest.mark.parametrize("steps,eval_steps", [
@@ -125,7 +61,7 @@ def test_same_validation_loss_as_llama_for_causal_lm(tmp_path, train_shards, ste
 
     cfg = load_config(run_dir / "config.json", test=True)        # the run's resolved settings
     args = ModelArgs.from_dict(dict(load_checkpoint(run_dir / "checkpoint_latest.pt")["model_args"]))
-    ref_val, ref_lr = _reference_run(cfg, args, steps, eval_steps)
+    ref_val, ref_lr = reference_run(cfg, args, steps, eval_steps)
 
     assert ref_lr.keys() == ours_lr.keys()
     assert all(ref_lr[k] == pytest.approx(ours_lr[k], rel=1e-9) for k in ref_lr)
