@@ -42,7 +42,7 @@ demo: samples
 	@echo "== 8. status: the run's progress, read from its log and folder"
 	$(PY) main.py status $(OFFLINE) demo
 	@echo "== 9. sft: SciQ + ARC in LIMA's format (offline substitute for LIMA), then fine-tune the demo model"
-	$(PY) main.py sft prepare $(OFFLINE) --dataset samples --test
+	$(PY) main.py sft prepare $(OFFLINE) --test
 	$(PY) main.py sft train $(OFFLINE) --test --checkpoint checkpoints/demo/checkpoint_best.pt --name demo
 	@echo "== 10. infer: a scripted prompt through each checkpoint (pre-trained, then SFT with the chat template)"
 	$(PY) main.py infer $(OFFLINE) --checkpoint checkpoints/demo/checkpoint_best.pt --prompt "The history of" --max-new-tokens 30 --seed 1

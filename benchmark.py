@@ -215,10 +215,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     specs = [("checkpoint", str(p)) for p in ckpts] + [("hf", s) for s in args.hf_model]
     records_all: list = []
     names_seen: dict[str, int] = {}
+    tokenizers: dict = {}          # loaded once for checkpoints that share one
     for kind, spec in specs:
         t0 = time.perf_counter()
         if kind == "checkpoint":
-            ad = adapters.CheckpointAdapter(Path(spec), cfg, device, b.dtype)
+            ad = adapters.CheckpointAdapter(Path(spec), cfg, device, b.dtype, tokenizers)
         else:
             ad = adapters.HFAdapter(spec, device, b.dtype, gguf_file=args.gguf_file)
         n = names_seen.get(ad.name, 0)

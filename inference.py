@@ -137,6 +137,7 @@ class Loaded:
     ckpt_kind: str
     template: Optional[dict]
     n_params: int
+    tok: object                  # the tokenizer it was trained with (utils.run)
     history: list = field(default_factory=list)
 
     @property
@@ -156,19 +157,11 @@ class Engine:
         self.cfg, self.raw = cfg, raw
         self.err = err or sys.stderr
         self.device = pick_device(cfg.inference.device)
-        self._tok = None
-        self._tok_info = None
-
-    @property
-    def tok(self):
-        if self._tok is None:
-            from utils.tok import describe, load_tokenizer
-            self._tok = load_tokenizer(self.cfg)
-            self._tok_info = describe(self._tok, self.cfg.tokenizer.name)
-        return self._tok
+        self._tokenizers: dict = {}      # loaded once for checkpoints that share one
 
     def load(self, path: Path, label: Optional[str] = None) -> Loaded:
         from utils.checkpoint import load_model, run_checkpoints
+        from utils.run import tokenizer_for_checkpoint
         path = Path(path)
         if path.is_dir():        # a run folder: its best checkpoint (else latest, else newest)
             files = run_checkpoints(path)
@@ -178,25 +171,19 @@ class Engine:
             print(f"infer: using {files[0].name} of {path}", file=self.err)
             path = files[0]
         model, ckpt = load_model(path, device=self.device)
-        tok = self.tok
-        saved = ckpt.get("tokenizer") or {}
-        if saved.get("fingerprint") and saved["fingerprint"] != self._tok_info["fingerprint"]:
-            raise PipelineError(
-                f"checkpoint {path} was trained with tokenizer '{saved.get('name')}' but the "
-                f"configured tokenizer is '{self.cfg.tokenizer.name}' (different fingerprint): "
-                "its output would be garbage. Set tokenizer.name to the checkpoint's tokenizer "
-                "(e.g. --config configs/offline.json).")
+        tok, _ = tokenizer_for_checkpoint(ckpt, self.cfg, path, cache=self._tokenizers,
+                                          say=lambda msg: print(msg, file=self.err))
         if model.args.vocab_size < len(tok):
             raise PipelineError(f"checkpoint {path} has a vocabulary of {model.args.vocab_size} "
                                 f"tokens, smaller than the tokenizer's {len(tok)}.")
         kind = ckpt.get("kind", "pretrain")
         template = ckpt.get("chat_template") if (kind == "sft" and not self.raw) else None
         n = sum(p.numel() for p in model.parameters())
-        return Loaded(Path(path), label or _label(Path(path)), model, kind, template, n)
+        return Loaded(Path(path), label or _label(Path(path)), model, kind, template, n, tok)
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
         from utils import sft
-        tok = self.tok
+        tok = m.tok
         limit = m.model.args.max_seq_len
         if m.chat:
             while True:
@@ -217,7 +204,7 @@ class Engine:
     def generate(self, m: Loaded, text: str, p: Params, on_text: Optional[Callable[[str], None]],
                  note: Callable[[str], None] = lambda s: None) -> tuple[str, Stats]:
         """Stream one completion; Ctrl-C stops it (the partial text is kept)."""
-        tok = self.tok
+        tok = m.tok
         out: list[int] = []
         shown = ""
         t0 = time.perf_counter()

@@ -320,7 +320,8 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
     from utils.atomic import write_json_atomic
     from utils.checkpoint import load_checkpoint
     from utils.logging_utils import DualLogger
-    from utils.tok import describe, load_tokenizer, require_bos_eos
+    from utils.run import tokenizer_for_checkpoint
+    from utils.tok import require_bos_eos
     from utils.trainer import Trainer, resolve_dtype, seed_everything
 
     data_dir = cfg.path("paths.post_training_dir")
@@ -349,14 +350,16 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
         if run_dir.exists():
             raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
     run = run_dir.name
-    tok = load_tokenizer(cfg)        # after the checkpoint checks: a refusal costs no tokenizer load
-    tok_info = describe(tok, cfg.tokenizer.name)
+    # The base run's own tokenizer (utils.run), after the checkpoint checks (a refusal costs no
+    # tokenizer load); check_compatible has matched its fingerprint to the SFT data's.
+    tok, tok_info = tokenizer_for_checkpoint(resume or ckpt, cfg, rpath if resume else base_path)
+    tok_info = {k: v for k, v in tok_info.items() if k != "verified"}
     if tok_info["fingerprint"] != (meta.get("tokenizer") or {}).get("fingerprint"):
         raise PipelineError(
             f"the SFT data in {data_dir} was tokenized with '{meta['tokenizer'].get('name')}' but "
-            f"the configured tokenizer is '{cfg.tokenizer.name}' (different fingerprint). Re-run "
-            "`python main.py sft prepare`, or configure the data's tokenizer.")
-    bos, eos = require_bos_eos(tok, cfg.tokenizer.name)
+            f"the checkpoint's tokenizer is '{tok_info.get('name')}' (different fingerprint). "
+            "Re-run `python main.py sft prepare` with that tokenizer.")
+    bos, eos = require_bos_eos(tok, tok_info.get("name") or cfg.tokenizer.name)
 
     hp = copy.copy(cfg.training)
     s = cfg.sft

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -180,14 +181,17 @@ class Adapter:
 class CheckpointAdapter(Adapter):
     """A checkpoint of this pipeline, loaded through utils.checkpoint.load_model."""
 
-    def __init__(self, path: Path, cfg, device: torch.device, dtype: str = "auto"):
+    def __init__(self, path: Path, cfg, device: torch.device, dtype: str = "auto",
+                 tokenizers: Optional[dict] = None):
         from utils.checkpoint import load_model
+        from utils.run import tokenizer_for_checkpoint
         self.path = Path(path)
         self.model, ckpt = load_model(self.path, device=str(device))
         self.device, self.amp = device, autocast_dtype(dtype, device)
         args = ckpt["model_args"]
         self.max_length = int(args.get("max_seq_len", 2048))
-        self.tok, tok_info = tokenizer_for_checkpoint(ckpt, cfg, self.path)
+        self.tok, tok_info = tokenizer_for_checkpoint(               # ``tokenizers``: the caller's
+            ckpt, cfg, self.path, say=lambda m: print(m, file=sys.stderr), cache=tokenizers)
         self.add_bos = self.tok.bos_token_id is not None
         self.name = _run_label(self.path)
         self.identity = {
@@ -205,38 +209,6 @@ class CheckpointAdapter(Adapter):
 
 def _run_label(path: Path) -> str:
     return f"{path.parent.name}/{path.stem}" if path.parent.name else path.stem
-
-
-# Tokenizers already loaded in this process (several checkpoints usually share one; loading a
-# SentencePiece model costs seconds). Keyed by (config object, candidate label).
-_TOKENIZERS: dict = {}
-
-
-def tokenizer_for_checkpoint(ckpt: dict, cfg, path: Path):
-    """The tokenizer the checkpoint was trained with, verified by fingerprint: the configured
-    one if it matches, else the one the checkpoint names."""
-    from utils import tok as tok_lib
-    info = ckpt.get("tokenizer") or {}
-    want = info.get("fingerprint")
-    tried = []
-    candidates = [("config", lambda: tok_lib.load_tokenizer(cfg))]
-    if info.get("name"):
-        candidates.append((info["name"], lambda: tok_lib.load_tokenizer_from(info["name"], cfg)))
-    for label, load in candidates:
-        key = (id(cfg), label)
-        try:
-            tok = _TOKENIZERS[key] if key in _TOKENIZERS else load()
-        except PipelineError as e:
-            tried.append(f"{label}: {str(e)[:160]}")
-            continue
-        _TOKENIZERS[key] = tok
-        fp = tok_lib.fingerprint(tok)
-        if want is None or fp == want:
-            return tok, {**info, "fingerprint": fp, "verified": want is not None}
-        tried.append(f"{label}: fingerprint {fp[:12]} differs")
-    raise PipelineError(f"{path}: cannot find the tokenizer this checkpoint was trained with "
-                        f"(fingerprint {str(want)[:12]}..., name {info.get('name')!r}); tried "
-                        + "; ".join(tried) + ". Set tokenizer.name in config.json to that tokenizer.")
 
 
 def weights_fingerprint(state_dict: dict) -> str:

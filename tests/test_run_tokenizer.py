@@ -1,0 +1,127 @@
+"""A run opens with the tokenizer it was trained with (utils/run.py), whatever config.json names.
+
+The run is trained with the offline SentencePiece sample tokenizer; every later command here
+uses a config that sets only where outputs go, so its ``tokenizer.name`` is the shipped
+default (the hub's CodeLlama, unreachable offline), as a new user's `python main.py infer`
+after `make demo` would. infer, sft train, benchmark, status and the interactive menu must
+open the run anyway; a tokenizer that is gone is a clear error naming what it needs and where
+it looked. Also: configs/offline.json selects the offline SFT samples.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, SAMPLES, SPM_MODEL, offline_env, run_main, spawn_main, write_config
+from utils.config import Config
+
+HUB_DEFAULT = Config().tokenizer.name
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, train_shards):
+    """A tiny pre-trained run and its SFT run, trained with a copy of the sample tokenizer."""
+    root = tmp_path_factory.mktemp("runtok")
+    tok_dir = root / "mytok"
+    tok_dir.mkdir()
+    shutil.copy(SPM_MODEL, tok_dir / "tokenizer.model")
+    trained = write_config(root, {"tokenizer": {"name": str(tok_dir / "tokenizer.model")},
+                                  "dataset": {"wikipedia_test_dir": str(train_shards)},
+                                  "sft": {"dataset": "samples"}}, "trained.json")
+    p = run_main("train", "--test", "--config", trained, "--max-steps", "4", "--window", "32",
+                 "--eval-steps", "4", "--eval-batches", "1", "--sample-tokens", "0",
+                 "--name", "base", "--device", "cpu")
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run_main("sft", "prepare", "--config", trained, "--test")
+    assert p.returncode == 0, p.stdout + p.stderr
+    plain = write_config(root, {}, "plain.json")          # outputs under root; nothing else
+    assert json.loads(plain.read_text()).keys() == {"paths"}
+    return {"root": root, "plain": plain, "tok_dir": tok_dir,
+            "ckpt": root / "checkpoints" / "base" / "checkpoint_best.pt"}
+
+
+def _ok(p):
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout + p.stderr
+
+
+def test_the_default_config_names_the_hub_tokenizer():
+    assert HUB_DEFAULT == "codellama/CodeLlama-7b-hf"
+
+
+def test_infer_opens_a_run_without_its_config(run):
+    out = _ok(run_main("infer", "--config", run["plain"], "--checkpoint", run["ckpt"],
+                       "--prompt", "The history of", "--max-new-tokens", "5", "--seed", "1"))
+    assert f"was trained with tokenizer {run['tok_dir'] / 'tokenizer.model'}" in out
+    assert out.count("was trained with tokenizer") == 1
+    assert "5 tokens in" in out
+
+
+def test_benchmark_and_status_open_a_run_without_its_config(run):
+    out = _ok(run_main("benchmark", "--config", run["plain"], "--test", "--tasks", "perplexity",
+                       run["ckpt"], timeout=600))
+    assert "base/checkpoint_best" in out
+    out = _ok(run_main("status", "--config", run["plain"], "base"))
+    assert "run base: finished" in out and re.search(r"step\s+4 of 4", out), out
+
+
+def test_sft_train_and_infer_its_checkpoint_without_the_config(run):
+    _ok(run_main("sft", "train", "--config", run["plain"], "--test", "--checkpoint", run["ckpt"],
+                 "--name", "rt", "--max-steps", "2", "--sample-tokens", "0", timeout=600))
+    sft_runs = sorted((run["root"] / "checkpoints").glob("sft_rt_*"))
+    assert len(sft_runs) == 1
+    out = _ok(run_main("infer", "--config", run["plain"], "--checkpoint",
+                       sft_runs[0] / "checkpoint_best.pt", "--prompt", "Why is the sky blue?",
+                       "--max-new-tokens", "4", "--seed", "1"))
+    assert "was trained with tokenizer" in out
+
+
+def test_interactive_infer_opens_a_run_without_its_config(run):
+    import pexpect
+    env = offline_env(NO_COLOR="1")
+    c = spawn_main("infer", "--config", run["plain"], "--checkpoint", run["ckpt"],
+                   "--max-new-tokens", "4", env=env, timeout=120)
+    c.expect("was trained with tokenizer")
+    c.expect("Prompt")
+    c.sendline("The history of")
+    c.expect("Parameters: 1\\) defaults")
+    c.sendline("")
+    c.expect("Generated:")
+    c.expect(r"tokens/s")
+    c.expect("Prompt")
+    c.sendline("/quit")
+    c.expect(pexpect.EOF)
+    c.close()
+    assert c.exitstatus == 0 and "Traceback" not in c.before
+
+
+def test_a_missing_tokenizer_is_named_with_where_it_looked(run):
+    moved = run["root"] / "mytok_moved"
+    run["tok_dir"].rename(moved)
+    try:
+        p = run_main("infer", "--config", run["plain"], "--checkpoint", run["ckpt"],
+                     "--prompt", "x", "--max-new-tokens", "2")
+    finally:
+        moved.rename(run["tok_dir"])
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    assert "cannot find the tokenizer this checkpoint was trained with" in out
+    assert str(run["tok_dir"] / "tokenizer.model") in out          # where it looked
+    assert HUB_DEFAULT in out and "Traceback" not in out
+
+
+def test_offline_config_selects_the_offline_sft_samples(tmp_path):
+    from utils.config import load_config
+    assert load_config(ROOT / "configs" / "offline.json", base_file=None).sft.dataset == "samples"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "samples").symlink_to(SAMPLES)
+    cfg = json.loads((ROOT / "configs" / "offline.json").read_text())
+    cfg["paths"] = {"root": str(tmp_path)}
+    (tmp_path / "offline.json").write_text(json.dumps(cfg))
+    _ok(run_main("sft", "prepare", "--config", tmp_path / "offline.json", "--test"))
+    meta = json.loads((tmp_path / "data" / "post-training" / "metadata.json").read_text())
+    assert meta["source"]["kind"] == "qa_substitute", meta["source"]
