@@ -355,6 +355,41 @@ def test_metadata_wrong_types_all_named_at_once(real_set, tmp_path):
     assert e.auto_rebuild is False
 
 
+def test_header_and_body_fields_of_the_wrong_type_all_named_at_once(real_set, saved_tok, tmp_path):
+    """format_version, complete and body fields wrong together: one refusal names them all,
+    in the library and through a CLI that opens the set (before: only format_version)."""
+    d = copy_set(real_set, tmp_path)
+    meta = meta_of(d)
+    meta["format_version"] = "1"
+    meta["complete"] = "yes"
+    meta["dtype"] = 5
+    meta["window"] = "512"
+    meta["shards"][0]["tokens"] = "many"
+    del meta["tokenizer"]["fingerprint"]
+    put_meta(d, meta)
+    needles = ['format_version is "1"', 'complete is "yes"', "dtype is 5", 'window is "512"',
+               'shards[0].tokens is "many"', "tokenizer.fingerprint is null", "6 field(s)"]
+    e = refused(d, *needles, str(d / METADATA_FILE), field="metadata")
+    assert e.auto_rebuild is False
+    proc = subprocess.run([sys.executable, str(ROOT / "dataloader.py"), "--test", "--config",
+                           str(prep_config(tmp_path, saved_tok)), "--shards", str(d), "--window",
+                           "32", "--batch-size", "4"], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=offline_env())
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in proc.stderr, (n, proc.stderr)
+
+
+def test_a_lone_header_problem_keeps_its_own_message(real_set, tmp_path):
+    d = copy_set(real_set, tmp_path)
+    meta = meta_of(d)
+    meta["complete"] = False
+    put_meta(d, meta)
+    e = refused(d, "complete is false, not true (an interrupted prep)", field="complete")
+    assert e.auto_rebuild is True
+
+
 @pytest.mark.parametrize("change,needle", [
     (lambda m: m.update(shards=[]), "shards is [], expected a non-empty list"),
     (lambda m: m.update(shards={"file": "tokens_00000.npy"}), "shards is {"),

@@ -212,17 +212,24 @@ def read_metadata(directory: Path, rebuild: str = "python main.py prepare") -> d
     if not isinstance(meta, dict):
         raise ShardSetError(f"{mpath} holds a JSON {type(meta).__name__}, not an object: damaged. "
                             f"{keep}", "metadata.json", auto_rebuild=False)
+    # The header fields, then every other field: all problems are named at once. A lone header
+    # problem keeps its own message (a set from another tool or version, an interrupted prep).
+    header: list[ShardSetError] = []
     if meta.get("format") != FORMAT_NAME:
-        raise ShardSetError(f"{mpath}: format is {json.dumps(meta.get('format'))[:80]}, expected "
-                            f"{FORMAT_NAME!r}. Rebuild with: {rebuild} --force", "format")
+        header.append(ShardSetError(f"format is {json.dumps(meta.get('format'))[:80]}, expected "
+                                    f"{FORMAT_NAME!r}. Rebuild with: {rebuild} --force", "format"))
     version = meta.get("format_version")
     if not _is_int(version) or version != FORMAT_VERSION:
-        raise ShardSetError(f"{mpath}: format_version is {json.dumps(version)[:80]}, this code reads "
-                            f"version {FORMAT_VERSION}. Rebuild with: {rebuild} --force", "format_version")
+        header.append(ShardSetError(f"format_version is {json.dumps(version)[:80]}, this code reads "
+                                    f"version {FORMAT_VERSION}. Rebuild with: {rebuild} --force",
+                                    "format_version"))
     if meta.get("complete") is not True:
-        raise ShardSetError(f"{mpath}: complete is {json.dumps(meta.get('complete'))[:40]}, not true "
-                            f"(an interrupted prep). Finish it with: {rebuild}", "complete")
+        header.append(ShardSetError(f"complete is {json.dumps(meta.get('complete'))[:40]}, not true "
+                                    f"(an interrupted prep). Finish it with: {rebuild}", "complete"))
     problems = _type_problems(meta)
+    if len(header) == 1 and not problems:
+        raise ShardSetError(f"{mpath}: {header[0]}", header[0].field)
+    problems = [str(h).split(". ")[0] for h in header] + problems
     if problems:
         raise ShardSetError(f"{mpath}: {len(problems)} field(s) of the wrong type or value: "
                             + "; ".join(problems[:20]) + (" ..." if len(problems) > 20 else "")
