@@ -398,6 +398,43 @@ def test_bad_hellaswag_rows_are_skipped_and_counted(tmp_path):
                                  "empty_ctx": 1, "missing_ctx_b": 1, "invalid_json": 1})
 
 
+@pytest.mark.parametrize("gz", [False, True], ids=["jsonl", "jsonl.gz"])
+def test_lambada_reads_every_published_shape(tmp_path, models, tok, gz):
+    """{"text"}, {"context", "continuation"} and the OLMo request shape of the same 6 real
+    items, read from local files by the benchmark's loader: identical items and scores."""
+    from utils.bench import data as D, runner
+    rows = []
+    with gzip.open(SAMPLES / "lambada" / "requests.jsonl.gz", "rt") as f:
+        for line in f:
+            rows.append(json.loads(line))
+            if len(rows) == 6:
+                break
+    shapes = {
+        "text": [{"text": r["request"]["context"] + r["request"]["continuation"]} for r in rows],
+        "context_continuation": [{"context": r["request"]["context"],
+                                  "continuation": r["request"]["continuation"]} for r in rows],
+        "olmo_request": rows,
+    }
+    got = {}
+    for name, shaped in shapes.items():
+        f = tmp_path / (f"{name}.jsonl" + (".gz" if gz else ""))
+        body = "\n".join(json.dumps(r) for r in shaped) + "\n"
+        if gz:
+            with gzip.open(f, "wt", encoding="utf-8") as out:
+                out.write(body)
+        else:
+            f.write_text(body, encoding="utf-8")
+        data = D.load_task("lambada", str(f), SAMPLES, ROOT)
+        assert not data.skipped and len(data.items) == 6, (name, data.skipped)
+        records: list = []
+        res, _, scored = runner.run_loglikelihood_task(
+            "lambada", ModelAdapter.make(models["model_a"], tok), data.items, 3, "t", records)
+        assert scored == 6
+        got[name] = ([(it.context, it.target) for it in data.items], [r["ll"] for r in records])
+    assert got["text"] == got["context_continuation"] == got["olmo_request"]
+    assert all(t.startswith(" ") and " " not in t[1:] for _, t in got["text"][0])
+
+
 def test_bad_arc_and_lambada_rows(tmp_path):
     from utils.bench import data as D
     good = {"id": "q1", "question": "Q?", "choices": {"text": ["x", "y"], "label": ["A", "B"]},

