@@ -322,7 +322,7 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
     from utils.logging_utils import DualLogger
     from utils.run import tokenizer_for_checkpoint
     from utils.tok import require_bos_eos
-    from utils.trainer import Trainer, resolve_dtype, seed_everything
+    from utils.trainer import Trainer, pause_step_from_env, resolve_dtype, seed_everything
 
     data_dir = cfg.path("paths.post_training_dir")
     examples = sft.load_examples(data_dir)
@@ -429,6 +429,7 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
                          chat_template=template,
                          sample_fn=sample_fn if args.sample_tokens > 0 else None,
                          resume_command=_resume_command(full_argv, run_dir / "checkpoint_latest.pt"),
+                         pause_at_step=pause_step_from_env(),
                          extra_payload={"sft": {"base_checkpoint": str(base_path),
                                                 "data_fingerprint": meta["data_fingerprint"]}})
     if resume is not None:

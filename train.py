@@ -157,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from utils.logging_utils import DualLogger
     from utils.metrics import measure_bytes_per_token
     from utils.tok import describe, encode_plain, load_tokenizer
-    from utils.trainer import Trainer, resolve_dtype, seed_everything
+    from utils.trainer import Trainer, pause_step_from_env, resolve_dtype, seed_everything
 
     hp = cfg.training
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -282,7 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       dist=dist, total_steps=total, steps_per_epoch=steps_per_epoch,
                       config=cfg.to_dict(), tokenizer_info=tok_info, kind="pretrain",
                       sample_fn=sample_fn if hp.sample_tokens > 0 else None,
-                      bytes_per_token=bpt,
+                      bytes_per_token=bpt, pause_at_step=pause_step_from_env(),
                       resume_command=resume_command(argv, run, dist.world_size,
                                                      int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))))
     if ckpt is not None:

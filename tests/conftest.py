@@ -102,6 +102,38 @@ def spawn_main(*args, cwd=None, env=None, preexec_fn=default_signals, timeout: f
                          timeout=timeout, dimensions=(50, 200), preexec_fn=preexec_fn)
 
 
+def paused_env(step: int, **extra) -> dict:
+    """The environment of a training run that, after optimizer step ``step``, says
+    "paused after step N" and waits for a stop signal (utils.trainer.PAUSE_ENV): signals then
+    land at a known step, whatever the machine's speed."""
+    return offline_env(LLM_PIPELINE_PAUSE_AT_STEP=step, **extra)
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 240) -> list[str]:
+    """Read ``proc``'s stdout (a text pipe) line by line until one contains ``needle``;
+    returns the lines read. Fails if the process ends or the deadline passes first."""
+    import selectors
+    lines: list[str] = []
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                out, err = proc.communicate(timeout=60)
+                pytest.fail(f"exit {proc.returncode} before {needle!r}:\n{''.join(lines)}{out}\n{err}")
+            lines.append(line)
+            if needle in line:
+                return lines
+    finally:
+        sel.close()
+    proc.kill()
+    pytest.fail(f"no {needle!r} within {timeout} s:\n{''.join(lines)}")
+
+
 def child_pids(pid: int) -> list[int]:
     """The live children of process ``pid`` (from /proc; Linux)."""
     kids = []

@@ -21,7 +21,7 @@ import pytest
 
 import cleaner
 from cleaner import CleanOptions
-from tests.conftest import ENWIKI_XML, ROOT, offline_env, run_main
+from tests.conftest import ENWIKI_XML, ROOT, default_signals, offline_env, run_main
 from utils.textio import iter_articles, unescape_article
 
 DROP = ("References", "External links", "See also", "Further reading", "Notes")
@@ -356,7 +356,8 @@ def test_ctrl_c_exits_130_without_partial_output(samples, tmp_config, tmp_path, 
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "clean", "--config", str(cfg),
                              "--workers", workers],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=offline_env(), cwd=ROOT, start_new_session=True)
+                            env=offline_env(), cwd=ROOT, start_new_session=True,
+                            preexec_fn=default_signals)   # as a terminal would, even under nohup
     assert proc.stdout.readline().startswith("Cleaning 1 of 1")
     deadline = time.monotonic() + 60                 # wait until the file is being written
     while not list(out_dir(tmp_path).glob(".*tmp-*")):

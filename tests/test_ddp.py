@@ -26,14 +26,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import (NEWS, ROOT, SPM_MODEL, default_signals, main_command, offline_env,
-                            run_main, write_config)
+                            paused_env, run_main, wait_for_line, write_config)
 from tests.test_train import FLAGS, log_of, losses, ok, train, weights
 from utils.checkpoint import load_checkpoint
 from utils.logging_utils import latest_per_step
@@ -142,25 +140,6 @@ def test_only_rank_0_writes(root, ddp_run, single_run):
     assert "python main.py status ddp" in out
 
 
-def _wait_for_step(log: Path, step: int, proc: subprocess.Popen, limit: float = 240) -> None:
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        if log.exists():
-            for line in log.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue          # a line being written
-                if r.get("type") == "train" and r.get("step", 0) >= step:
-                    return
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"torchrun ended (exit {proc.returncode}) before step {step}\n{out}\n{err}")
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"no step {step} in {log} within {limit} s")
-
-
 def test_ctrl_c_then_resume_with_the_same_world_size_is_exact(root, cfg, ddp_run):
     """The launch a user types, `main.py train --nproc-per-node 2`, stopped by a signal to
     the whole process group (main.py, the launcher and both ranks), then resumed."""
@@ -168,16 +147,16 @@ def test_ctrl_c_then_resume_with_the_same_world_size_is_exact(root, cfg, ddp_run
     launch = ["train", "--test", "--config", cfg, *FLAGS, *args, "--nproc-per-node", 2]
     p = subprocess.Popen(main_command(*launch, "--name", "cut"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=offline_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals,
+                         env=paused_env(2), stdin=subprocess.DEVNULL, preexec_fn=default_signals,
                          start_new_session=True)
-    _wait_for_step(root / "logs" / "raw_metrics" / "cut.jsonl", 2, p)
+    wait_for_line(p, "paused after step 2")   # rank 0 waits; rank 1 waits in the stop all-reduce
     os.killpg(p.pid, signal.SIGINT)          # main.py also forwards it: the launcher gets two
     out, err = p.communicate(timeout=240)
     assert p.returncode == 130, f"{out}\n{err}"
     assert "Traceback" not in err and "the 2 ranks were stopped by SIGINT" in err
     latest = root / "checkpoints" / "cut" / "checkpoint_latest.pt"
     cut = load_checkpoint(latest, "resume")
-    assert 2 <= cut["step"] < STEPS, f"the signal should land mid-run\n{out}\n{err}"
+    assert cut["step"] == 2, f"{out}\n{err}"
     assert len(cut["rng"]["ranks"]) == 2
     assert "python main.py train" in err and "--name cut --resume auto --nproc-per-node 2" in err
 
@@ -239,11 +218,11 @@ def test_sigterm_to_main_py_alone_stops_the_launch_with_130(root, cfg):
     p = subprocess.Popen(main_command("train", "--test", "--config", cfg, *FLAGS, "--batch-size", B,
                                       "--max-steps", 50, "--nproc-per-node", 2, "--name", "term"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=offline_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals,
+                         env=paused_env(1), stdin=subprocess.DEVNULL, preexec_fn=default_signals,
                          start_new_session=True)
-    _wait_for_step(root / "logs" / "raw_metrics" / "term.jsonl", 1, p)
+    wait_for_line(p, "paused after step 1")
     os.kill(p.pid, signal.SIGTERM)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 130, f"{out}\n{err}"
     assert "the 2 ranks were stopped by SIGTERM" in err and "Traceback" not in err
-    assert 1 <= load_checkpoint(root / "checkpoints" / "term" / "checkpoint_latest.pt", "resume")["step"] < 50
+    assert load_checkpoint(root / "checkpoints" / "term" / "checkpoint_latest.pt", "resume")["step"] == 1

@@ -13,7 +13,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from tests.conftest import ROOT, offline_env, run_main, stage_pid, wait_until_blocked
+from tests.conftest import ROOT, default_signals, offline_env, run_main, stage_pid, wait_until_blocked
 
 sys.path.insert(0, str(ROOT))
 import main  # noqa: E402
@@ -80,7 +80,8 @@ def test_ctrl_c_in_stage_exits_130_cli(tmp_path):
     os.mkfifo(fifo)
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "samples", "--config", str(fifo)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=offline_env(), start_new_session=True)
+                            env=offline_env(), start_new_session=True,
+                            preexec_fn=default_signals)   # as a terminal would, even under nohup
     fd = _open_fifo_writer(fifo)
     try:
         wait_until_blocked(stage_pid(proc.pid))  # in read(), not just past open()
@@ -132,7 +133,8 @@ def test_each_stage_is_built_and_importable_or_says_not_built(name, tmp_path):
 # ----------------------------------------------------------------------------- menu (pty)
 def _spawn_menu(tmp_path):
     child = pexpect.spawn(sys.executable, [str(ROOT / "main.py")], cwd=str(tmp_path),
-                          env=offline_env(), encoding="utf-8", timeout=120, dimensions=(50, 200))
+                          env=offline_env(), encoding="utf-8", timeout=120, dimensions=(50, 200),
+                          preexec_fn=default_signals)   # a terminal's defaults, even under nohup
     child.expect(r"Choose a stage \[1-(\d+)\]: ")
     return child
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SPM_MODEL, popen_main, run_main, write_config
+from tests.conftest import SPM_MODEL, paused_env, popen_main, run_main, wait_for_line, write_config
 
 TOK_NAME = str(SPM_MODEL)
 
@@ -300,10 +300,8 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(work):
               "--batch-size", "4", "--lr", "3e-3", "--sample-tokens", "0"]
     ref = run_main("sft", "train", *common, "--name", "ref", timeout=400)
     assert ref.returncode == 0, ref.stderr
-    proc = popen_main("sft", "train", *common, "--name", "cut")
-    for line in proc.stdout:   # a validation after step 0 prints inside the loop (Ctrl-C is a stop request there)
-        if line.startswith("step ") and not line.startswith("step 0/"):
-            break
+    proc = popen_main("sft", "train", *common, "--name", "cut", env=paused_env(2))
+    wait_for_line(proc, "paused after step 2")          # the signal lands after step 2
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, out + err

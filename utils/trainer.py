@@ -45,9 +45,11 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -232,13 +234,34 @@ class StopRequest:
 
     def __enter__(self):
         for s in (signal.SIGINT, signal.SIGTERM):
-            self._previous[s] = signal.signal(s, self._handler)
+            if signal.getsignal(s) is not signal.SIG_IGN:    # nohup / `cmd &`: stays ignored
+                self._previous[s] = signal.signal(s, self._handler)
         return self
 
     def __exit__(self, *exc):
         for s, h in self._previous.items():
             signal.signal(s, h)
         return False
+
+    def wait(self, limit: float = 600.0) -> None:
+        """Block until a stop signal has arrived (at most ``limit`` seconds)."""
+        deadline = time.monotonic() + limit
+        while self.requested is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+PAUSE_ENV = "LLM_PIPELINE_PAUSE_AT_STEP"
+
+
+def pause_step_from_env() -> Optional[int]:
+    """The step after which a run waits for a stop signal (``$LLM_PIPELINE_PAUSE_AT_STEP``): a
+    deterministic point for tests and demos to interrupt a run at; None when unset."""
+    value = os.environ.get(PAUSE_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise PipelineError(f"{PAUSE_ENV}={value!r}: expected a step number >= 1 (or unset).")
+    return int(value)
 
 
 # --------------------------------------------------------------------------- trainer
@@ -276,7 +299,7 @@ class Trainer:
                  sample_fn: Optional[Callable[[nn.Module], list[tuple[str, str]]]] = None,
                  bytes_per_token: Optional[float] = None, resume_command: Optional[str] = None,
                  flops_per_token: Optional[float] = None, extra_payload: Optional[dict] = None,
-                 progress: bool = True, out=None):
+                 progress: bool = True, out=None, pause_at_step: Optional[int] = None):
         self.hp, self.log_cfg = hp, log_cfg
         self.device = torch.device(device)
         self.dist = dist
@@ -296,6 +319,7 @@ class Trainer:
         self.extra_payload = extra_payload or {}
         self.progress = progress and dist.is_main
         self.out = out or sys.stdout
+        self.pause_at_step = pause_at_step   # see pause_step_from_env
 
         self.dtype = resolve_dtype(hp.dtype, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
@@ -587,6 +611,11 @@ class Trainer:
                         bar.update(1)
                     if self.step % self.log_cfg.log_every == 0 or self.step == self.total_steps:
                         self._log_train(thr, bar)
+                    if self.step == self.pause_at_step and self.dist.is_main:
+                        self._print(f"paused after step {self.step} until a stop signal "
+                                    f"({PAUSE_ENV}).")
+                        self.logger.flush()
+                        stop.wait()
                     stopping = D.any_rank(self.dist, stop.requested is not None, self.device)
                     if stopping:
                         reason = "interrupted"
