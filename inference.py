@@ -118,6 +118,7 @@ class Stats:
     seconds: float
     ttft: Optional[float]
     stopped: bool = False
+    prompt_tokens: Optional[int] = None     # what the model was given (chat: history included)
 
     @property
     def rate(self) -> float:
@@ -125,8 +126,9 @@ class Stats:
 
     def line(self) -> str:
         ttft = f"{self.ttft:.3f} s" if self.ttft is not None else "n/a"
+        prompt = f"; prompt {self.prompt_tokens} tokens" if self.prompt_tokens is not None else ""
         return (f"{self.tokens} tokens in {self.seconds:.2f} s ({self.rate:.1f} tokens/s; first "
-                f"token after {ttft})" + (" [stopped]" if self.stopped else ""))
+                f"token after {ttft}{prompt})" + (" [stopped]" if self.stopped else ""))
 
 
 @dataclass
@@ -211,6 +213,7 @@ class Engine:
         ttft = None
         stopped = False
         stream = None
+        ids: list[int] = []
         try:
             ids = self.prompt_ids(m, text, p.max_new_tokens, note)
             stream = m.model.generate_stream(ids, max_new_tokens=p.max_new_tokens,
@@ -238,7 +241,7 @@ class Engine:
             on_text(final[len(shown):] if final.startswith(shown) else "\n" + final)
         if m.chat and not stopped:
             m.history.append((text, final))
-        return final, Stats(len(out), seconds, ttft, stopped)
+        return final, Stats(len(out), seconds, ttft, stopped, len(ids))
 
 
 def _label(path: Path) -> str:
@@ -260,7 +263,8 @@ def scripted(engine: Engine, args, params: Params) -> int:
     if args.json:
         out, st = engine.generate(m, text, params, None, note)
         print(json.dumps({"text": out, "checkpoint": str(m.path), "kind": m.ckpt_kind,
-                          "chat_template": m.chat, "prompt": text, "tokens": st.tokens,
+                          "chat_template": m.chat, "prompt": text,
+                          "prompt_tokens": st.prompt_tokens, "tokens": st.tokens,
                           "seconds": round(st.seconds, 4), "tokens_per_s": round(st.rate, 2),
                           "time_to_first_token_s": None if st.ttft is None else round(st.ttft, 4),
                           "params": vars(params)}, ensure_ascii=False))

@@ -3,6 +3,7 @@ own writer (utils.logging_utils.DualLogger) produces and the run folder."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -91,11 +92,26 @@ def test_a_rising_loss_is_called_rising(tmp_path):
 
 
 def test_torn_last_line_and_nan_values_are_tolerated(tmp_path):
-    path = _log_run(tmp_path, "torn", [5, 4, 3, 2, 1])
+    """NaN as the real logger writes it (null), and as a raw NaN/Infinity literal (what Python's
+    json writes by default, e.g. another tool's log), then a line torn by a crash."""
+    path = _log_run(tmp_path, "torn", [5, 4, float("nan"), 2, 1])
+    assert '"step": 30, "time": ' in path.read_text() and '"loss": null' in path.read_text()
     with open(path, "a") as f:
-        f.write('{"type": "train", "step": 60, "loss": nu')   # crash mid-write
+        f.write(json.dumps({"type": "train", "step": 60, "loss": float("nan"),
+                            "smoothed_loss": float("inf"), "lr": 1e-3,
+                            "tokens_per_s": float("nan"), "tokens_seen": 30720,
+                            "time": time.time()}) + "\n")
+        f.write('{"type": "train", "step": 70, "loss": nu')   # crash mid-write
+    assert "NaN" in path.read_text() and "Infinity" in path.read_text()
     s = status.summarize("torn", tmp_path / "checkpoints", tmp_path / "logs")
-    assert s["step"] == 50
+    assert s["step"] == 60                                     # the torn line is skipped
+    assert s["trend"]["direction"] == "falling"                # from the finite losses only
+    assert s["tokens_per_s"] == pytest.approx(1003.5)          # NaN rates left out
+    proc = _run(tmp_path, "torn")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"loss\s+n/a \(smoothed n/a\)", proc.stdout), proc.stdout
+    body = proc.stdout.replace(str(tmp_path), "TMP")                # the path says "nan" too
+    assert "tokens/s     1,004" in body and "nan" not in body.lower() and "inf" not in body
 
 
 def _run(tmp_path, *args):
