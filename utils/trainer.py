@@ -341,8 +341,9 @@ class Trainer:
 
         # Model wrappers (the raw model stays reachable for saving and generation).
         m = model
+        self.checkpointed_blocks = 0
         if getattr(hp, "activation_checkpointing", False):
-            enable_activation_checkpointing(m)
+            self.checkpointed_blocks = enable_activation_checkpointing(m)
         if hp.compile:
             m = torch.compile(m)
         if dist.enabled:
@@ -579,6 +580,9 @@ class Trainer:
                                self._last_val, None)
         self.logger.event(self.step, "resume" if self._resumed_from is not None else "start",
                           total_steps=self.total_steps, mfu_unavailable=self.mfu_note)
+        if self.checkpointed_blocks and self.dist.is_main:
+            self._print(f"activation checkpointing: {self.checkpointed_blocks} blocks recompute "
+                        "their activations in the backward pass.")
         path = getattr(self.raw_model, "attention_path", None)
         if path is not None and self.dist.is_main:
             self._print(f"attention: {path(self.device.type, self.dtype)}.")
