@@ -204,14 +204,20 @@ def test_hellaswag_preprocessing_rules():
     assert it.gold == 2 and it.id == "7"
 
 
-def test_lambada_matches_oracle(models, tok):
-    from utils.bench import runner, tasks as T
+def lambada_rows(n: int) -> list[dict]:
+    """The first ``n`` rows of the offline LAMBADA sample (OLMo request records)."""
     rows = []
     with gzip.open(SAMPLES / "lambada" / "requests.jsonl.gz", "rt") as f:
         for line in f:
             rows.append(json.loads(line))
-            if len(rows) == 10:
+            if len(rows) == n:
                 break
+    return rows
+
+
+def test_lambada_matches_oracle(models, tok):
+    from utils.bench import runner, tasks as T
+    rows = lambada_rows(10)
     items = [T.lambada_item(r, i) for i, r in enumerate(rows)]
     model = models["model_a"]
     records: list = []
@@ -403,12 +409,7 @@ def test_lambada_reads_every_published_shape(tmp_path, models, tok, gz):
     """{"text"}, {"context", "continuation"} and the OLMo request shape of the same 6 real
     items, read from local files by the benchmark's loader: identical items and scores."""
     from utils.bench import data as D, runner
-    rows = []
-    with gzip.open(SAMPLES / "lambada" / "requests.jsonl.gz", "rt") as f:
-        for line in f:
-            rows.append(json.loads(line))
-            if len(rows) == 6:
-                break
+    rows = lambada_rows(6)
     shapes = {
         "text": [{"text": r["request"]["context"] + r["request"]["continuation"]} for r in rows],
         "context_continuation": [{"context": r["request"]["context"],
