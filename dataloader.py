@@ -153,7 +153,7 @@ def open_shard_set(cfg: Config, tokenizer: Any = None, directory: Optional[Path]
     Refuses (ShardSetError, exit code 1) a missing, incomplete, damaged or stale set (other
     tokenizer), malformed shard files, token ids outside the vocabulary and a vocabulary that
     does not fit ``model.vocab_size``, naming the file or field and the rebuild command
-    (:mod:`utils.shards`; docs/loader.md). With ``dataset.auto_prepare`` a missing/incomplete
+    (:mod:`utils.shards`; docs/data_stages.md). With ``dataset.auto_prepare`` a missing/incomplete
     set is finished and a stale or damaged one rebuilt (``--force``) by running the prep stage
     first, then re-checked; a metadata.json that cannot be read or parsed is never acted on.
     """

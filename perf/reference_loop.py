@@ -46,7 +46,7 @@ def reference_run(cfg, args, total: int, eval_steps: int) -> tuple[dict, dict]:
     del ours
     hf.train()
 
-    opts = build_optimizers(hf, hp, torch.device("cpu"), vocab_size=args.vocab_size)
+    opts = build_optimizers(hf, hp, torch.device("cpu"))
     warmup = min(hp.warmup_steps, total // 5)     # the stage caps warm-up at 20% of the run
     sched = CosineWarmupScheduler(list(opts.values()), warmup=warmup, total=total,
                                   min_ratio=hp.min_lr / hp.lr)

@@ -84,7 +84,7 @@ def child(kind: str, size: str, dtype: str, steps: int, batch: int, seq: int) ->
         import types
         from utils.trainer import build_optimizers
         hp = types.SimpleNamespace(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, optimizer="adamw")
-        opt = build_optimizers(net, hp, torch.device("cpu"), vocab_size=VOCAB)["adamw"]
+        opt = build_optimizers(net, hp, torch.device("cpu"))["adamw"]
     else:                # what a user writes (foreach: torch's faster non-fused form)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                 foreach=True)

@@ -174,3 +174,33 @@ def test_attention_path_names_the_cuda_kernels_reasons():
         pytest.fail("flash-attn is importable on this CPU machine; this check expects it absent")
     assert f"flash-attn is not importable ({M._FLASH_WHY})" in m.attention_path("cuda", torch.bfloat16)
     assert M._FLASH_WHY.startswith(("ImportError", "ModuleNotFoundError"))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_muon_groups_pick_the_head_by_role_not_by_shape(tie):
+    """A hidden matrix with vocab_size outputs (MLP width = vocabulary) is Muon's; embeddings
+    and the head are AdamW's, found by their role. LlamaForCausalLM's head likewise."""
+    from types import SimpleNamespace
+    from utils.trainer import build_optimizers
+    args = ModelArgs(vocab_size=96, d_model=D, n_layers=2, n_heads=4, n_kv_heads=2,
+                     max_seq_len=16, ffn_hidden=96, tie_embeddings=tie)
+    m = create_model(args)
+    hp = SimpleNamespace(optimizer="muon", lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1,
+                         muon_momentum=0.95)
+    opts = build_optimizers(m, hp, torch.device("cpu"))
+    muon = {id(p) for g in opts["muon"].param_groups for p in g["params"]}
+    adamw = {id(p) for g in opts["adamw"].param_groups for p in g["params"]}
+    assert m.layers[0].mlp.w_gate.weight.shape[0] == 96
+    for b in m.layers:
+        for w in (b.mlp.w_gate.weight, b.mlp.w_up.weight, b.mlp.w_down.weight, b.attn.wq.weight):
+            assert id(w) in muon
+    assert id(m.tok_embeddings.weight) in adamw and id(m.lm_head.weight) in adamw
+    assert not muon & adamw
+
+    from transformers import LlamaForCausalLM
+    from model import hf_config
+    hf = LlamaForCausalLM(hf_config(args))
+    opts = build_optimizers(hf, hp, torch.device("cpu"))
+    muon = {id(p) for g in opts["muon"].param_groups for p in g["params"]}
+    assert id(hf.get_output_embeddings().weight) not in muon
+    assert id(hf.model.layers[0].mlp.gate_proj.weight) in muon

@@ -25,11 +25,9 @@ load reads the file once and checks every weight for finiteness (one pass over m
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import pickle
 import re
-import time
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
@@ -370,14 +368,6 @@ def find_run(checkpoints_dir, name: Optional[str] = None) -> Optional[RunInfo]:
     return next((r for r in runs if r.name == name), None)
 
 
-def describe_checkpoint(path) -> str:
-    """One line: step, kind, validation loss, size and age (for listings)."""
-    p = Path(path)
-    st = p.stat()
-    age = time.time() - st.st_mtime
-    return f"{p.name} ({st.st_size / 1e6:.1f} MB, {age_text(age)} ago)"
-
-
 def age_text(seconds: float) -> str:
     """A short human age: '45 s', '12 min', '3.5 h', '2.0 days'."""
     if seconds < 90:
@@ -387,7 +377,3 @@ def age_text(seconds: float) -> str:
     if seconds < 2 * 86400:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.1f} days"
-
-
-def is_finite_number(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

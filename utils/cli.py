@@ -15,7 +15,7 @@ Every stage parses its arguments with :class:`StageParser` (which adds ``--confi
   ``<paths.logs_dir>/errors/<stage>_<time>.log`` (named in the paragraph) and printed too
   with ``--debug`` (or ``LLM_PIPELINE_DEBUG=1``). No bare traceback reaches the user.
 
-Docs: docs/config.md (configuration rules, error classes, exit codes).
+Docs: docs/DESIGN.md section 2 (configuration rules, error classes, exit codes).
 """
 from __future__ import annotations
 

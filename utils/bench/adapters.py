@@ -190,7 +190,7 @@ class CheckpointAdapter(Adapter):
         self.device, self.amp = device, autocast_dtype(dtype, device)
         args = ckpt["model_args"]
         self.max_length = int(args.get("max_seq_len", 2048))
-        self.tok, tok_info = tokenizer_for_checkpoint(               # ``tokenizers``: the caller's
+        self.tok, tok_info = tokenizer_for_checkpoint(   # ``tokenizers``: the caller's cache
             ckpt, cfg, self.path, say=lambda m: print(m, file=sys.stderr), cache=tokenizers)
         self.add_bos = self.tok.bos_token_id is not None
         self.name = _run_label(self.path)
