@@ -3,7 +3,7 @@
     python perf/generate_throughput.py [--repeats 3] [--new-tokens 128] [--prompt-len 32]
                                        [--size 7m] [--batches 1,8]
 
-Same weights on both sides (ours copied into LlamaForCausalLM with model.to_hf_state_dict,
+Same weights on both sides (ours copied into LlamaForCausalLM with utils.hf.mapping.to_hf_state_dict,
 attn "sdpa"), fp32, greedy, the same random prompts, EOS disabled so every row produces
 exactly ``--new-tokens`` tokens. Timed region: one whole ``generate`` call (prefill + decode),
 after one warm-up call; new tokens/s = batch x new tokens / seconds (also per CPU-second
@@ -60,6 +60,7 @@ def main() -> int:
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     import model as M
+    import utils.hf.mapping as H
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
@@ -68,9 +69,9 @@ def main() -> int:
     args = M.ModelArgs(vocab_size=VOCAB, max_seq_len=a.prompt_len + a.new_tokens,
                        tie_embeddings=True, **SIZES[a.size])
     ours = M.create_model(args).eval()
-    hf = LlamaForCausalLM(M.hf_config(args)).eval()
+    hf = LlamaForCausalLM(H.hf_config(args)).eval()
     hf.config._attn_implementation = "sdpa"
-    hf.load_state_dict(M.to_hf_state_dict(ours), strict=False)
+    hf.load_state_dict(H.to_hf_state_dict(ours), strict=False)
     hf.tie_weights()
     print(f"perf/generate_throughput.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "

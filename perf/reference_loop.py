@@ -5,7 +5,7 @@ by tests/test_learning_parity.py. Given a finished run's resolved config and mod
 trains LlamaForCausalLM the way the stage trains ours, without re-implementing the stage:
 
 - initial weights: seeded with ``training.seed`` right before ``create_model`` as train.py
-  does, then copied into LlamaForCausalLM through ``model.to_hf_state_dict``;
+  does, then copied into LlamaForCausalLM through ``utils.hf.mapping.to_hf_state_dict``;
 - batches: ``dataloader.build_loaders`` with the run's config, iterated from the start;
   validation: the first ``training.eval_batches`` batches, token-weighted;
 - optimizer: ``utils.trainer.build_optimizers`` (AdamW, decay on matrices only), the same
@@ -26,6 +26,7 @@ def reference_run(cfg, args, total: int, eval_steps: int) -> tuple[dict, dict]:
 
     import dataloader
     import model as model_lib
+    from utils.hf.mapping import hf_config, to_hf_state_dict
     from utils.scheduler import CosineWarmupScheduler
     from utils.tok import load_tokenizer
     from utils.trainer import _as_dict, build_optimizers, seed_everything
@@ -39,8 +40,8 @@ def reference_run(cfg, args, total: int, eval_steps: int) -> tuple[dict, dict]:
 
     seed_everything(hp.seed)                       # as train.py does right before create_model
     ours = model_lib.create_model(args)
-    hf = LlamaForCausalLM(model_lib.hf_config(args, eos_id=tok.eos_token_id))
-    missing, unexpected = hf.load_state_dict(model_lib.to_hf_state_dict(ours), strict=False)
+    hf = LlamaForCausalLM(hf_config(args, eos_id=tok.eos_token_id))
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(ours), strict=False)
     if unexpected or not all("rotary" in k for k in missing):
         raise RuntimeError(f"weights do not map onto LlamaForCausalLM: {missing} {unexpected}")
     del ours

@@ -5,7 +5,7 @@
 
 For each size and precision, each contender runs in its own fresh subprocess (same thread
 count, same environment but for the allocator), with identical shapes and the same initial
-weights (ours copied into LlamaForCausalLM through model.to_hf_state_dict). Three contenders:
+weights (ours copied into LlamaForCausalLM through utils.hf.mapping.to_hf_state_dict). Three contenders:
 ours with the allocator settings train.py applies on CPU (utils/allocator.py: glibc malloc
 tunables), HF with the same settings, HF plain (glibc defaults). Two ratios: ours / HF with
 the same allocator and threads (what our model and loop are worth), and ours as shipped / HF
@@ -66,6 +66,7 @@ def child(kind: str, size: str, dtype: str, steps: int, batch: int, seq: int) ->
     import torch
     import torch.nn.functional as F
     import model as M
+    import utils.hf.mapping as H
 
     torch.manual_seed(0)
     args = M.ModelArgs(vocab_size=VOCAB, max_seq_len=seq, tie_embeddings=True, **SIZES[size])
@@ -74,9 +75,9 @@ def child(kind: str, size: str, dtype: str, steps: int, batch: int, seq: int) ->
         net = ours
     else:
         from transformers import LlamaForCausalLM
-        net = LlamaForCausalLM(M.hf_config(args))
+        net = LlamaForCausalLM(H.hf_config(args))
         net.config._attn_implementation = "sdpa"
-        net.load_state_dict(M.to_hf_state_dict(ours), strict=False)
+        net.load_state_dict(H.to_hf_state_dict(ours), strict=False)
         net.tie_weights()
         del ours
     net.train()

@@ -60,7 +60,7 @@ def _make_checkpoint(path: Path, tok, seed: int):
 
 def _to_hf(model, tok, out: Path):
     from transformers import LlamaForCausalLM
-    from model import hf_config, to_hf_state_dict
+    from utils.hf.mapping import hf_config, to_hf_state_dict
     hf = LlamaForCausalLM(hf_config(model.args, eos_id=tok.eos_token_id))
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)

@@ -198,7 +198,7 @@ def test_muon_groups_pick_the_head_by_role_not_by_shape(tie):
     assert not muon & adamw
 
     from transformers import LlamaForCausalLM
-    from model import hf_config
+    from utils.hf.mapping import hf_config
     hf = LlamaForCausalLM(hf_config(args))
     opts = build_optimizers(hf, hp, torch.device("cpu"))
     muon = {id(p) for g in opts["muon"].param_groups for p in g["params"]}

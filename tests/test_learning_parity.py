@@ -2,7 +2,7 @@
 
 Contract: on the sample shard set, ``python main.py train --test`` (our model, our loop) and a
 plain PyTorch loop over ``transformers.LlamaForCausalLM`` started from the same initial
-weights (converted with model.to_hf_state_dict), fed the same batches in the same order, with
+weights (converted with utils.hf.mapping.to_hf_state_dict), fed the same batches in the same order, with
 the same AdamW parameter groups (weight decay on matrices only), betas, gradient clipping and
 the same warm-up + cosine schedule, reach the same validation loss (within 0.02) at every
 evaluation, and the loss goes well down on the way. A broken piece on either side (attention,

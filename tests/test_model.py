@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-from model import (ModelArgs, create_model, from_hf_state_dict, hf_config, model_args_from_config,
-                   to_hf_state_dict)
+from model import ModelArgs, create_model, model_args_from_config
+from utils.hf.mapping import from_hf_state_dict, hf_config, model_args_from_hf_config, to_hf_state_dict
 from tests.conftest import run_main
 from utils.activations import GatedMLP
 from utils.config import ConfigError, Config, MODEL_PRESETS, llama_ffn_hidden, load_config
@@ -80,7 +80,7 @@ def test_hf_mapping_is_a_pure_rename_and_refuses_what_llama_lacks():
         d = dict(sd)
         del d["lm_head.weight"]
         from_hf_state_dict(d, tiny(tie_embeddings=False))
-    args = M.model_args_from_hf_config(hf_config(m.args))
+    args = model_args_from_hf_config(hf_config(m.args))
     assert args.to_dict() == {**m.args.to_dict(), "init_std": args.init_std}
 
 

@@ -1,0 +1,120 @@
+"""Our model <-> transformers' ``LlamaForCausalLM``: state-dict renames and config translation
+both ways (library; no side effects; transformers is imported only by :func:`hf_config`).
+
+Contract: model.py's layouts are Llama's (fused nothing, rotate-half RoPE, the same weight
+shapes), so the mapping is a pure rename (tensors shared, not copied):
+
+- ``to_hf_state_dict(model_or_state_dict, args=None)`` -> LlamaForCausalLM's names; with tied
+  embeddings ``lm_head.weight`` is the embedding tensor, as HF's own state_dict has it.
+- ``from_hf_state_dict(sd, args)`` -> ours (``rotary_emb.inv_freq`` buffers dropped).
+- ``hf_config(args, eos_id=None)`` -> ``transformers.LlamaConfig``;
+  ``model_args_from_hf_config(config, bos_id=None)`` -> ``ModelArgs``.
+- What Llama cannot express (LayerNorm) raises ValueError naming it; an unknown tensor name
+  raises KeyError naming it. tests/test_model.py checks logits parity both ways.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch.nn as nn
+
+from model import ModelArgs
+from utils.activations import HF_ACT_NAMES
+
+_HF_NAMES = [  # (ours, Hugging Face LlamaForCausalLM); {i} is the layer index
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.attn.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attn.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attn.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attn.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.mlp.w_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.mlp.w_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.mlp.w_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+]
+
+
+def _rename(sd: dict, pairs: list[tuple[str, str]]) -> dict:
+    pats = [(re.compile("^" + re.escape(a).replace(r"\{i\}", r"(\d+)") + "$"), b) for a, b in pairs]
+    out, unknown = {}, []
+    for k, v in sd.items():
+        for pat, target in pats:
+            m = pat.match(k)
+            if m:
+                out[target.replace("{i}", m.group(1)) if m.groups() else target] = v
+                break
+        else:
+            unknown.append(k)
+    if unknown:
+        raise KeyError(f"no Llama counterpart for: {', '.join(unknown[:5])}")
+    return out
+
+
+def _check_hf_compatible(args: ModelArgs) -> None:
+    if args.norm != "rmsnorm":
+        raise ValueError("LlamaForCausalLM has no LayerNorm: only norm 'rmsnorm' models convert")
+
+
+def to_hf_state_dict(model: nn.Module | dict, args: Optional[ModelArgs] = None) -> dict:
+    """Our state dict renamed to LlamaForCausalLM's (tensors shared, not copied). With tied
+    embeddings ``lm_head.weight`` is the embedding tensor, as HF's own state_dict has it."""
+    if isinstance(model, nn.Module):
+        args, sd = model.args, model.state_dict()
+    else:
+        sd = model
+    if args is not None:
+        _check_hf_compatible(args)
+    sd = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in sd.items()}
+    out = _rename(sd, _HF_NAMES)
+    if "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def from_hf_state_dict(sd: dict, args: ModelArgs) -> dict:
+    """A LlamaForCausalLM state dict renamed to ours (load with ``model.load_state_dict``).
+    ``lm_head.weight`` may be absent when ``args.tie_embeddings``."""
+    _check_hf_compatible(args)
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    out = _rename(sd, [(b, a) for a, b in _HF_NAMES])
+    if args.tie_embeddings:
+        out["lm_head.weight"] = out["tok_embeddings.weight"]
+    elif "lm_head.weight" not in out:
+        raise KeyError("lm_head.weight missing but the model has untied embeddings")
+    return out
+
+
+def hf_config(args: ModelArgs, eos_id: Optional[int] = None):
+    """The ``transformers.LlamaConfig`` of the same architecture."""
+    _check_hf_compatible(args)
+    from transformers import LlamaConfig
+    return LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.d_model, intermediate_size=args.ffn_hidden,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
+        hidden_act=HF_ACT_NAMES[args.activation], max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        tie_word_embeddings=args.tie_embeddings, attention_bias=False, mlp_bias=False,
+        attention_dropout=args.dropout, initializer_range=args.init_std,
+        bos_token_id=args.bos_id, eos_token_id=eos_id)
+
+
+def model_args_from_hf_config(c, bos_id: Optional[int] = None) -> ModelArgs:
+    """ModelArgs of a LlamaConfig (for importing a Hugging Face Llama)."""
+    act = {v: k for k, v in HF_ACT_NAMES.items()}.get(c.hidden_act)
+    if act is None:
+        raise ValueError(f"hidden_act {c.hidden_act!r} has no gated-MLP counterpart here")
+    rope = getattr(c, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10_000.0))
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+    return ModelArgs(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
+                     n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+                     ffn_hidden=c.intermediate_size, activation=act, norm="rmsnorm", norm_eps=c.rms_norm_eps,
+                     rope_theta=float(theta), max_seq_len=c.max_position_embeddings, dropout=0.0,
+                     tie_embeddings=bool(c.tie_word_embeddings),
+                     bos_id=bos_id if bos_id is not None else c.bos_token_id)
