@@ -104,7 +104,7 @@ def _wait_forwarding(proc: subprocess.Popen, waited: set, name: str, forwarded: 
               f"stage '{name}' (pid {proc.pid}).", file=sys.stderr, flush=True)
 
 
-def run_stage(name: str, args: Sequence[str], report: bool = True) -> int:
+def launch_stage(name: str, args: Sequence[str], report: bool = True) -> int:
     """Run a stage script as a subprocess; forward stop signals to it; return its exit code
     (a death by signal N becomes 128+N, 130 for SIGINT). With ``report``, say on stderr how
     the stage ended when a signal was involved (the menu prints its own outcome line)."""
@@ -216,7 +216,7 @@ def interactive() -> int:
             print(f"Cannot parse the arguments ({e}); nothing was run.\n")
             continue
         print(f"Running: python main.py {name} {' '.join(shlex.quote(a) for a in args)}".rstrip())
-        last = run_stage(name, args, report=False)
+        last = launch_stage(name, args, report=False)
         print("\n" + outcome(name, last))
         again = _ask("Run another stage? [y/N]: ")
         if again is None or again.strip().lower() not in ("y", "yes"):
@@ -248,7 +248,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     if rest[:1] == ["--"]:
         rest = rest[1:]
-    return run_stage(name, rest)
+    return launch_stage(name, rest)
 
 
 if __name__ == "__main__":
