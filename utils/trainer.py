@@ -37,7 +37,10 @@ Stopping
     written atomically, the resume command is printed and ``fit`` returns reason
     "interrupted" (the stage exits 130). Further signals while finishing are ignored (with a
     message), so a second Ctrl-C cannot interrupt the save. Under DDP the ranks agree on the
-    stop step (one all-reduce of a flag per step).
+    stop step (one all-reduce of a flag per step). A signal ignored when the process started
+    (nohup, ``cmd &``) stays ignored. ``pause_at_step`` (``$LLM_PIPELINE_PAUSE_AT_STEP``, read by
+    the stages through :func:`pause_step_from_env`) makes rank 0 wait after that step until a
+    stop signal arrives: a known point for tests to interrupt a run at.
 """
 from __future__ import annotations
 
