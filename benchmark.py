@@ -117,7 +117,7 @@ def check_tasks(tasks: Sequence[str]) -> list[str]:
 
 def resolve_checkpoints(specs: Sequence[str], cfg: Config) -> list[Path]:
     """Checkpoint files from files, run folders or run names; default: newest pretrain + SFT."""
-    from utils.checkpoint import list_runs, run_checkpoints
+    from utils.run import list_runs, pick_checkpoint
     ckdir = cfg.path("paths.checkpoints_dir")
     out: list[Path] = []
     for spec in specs:
@@ -127,12 +127,7 @@ def resolve_checkpoints(specs: Sequence[str], cfg: Config) -> list[Path]:
         if hit is None:
             raise PipelineError(f"checkpoint or run '{spec}' not found (looked for {cands[0]} and "
                                 f"{ckdir / spec}). `python main.py status` lists the runs.")
-        if hit.is_dir():
-            files = run_checkpoints(hit)      # best, latest, then the newest step/epoch
-            if not files:
-                raise PipelineError(f"{hit} holds no checkpoint (.pt) file.")
-            hit = files[0]
-        out.append(hit.resolve())
+        out.append(pick_checkpoint(hit).resolve())      # a run folder: best, else latest
     if specs:
         return out
     runs = list_runs(ckdir) if ckdir.exists() else []

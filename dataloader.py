@@ -19,7 +19,7 @@ Item format
     A batch is fetched with one vectorized index lookup (``__getitems__``), tensors contiguous.
 
 Start-up cost
-    Shards are memory-mapped through :func:`utils.shards.open_shard` (the ``.npy`` header is
+    Shards are memory-mapped through :func:`utils.data.shards.open_shard` (the ``.npy`` header is
     parsed and checked without pickle, the data is mapped read-only and not read), the token-id
     range comes from each shard's ``max_token_id`` in ``metadata.json``, and every count is
     computed arithmetically from the per-shard token counts there: start-up reads no token
@@ -83,7 +83,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_
 
 from utils.cli import PipelineError
 from utils.config import PROJECT_ROOT, Config
-from utils.shards import (ShardSetError, load_shards, open_shard, read_metadata, rebuild_command,
+from utils.data.shards import (ShardSetError, load_shards, open_shard, read_metadata, rebuild_command,
                           validate_metadata)
 
 # Fields of ShardSetError that mean "this set was built differently": rebuild with --force.
@@ -93,11 +93,11 @@ _INCOMPLETE_FIELDS = ("directory", "metadata.json", "complete")
 
 # --------------------------------------------------------------------------- tokenizer info
 def tokenizer_info(cfg: Config, tokenizer: Any = None) -> dict:
-    """``utils.tok.describe`` of the tokenizer; ``tokenizer`` may be None (load the configured
+    """``utils.data.tok.describe`` of the tokenizer; ``tokenizer`` may be None (load the configured
     one), a tokenizer object, or an already-described dict (returned as is)."""
     if isinstance(tokenizer, dict):
         return tokenizer
-    from utils.tok import describe, load_tokenizer  # imports transformers: only when needed
+    from utils.data.tok import describe, load_tokenizer  # imports transformers: only when needed
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     return describe(tok, cfg.tokenizer.name)
 
@@ -153,7 +153,7 @@ def open_shard_set(cfg: Config, tokenizer: Any = None, directory: Optional[Path]
     Refuses (ShardSetError, exit code 1) a missing, incomplete, damaged or stale set (other
     tokenizer), malformed shard files, token ids outside the vocabulary and a vocabulary that
     does not fit ``model.vocab_size``, naming the file or field and the rebuild command
-    (:mod:`utils.shards`; docs/data_stages.md). With ``dataset.auto_prepare`` a missing/incomplete
+    (:mod:`utils.data.shards`; docs/data_stages.md). With ``dataset.auto_prepare`` a missing/incomplete
     set is finished and a stale or damaged one rebuilt (``--force``) by running the prep stage
     first, then re-checked; a metadata.json that cannot be read or parsed is never acted on.
     """
@@ -532,7 +532,7 @@ def build_loaders(cfg: Config, tokenizer: Any = None, *, batch_size: Optional[in
                   log: Optional[Callable[[str], None]] = None):
     """The trainer's entry point: ``(train_loader, val_loader, info)``.
 
-    tokenizer: the tokenizer object (or its ``utils.tok.describe`` dict; None loads the
+    tokenizer: the tokenizer object (or its ``utils.data.tok.describe`` dict; None loads the
         configured one). batch_size: windows per batch (default ``training.batch_size``).
     device: where batches go (pin_memory on CUDA; use :func:`to_device`). rank/world_size:
         this process's DDP slice. num_workers: default ``training.num_workers``.
@@ -621,8 +621,8 @@ def local_text_files(path: Path) -> list[Path]:
 def iter_local_texts(files: Sequence[Path], text_column: str = "text") -> Iterator[str]:
     """Documents of local files in order: parquet (row-group streaming with pyarrow), jsonl
     (``text_column`` of each object), txt (one document per line, cleaned-article escapes
-    undone with utils.textio)."""
-    from utils.textio import unescape_article
+    undone with utils.data.textio)."""
+    from utils.data.textio import unescape_article
     for f in files:
         if f.suffix == ".parquet":
             import pyarrow.parquet as pq
@@ -673,7 +673,7 @@ class OnTheFlyDataset(IterableDataset):
     worker packs its own stream, so the content is deterministic for a fixed (G, g).
     Yields (x, y), each (T,) int64, like :class:`ShardWindowDataset`.
 
-    A hub source is opened once (:func:`utils.hub.open_hub_dataset`, in the constructor, so a
+    A hub source is opened once (:func:`utils.data.hub.open_hub_dataset`, in the constructor, so a
     bad name fails before training starts) and every pass iterates that same object; pass
     ``hub=`` to share it between the train and validation datasets. ``local`` forces the
     source's kind (default: a path that exists or looks like one is local).
@@ -701,7 +701,7 @@ class OnTheFlyDataset(IterableDataset):
             raise PipelineError("on-the-fly mode needs a tokenizer with BOS and EOS tokens.")
         self.hub = None
         if not self.local:
-            from utils.hub import open_hub_dataset
+            from utils.data.hub import open_hub_dataset
             self.hub = hub if hub is not None else open_hub_dataset(
                 source, hub_config, hub_split, explain=_hub_help(source, hub_config, hub_split))
 
@@ -710,7 +710,7 @@ class OnTheFlyDataset(IterableDataset):
         if self.local:
             yield from iter_local_texts(self.files, self.text_column)
         else:
-            from utils.hub import iter_rows
+            from utils.data.hub import iter_rows
             for row in iter_rows(self.hub, self.batch_docs):
                 t = row.get(self.text_column)
                 if t:
@@ -737,8 +737,8 @@ class OnTheFlyDataset(IterableDataset):
                 pos += 1
 
     def _encode(self, texts: list[str]) -> np.ndarray:
-        """The documents framed as in the shards (utils.packing.encode_frame), concatenated."""
-        from utils.packing import encode_frame
+        """The documents framed as in the shards (utils.data.packing.encode_frame), concatenated."""
+        from utils.data.packing import encode_frame
         framed, _, _ = encode_frame(self.tokenizer.backend_tokenizer, texts, np.dtype(np.int64),
                                     self.bos, self.eos)
         return framed
@@ -775,7 +775,7 @@ def _build_on_the_fly(cfg: Config, tokenizer, *, batch_size, device, rank, world
         raise PipelineError("dataset.mode is 'on_the_fly' but dataset.on_the_fly_source is not set "
                             "(a hub dataset name or a local .parquet/.jsonl/.txt path).")
     if tokenizer is None or isinstance(tokenizer, dict):
-        from utils.tok import load_tokenizer
+        from utils.data.tok import load_tokenizer
         tokenizer = load_tokenizer(cfg)
     kw = dict(window=ds.window, stride=cfg.stride, val_split=ds.val_split, seed=ds.seed, rank=rank,
               world_size=world_size, hub_config=ds.on_the_fly_config, hub_split=ds.on_the_fly_split,
@@ -826,7 +826,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python dataloader.py [--config FILE] [--test] [--shards DIR] ...``: validate the data set
     (building it first when ``dataset.auto_prepare`` is on), print its split and decode the
     first windows of a training batch — a quick look at exactly what the trainer will see."""
-    from utils.tok import load_tokenizer
+    from utils.data.tok import load_tokenizer
 
     args, cfg = build_parser().parse(argv)
     tok = load_tokenizer(cfg)

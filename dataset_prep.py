@@ -5,10 +5,10 @@
     python main.py prepare --workers 4 --shard-tokens 10000000 --force
 
 Reads ``paths.cleaned_dir/cleaned_*.txt`` (sorted; one article per line, paragraph breaks
-restored from the escaped form of :mod:`utils.textio`), tokenizes with the configured fast
+restored from the escaped form of :mod:`utils.data.textio`), tokenizes with the configured fast
 tokenizer in worker processes and packs BOS + tokens + EOS per article into
 ``tokens_NNNNN.npy`` shards in ``dataset.wikipedia_full_dir`` (``wikipedia_test_dir`` with
-``--test``). The engine is :mod:`utils.packing` (shared with `fineweb`): resumable after
+``--test``). The engine is :mod:`utils.data.packing` (shared with `fineweb`): resumable after
 Ctrl-C or a crash (re-run the same command), byte-identical output for any ``--workers``.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 from utils.config import Config
-from utils.packing import (PackJob, add_output_flags, cleaned_article_stream, file_identity,
+from utils.data.packing import (PackJob, add_output_flags, cleaned_article_stream, file_identity,
                            load_fast_tokenizer, run_job)
 
 

@@ -17,7 +17,7 @@ parquet, is empty (0 bytes), has a damaged footer, lacks a column or has one of 
 rows, ends the run with exit 1 naming the file; a row group that cannot be read mid-run does
 the same (completed shards are kept, a re-run resumes). Output: ``dataset.fineweb_full_dir`` (``fineweb_test_dir`` with
 ``--test``), in the same format and through the same engine as `prepare`
-(:mod:`utils.packing`): resumable, byte-identical output for any ``--workers``.
+(:mod:`utils.data.packing`): resumable, byte-identical output for any ``--workers``.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from typing import Iterator, Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 from utils.config import Config
-from utils.hub import open_hub_dataset
-from utils.packing import (PackJob, Stream, add_output_flags, file_identity, load_fast_tokenizer,
+from utils.data.hub import open_hub_dataset
+from utils.data.packing import (PackJob, Stream, add_output_flags, file_identity, load_fast_tokenizer,
                            run_job)
 
 SCORE_COLUMN = "language_score"

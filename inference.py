@@ -19,9 +19,9 @@ and the conversation is kept across turns until ``/clear`` or until the context 
 (the oldest exchanges are then dropped, with a note); ``--raw`` turns the template off.
 
 Scripted mode (``--prompt``) writes only the generated text to stdout (``--json``: one
-object with text and statistics), everything else to stderr; the output equals
-``model.generate`` with the same ``--seed``. Colors only on a terminal and never with
-NO_COLOR. Bad checkpoints, end of input, empty prompts and Ctrl-C are handled without a
+object with text and statistics), everything else to stderr; the output equals the
+generation engine's (utils/generation/engine.py) with the same ``--seed``. Colors only on a
+terminal and never with NO_COLOR. Bad checkpoints, end of input, empty prompts and Ctrl-C are handled without a
 traceback: Ctrl-C during generation stops that generation and returns to the prompt;
 at a prompt it ends the stage (exit 130). Details: docs/sft_inference.md.
 """
@@ -140,6 +140,7 @@ class Loaded:
     template: Optional[dict]
     n_params: int
     tok: object                  # the tokenizer it was trained with (utils.run)
+    engine: object = None        # its generation engine (utils.generation.engine.Engine)
     history: list = field(default_factory=list)
 
     @property
@@ -152,8 +153,9 @@ def pick_device(name: str):
     return resolve_device(name, "inference.device")
 
 
-class Engine:
-    """Tokenizer + loaded models + generation with streaming and statistics."""
+class Session:
+    """Loaded checkpoints (each with its tokenizer and generation engine), the chat history,
+    and one generation at a time with streaming and statistics."""
 
     def __init__(self, cfg, raw: bool = False, err=None):
         self.cfg, self.raw = cfg, raw
@@ -162,16 +164,9 @@ class Engine:
         self._tokenizers: dict = {}      # loaded once for checkpoints that share one
 
     def load(self, path: Path, label: Optional[str] = None) -> Loaded:
-        from utils.checkpoint import load_model, run_checkpoints
-        from utils.run import tokenizer_for_checkpoint
-        path = Path(path)
-        if path.is_dir():        # a run folder: its best checkpoint (else latest, else newest)
-            files = run_checkpoints(path)
-            if not files:
-                raise PipelineError(f"{path} is a folder without checkpoint files (*.pt); pass "
-                                    "a checkpoint file or a run folder that holds one.")
-            print(f"infer: using {files[0].name} of {path}", file=self.err)
-            path = files[0]
+        from utils.generation.engine import Engine
+        from utils.run import load_model, pick_checkpoint, tokenizer_for_checkpoint
+        path = pick_checkpoint(path, say=lambda s: print(f"infer: {s}", file=self.err))
         model, ckpt = load_model(path, device=self.device)
         tok, _ = tokenizer_for_checkpoint(ckpt, self.cfg, path, cache=self._tokenizers,
                                           say=lambda msg: print(msg, file=self.err))
@@ -181,10 +176,11 @@ class Engine:
         kind = ckpt.get("kind", "pretrain")
         template = ckpt.get("chat_template") if (kind == "sft" and not self.raw) else None
         n = sum(p.numel() for p in model.parameters())
-        return Loaded(Path(path), label or _label(Path(path)), model, kind, template, n, tok)
+        return Loaded(Path(path), label or _label(Path(path)), model, kind, template, n, tok,
+                      Engine(model))
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
-        from utils import sft
+        from utils.data import sft
         tok = m.tok
         limit = m.model.args.max_seq_len
         if m.chat:
@@ -206,9 +202,8 @@ class Engine:
     def generate(self, m: Loaded, text: str, p: Params, on_text: Optional[Callable[[str], None]],
                  note: Callable[[str], None] = lambda s: None) -> tuple[str, Stats]:
         """Stream one completion; Ctrl-C stops it (the partial text is kept)."""
-        tok = m.tok
-        out: list[int] = []
-        shown = ""
+        from utils.generation.engine import TextDecoder
+        text_out = TextDecoder(m.tok)
         t0 = time.perf_counter()
         ttft = None
         stopped = False
@@ -216,18 +211,15 @@ class Engine:
         ids: list[int] = []
         try:
             ids = self.prompt_ids(m, text, p.max_new_tokens, note)
-            stream = m.model.generate_stream(ids, max_new_tokens=p.max_new_tokens,
-                                             temperature=p.temperature, top_k=p.top_k,
-                                             top_p=p.top_p, eos_id=tok.eos_token_id, seed=p.seed)
+            stream = m.engine.stream(ids, max_new_tokens=p.max_new_tokens,
+                                     temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                     eos_id=m.tok.eos_token_id, seed=p.seed)
             for t in stream:
                 if ttft is None:
                     ttft = time.perf_counter() - t0
-                out.append(t)
-                if on_text is not None:
-                    now = tok.decode(out, skip_special_tokens=True)
-                    if not now.endswith("\ufffd") and len(now) > len(shown) and now.startswith(shown):
-                        on_text(now[len(shown):])
-                        shown = now
+                piece = text_out.push(t)
+                if on_text is not None and piece:
+                    on_text(piece)
         except Terminated:
             raise
         except KeyboardInterrupt:
@@ -236,12 +228,13 @@ class Engine:
             if stream is not None:
                 stream.close()
         seconds = time.perf_counter() - t0
-        final = tok.decode(out, skip_special_tokens=True)
-        if on_text is not None and final != shown:
-            on_text(final[len(shown):] if final.startswith(shown) else "\n" + final)
+        rest = text_out.finish()
+        if on_text is not None and rest:
+            on_text(rest)
+        final = text_out.text()
         if m.chat and not stopped:
             m.history.append((text, final))
-        return final, Stats(len(out), seconds, ttft, stopped, len(ids))
+        return final, Stats(len(text_out.ids), seconds, ttft, stopped, len(ids))
 
 
 def _label(path: Path) -> str:
@@ -249,7 +242,7 @@ def _label(path: Path) -> str:
 
 
 # --------------------------------------------------------------------------- scripted mode
-def scripted(engine: Engine, args, params: Params) -> int:
+def scripted(session: Session, args, params: Params) -> int:
     if not args.checkpoint:
         raise UsageError("--prompt needs --checkpoint PATH (scripted mode loads one checkpoint).")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -258,10 +251,10 @@ def scripted(engine: Engine, args, params: Params) -> int:
     if not text.strip():
         raise UsageError("the prompt is empty; pass --prompt TEXT (or --prompt - with text on "
                          "standard input).")
-    m = engine.load(Path(args.checkpoint))
+    m = session.load(Path(args.checkpoint))
     note = (lambda s: print(s, file=sys.stderr))
     if args.json:
-        out, st = engine.generate(m, text, params, None, note)
+        out, st = session.generate(m, text, params, None, note)
         print(json.dumps({"text": out, "checkpoint": str(m.path), "kind": m.ckpt_kind,
                           "chat_template": m.chat, "prompt": text,
                           "prompt_tokens": st.prompt_tokens, "tokens": st.tokens,
@@ -269,7 +262,7 @@ def scripted(engine: Engine, args, params: Params) -> int:
                           "time_to_first_token_s": None if st.ttft is None else round(st.ttft, 4),
                           "params": vars(params)}, ensure_ascii=False))
         return 0
-    out, st = engine.generate(m, text, params, None, note)
+    out, st = session.generate(m, text, params, None, note)
     sys.stdout.write(out + "\n")
     sys.stdout.flush()
     print(st.line(), file=sys.stderr)
@@ -278,8 +271,8 @@ def scripted(engine: Engine, args, params: Params) -> int:
 
 # --------------------------------------------------------------------------- interactive
 class UI:
-    def __init__(self, engine: Engine, defaults: Params):
-        self.engine, self.defaults = engine, defaults
+    def __init__(self, session: Session, defaults: Params):
+        self.session, self.defaults = session, defaults
         self.c = Colors(use_color())
 
     def say(self, s: str = "") -> None:
@@ -293,8 +286,8 @@ class UI:
             self.say(f"{self.c.red}Please enter a number from 1 to {n}.{self.c.reset}")
 
     def pick_run(self):
-        from utils.checkpoint import age_text, list_runs
-        base = self.engine.cfg.path("paths.checkpoints_dir")
+        from utils.run import age_text, list_runs
+        base = self.session.cfg.path("paths.checkpoints_dir")
         runs = list_runs(base)
         if not runs:
             raise PipelineError(f"no checkpoints under {base}. Train a model first (`python "
@@ -389,10 +382,10 @@ class UI:
     def single(self, path: Optional[Path] = None) -> None:
         path = path or self.pick_checkpoint()
         self.say(f"Loading {path} ...")
-        m = self.engine.load(path)
+        m = self.session.load(path)
         mode = "chat (User/Assistant template)" if m.chat else "completion"
         self.say(f"Loaded {m.label}: {m.n_params:,} parameters, {m.ckpt_kind}, {mode}, on "
-                 f"{self.engine.device}.")
+                 f"{self.session.device}.")
         while True:
             text = self.read_prompt(m.chat)
             if text is None:
@@ -403,7 +396,7 @@ class UI:
                 continue
             p = self.params()
             self.say(f"\n{self.c.bold}Generated:{self.c.reset}")
-            _, st = self.engine.generate(m, text, p, self.out, lambda s: self.say(s))
+            _, st = self.session.generate(m, text, p, self.out, lambda s: self.say(s))
             self.say("")
             if st.stopped:
                 self.say(f"{self.c.yellow}(generation stopped by Ctrl-C){self.c.reset}")
@@ -411,8 +404,8 @@ class UI:
 
     def compare(self) -> None:
         paths = self.pick_many()
-        need = sum(_estimate_bytes(p, self.engine.device) for p in paths)
-        avail = _available_bytes(self.engine.device)
+        need = sum(_estimate_bytes(p, self.session.device) for p in paths)
+        avail = _available_bytes(self.session.device)
         self.say(f"\n{len(paths)} model(s) selected; estimated memory {need / 1e6:,.0f} MB"
                  + (f" of {avail / 1e6:,.0f} MB available" if avail else "") + ".")
         if avail and need > 0.8 * avail:
@@ -421,7 +414,7 @@ class UI:
         models = []
         for p in paths:
             self.say(f"Loading {_label(p)} ...")
-            models.append(self.engine.load(p))
+            models.append(self.session.load(p))
         while True:
             text = self.read_prompt(False)
             if text is None:
@@ -433,7 +426,7 @@ class UI:
             for i, m in enumerate(models, 1):
                 m.history.clear()
                 self.say(f"\n{self.c.bold}[{i}] {m.label}{self.c.reset}")
-                out, st = self.engine.generate(m, text, prm, self.out, lambda s: self.say(s))
+                out, st = self.session.generate(m, text, prm, self.out, lambda s: self.say(s))
                 self.say("")
                 self.say(f"{self.c.dim}{st.line()}{self.c.reset}")
                 results.append((m, out, st))
@@ -481,15 +474,10 @@ class UI:
 
 
 def _estimate_bytes(path: Path, device=None) -> int:
-    """Weights in memory: about a third of a training checkpoint (which also holds AdamW's
-    two moments), twice that where generation keeps a transposed copy
-    (model.decode_pack_applies); plus 20% for activations."""
-    import torch
-    import model as model_lib
-    weights = path.stat().st_size / 3                                  # checkpoints keep fp32 weights
-    if model_lib.decode_pack_applies(getattr(device, "type", "cpu"), torch.float32, weights):
-        weights *= 2
-    return int(weights * 1.2)
+    """The weights in memory while generating (utils.generation.engine), plus 20% for
+    activations."""
+    from utils.generation.engine import estimated_weight_bytes
+    return int(estimated_weight_bytes(path.stat().st_size, getattr(device, "type", "cpu")) * 1.2)
 
 
 def _available_bytes(device) -> Optional[int]:
@@ -511,12 +499,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(argv)
     inf = cfg.inference
     params = Params(inf.max_new_tokens, inf.temperature, inf.top_k, inf.top_p, args.seed)
-    engine = Engine(cfg, raw=args.raw)
+    session = Session(cfg, raw=args.raw)
     if args.prompt is not None:
-        return scripted(engine, args, params)
+        return scripted(session, args, params)
     if args.json:
         raise UsageError("--json needs --prompt (scripted mode).")
-    ui = UI(engine, params)
+    ui = UI(session, params)
     try:
         if args.checkpoint:
             ui.single(Path(args.checkpoint))

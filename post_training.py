@@ -9,12 +9,12 @@
 
 ``prepare`` writes data/post-training/ (paths.post_training_dir): a copy of the source JSONL,
 tokenized_examples.npy + loss_mask.npy + offsets.npy, metadata.json (last, atomically) and
-example_conversations.json; the format, the template and the mask are utils/sft.py's
+example_conversations.json; the format, the template and the mask are utils/data/sft.py's
 contract. Malformed records are skipped and reported as ``file:line: reason``; no usable
 example is an error (exit 1).
 
 ``train`` checks that the checkpoint's tokenizer fingerprint and architecture fit the data,
-then runs the one training loop (utils/trainer.py) with the loss mask; it validates every
+then runs the one training loop (utils/training/trainer.py) with the loss mask; it validates every
 20% of an epoch with a sample answer to a fixed question and writes checkpoint_best.pt,
 checkpoint_latest.pt, checkpoint_epoch_N.pt and sft_config.json. Ctrl-C (or SIGTERM) saves
 checkpoint_latest.pt and prints the exact resume command (exit 130); the resumed run
@@ -22,18 +22,17 @@ repeats the uninterrupted one. Details: docs/sft_inference.md.
 """
 from __future__ import annotations
 
-import copy
 import datetime
 import json
 import os
 import re
-import shlex
 import shutil
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, argv_without,
+from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, UsageError,
                        cli_path, run_stage)
 
 SAMPLES_SOURCE = "samples"
@@ -56,7 +55,8 @@ def prepare_parser() -> StageParser:
     p.config_flag("--max-length", key="sft.max_length", type=int, metavar="N",
                   help="drop examples longer than this many tokens")
     p.add_argument("--batch-size", type=int, default=100, metavar="N",
-                   help="records tokenized per batch")
+                   help="conversations tokenized per tokenizer call (the fast tokenizer encodes "
+                        "a batch on all cores; the result does not depend on it)")
     p.config_flag("--output-dir", key="paths.post_training_dir", type=cli_path, metavar="DIR",
                   help="where the prepared data goes")
     p.add_argument("--limit", type=int, default=None, metavar="N",
@@ -84,8 +84,16 @@ def train_parser() -> StageParser:
     p.config_flag("--data-dir", key="paths.post_training_dir", type=cli_path, metavar="DIR",
                   help="the prepared SFT data")
     p.config_flag("--device", key="training.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
-    p.config_flag("--dtype", key="training.dtype", choices=["auto", "bf16", "fp16", "fp32"],
+    p.config_flag("--dtype", key="sft.dtype", choices=["auto", "bf16", "fp16", "fp32"],
                   help="autocast precision")
+    p.config_flag("--min-lr-ratio", key="sft.min_lr_ratio", type=float, metavar="F",
+                  help="final learning rate as a fraction of --lr")
+    p.config_flag("--warmup-ratio", key="sft.warmup_ratio", type=float, metavar="F",
+                  help="linear warm-up as a fraction of the run's steps")
+    p.config_flag("--weight-decay", key="sft.weight_decay", type=float, metavar="WD",
+                  help="AdamW weight decay")
+    p.config_flag("--grad-clip", key="sft.grad_clip", type=float, metavar="NORM",
+                  help="gradient-norm clip (0 = off)")
     p.config_flag("--seed", key="training.seed", type=int, metavar="N", help="random seed (split, order)")
     p.config_flag("--log-every", key="logging.log_every", type=int, metavar="N", help="steps between log records")
     p.add_argument("--sample-tokens", type=int, default=32, metavar="N",
@@ -109,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 # --------------------------------------------------------------------------- prepare
 def _load_source(cfg, spec: str, max_turn_chars: int, skips) -> tuple[list, dict, Optional[Path]]:
     """(records, source description, local file to copy or None)."""
-    from utils import sft
+    from utils.data import sft
     if spec == SAMPLES_SOURCE:
         recs = sft.qa_substitute_records(cfg.path("paths.samples_dir"))
         counts: dict = {}
@@ -137,10 +145,10 @@ def prepare(argv: Sequence[str]) -> int:
     parser = prepare_parser()
     args, cfg = parser.parse(argv)
     import numpy as np
-    from utils import sft
+    from utils.data import sft
     from utils.atomic import write_json_atomic
-    from utils.shards import dtype_for_vocab, save_npy_atomic
-    from utils.tok import describe, load_tokenizer, require_bos_eos
+    from utils.data.shards import dtype_for_vocab, save_npy_atomic
+    from utils.data.tok import describe, load_tokenizer, require_bos_eos
 
     if args.batch_size < 1:
         raise UsageError("--batch-size must be at least 1.")
@@ -163,8 +171,9 @@ def prepare(argv: Sequence[str]) -> int:
     ids_all, mask_all, lengths, kept_recs = [], [], [], []
     too_long = 0
     for s in range(0, len(records), args.batch_size):
-        for rec in records[s:s + args.batch_size]:
-            ids, mask = sft.encode_conversation(tok, template, rec["conversations"], bos, eos)
+        batch = records[s:s + args.batch_size]
+        encoded = sft.encode_conversations(tok, template, [r["conversations"] for r in batch], bos, eos)
+        for rec, (ids, mask) in zip(batch, encoded):
             if len(ids) > max_len:
                 too_long += 1
                 continue
@@ -247,47 +256,14 @@ def prepare(argv: Sequence[str]) -> int:
 
 
 # --------------------------------------------------------------------------- train
-class _EpochCheckpoints:
-    """Mixin for Trainer: numbered checkpoints are per epoch (checkpoint_epoch_N.pt, all kept)."""
-
-    def save(self, name: str):
-        m = re.fullmatch(r"checkpoint_step_(\d+)\.pt", name)
-        if m and self.steps_per_epoch:
-            name = f"checkpoint_epoch_{int(m.group(1)) // self.steps_per_epoch}.pt"
-        return super().save(name)
-
-    def _rotate_step_checkpoints(self) -> None:
-        return None
-
-
-def _resume_path(cfg, spec: str, name: str) -> Path:
-    if spec != "auto":
-        return Path(os.path.expanduser(spec)).resolve()
-    from utils.checkpoint import list_runs
-    runs = [r for r in list_runs(cfg.path("paths.checkpoints_dir"))
-            if r.name.startswith(f"sft_{name}_") and r.latest is not None]
-    if not runs:
-        raise PipelineError(f"--resume auto: no sft_{name}_* run with a checkpoint_latest.pt under "
-                            f"{cfg.path('paths.checkpoints_dir')}.")
-    return runs[0].latest
-
-
-def _resume_command(argv: Sequence[str], latest: Path) -> str:
-    out = argv_without(argv[1:], ("--resume", "--checkpoint"))
-    return "python main.py sft train " + shlex.join(out + ["--resume", str(latest)])
-
-
 def check_compatible(ckpt: dict, ckpt_path: Path, meta: dict, data_dir: Path, model_args) -> None:
     """Refuse a checkpoint whose tokenizer or architecture does not fit the SFT data."""
+    from utils.run import require_same_tokenizer
     want = meta.get("tokenizer") or {}
-    have = ckpt.get("tokenizer") or {}
-    if have.get("fingerprint") and have.get("fingerprint") != want.get("fingerprint"):
-        raise PipelineError(
-            f"tokenizer mismatch: checkpoint {ckpt_path} was trained with tokenizer "
-            f"'{have.get('name')}' (fingerprint {str(have.get('fingerprint'))[:12]}), but the SFT "
-            f"data in {data_dir} was tokenized with '{want.get('name')}' (fingerprint "
-            f"{str(want.get('fingerprint'))[:12]}). Re-run `python main.py sft prepare` with the "
-            "checkpoint's tokenizer (tokenizer.name), or pick a checkpoint trained with this one.")
+    require_same_tokenizer(ckpt.get("tokenizer"), want, f"checkpoint {ckpt_path}",
+                           f"the SFT data in {data_dir}",
+                           "Re-run `python main.py sft prepare` with the checkpoint's tokenizer "
+                           "(tokenizer.name), or pick a checkpoint trained with this one.")
     vocab = want.get("vocab_size")
     if vocab and model_args.vocab_size < vocab:
         raise PipelineError(
@@ -304,8 +280,28 @@ def check_compatible(ckpt: dict, ckpt_path: Path, meta: dict, data_dir: Path, mo
 
 
 def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
-    parser = train_parser()
-    args, cfg = parser.parse(argv)
+    args, cfg = parse_train(argv)
+    from utils.data import sft
+    examples = sft.load_examples(cfg.path("paths.post_training_dir"))
+    start = open_sft_run(cfg, args, examples.meta)
+    tok, tok_info, eos = open_run_tokenizer(cfg, start, examples.meta)
+    data = split_data(cfg, args, examples, tok, eos)
+    optimizer, settings = sft_hyperparameters(cfg, args, data)
+    model, device = build_model(cfg, start)
+    spec = sft_spec(cfg, args, model, start, data, optimizer, settings, tok, tok_info, eos)
+    logger = open_logger(cfg, args, start, data, spec, device)
+    from utils.run import resume_command_sft
+    from utils.training.trainer import Trainer, pause_step_from_env
+    trainer = Trainer(spec, run_dir=start.run_dir, logger=logger, device=device,
+                      pause_at_step=pause_step_from_env(),
+                      resume_command=resume_command_sft(full_argv[1:],
+                                                        start.run_dir / "checkpoint_latest.pt"))
+    return finish(trainer, start, logger)
+
+
+# --------------------------------------------------------------------------- steps of train
+def parse_train(argv: Sequence[str]):
+    args, cfg = train_parser().parse(argv)
     if not args.checkpoint and not args.resume:
         raise UsageError("sft train needs --checkpoint PATH (the pretrained checkpoint to "
                          "fine-tune), or --resume PATH|auto to continue an SFT run.")
@@ -313,57 +309,77 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
         raise UsageError(f"--name {args.name!r}: use letters, digits, '.', '_' or '-'.")
     if not 0 < args.eval_every <= 1:
         raise UsageError("--eval-every must be in (0, 1].")
+    return args, cfg
 
+
+@dataclass
+class Start:
+    """The base checkpoint (a new run) or the SFT checkpoint to resume, and where the run lives."""
+    run_dir: Path
+    base_path: Path               # the pretrained checkpoint the run fine-tunes
+    model_args: object
+    ckpt: Optional[dict]          # a new run's base checkpoint (its weights are loaded)
+    resume: Optional[dict]        # a resumed run's checkpoint (Trainer.load_state)
+    resume_path: Optional[Path]
+
+
+def open_sft_run(cfg, args, meta: dict) -> Start:
+    """Load and check the checkpoint (its tokenizer and sizes against the SFT data) and name
+    the run folder: ``sft_<name>_<time>`` for a new run, the checkpoint's folder on resume."""
     import model as model_lib
-    from utils.device import resolve_device
-    from utils import sft
-    from utils.atomic import write_json_atomic
-    from utils.checkpoint import load_checkpoint
-    from utils.logging_utils import DualLogger
-    from utils.run import tokenizer_for_checkpoint
-    from utils.tok import require_bos_eos
-    from utils.trainer import Trainer, pause_step_from_env, resolve_dtype, seed_everything
-
+    from utils.run import load_checkpoint, resume_checkpoint
     data_dir = cfg.path("paths.post_training_dir")
-    examples = sft.load_examples(data_dir)
-    meta = examples.meta
-    template = meta["template"]
-
-    ckpt, resume = None, None
     if args.resume:
-        rpath = _resume_path(cfg, args.resume, args.name)
+        rpath = resume_checkpoint(cfg.path("paths.checkpoints_dir"), args.resume, sft_name=args.name)
         resume = load_checkpoint(rpath, purpose="resume")
         if resume.get("kind") != "sft":
             raise PipelineError(f"--resume {rpath}: not an SFT checkpoint (kind "
                                 f"'{resume.get('kind')}'). To fine-tune it, pass it as --checkpoint.")
-        run_dir = rpath.parent
-        base_path = Path((resume.get("sft") or {}).get("base_checkpoint") or rpath)
         model_args = model_lib.ModelArgs.from_dict(dict(resume["model_args"]))
         check_compatible(resume, rpath, meta, data_dir, model_args)
-    else:
-        base_path = Path(args.checkpoint)
-        ckpt = load_checkpoint(base_path, purpose="weights")
-        model_args = model_lib.ModelArgs.from_dict(dict(ckpt["model_args"]))
-        check_compatible(ckpt, base_path, meta, data_dir, model_args)
-        stamp = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
-        run_dir = cfg.path("paths.checkpoints_dir") / f"sft_{args.name}_{stamp}"
-        if run_dir.exists():
-            raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
-    run = run_dir.name
-    # The base run's own tokenizer (utils.run), after the checkpoint checks (a refusal costs no
-    # tokenizer load); check_compatible has matched its fingerprint to the SFT data's.
-    tok, tok_info = tokenizer_for_checkpoint(resume or ckpt, cfg, rpath if resume else base_path)
-    tok_info = {k: v for k, v in tok_info.items() if k != "verified"}
-    if tok_info["fingerprint"] != (meta.get("tokenizer") or {}).get("fingerprint"):
-        raise PipelineError(
-            f"the SFT data in {data_dir} was tokenized with '{meta['tokenizer'].get('name')}' but "
-            f"the checkpoint's tokenizer is '{tok_info.get('name')}' (different fingerprint). "
-            "Re-run `python main.py sft prepare` with that tokenizer.")
-    bos, eos = require_bos_eos(tok, tok_info.get("name") or cfg.tokenizer.name)
+        base = Path((resume.get("sft") or {}).get("base_checkpoint") or rpath)
+        return Start(rpath.parent, base, model_args, None, resume, rpath)
+    base = Path(args.checkpoint)
+    ckpt = load_checkpoint(base, purpose="weights")
+    model_args = model_lib.ModelArgs.from_dict(dict(ckpt["model_args"]))
+    check_compatible(ckpt, base, meta, data_dir, model_args)
+    stamp = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
+    run_dir = cfg.path("paths.checkpoints_dir") / f"sft_{args.name}_{stamp}"
+    if run_dir.exists():
+        raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
+    return Start(run_dir, base, model_args, ckpt, None, None)
 
-    hp = copy.copy(cfg.training)
-    s = cfg.sft
-    seed = hp.seed
+
+def open_run_tokenizer(cfg, start: Start, meta: dict):
+    """The base run's own tokenizer (utils.run), after the checkpoint checks (a refusal costs
+    no tokenizer load), matched once more against the SFT data's fingerprint."""
+    from utils.data.tok import require_bos_eos
+    from utils.run import require_same_tokenizer, tokenizer_for_checkpoint
+    tok, tok_info = tokenizer_for_checkpoint(start.resume or start.ckpt, cfg,
+                                             start.resume_path or start.base_path)
+    tok_info = {k: v for k, v in tok_info.items() if k != "verified"}
+    require_same_tokenizer(tok_info, meta.get("tokenizer"), "the checkpoint's tokenizer",
+                           f"the SFT data in {cfg.path('paths.post_training_dir')}",
+                           "Re-run `python main.py sft prepare` with that tokenizer.")
+    _, eos = require_bos_eos(tok, tok_info.get("name") or cfg.tokenizer.name)
+    return tok, tok_info, eos
+
+
+@dataclass
+class Data:
+    examples: object
+    train: object
+    val: object
+    train_idx: object
+    val_idx: object
+    steps_per_epoch: int
+    total_steps: int
+
+
+def split_data(cfg, args, examples, tok, eos) -> Data:
+    """The seeded train/validation split, the loaders (padding with pad, else EOS), the length."""
+    from utils.data import sft
+    s, seed = cfg.sft, cfg.training.seed
     train_idx, val_idx = sft.split_indices(len(examples), s.val_split, seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     train_data = sft.SFTLoader(examples, train_idx, s.batch_size, seed, pad)
@@ -372,69 +388,111 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
     total = s.epochs * steps_per_epoch
     if args.max_steps:
         total = min(total, args.max_steps)
-    hp.lr, hp.min_lr = s.lr, s.lr * 0.1
-    hp.batch_size, hp.epochs, hp.grad_accum = s.batch_size, s.epochs, 1
-    hp.warmup_steps = min(hp.warmup_steps, max(0, total // 10))
-    hp.eval_every, hp.eval_steps = args.eval_every, None
-    hp.eval_batches = max(1, len(val_data) if val_data is not None else 1)
-    hp.checkpoint_every, hp.keep_checkpoints = steps_per_epoch, 10 ** 9
-    hp.max_steps = total
+    return Data(examples, train_data, val_data, train_idx, val_idx, steps_per_epoch, total)
 
+
+def sft_hyperparameters(cfg, args, data: Data):
+    """SFT's optimizer and numbers, from the ``sft`` section; what it takes from ``training``
+    and ``logging`` (how the run is executed, not how it learns) is said once, here."""
+    from utils.training.trainer import OptimizerSpec, Settings, eval_interval
+    s, hp, log = cfg.sft, cfg.training, cfg.logging
+    optimizer = OptimizerSpec("adamw", s.lr, s.beta1, s.beta2, s.weight_decay)
+    settings = Settings(
+        total_steps=data.total_steps, min_lr=s.lr * s.min_lr_ratio,
+        warmup_steps=int(data.total_steps * s.warmup_ratio + 1e-9), warmup_source="sft.warmup_ratio",
+        eval_interval=eval_interval(None, args.eval_every, data.steps_per_epoch, data.total_steps),
+        eval_batches=max(1, len(data.val) if data.val is not None else 1),
+        checkpoint_every=data.steps_per_epoch, keep_checkpoints=None,     # one per epoch, all kept
+        steps_per_epoch=data.steps_per_epoch, grad_accum=1, grad_clip=s.grad_clip, dtype=s.dtype,
+        patience=hp.early_stopping_patience, log_every=log.log_every,
+        smoothing_window=log.smoothing_window, compile=hp.compile,
+        activation_checkpointing=hp.activation_checkpointing)
+    print(f"sft train: from the training section: device {hp.device}, seed {hp.seed}, compile "
+          f"{hp.compile}, activation_checkpointing {hp.activation_checkpointing}, "
+          f"early_stopping_patience {hp.early_stopping_patience}; from logging: log_every "
+          f"{log.log_every}, smoothing_window {log.smoothing_window}.", flush=True)
+    return optimizer, settings
+
+
+def build_model(cfg, start: Start):
+    """The seeded model with the base weights (a resume loads its own later), on the device."""
+    import model as model_lib
+    from utils.device import resolve_device
+    from utils.training.trainer import seed_everything
     device = resolve_device(cfg.training.device, "training.device")
-    seed_everything(seed)
-    net = model_lib.create_model(model_args)
-    if ckpt is not None:
-        net.load_state_dict(ckpt["model"], strict=True)
-        del ckpt
-    net.to(device)
-    dtype = resolve_dtype(hp.dtype, device)
-    print(f"sft train: {len(train_idx)} training / {len(val_idx)} validation examples "
-          f"({meta['source'].get('label')}); {total} steps ({steps_per_epoch}/epoch) of "
-          f"{s.batch_size} conversations; lr {s.lr:g}; {str(dtype).replace('torch.', '')} on "
-          f"{device}; base {base_path}.", flush=True)
+    seed_everything(cfg.training.seed)
+    net = model_lib.create_model(start.model_args)
+    if start.ckpt is not None:
+        net.load_state_dict(start.ckpt["model"], strict=True)
+        start.ckpt = None
+    return net.to(device), device
 
-    q_ids = sft.encode_prompt(tok, template, [], SAMPLE_QUESTION, bos, eos)
+
+def sft_spec(cfg, args, model, start: Start, data: Data, optimizer, settings, tok, tok_info, eos):
+    """SFT as a TrainSpec: the masked next-token loss on the conversations, one numbered
+    checkpoint per epoch (``checkpoint_epoch_N.pt``), a sample answer to a fixed question."""
+    from utils.data import sft
+    from utils.training.trainer import RunRecord, TrainSpec
+    from utils.training.trainer import resolve_dtype
+    meta, spe, seed = data.examples.meta, data.steps_per_epoch, cfg.training.seed
+    q_ids = sft.encode_prompt(tok, meta["template"], [], SAMPLE_QUESTION, tok.bos_token_id, eos)
 
     def sample_fn(m):
-        out = m.generate([q_ids], max_new_tokens=args.sample_tokens, temperature=0.8, top_k=50,
-                         eos_id=eos, seed=seed)
+        from utils.generation.engine import generate
+        out = generate(m, [q_ids], max_new_tokens=args.sample_tokens, temperature=0.8, top_k=50,
+                       eos_id=eos, seed=seed)
         return [(SAMPLE_QUESTION, tok.decode(out[0], skip_special_tokens=True))]
 
+    print(f"sft train: {len(data.train_idx)} training / {len(data.val_idx)} validation examples "
+          f"({meta['source'].get('label')}); {data.total_steps} steps ({spe}/epoch) of "
+          f"{cfg.sft.batch_size} conversations; lr {optimizer.lr:g}; "
+          f"{str(resolve_dtype(settings.dtype, model.device)).replace('torch.', '')} on "
+          f"{model.device}; base {start.base_path}.", flush=True)
+    record = RunRecord("sft", cfg.to_dict(), tok_info, chat_template=meta["template"],
+                       extra={"sft": {"base_checkpoint": str(start.base_path),
+                                      "data_fingerprint": meta["data_fingerprint"]}})
+    return TrainSpec(model, start.model_args, data.train, data.val, optimizer=optimizer,
+                     settings=settings, record=record,
+                     checkpoint_name=lambda step: f"checkpoint_epoch_{step // spe}.pt",
+                     sample_fn=sample_fn if args.sample_tokens > 0 else None)
+
+
+def open_logger(cfg, args, start: Start, data: Data, spec, device):
+    """The run folder with sft_config.json (what it was trained from and with), the logs."""
+    from utils.atomic import write_json_atomic
+    from utils.training.logging_utils import DualLogger
+    from utils.training.trainer import resolve_dtype
+    run, meta, st, opt = start.run_dir.name, data.examples.meta, spec.settings, spec.optimizer
     logger = DualLogger(run, cfg.path("paths.logs_dir"), tensorboard=cfg.logging.tensorboard,
                         jsonl=cfg.logging.raw_metrics,
-                        purge_step=(int(resume["step"]) + 1) if resume else None)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    sft_config = {"run": run, "base_checkpoint": str(base_path), "resumed_from": str(args.resume) if resume else None,
-                  "data": {"dir": str(data_dir), "fingerprint": meta["data_fingerprint"],
-                           "source": meta["source"], "train_examples": int(len(train_idx)),
-                           "val_examples": int(len(val_idx))},
-                  "chat_template": template, "sample_question": SAMPLE_QUESTION,
-                  "hyperparameters": {"epochs": s.epochs, "lr": s.lr, "min_lr": hp.min_lr,
-                                      "batch_size": s.batch_size, "val_split": s.val_split,
-                                      "warmup_steps": hp.warmup_steps, "total_steps": total,
-                                      "steps_per_epoch": steps_per_epoch, "seed": seed,
-                                      "eval_every": args.eval_every, "dtype": str(dtype),
-                                      "device": str(device)},
-                  "model": model_args.to_dict(), "tokenizer": tok_info, "config": cfg.to_dict()}
-    write_json_atomic(run_dir / "sft_config.json", sft_config)
-    logger.config(cfg.to_dict(), {"run": run, **sft_config["hyperparameters"]})
+                        purge_step=(int(start.resume["step"]) + 1) if start.resume else None)
+    start.run_dir.mkdir(parents=True, exist_ok=True)
+    hyper = {"epochs": cfg.sft.epochs, "lr": opt.lr, "min_lr": st.min_lr,
+             "batch_size": cfg.sft.batch_size, "val_split": cfg.sft.val_split,
+             "warmup_steps": st.warmup_steps, "total_steps": st.total_steps,
+             "steps_per_epoch": st.steps_per_epoch, "seed": cfg.training.seed,
+             "eval_every": args.eval_every, "dtype": str(resolve_dtype(st.dtype, device)),
+             "device": str(device), "weight_decay": opt.weight_decay,
+             "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip}
+    sft_config = {"run": run, "base_checkpoint": str(start.base_path),
+                  "resumed_from": str(args.resume) if start.resume else None,
+                  "data": {"dir": str(cfg.path("paths.post_training_dir")),
+                           "fingerprint": meta["data_fingerprint"], "source": meta["source"],
+                           "train_examples": int(len(data.train_idx)),
+                           "val_examples": int(len(data.val_idx))},
+                  "chat_template": meta["template"], "sample_question": SAMPLE_QUESTION,
+                  "hyperparameters": hyper, "model": start.model_args.to_dict(),
+                  "tokenizer": spec.record.tokenizer, "config": cfg.to_dict()}
+    write_json_atomic(start.run_dir / "sft_config.json", sft_config)
+    logger.config(cfg.to_dict(), {"run": run, **hyper})
+    return logger
 
-    class SFTTrainer(_EpochCheckpoints, Trainer):
-        pass
 
-    trainer = SFTTrainer(net, model_args, hp=hp, log_cfg=cfg.logging, train_data=train_data,
-                         val_data=val_data, run_dir=run_dir, logger=logger, device=device,
-                         total_steps=total, steps_per_epoch=steps_per_epoch,
-                         config=cfg.to_dict(), tokenizer_info=tok_info, kind="sft",
-                         chat_template=template,
-                         sample_fn=sample_fn if args.sample_tokens > 0 else None,
-                         resume_command=_resume_command(full_argv, run_dir / "checkpoint_latest.pt"),
-                         pause_at_step=pause_step_from_env(),
-                         extra_payload={"sft": {"base_checkpoint": str(base_path),
-                                                "data_fingerprint": meta["data_fingerprint"]}})
-    if resume is not None:
-        trainer.load_state(resume)
-        del resume
+def finish(trainer, start: Start, logger) -> int:
+    """Load the resume state, train, close the logs, say where the model is; 130 when stopped."""
+    if start.resume is not None:
+        trainer.load_state(start.resume)
+        start.resume = None
     try:
         result = trainer.fit()
     finally:
@@ -443,8 +501,8 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
         return EXIT_INTERRUPTED
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
     print(f"sft train: {result.reason} at step {result.step}; best masked val loss {best}; "
-          f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint "
-          f"{run_dir / 'checkpoint_best.pt'}")
+          f"checkpoints in {start.run_dir}. Try it: python main.py infer --checkpoint "
+          f"{start.run_dir / 'checkpoint_best.pt'}")
     return 0
 
 

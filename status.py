@@ -5,7 +5,7 @@
                                        validation, checkpoints, and whether it is still running
     python main.py status RUN --json   the same as one JSON object (for scripts)
 
-Reads only what training writes: ``logs/raw_metrics/<run>.jsonl`` (utils/logging_utils.py's
+Reads only what training writes: ``logs/raw_metrics/<run>.jsonl`` (utils/training/logging_utils.py's
 records) and the run folder ``checkpoints/<run>/``. It never opens a checkpoint (they can be
 gigabytes) and never writes anything, so it is safe to run while training is writing.
 
@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, run_stage
+from utils.run import list_runs, run_checkpoints
 
-# The trainer's last event of a start (utils/trainer.py: Trainer.fit's reasons).
+# The trainer's last event of a start (utils/training/trainer.py: Trainer.fit's reasons).
 TERMINAL_EVENTS = {"done", "interrupted", "early_stopping", "already_done"}
 MIN_STALE_S = 120.0
 
@@ -52,18 +53,16 @@ def run_names(checkpoints_dir: Path, logs_dir: Path) -> list[tuple[str, float]]:
         for p in raw.glob("*.jsonl"):
             if p.is_file():
                 seen[p.stem] = p.stat().st_mtime
-    if checkpoints_dir.is_dir():
-        for d in checkpoints_dir.iterdir():
-            if d.is_dir() and not d.name.startswith(".") and any(d.glob("*.pt")):
-                newest = max(p.stat().st_mtime for p in d.glob("*.pt"))
-                seen[d.name] = max(seen.get(d.name, 0.0), newest)
+    for r in list_runs(checkpoints_dir):           # the run layer's listing (run folders)
+        if not r.legacy:
+            seen[r.name] = max(seen.get(r.name, 0.0), r.mtime)
     return sorted(seen.items(), key=lambda kv: kv[1], reverse=True)
 
 
 def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
               now: Optional[float] = None) -> dict:
     """Everything ``status RUN`` shows, as a dict (None where the log has no value yet)."""
-    from utils.logging_utils import latest_per_step, read_jsonl
+    from utils.training.logging_utils import latest_per_step, read_jsonl
 
     now = time.time() if now is None else now
     log_path = logs_dir / "raw_metrics" / f"{run}.jsonl"
@@ -113,11 +112,10 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
         out["last_record_age_s"] = age
         out["state"] = run_state(out["last_event"], age, train)
     if run_dir.is_dir():
-        for p in sorted(run_dir.glob("*.pt"), key=lambda p: p.stat().st_mtime, reverse=True):
-            if p.is_file() and not p.name.startswith("."):
-                st = p.stat()
-                out["checkpoints"].append({"file": p.name, "mb": round(st.st_size / 1e6, 1),
-                                           "age_s": round(now - st.st_mtime, 1)})
+        for p in sorted(run_checkpoints(run_dir), key=lambda p: p.stat().st_mtime, reverse=True):
+            st = p.stat()
+            out["checkpoints"].append({"file": p.name, "mb": round(st.st_size / 1e6, 1),
+                                       "age_s": round(now - st.st_mtime, 1)})
     return out
 
 

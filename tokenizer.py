@@ -11,13 +11,13 @@
 The configured tokenizer (``tokenizer.name``) is a Hugging Face hub name (the seed's
 ``codellama/CodeLlama-7b-hf``, through AutoTokenizer: from the hub or the local cache), a local
 tokenizer directory, or a SentencePiece ``.model`` file (converted to a fast tokenizer that gives
-exactly the ``sentencepiece`` library's ids, utils/spm.py). The default action saves it under ``tokenizers/<name>/`` with ``pipeline_tokenizer.json`` (source,
+exactly the ``sentencepiece`` library's ids, utils/data/spm.py). The default action saves it under ``tokenizers/<name>/`` with ``pipeline_tokenizer.json`` (source,
 fingerprint, vocabulary size, special ids) and prints a report that includes the compression
 ratio (characters per token) on sample text. ``--train`` trains a byte-level BPE tokenizer
 with the ``tokenizers`` library instead: every Unicode string round-trips exactly, and the
 special tokens are <unk>=0, <s>=1 (BOS), </s>=2 (EOS), <pad>=3.
 
-Text is ordinary text (utils.tok.encode_plain): ``--encode "<s>"`` gives the pieces of the
+Text is ordinary text (utils.data.tok.encode_plain): ``--encode "<s>"`` gives the pieces of the
 three characters, never the BOS id; only ``--add-special-tokens`` (the shard framing) adds
 BOS and EOS. See docs/tokenizer.md.
 """
@@ -35,8 +35,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 from utils.config import Config
-from utils.textio import iter_articles
-from utils.tok import (INFO_FILE, SPECIAL_TOKENS, SPM_CONVERSION, conversion_of, describe,
+from utils.data.textio import iter_articles
+from utils.data.tok import (INFO_FILE, SPECIAL_TOKENS, SPM_CONVERSION, conversion_of, describe,
                        encode_plain, fingerprint, has_tokenizer_files, load_tokenizer_from,
                        looks_like_path, plain, save_dir, special_ids, special_merges,
                        tokenizer_source)
@@ -227,7 +227,7 @@ def training_files(inputs: Sequence[Path]) -> list[Path]:
 
 
 def iter_documents(files: Iterable[Path], max_documents: Optional[int] = None) -> Iterator[str]:
-    """Documents from training files: cleaned_*.txt are unescaped (utils.textio); other
+    """Documents from training files: cleaned_*.txt are unescaped (utils.data.textio); other
     .txt/.cor files hold one document per line. Blank lines are skipped."""
     count = 0
     for f in files:

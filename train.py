@@ -7,8 +7,8 @@
     python main.py train --nproc-per-node 4 --name exp1   DDP on 4 GPUs of this machine (gloo on CPU)
     torchrun --nproc_per_node=4 train.py --name exp1   the same through torchrun (multi-node flags)
 
-The loop itself is utils/trainer.py (shared with SFT); checkpoints go through
-utils/checkpoint.py. This file parses flags, picks the device, builds the data, the model and
+The loop itself is utils/training/trainer.py (shared with SFT); checkpoints go through
+utils/training/checkpoint.py. This file parses flags, picks the device, builds the data, the model and
 the logger, and reports. docs/training.md describes every flag, file and guarantee.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import shlex
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 from utils.cli import EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, argv_without, run_stage
 
@@ -99,129 +99,156 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def resume_command(argv: Sequence[str], run: str, world_size: int,
-                   local_world_size: Optional[int] = None) -> str:
-    """The command that continues this run: main.py's, with ``--nproc-per-node`` for DDP on
-    one machine; torchrun's when the ranks span several machines (its rendezvous flags are
-    the user's to add)."""
-    rest = argv_without(argv, ("--resume", "--name")) + ["--name", run, "--resume", "auto"]
-    local = world_size if local_world_size is None else local_world_size
-    if world_size > 1 and local != world_size:
-        return f"torchrun --nproc_per_node={local} train.py {shlex.join(rest)}"
-    if world_size > 1:
-        rest += ["--nproc-per-node", str(world_size)]
-    return f"python main.py train {shlex.join(rest)}"
-
-
 def pick_device(cfg, local_rank: int):
     from utils.device import resolve_device
     return resolve_device(cfg.training.device, "training.device", local_rank)
 
 
-def find_resume_checkpoint(cfg, spec: str, name: Optional[str]) -> Path:
-    from utils.checkpoint import find_run
-    ckdir = cfg.path("paths.checkpoints_dir")
-    if spec != "auto":
-        return Path(os.path.expanduser(spec)).resolve()
-    run = find_run(ckdir, name)
-    if run is None:
-        what = f"run '{name}'" if name else "any run"
-        raise PipelineError(f"--resume auto: no checkpoints of {what} under {ckdir}. Start it "
-                            "without --resume, or pass a checkpoint path.")
-    path = run.latest or (run.checkpoints[0] if run.checkpoints else None)
-    if path is None:
-        raise PipelineError(f"--resume auto: {run.path} holds no checkpoint file.")
-    return path
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    args, cfg = parse(argv)
+    if args.nproc_per_node > 1:
+        return launch_ranks(argv, args.nproc_per_node)
+    proc = set_up_process(cfg)
+    tok, tok_info = open_tokenizer(cfg)
+    start = open_run(cfg, args, tok, tok_info, proc)
+    data = build_data(cfg, tok, tok_info, proc)
+    model = build_model(cfg, start, data, proc)
+    logger = open_logger(cfg, start, data, model, proc)
+    spec = pretraining_spec(cfg, model, start, data, tok, tok_info, proc)
+    from utils.training.trainer import Trainer, pause_step_from_env
+    from utils.run import resume_command_train
+    trainer = Trainer(spec, run_dir=start.run_dir, logger=logger, device=proc.device,
+                      dist=proc.dist, pause_at_step=pause_step_from_env(),
+                      resume_command=resume_command_train(
+                          argv, start.run, proc.dist.world_size,
+                          int(os.environ.get("LOCAL_WORLD_SIZE", proc.dist.world_size))))
+    return finish(trainer, start, logger, proc)
+
+
+# --------------------------------------------------------------------------- steps of main
+def parse(argv: list[str]):
+    """Flags over the config; ``--test`` fills in the quick profile where no flag is given."""
     parser = build_parser()
     if "--test" in argv:
         parser.set_defaults(**{dest: value for flag, (dest, value) in TEST_DEFAULTS.items()
                                if not any(a == flag or a.startswith(flag + "=") for a in argv)})
-    args, cfg = parser.parse(argv)
-    if args.nproc_per_node > 1:
-        from utils import distributed as D
-        if D.env_world_size() > 1:
-            raise UsageError("--nproc-per-node launches the ranks itself; under torchrun, leave "
-                             "it out (torchrun's --nproc_per_node sets the count).")
-        return D.launch_local(Path(__file__).resolve(), args.nproc_per_node,
-                              argv_without(argv, ("--nproc-per-node",)), "train.py")
+    return parser.parse(argv)
 
+
+def launch_ranks(argv: list[str], n: int) -> int:
+    """``--nproc-per-node N``: start N ranks of this script through torchrun."""
+    from utils.training import distributed as D
+    if D.env_world_size() > 1:
+        raise UsageError("--nproc-per-node launches the ranks itself; under torchrun, leave "
+                         "it out (torchrun's --nproc_per_node sets the count).")
+    return D.launch_local(Path(__file__).resolve(), n, argv_without(argv, ("--nproc-per-node",)),
+                          "train.py")
+
+
+@dataclass
+class Process:
+    """This rank: its device, the process group, and ``say`` (prints on rank 0 only)."""
+    device: object
+    dist: object
+    say: Callable
+
+
+def set_up_process(cfg) -> Process:
+    """Device (the local rank's GPU under DDP), the process group, CPU allocator or TF32."""
     import torch
-    import dataloader
-    import model as model_lib
-    from utils import distributed as D
-    from utils.checkpoint import load_checkpoint
-    from utils.logging_utils import DualLogger
-    from utils.metrics import measure_bytes_per_token
-    from utils.tok import describe, encode_plain, load_tokenizer
-    from utils.trainer import Trainer, pause_step_from_env, resolve_dtype, seed_everything
-
-    hp = cfg.training
+    from utils.training import distributed as D
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg, local_rank if D.env_world_size() > 1 else 0)
     dist = D.init(device.type)
-    main_proc = dist.is_main
-    say = (lambda *a, **k: print(*a, **k, flush=True)) if main_proc else (lambda *a, **k: None)
+    say = (lambda *a, **k: print(*a, **k, flush=True)) if dist.is_main else (lambda *a, **k: None)
     if device.type == "cpu":
-        from utils.allocator import apply_cpu_allocator
-        note = apply_cpu_allocator() or ""
+        from utils.training.allocator import cpu_allocator_plan
+        restart, note = cpu_allocator_plan("train.py")
+        if restart is not None:
+            restart_process(restart)
+        note = note or ""
         say(f"train: no CUDA GPU: training on CPU ({torch.get_num_threads()} threads)"
             + (f"; {note}" if note else "") + ".")
     else:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    return Process(device, dist, say)
 
+
+def restart_process(restart) -> None:
+    """Re-execute this stage with the allocator's environment (same pid, arguments, signal
+    mask): glibc reads its tunables only at start (utils/training/allocator.py)."""
+    print(restart.message, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(restart.executable, restart.argv, restart.env)
+
+
+def open_tokenizer(cfg):
+    from utils.data.tok import describe, load_tokenizer
     tok = load_tokenizer(cfg)
-    tok_info = describe(tok, cfg.tokenizer.name)
+    return tok, describe(tok, cfg.tokenizer.name)
 
-    # ---- resume or new run
+
+@dataclass
+class Start:
+    """Where the run lives and what it starts from (a resume checkpoint, or nothing)."""
+    run: str
+    run_dir: Path
+    model_args: object
+    ckpt: Optional[dict]
+
+
+def open_run(cfg, args, tok, tok_info, proc: Process) -> Start:
+    """A resumed run (its checkpoint, checked against today's tokenizer and settings) or a new
+    one (a name, a model from the config); refuses to start over an existing run."""
+    import model as model_lib
+    from utils.training import distributed as D
+    from utils.run import load_checkpoint, require_same_tokenizer, resume_checkpoint
+    hp, ckdir = cfg.training, cfg.path("paths.checkpoints_dir")
     ckpt = None
     if args.resume:
-        path = find_resume_checkpoint(cfg, args.resume, hp.run_name)
+        path = resume_checkpoint(ckdir, args.resume, hp.run_name)
         ckpt = load_checkpoint(path, purpose="resume")
-        run = hp.run_name or (path.parent.name if path.parent != cfg.path("paths.checkpoints_dir")
-                              else "legacy")
-        saved_fp = (ckpt.get("tokenizer") or {}).get("fingerprint")
-        if saved_fp and saved_fp != tok_info["fingerprint"]:
-            raise PipelineError(f"{path} was trained with another tokenizer "
-                                f"({(ckpt.get('tokenizer') or {}).get('name')}); the configured one "
-                                f"is {cfg.tokenizer.name}. Resume with the run's tokenizer.")
+        run = hp.run_name or (path.parent.name if path.parent != ckdir else "legacy")
+        require_same_tokenizer(ckpt.get("tokenizer"), tok_info, str(path), "the configured tokenizer",
+                               "Resume with the run's tokenizer (its config's tokenizer.name).")
         model_args = model_lib.ModelArgs.from_dict(dict(ckpt["model_args"]))
-        _report_config_changes(ckpt.get("config") or {}, cfg.to_dict(), say)
-        say(f"train: resuming run '{run}' from {path} (step {ckpt['step']}).")
+        _report_config_changes(ckpt.get("config") or {}, cfg.to_dict(), proc.say)
+        proc.say(f"train: resuming run '{run}' from {path} (step {ckpt['step']}).")
     else:
         run = hp.run_name or D.broadcast_object(
-            dist, datetime.datetime.now().strftime("run_%Y_%m_%d_%H_%M"))
-        vocab = cfg.model.vocab_size or len(tok)
-        model_args = model_lib.model_args_from_config(cfg, vocab, tok.bos_token_id)
-    run_dir = cfg.path("paths.checkpoints_dir") / run
+            proc.dist, datetime.datetime.now().strftime("run_%Y_%m_%d_%H_%M"))
+        model_args = model_lib.model_args_from_config(cfg, cfg.model.vocab_size or len(tok),
+                                                      tok.bos_token_id)
+    run_dir = ckdir / run
     if ckpt is None and (run_dir / "checkpoint_latest.pt").exists():
         raise UsageError(f"{run_dir} already holds a run. Continue it with `--name {run} --resume "
                          "auto`, or choose another --name.")
+    return Start(run, run_dir, model_args, ckpt)
 
-    # ---- data: shard sets are checked against tok_info (already fingerprinted above); only
-    # on-the-fly mode needs the tokenizer object itself.
+
+@dataclass
+class Data:
+    train: object
+    val: object
+    steps_per_epoch: Optional[int]
+    total_steps: int
+
+
+def build_data(cfg, tok, tok_info, proc: Process) -> Data:
+    """The loaders (shard sets are checked against ``tok_info``; on-the-fly data needs the
+    tokenizer itself) and the run's length in optimizer steps."""
+    import dataloader
+    hp, dist = cfg.training, proc.dist
     on_the_fly = cfg.dataset.mode == "on_the_fly"
     if dist.enabled and not on_the_fly:
-        # Rank 0 checks the shard set first (and, with dataset.auto_prepare, builds it); the
-        # other ranks wait, then open the finished set: never several preps in one folder.
-        failure: Optional[BaseException] = None
-        if dist.rank == 0:
-            try:
-                dataloader.open_shard_set(cfg, tok_info)
-            except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
-                failure = e
-        if D.any_rank(dist, failure is not None, device):    # also the barrier
-            if failure is not None:
-                raise failure
-            raise PipelineError("rank 0 could not open the shard set (its own error message says why).")
+        _open_shards_on_rank0(cfg, tok_info, proc)
     train_loader, val_loader, info = dataloader.build_loaders(
-        cfg, tok if on_the_fly else tok_info, device=device, rank=dist.rank,
+        cfg, tok if on_the_fly else tok_info, device=proc.device, rank=dist.rank,
         world_size=dist.world_size)
-    say("train: " + dataloader.describe_info(info))
+    proc.say("train: " + dataloader.describe_info(info))
     per_epoch = info.get("batches_per_epoch")
     steps_per_epoch = per_epoch // hp.grad_accum if per_epoch else None
     if steps_per_epoch == 0:
@@ -236,58 +263,103 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         raise UsageError("on-the-fly data has no known length: set training.max_steps "
                          "(or --max-steps).")
+    return Data(train_loader, val_loader, steps_per_epoch, total)
 
-    # ---- model
+
+def _open_shards_on_rank0(cfg, tok_info, proc: Process) -> None:
+    """Rank 0 checks the shard set first (and, with dataset.auto_prepare, builds it); the other
+    ranks wait, then open the finished set: never several preps in one folder."""
+    import dataloader
+    from utils.training import distributed as D
+    failure: Optional[BaseException] = None
+    if proc.dist.rank == 0:
+        try:
+            dataloader.open_shard_set(cfg, tok_info)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+            failure = e
+    if D.any_rank(proc.dist, failure is not None, proc.device):    # also the barrier
+        if failure is not None:
+            raise failure
+        raise PipelineError("rank 0 could not open the shard set (its own error message says why).")
+
+
+def build_model(cfg, start: Start, data: Data, proc: Process):
+    """The seeded, freshly initialized model on the device (a resume loads its weights later)."""
+    import model as model_lib
+    from utils.training.trainer import resolve_dtype, seed_everything
+    hp = cfg.training
     seed_everything(hp.seed)
-    model = model_lib.create_model(model_args).to(device)
-    dtype = resolve_dtype(hp.dtype, device)
-    n_params = model.num_params() if hasattr(model, "num_params") else sum(
-        p.numel() for p in model.parameters())
-    eff_batch = hp.batch_size * hp.grad_accum * dist.world_size
-    say(f"train: model {n_params:,} parameters (preset {cfg.model.preset}); "
-        f"{total} steps of {eff_batch} x {cfg.dataset.window} tokens "
-        f"({steps_per_epoch or '?'} steps/epoch); {hp.optimizer}, lr {hp.lr:g} -> {hp.min_lr:g}, "
-        f"{str(dtype).replace('torch.', '')} on {device}"
-        + (f", {dist.world_size} processes ({dist.backend})" if dist.enabled else "") + ".")
+    model = model_lib.create_model(start.model_args).to(proc.device)
+    dtype = resolve_dtype(hp.dtype, proc.device)
+    proc.say(f"train: model {model.num_params():,} parameters (preset {cfg.model.preset}); "
+             f"{data.total_steps} steps of {_effective_batch(cfg, proc)} x {cfg.dataset.window} "
+             f"tokens ({data.steps_per_epoch or '?'} steps/epoch); {hp.optimizer}, lr {hp.lr:g} -> "
+             f"{hp.min_lr:g}, {str(dtype).replace('torch.', '')} on {proc.device}"
+             + (f", {proc.dist.world_size} processes ({proc.dist.backend})" if proc.dist.enabled else "")
+             + ".")
+    return model
 
-    logs_dir = cfg.path("paths.logs_dir")
-    logger = DualLogger(run, logs_dir, tensorboard=cfg.logging.tensorboard,
-                        jsonl=cfg.logging.raw_metrics, enabled=main_proc,
-                        purge_step=(int(ckpt["step"]) + 1) if ckpt else None)
-    if main_proc:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.save_resolved(run_dir, "config.json")
-        hparams = {"run": run, "params": n_params, "total_steps": total, "effective_batch": eff_batch,
-                   "window": cfg.dataset.window, "world_size": dist.world_size,
-                   "dtype": str(dtype), "device": str(device), **{k: v for k, v in vars(hp).items()},
-                   "model": model_args.to_dict()}
+
+def _effective_batch(cfg, proc: Process) -> int:
+    return cfg.training.batch_size * cfg.training.grad_accum * proc.dist.world_size
+
+
+def open_logger(cfg, start: Start, data: Data, model, proc: Process):
+    """TensorBoard + JSONL metrics (rank 0), the run folder and its resolved config."""
+    from utils.training.logging_utils import DualLogger
+    from utils.training.trainer import resolve_dtype
+    hp = cfg.training
+    logger = DualLogger(start.run, cfg.path("paths.logs_dir"), tensorboard=cfg.logging.tensorboard,
+                        jsonl=cfg.logging.raw_metrics, enabled=proc.dist.is_main,
+                        purge_step=(int(start.ckpt["step"]) + 1) if start.ckpt else None)
+    if proc.dist.is_main:
+        start.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save_resolved(start.run_dir, "config.json")
+        hparams = {"run": start.run, "params": model.num_params(), "total_steps": data.total_steps,
+                   "effective_batch": _effective_batch(cfg, proc), "window": cfg.dataset.window,
+                   "world_size": proc.dist.world_size,
+                   "dtype": str(resolve_dtype(hp.dtype, proc.device)), "device": str(proc.device),
+                   **{k: v for k, v in vars(hp).items()}, "model": start.model_args.to_dict()}
         logger.config(cfg.to_dict(), hparams)
+    return logger
 
+
+def pretraining_spec(cfg, model, start: Start, data: Data, tok, tok_info, proc: Process):
+    """Pre-training as a TrainSpec: next-token loss on the windows, the ``training`` section's
+    optimizer and numbers, a sample from ``training.sample_prompt`` at each validation."""
+    from utils.data.tok import encode_plain
+    from utils.training.metrics import measure_bytes_per_token
+    from utils.training.trainer import OptimizerSpec, RunRecord, Settings, TrainSpec
+    from utils.training import distributed as D
+    hp = cfg.training
     bpt = None
-    if val_loader is not None and not ckpt:
-        bpt = measure_bytes_per_token(_take(val_loader, 8), tok.decode)
-        if dist.enabled:   # each rank measured its own, equally long val slice: average them
-            bpt = D.all_reduce_sum(dist, [bpt or 0.0], device)[0] / dist.world_size
-
+    if data.val is not None and not start.ckpt:
+        bpt = measure_bytes_per_token(_take(data.val, 8), tok.decode)
+        if proc.dist.enabled:   # each rank measured its own, equally long val slice: average them
+            bpt = D.all_reduce_sum(proc.dist, [bpt or 0.0], proc.device)[0] / proc.dist.world_size
     prompt = hp.sample_prompt
     prompt_ids = [tok.bos_token_id] + encode_plain(tok, [prompt])[0]
 
     def sample_fn(m):
-        out = m.generate([prompt_ids], max_new_tokens=hp.sample_tokens, temperature=0.8, top_k=50,
-                         eos_id=tok.eos_token_id, seed=hp.seed)
+        from utils.generation.engine import generate
+        out = generate(m, [prompt_ids], max_new_tokens=hp.sample_tokens, temperature=0.8, top_k=50,
+                       eos_id=tok.eos_token_id, seed=hp.seed)
         return [(prompt, tok.decode(out[0], skip_special_tokens=True))]
 
-    trainer = Trainer(model, model_args, hp=hp, log_cfg=cfg.logging, train_data=train_loader,
-                      val_data=val_loader, run_dir=run_dir, logger=logger, device=device,
-                      dist=dist, total_steps=total, steps_per_epoch=steps_per_epoch,
-                      config=cfg.to_dict(), tokenizer_info=tok_info, kind="pretrain",
-                      sample_fn=sample_fn if hp.sample_tokens > 0 else None,
-                      bytes_per_token=bpt, pause_at_step=pause_step_from_env(),
-                      resume_command=resume_command(argv, run, dist.world_size,
-                                                     int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))))
-    if ckpt is not None:
-        trainer.load_state(ckpt)
-        del ckpt
+    return TrainSpec(model, start.model_args, data.train, data.val,
+                     optimizer=OptimizerSpec.from_config(hp),
+                     settings=Settings.from_config(hp, cfg.logging, data.total_steps,
+                                                   data.steps_per_epoch),
+                     record=RunRecord("pretrain", cfg.to_dict(), tok_info),
+                     sample_fn=sample_fn if hp.sample_tokens > 0 else None, bytes_per_token=bpt)
+
+
+def finish(trainer, start: Start, logger, proc: Process) -> int:
+    """Load the resume state, train, close the logs, say where things are; 130 when stopped."""
+    from utils.training import distributed as D
+    if start.ckpt is not None:
+        trainer.load_state(start.ckpt)
+        start.ckpt = None
     try:
         result = trainer.fit()
     finally:
@@ -295,10 +367,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if result.reason == "interrupted":
         D.shutdown()
         return EXIT_INTERRUPTED
-    if main_proc and result.reason != "already_done":
+    if proc.dist.is_main and result.reason != "already_done":
         best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
-        say(f"train: {result.reason} at step {result.step}; best val loss {best}; checkpoints in "
-            f"{run_dir}; metrics in {logger.jsonl_path}. Next: python main.py status {run}")
+        proc.say(f"train: {result.reason} at step {result.step}; best val loss {best}; checkpoints "
+                 f"in {start.run_dir}; metrics in {logger.jsonl_path}. Next: python main.py "
+                 f"status {start.run}")
     D.shutdown()
     return 0
 

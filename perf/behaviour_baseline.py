@@ -6,7 +6,7 @@ show that a refactoring kept the training behaviour bit for bit.
     python perf/behaviour_baseline.py compare BASELINE.json   # after: exit 1 on any difference
 
 What runs (each stage as a user runs it, in a temporary root): the real news sample encoded
-with the Llama-style SentencePiece sample tokenizer into a shard set (utils.shards' writer);
+with the Llama-style SentencePiece sample tokenizer into a shard set (utils.data.shards' writer);
 `main.py train --test` (tiny model, 24 steps of 4 x 32 tokens, seed 0, validation every 8
 steps); `main.py sft prepare --test --dataset samples --limit 64`; `main.py sft train --test`
 from that run's best checkpoint (12 steps). Recorded: every logged training loss, learning
@@ -45,8 +45,8 @@ def _stage(root: Path, *args: str) -> None:
 def _shards(directory: Path) -> None:
     sys.path.insert(0, str(ROOT))
     import numpy as np
-    from utils.shards import write_shard_set
-    from utils.tok import describe, encode_plain, load_tokenizer_from
+    from utils.data.shards import write_shard_set
+    from utils.data.tok import describe, encode_plain, load_tokenizer_from
     tok = load_tokenizer_from(str(SPM_MODEL))
     texts = list(dict.fromkeys(x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines()
                                if x.strip()))[:200]
@@ -58,7 +58,7 @@ def _shards(directory: Path) -> None:
 
 def _curves(log: Path) -> dict:
     sys.path.insert(0, str(ROOT))
-    from utils.logging_utils import latest_per_step, read_jsonl
+    from utils.training.logging_utils import latest_per_step, read_jsonl
     recs = read_jsonl(log)
     train = {str(r["step"]): {k: r.get(k) for k in ("loss", "lr", "grad_norm")}
              for r in latest_per_step(recs, "train")}

@@ -1,4 +1,4 @@
-"""Generation throughput: model.py's KV-cache decoding against transformers' ``generate``.
+"""Generation throughput: the generation engine's KV-cache decoding (utils/generation/engine.py) against transformers' ``generate``.
 
     python perf/generate_throughput.py [--repeats 3] [--new-tokens 128] [--prompt-len 32]
                                        [--size 7m] [--batches 1,8]
@@ -14,11 +14,11 @@ The outputs are compared too: greedy decoding of the same weights must give the 
 
 ``--threads N`` sets the process's intra-op threads for both contenders (default: torch's
 own, one per core). Our generation additionally runs each small step (at most 2^28
-multiply-adds: every 7m step here but the batch-8 prefill) on one thread, see ``Transformer._step_threads``;
+multiply-adds: every 7m step here but the batch-8 prefill) on one thread, see ``Engine.step_threads``;
 ``--threads 1`` therefore compares the code alone, both sides on one thread.
 
-Batch 1 also times the interactive path: inference.py's ``Engine.generate`` (what ``main.py
-infer`` runs per prompt: ``generate_stream`` plus incremental detokenization and a text
+Batch 1 also times the interactive path: inference.py's ``Session.generate`` (what ``main.py
+infer`` runs per prompt: ``Engine.stream`` plus incremental detokenization and a text
 callback per token) with the sample Mistral tokenizer (32k vocabulary, the same size),
 reporting its time to first token (prompt in, first token out, prefill included) and its
 new tokens/s, next to ``generate``'s, so the streaming layer's cost is visible.
@@ -61,6 +61,7 @@ def main() -> int:
         torch.set_num_threads(a.threads)
     import model as M
     import utils.hf.mapping as H
+    from utils.generation.engine import Engine
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
@@ -79,12 +80,13 @@ def main() -> int:
           f"({sum(p.numel() for p in ours.parameters()) / 1e6:.1f}M params), fp32, greedy, "
           f"prompt {a.prompt_len} tokens, {a.new_tokens} new tokens, {a.repeats} repeats")
 
+    engine = Engine(ours)               # kept across calls, as infer keeps it (its decode weights)
     g = torch.Generator().manual_seed(1)
     for batch in [int(b) for b in a.batches.split(",")]:
         prompts = torch.randint(3, VOCAB, (batch, a.prompt_len), generator=g)
 
         def run_ours():
-            return ours.generate(prompts.tolist(), max_new_tokens=a.new_tokens, temperature=0.0)
+            return engine.generate(prompts.tolist(), max_new_tokens=a.new_tokens, temperature=0.0)
 
         def run_hf():
             with torch.no_grad():
@@ -111,40 +113,40 @@ def main() -> int:
               f"ours {statistics.median(n / c for c in c_ours):,.0f}, HF {statistics.median(n / c for c in c_hf):,.0f}, "
               f"ratio {spread([h / o for o, h in zip(c_ours, c_hf)], '.2f')}")
         if batch == 1:
-            interactive(ours, a, run_ours)
+            interactive(engine, a, run_ours)
     return 0
 
 
-def interactive(ours, a, run_ours) -> None:
-    """Batch 1 through inference.Engine.generate (streaming + detokenizing) vs generate."""
+def interactive(engine, a, run_ours) -> None:
+    """Batch 1 through inference.Session.generate (streaming + detokenizing) vs generate."""
     import types
     import inference
-    from utils.tok import load_tokenizer_from
+    from utils.data.tok import load_tokenizer_from
     tok_dir = ROOT / "data" / "samples" / "tokenizers" / "mistral-v1"
     if not tok_dir.exists():
         print(f"  interactive path: skipped ({tok_dir} is missing; run `make samples`)")
         return
-    engine = inference.Engine.__new__(inference.Engine)
-    engine._tok = load_tokenizer_from(str(tok_dir))
-    engine.cfg, engine.raw, engine.err = None, False, sys.stderr
-    loaded = inference.Loaded(Path("perf"), "perf", ours, "pretrain", None, 0)
+    tok = load_tokenizer_from(str(tok_dir))
+    session = inference.Session.__new__(inference.Session)
+    session.cfg, session.raw, session.err = None, False, sys.stderr
+    loaded = inference.Loaded(Path("perf"), "perf", engine.model, "pretrain", None, 0, tok, engine)
     words = "the history of the river valley and the people who lived near it " * 8
-    text = engine._tok.decode(engine._tok(words, add_special_tokens=False)["input_ids"][:a.prompt_len - 1])
+    text = tok.decode(tok(words, add_special_tokens=False)["input_ids"][:a.prompt_len - 1])
     params = inference.Params(max_new_tokens=a.new_tokens, temperature=0.0, top_k=0, top_p=1.0)
     shown = []
     note = types.SimpleNamespace(lines=[])
-    engine.generate(loaded, text, params, shown.append, note.lines.append)   # warm-up
+    session.generate(loaded, text, params, shown.append, note.lines.append)   # warm-up
     ttft, rate, plain = [], [], []
     for _ in range(a.repeats):
         shown.clear()
-        _, st = engine.generate(loaded, text, params, shown.append, note.lines.append)
+        _, st = session.generate(loaded, text, params, shown.append, note.lines.append)
         ttft.append(st.ttft * 1e3)
         rate.append(st.tokens / st.seconds)
         t0 = time.perf_counter()
         run_ours()
         plain.append(a.new_tokens / (time.perf_counter() - t0))
-    print(f"  interactive (inference.Engine.generate: stream + detokenize, "
-          f"{len(engine._tok(text, add_special_tokens=False)['input_ids']) + 1}-token prompt):")
+    print(f"  interactive (inference.Session.generate: stream + detokenize, "
+          f"{len(tok(text, add_special_tokens=False)['input_ids']) + 1}-token prompt):")
     print(f"    time to first token ms {spread(ttft, ',.1f')}")
     print(f"    new tokens/s           {spread(rate, ',.0f')}")
     print(f"    generate() tokens/s    {spread(plain, ',.0f')}  (interleaved with the above)")

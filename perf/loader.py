@@ -59,7 +59,7 @@ def make_shard_set(directory: Path, tokens: int, n_shards: int, doc_len: int = 1
     shard's ``max_token_id``, as prep records it, so the loader validates the set from
     metadata alone, as it does a set built by `prepare`."""
     import numpy as np
-    from utils.shards import shard_name, shard_set_metadata, write_metadata
+    from utils.data.shards import shard_name, shard_set_metadata, write_metadata
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     per = [tokens // n_shards + (1 if i < tokens % n_shards else 0) for i in range(n_shards)]
@@ -121,7 +121,7 @@ def child(cfg_path: str, seconds: float, batch_size: int, user_path: bool = Fals
     if user_path:
         # What a user's first batch costs (dataloader.py / train): load the configured
         # tokenizer, fingerprint it, build the loaders, take a batch.
-        from utils.tok import describe, load_tokenizer
+        from utils.data.tok import describe, load_tokenizer
         t1 = time.perf_counter()
         tok = load_tokenizer(cfg)
         t_load = time.perf_counter() - t1
@@ -221,7 +221,7 @@ def main() -> int:
         if args.tokenizer and Path(args.tokenizer).exists():
             # The shard set is labelled with the real tokenizer, so the user path validates it
             # exactly as it would a set built by `prepare` (ids stay below its 32,000).
-            from utils.tok import describe, load_tokenizer_from
+            from utils.data.tok import describe, load_tokenizer_from
             user_tok = describe(load_tokenizer_from(args.tokenizer), args.tokenizer)
         t0 = time.perf_counter()
         big = work / "big"

@@ -25,7 +25,7 @@ warm-up + cosine schedule, seed 0 for every run.
 
 Muon here is ``torch.optim.Muon`` for the 2-D hidden matrices (``adjust_lr_fn=
 "match_rms_adamw"``, so both share one learning-rate scale) and AdamW for embeddings, norms
-and an untied head (utils.trainer.build_optimizers).
+and an untied head (utils.training.trainer.build_optimizers).
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def prepare_data(root: Path) -> str:
 
 
 def train(root: Path, name: str, optimizer: str, lr: float, steps: int, eval_steps: int) -> dict:
-    from utils.logging_utils import latest_per_step, read_jsonl
+    from utils.training.logging_utils import latest_per_step, read_jsonl
     t0 = time.perf_counter()
     stage(root, "train", "--name", name, "--optimizer", optimizer, "--lr", repr(lr),
           "--min-lr", repr(lr / 10), "--max-steps", str(steps), "--eval-steps", str(eval_steps))
@@ -175,7 +175,7 @@ def main() -> int:
               f"lr {best['adamw']:g}, {a.steps} steps)")
         from model import ModelArgs
         from perf.reference_loop import reference_run
-        from utils.checkpoint import load_checkpoint
+        from utils.run import load_checkpoint
         from utils.config import load_config
         os.environ["LLM_PIPELINE_BASE_CONFIG"] = "none"
         run_dir = runs["adamw"]["run_dir"]

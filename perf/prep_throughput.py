@@ -14,7 +14,7 @@ default threading, and excludes loading the tokenizer:
                 (TOKENIZERS_PARALLELISM=false), each running ``encode_batch_fast`` on its
                 share of the text, already in memory. Timed: from releasing them to the last
                 one finishing. Nothing else is in it (no reading, no start-up, no writing).
-  (a) engine    prepare's engine (utils.packing via dataset_prep.make_job) end to end.
+  (a) engine    prepare's engine (utils.data.packing via dataset_prep.make_job) end to end.
                 Timed: reading the cleaned files, starting N worker processes, tokenizing,
                 packing and writing the shards and metadata. So a/L <= 1 by construction
                 and 1 - a/L is everything the engine spends beyond encoding.
@@ -130,13 +130,13 @@ def machine_info() -> str:
 
 def load_tok():
     sys.path.insert(0, str(ROOT))
-    from utils.tok import load_tokenizer_from
+    from utils.data.tok import load_tokenizer_from
     return load_tokenizer_from(str(SPM_MODEL))
 
 
 def read_texts(corpus: Path) -> list[str]:
     sys.path.insert(0, str(ROOT))
-    from utils.textio import iter_articles
+    from utils.data.textio import iter_articles
     return list(iter_articles(sorted(corpus.glob("cleaned_*.txt"))))
 
 
@@ -158,7 +158,7 @@ def cleaned_lines(tmp: Path) -> tuple[list[str], str]:
         why = f"`main.py clean` failed (exit {proc.returncode})"
     else:
         why = "cleaner.py does not exist yet"
-    from utils.textio import escape_article
+    from utils.data.textio import escape_article
     lines = [escape_article(ln.strip()) for ln in NEWS.read_text(encoding="utf-8").splitlines() if ln.strip()]
     return lines, f"FALLBACK: news sample ({len(lines)} docs) because {why}"
 
@@ -186,7 +186,7 @@ def child_engine(corpus: Path, out: Path, workers: int) -> dict:
     sys.path.insert(0, str(ROOT))
     from dataset_prep import make_job
     from utils.config import load_config
-    from utils.packing import pack
+    from utils.data.packing import pack
     cfg_file = out.parent / f"{out.name}_config.json"
     cfg_file.write_text(json.dumps({
         "paths": {"root": str(out.parent), "cleaned_dir": str(corpus)},

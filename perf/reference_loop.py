@@ -8,7 +8,7 @@ trains LlamaForCausalLM the way the stage trains ours, without re-implementing t
   does, then copied into LlamaForCausalLM through ``utils.hf.mapping.to_hf_state_dict``;
 - batches: ``dataloader.build_loaders`` with the run's config, iterated from the start;
   validation: the first ``training.eval_batches`` batches, token-weighted;
-- optimizer: ``utils.trainer.build_optimizers`` (AdamW, decay on matrices only), the same
+- optimizer: ``utils.training.trainer.build_optimizers`` (AdamW, decay on matrices only), the same
   gradient clipping, the stage's warm-up + cosine schedule (warm-up capped at 20% of the run).
 
 No side effects on import (torch and transformers load inside the function).
@@ -27,9 +27,9 @@ def reference_run(cfg, args, total: int, eval_steps: int) -> tuple[dict, dict]:
     import dataloader
     import model as model_lib
     from utils.hf.mapping import hf_config, to_hf_state_dict
-    from utils.scheduler import CosineWarmupScheduler
-    from utils.tok import load_tokenizer
-    from utils.trainer import _as_dict, build_optimizers, seed_everything
+    from utils.training.scheduler import CosineWarmupScheduler
+    from utils.data.tok import load_tokenizer
+    from utils.training.trainer import _as_dict, build_optimizers, seed_everything
 
     hp = cfg.training
     if hp.grad_accum != 1 or args.dropout != 0.0 or hp.optimizer != "adamw":

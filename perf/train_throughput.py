@@ -6,7 +6,7 @@
 For each size and precision, each contender runs in its own fresh subprocess (same thread
 count, same environment but for the allocator), with identical shapes and the same initial
 weights (ours copied into LlamaForCausalLM through utils.hf.mapping.to_hf_state_dict). Three contenders:
-ours with the allocator settings train.py applies on CPU (utils/allocator.py: glibc malloc
+ours with the allocator settings train.py applies on CPU (utils/training/allocator.py: glibc malloc
 tunables), HF with the same settings, HF plain (glibc defaults). Two ratios: ours / HF with
 the same allocator and threads (what our model and loop are worth), and ours as shipped / HF
 run plainly (what a user of the train stage gains):
@@ -16,7 +16,7 @@ run plainly (what a user of the train stage gains):
   loading, no logging);
 - ours: ``model(x, y, return_logits=False)`` (the chunked fused loss the trainer uses);
   HF: ``hf(input_ids=x).logits`` then ``F.cross_entropy`` in fp32 (what a user writes);
-- ours: the train stage's optimizer (``utils.trainer.build_optimizers``: fused AdamW,
+- ours: the train stage's optimizer (``utils.training.trainer.build_optimizers``: fused AdamW,
   weight decay on matrices only); HF: ``torch.optim.AdamW(..., foreach=True)``, the faster of
   the unfused forms; the same learning rate, betas and decay;
 - both: autocast bf16 on CPU for "bf16", fp32 otherwise;
@@ -83,7 +83,7 @@ def child(kind: str, size: str, dtype: str, steps: int, batch: int, seq: int) ->
     net.train()
     if kind == "ours":   # the train stage's optimizer (fused AdamW on CPU, decay on matrices only)
         import types
-        from utils.trainer import build_optimizers
+        from utils.training.trainer import build_optimizers
         hp = types.SimpleNamespace(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, optimizer="adamw")
         opt = build_optimizers(net, hp, torch.device("cpu"))["adamw"]
     else:                # what a user writes (foreach: torch's faster non-fused form)
@@ -158,7 +158,7 @@ def main() -> int:
           f"{torch.get_num_threads()} threads; batch {a.batch} x {a.seq} tokens, {a.steps} timed "
           f"steps after 2 warm-up, {a.repeats} alternating repeats")
     sys.path.insert(0, str(ROOT))
-    from utils.allocator import cpu_allocator_env
+    from utils.training.allocator import cpu_allocator_env
     shipped = cpu_allocator_env()
     print("shipped allocator (what train.py applies on CPU): "
           + (" ".join(f"{k}={v}" for k, v in shipped.items()) or "none (not glibc)"))

@@ -90,15 +90,15 @@ def dump_probes(dump_dir: Path) -> tuple[dict[str, list[tuple[str, str]]], str]:
     """({article title: [(family, probe), ...]}, all wikitext whitespace-normalized)."""
     import mwparserfromhell
     from mwparserfromhell.nodes import Tag, Template
-    import cleaner
+    from utils.data import mediawiki
     from utils.config import CleaningConfig
-    from utils.wikitext import SectionMatcher
+    from utils.data.wikitext import SectionMatcher
     dropped = SectionMatcher(CleaningConfig().drop_sections)
     out: dict[str, list] = {}
     raw: list[str] = []
     for path in sorted(dump_dir.glob("*.xml*")):
-        with cleaner.open_binary(path) as f:
-            for page in cleaner.iter_xml_pages(f):
+        with mediawiki.open_binary(path) as f:
+            for page in mediawiki.iter_xml_pages(f):
                 if page.ns != 0 or page.redirect or not page.text:
                     continue
                 found = []
@@ -128,7 +128,7 @@ def run_clean(cwd: Path, dump_dir: Path, out_dir: Path) -> str:
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"clean failed in {cwd} (exit {p.returncode}):\n{p.stderr[-2000:]}")
-    from utils.textio import unescape_article
+    from utils.data.textio import unescape_article
     return "\n".join(unescape_article(l) for f in sorted(out_dir.glob("cleaned_*.txt"))
                      for l in f.read_text(encoding="utf-8").splitlines())
 

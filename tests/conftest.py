@@ -104,7 +104,7 @@ def spawn_main(*args, cwd=None, env=None, preexec_fn=default_signals, timeout: f
 
 def paused_env(step: int, **extra) -> dict:
     """The environment of a training run that, after optimizer step ``step``, says
-    "paused after step N" and waits for a stop signal (utils.trainer.PAUSE_ENV): signals then
+    "paused after step N" and waits for a stop signal (utils.training.trainer.PAUSE_ENV): signals then
     land at a known step, whatever the machine's speed."""
     return offline_env(LLM_PIPELINE_PAUSE_AT_STEP=step, **extra)
 
@@ -217,7 +217,7 @@ def sample_wheels(samples, tmp_path_factory) -> Path:
     """A wheel cache built from the verified sample files: one wheel per manifest package,
     holding exactly the manifest's members. `main.py samples` reads it like the real cache
     (.cache/sample_wheels, which only `make samples` fills), so tests need neither."""
-    from utils.samples import MANIFEST, sha256_file
+    from utils.data.samples import MANIFEST, sha256_file
     wheels = tmp_path_factory.mktemp("sample_wheels")
     by_pkg: dict = {}
     for f in MANIFEST:
@@ -235,10 +235,10 @@ def sample_wheels(samples, tmp_path_factory) -> Path:
 def write_train_shards(directory: Path, n_docs: int = 120) -> Path:
     """A tiny shard set for the train stage: the first ``n_docs`` distinct lines of the real
     news sample, encoded with the sample SentencePiece tokenizer (BOS + ids + EOS per line) and
-    written by utils.shards (tests.test_dataloader.write_shard_set). Returns ``directory``."""
+    written by utils.data.shards (tests.test_dataloader.write_shard_set). Returns ``directory``."""
     import numpy as np
     from tests.test_dataloader import write_shard_set
-    from utils.tok import describe, load_tokenizer_from
+    from utils.data.tok import describe, load_tokenizer_from
     tok = load_tokenizer_from(str(SPM_MODEL))
     lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines()]
     texts = list(dict.fromkeys(x for x in lines if x))[:n_docs]

@@ -39,14 +39,14 @@ pytestmark = pytest.mark.usefixtures("samples")
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def tok():
-    from utils.tok import load_tokenizer_from
+    from utils.data.tok import load_tokenizer_from
     return load_tokenizer_from(str(ROOT / TOK_NAME))
 
 
 def _make_checkpoint(path: Path, tok, seed: int):
     from model import ModelArgs, create_model
-    from utils.checkpoint import FORMAT_VERSION, save_checkpoint
-    from utils.tok import describe
+    from utils.training.checkpoint import FORMAT_VERSION, save_checkpoint
+    from utils.data.tok import describe
     torch.manual_seed(seed)
     args = ModelArgs(vocab_size=len(tok), d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
                      max_seq_len=64, bos_id=tok.bos_token_id)

@@ -1,4 +1,4 @@
-"""utils/checkpoint.py: the one loader refuses every bad file with a CheckpointError that names
+"""utils/training/checkpoint.py: the one loader refuses every bad file with a CheckpointError that names
 the file (exit 1), never runs pickled code, rebuilds the model from the file alone, and lists
 runs (newest first, legacy flat layout included).
 
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import model as model_lib
-from utils.checkpoint import (FORMAT_VERSION, CheckpointError, find_run, list_runs,
-                              load_checkpoint, load_model, save_checkpoint)
+from utils.run import find_run, list_runs, load_checkpoint, load_model
+from utils.training.checkpoint import FORMAT_VERSION, CheckpointError, save_checkpoint
 from utils.cli import EXIT_FAILURE
 
 ARGS = model_lib.ModelArgs.from_dict(dict(vocab_size=96, d_model=32, n_layers=2, n_heads=4,
@@ -161,7 +161,7 @@ def test_cli_error_is_one_paragraph(tmp_path):
     """A stage reading a bad checkpoint exits 1 with the message, no traceback."""
     bad = tmp_path / "bad.pt"
     bad.write_bytes(os.urandom(100))
-    code = ("import sys; from utils.cli import run_stage; from utils.checkpoint import "
+    code = ("import sys; from utils.cli import run_stage; from utils.run import "
             f"load_checkpoint; run_stage(lambda a: load_checkpoint({str(bad)!r}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent, timeout=120)

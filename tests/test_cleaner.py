@@ -7,6 +7,7 @@ Pure functions (wikitext and structured-contents conversion, safe XML) are teste
 from __future__ import annotations
 
 import bz2
+import dataclasses
 import io
 import json
 import os
@@ -20,12 +21,14 @@ from pathlib import Path
 import pytest
 
 import cleaner
-from cleaner import CleanOptions
+from utils.data import mediawiki
+from utils.data.mediawiki import CleanOptions
+from utils.data.wikitext import section_key
 from tests.conftest import ENWIKI_XML, ROOT, default_signals, offline_env, run_main
-from utils.textio import iter_articles, unescape_article
+from utils.data.textio import iter_articles, unescape_article
 
 DROP = ("References", "External links", "See also", "Further reading", "Notes")
-OPTS = CleanOptions(drop_sections=tuple(cleaner.section_key(s) for s in DROP), min_chars=0)
+OPTS = CleanOptions(drop_sections=tuple(section_key(s) for s in DROP), min_chars=0)
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -143,7 +146,7 @@ def snapshot(directory: Path) -> dict:
 
 # --------------------------------------------------------------------------- unit tests
 def test_wikitext_to_plain_text():
-    text = cleaner.wikitext_article_text(WIKITEXT, OPTS)
+    text = mediawiki.wikitext_article_text(WIKITEXT, OPTS)
     paras = text.split("\n")
     assert paras[0] == "Thing is a idea in philosophy with une chose flavour."
     assert "Second paragraph about the web and things." in paras
@@ -157,22 +160,22 @@ def test_wikitext_to_plain_text():
 
 def test_keep_headings_only_before_text():
     opts = CleanOptions(drop_sections=OPTS.drop_sections, keep_headings=True)
-    paras = cleaner.wikitext_article_text(WIKITEXT, opts).split("\n")
+    paras = mediawiki.wikitext_article_text(WIKITEXT, opts).split("\n")
     assert paras[paras.index("History") + 1] == "Things have a history."
     assert "Early" in paras and "References" not in paras
     empty = "Lead text.\n== Empty ==\n{{only a template}}\n== Full ==\nBody."
-    assert cleaner.wikitext_article_text(empty, opts).split("\n") == ["Lead text.", "Full", "Body."]
+    assert mediawiki.wikitext_article_text(empty, opts).split("\n") == ["Lead text.", "Full", "Body."]
 
 
 def test_unclosed_italics_do_not_hide_reference_sections():
     # mwparserfromhell lets an unclosed '' swallow later headings; they must still count.
     wt = "Intro ''unclosed italics here.\n\n== References ==\nREF TEXT\n== More ==\nMore text."
-    text = cleaner.wikitext_article_text(wt, OPTS)
+    text = mediawiki.wikitext_article_text(wt, OPTS)
     assert "REF TEXT" not in text and "More text." in text and "''" not in text
 
 
 def test_structured_contents_walk():
-    text = cleaner.structured_article_text(ARTICLES[0], OPTS)
+    text = mediawiki.structured_article_text(ARTICLES[0], OPTS)
     paras = text.split("\n")
     assert paras[0].startswith("A café in Zürich serves crème brûlée.")
     assert unicodedata.is_normalized("NFC", text)
@@ -183,7 +186,7 @@ def test_structured_contents_walk():
     for junk in ("REFERENCE", "TABLE CELL", "History"):
         assert junk not in text
     # no Abstract section: the abstract is the lead
-    assert cleaner.structured_article_text(ARTICLES[1], OPTS).startswith("Lead only in the abstract")
+    assert mediawiki.structured_article_text(ARTICLES[1], OPTS).startswith("Lead only in the abstract")
 
 
 def test_output_name():
@@ -207,17 +210,17 @@ def test_xml_pages_namespaces_and_redirects(tmp_path):
 def test_xml_entities_refused():
     evil = ('<?xml version="1.0"?>\n<!DOCTYPE m [<!ENTITY a "aaaaaaaaaa"><!ENTITY b "&a;&a;&a;">]>\n'
             '<mediawiki><page><title>&b;</title><ns>0</ns></page></mediawiki>')
-    with pytest.raises(cleaner.UnsafeXMLError):
-        list(cleaner.iter_xml_pages(io.BytesIO(evil.encode())))
+    with pytest.raises(mediawiki.UnsafeXMLError):
+        list(mediawiki.iter_xml_pages(io.BytesIO(evil.encode())))
     external = ('<?xml version="1.0"?>\n<!DOCTYPE m SYSTEM "http://example.com/x.dtd">\n'
                 '<mediawiki></mediawiki>')
-    with pytest.raises(cleaner.UnsafeXMLError):
-        list(cleaner.iter_xml_pages(io.BytesIO(external.encode())))
+    with pytest.raises(mediawiki.UnsafeXMLError):
+        list(mediawiki.iter_xml_pages(io.BytesIO(external.encode())))
 
 
 def test_xml_streams_in_chunks():
     dump = xml_dump([(f"P{i}", 0, f"Text of page {i}.") for i in range(50)]).encode()
-    pages = list(cleaner.iter_xml_pages(io.BytesIO(dump), chunk_size=97))
+    pages = list(mediawiki.iter_xml_pages(io.BytesIO(dump), chunk_size=97))
     assert [p.text for p in pages] == [f"Text of page {i}." for i in range(50)]
 
 
@@ -265,7 +268,7 @@ def test_clean_jsonl_end_to_end_and_rerun(tmp_config, tmp_path):
     lines = out.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 3                                    # "Tiny" is too short
     first = unescape_article(lines[0])
-    assert first == cleaner.structured_article_text(ARTICLES[0], OPTS)
+    assert first == mediawiki.structured_article_text(ARTICLES[0], OPTS)
     assert first.count("\n") == 5 and "\\" in first           # breaks and backslash round-trip
     assert "crème brûlée" in first and unicodedata.is_normalized("NFC", first)
     assert "REFERENCE" not in out.read_text(encoding="utf-8")
@@ -292,7 +295,7 @@ def test_min_chars_and_test_limit(tmp_config, tmp_path):
     proc = run_main("clean", "--config", cfg, "--test", "--min-chars", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(read_out(out_dir(tmp_path) / "cleaned_a.txt")) == 2
-    lengths = sorted(len(cleaner.structured_article_text(a, OPTS)) for a in ARTICLES)
+    lengths = sorted(len(mediawiki.structured_article_text(a, OPTS)) for a in ARTICLES)
     threshold = lengths[-2]                          # keeps the two longest articles only
     proc = run_main("clean", "--config", cfg, "--force", "--min-chars", threshold)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -398,7 +401,7 @@ def test_dead_record_worker_fails_the_file_not_hangs(tmp_path, monkeypatch):
     """Records converted in parallel: a converter process that dies fails the file cleanly."""
     src = write_jsonl(tmp_path / "bad.jsonl")
     monkeypatch.setattr(cleaner, "_convert_batch", _die)
-    opts = cleaner.replace(OPTS, record_workers=2)
+    opts = dataclasses.replace(OPTS, record_workers=2)
     result = cleaner.clean_file(src, tmp_path / "cleaned_bad.txt", opts)
     assert result.status == "failed" and "worker process died" in result.error
     assert not (tmp_path / "cleaned_bad.txt").exists() and no_partials(tmp_path)

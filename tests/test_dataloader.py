@@ -1,6 +1,6 @@
 """dataloader.py: shard windows, leak-free split, resumable DDP sampler, validation, on-the-fly.
 
-Shard sets are written here by the real writer, utils.shards.write_shard_set (the pieces the
+Shard sets are written here by the real writer, utils.data.shards.write_shard_set (the pieces the
 prep engine writes with; real token ids: the Llama-style SentencePiece sample tokenizer
 encoding the real news sample documents as BOS + ids + EOS), so a format change fails these
 tests too, yet they do not run a prep stage. Only the auto_prepare test runs one.
@@ -20,8 +20,8 @@ import dataloader as dl
 from tests.conftest import NEWS, SPM_MODEL, write_config
 from utils.cli import PipelineError
 from utils.config import load_config
-from utils import shards
-from utils.shards import ShardSetError, dtype_for_vocab, save_npy_atomic, shard_name
+from utils.data import shards
+from utils.data.shards import ShardSetError, dtype_for_vocab, save_npy_atomic, shard_name
 
 WINDOW = 64
 
@@ -29,7 +29,7 @@ WINDOW = 64
 # --------------------------------------------------------------------------- helpers
 def write_shard_set(directory: Path, docs: list[np.ndarray], tok_info: dict, *,
                     shard_tokens: int = 20_000) -> dict:
-    """The real writer (utils.shards.write_shard_set, the pieces the prep engine writes with)
+    """The real writer (utils.data.shards.write_shard_set, the pieces the prep engine writes with)
     with this module's window and a test source: documents already BOS + ids + EOS."""
     return shards.write_shard_set(directory, docs, tok_info, shard_tokens=shard_tokens,
                                   source={"kind": "test", "inputs": [str(NEWS)], "test": True},
@@ -52,13 +52,13 @@ def make_cfg(tmp_path: Path, shard_dir: Path, **sections):
 
 @pytest.fixture(scope="module")
 def tok(samples):
-    from utils.tok import load_tokenizer_from
+    from utils.data.tok import load_tokenizer_from
     return load_tokenizer_from(str(SPM_MODEL))
 
 
 @pytest.fixture(scope="module")
 def tok_info(tok):
-    from utils.tok import describe
+    from utils.data.tok import describe
     return describe(tok, str(SPM_MODEL))
 
 

@@ -33,8 +33,8 @@ import torch
 from tests.conftest import (NEWS, ROOT, SPM_MODEL, default_signals, main_command, offline_env,
                             paused_env, run_main, wait_for_line, write_config)
 from tests.test_train import FLAGS, log_of, losses, ok, train, weights
-from utils.checkpoint import load_checkpoint
-from utils.logging_utils import latest_per_step
+from utils.run import load_checkpoint
+from utils.training.logging_utils import latest_per_step
 
 STEPS = 8          # optimizer steps of the compared runs
 B = 2              # windows per rank per step (the single process takes 2 * B)

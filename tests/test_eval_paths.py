@@ -14,6 +14,7 @@ attention kernel and MFU.
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelArgs, create_model
 from tests.conftest import SPM_MODEL, run_main, write_config
+import utils.generation.engine as E
 
 V, D = 211, 32
 
@@ -80,15 +82,15 @@ def test_evaluation_allocates_no_head_gradient_buffer():
 
 
 class _WatchedBatches:
-    """The real train loader, recording whether the model holds a decode pack each time the
-    trainer draws a batch (so, between optimizer steps, after samples were drawn)."""
+    """The real train loader, recording whether any decode pack generation made is still
+    alive each time the trainer draws a batch (so, between optimizer steps, after samples)."""
 
-    def __init__(self, loader, model):
-        self.loader, self.model, self.seen = loader, model, []
+    def __init__(self, loader, packs):
+        self.loader, self.packs, self.seen = loader, packs, []
 
     def __iter__(self):
         for b in self.loader:
-            self.seen.append(self.model._pack is not None)
+            self.seen.append(any(ref() is not None for ref in self.packs))
             yield b
 
     def state_dict(self):
@@ -102,13 +104,13 @@ class _WatchedBatches:
         return self.loader.epoch
 
 
-def test_trainer_samples_leave_no_decode_pack(tmp_path, train_shards):
+def test_trainer_samples_leave_no_decode_pack(tmp_path, train_shards, monkeypatch):
     import dataloader
     from model import model_args_from_config
     from utils.config import load_config
-    from utils.logging_utils import DualLogger
-    from utils.tok import load_tokenizer
-    from utils.trainer import Trainer, seed_everything
+    from utils.training.logging_utils import DualLogger
+    from utils.data.tok import load_tokenizer
+    from utils.training.trainer import OptimizerSpec, Settings, Trainer, TrainSpec, seed_everything
 
     cfg = load_config(write_config(tmp_path, {
         "tokenizer": {"name": str(SPM_MODEL)},
@@ -121,25 +123,33 @@ def test_trainer_samples_leave_no_decode_pack(tmp_path, train_shards):
     args = model_args_from_config(cfg, len(tok), tok.bos_token_id)
     seed_everything(0)
     model = create_model(args)
-    packs_after_generate = []
+    packs = []                            # weak references to every decode pack made
+    make_pack = E.Engine.decode_pack
+
+    def recorded(self):
+        pack = make_pack(self)
+        if pack is not None and all(ref() is not pack.head for ref in packs):
+            packs.append(weakref.ref(pack.head))
+        return pack
+    monkeypatch.setattr(E.Engine, "decode_pack", recorded)
 
     def sample_fn(m):                     # what train.py's sample_fn does: generate, decode
-        out = m.generate([[tok.bos_token_id, 5, 6]], max_new_tokens=4, temperature=0.8,
+        out = E.generate(m, [[tok.bos_token_id, 5, 6]], max_new_tokens=4, temperature=0.8,
                          top_k=50, eos_id=tok.eos_token_id, seed=1)
-        packs_after_generate.append(m._pack is not None)
         return [("p", tok.decode(out[0]))]
 
-    watched = _WatchedBatches(train, model)
+    watched = _WatchedBatches(train, packs)
     logger = DualLogger("pack", tmp_path / "logs", tensorboard=False)
-    trainer = Trainer(model, args, hp=cfg.training, log_cfg=cfg.logging, train_data=watched,
-                      val_data=val, run_dir=tmp_path / "run", logger=logger, device="cpu",
-                      total_steps=7, sample_fn=sample_fn, progress=False)
+    spec = TrainSpec(model, args, watched, val, optimizer=OptimizerSpec.from_config(cfg.training),
+                     settings=Settings.from_config(cfg.training, cfg.logging, 7),
+                     sample_fn=sample_fn)
+    trainer = Trainer(spec, run_dir=tmp_path / "run", logger=logger, device="cpu", progress=False)
     result = trainer.fit()
     logger.close()
     assert result.reason == "done" and result.step == 7
-    assert len(packs_after_generate) >= 3 and all(packs_after_generate)   # generation packed
+    assert len(packs) >= 3                                                 # generation packed
     assert len(watched.seen) >= 7 and not any(watched.seen), watched.seen  # never while training
-    assert model._pack is None and model.training
+    assert all(ref() is None for ref in packs) and model.training
 
 
 def test_train_says_its_attention_path_and_why_no_mfu(tmp_path, train_shards):
@@ -172,8 +182,8 @@ def test_attention_path_names_the_cuda_kernels_reasons():
     assert "flash-attn needs fp16/bf16" in m.attention_path("cuda", torch.float32)
     if M._flash_attn():
         pytest.fail("flash-attn is importable on this CPU machine; this check expects it absent")
-    assert f"flash-attn is not importable ({M._FLASH_WHY})" in m.attention_path("cuda", torch.bfloat16)
-    assert M._FLASH_WHY.startswith(("ImportError", "ModuleNotFoundError"))
+    assert f"flash-attn is not importable ({M._flash_backend()[1]})" in m.attention_path("cuda", torch.bfloat16)
+    assert M._flash_backend()[1].startswith(("ImportError", "ModuleNotFoundError"))
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -181,7 +191,7 @@ def test_muon_groups_pick_the_head_by_role_not_by_shape(tie):
     """A hidden matrix with vocab_size outputs (MLP width = vocabulary) is Muon's; embeddings
     and the head are AdamW's, found by their role. LlamaForCausalLM's head likewise."""
     from types import SimpleNamespace
-    from utils.trainer import build_optimizers
+    from utils.training.trainer import build_optimizers
     args = ModelArgs(vocab_size=96, d_model=D, n_layers=2, n_heads=4, n_kv_heads=2,
                      max_seq_len=16, ffn_hidden=96, tie_embeddings=tie)
     m = create_model(args)

@@ -75,7 +75,7 @@ def test_fineweb_filters_metadata_and_workers_determinism(fw_config, parquet_dir
     out2, out1 = tmp_path / "w2", tmp_path / "w1"
     p = run_main("fineweb", "--config", cfg, "--output-dir", out2, "--workers", "2")
     assert p.returncode == 0, p.stderr
-    from utils.shards import load_shards, read_metadata
+    from utils.data.shards import load_shards, read_metadata
     meta = read_metadata(out2, "python main.py fineweb")
     rows = parquet_dir[1]
     n_low, n_short, kept = expected(rows, tok)

@@ -141,7 +141,7 @@ def test_clean_bug_in_our_conversion_is_not_bad_input(tmp_config, tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import utils.wikitext as wt\n"
+        "import utils.data.wikitext as wt\n"
         "_orig = wt.ArticleBuilder.add_text\n"
         "def add_text(self, text, *a, **k):\n"
         "    if 'TRIGGER-BUG' in text:\n"

@@ -1,4 +1,4 @@
-"""`main.py infer`: scripted output equals model.generate, the chat template for SFT
+"""`main.py infer`: scripted output equals the generation engine, the chat template for SFT
 checkpoints, bad inputs without tracebacks, and the interactive screen through a real pty
 (pexpect): run and checkpoint menus, prompts, custom parameters, Ctrl-C during generation,
 a multi-model comparison, NO_COLOR."""
@@ -15,6 +15,7 @@ import torch
 
 from tests.conftest import offline_env, run_main, spawn_main, stage_pid, wait_until_blocked, write_config
 from tests.test_sft import TOK_NAME, make_checkpoint, tokenizer
+from utils.generation.engine import Engine
 
 
 
@@ -22,7 +23,7 @@ from tests.test_sft import TOK_NAME, make_checkpoint, tokenizer
 def work(tmp_path_factory, samples):
     root = tmp_path_factory.mktemp("infer")
     cfg = write_config(root, {"tokenizer": {"name": TOK_NAME}})
-    from utils import sft
+    from utils.data import sft
     ck = root / "checkpoints"
     pre = make_checkpoint(ck / "run_pre" / "checkpoint_best.pt", seed=1)
     make_checkpoint(ck / "run_pre" / "checkpoint_latest.pt", seed=2)
@@ -37,13 +38,13 @@ def work(tmp_path_factory, samples):
 
 
 def _model(path):
-    from utils.checkpoint import load_model
+    from utils.run import load_model
     return load_model(path)[0]
 
 
 # --------------------------------------------------------------------------- scripted
 def test_scripted_output_equals_model_generate_with_the_same_seed(work):
-    from utils import sft
+    from utils.data import sft
     tok = tokenizer()
     prompt = "The history of </s> science"
     r = run_main("infer", "--config", work["cfg"], "--checkpoint", work["pre"], "--prompt", prompt,
@@ -51,14 +52,14 @@ def test_scripted_output_equals_model_generate_with_the_same_seed(work):
     assert r.returncode == 0, r.stderr
     ids = [tok.bos_token_id] + sft.encode_plain(tok, [prompt])[0]
     assert tok.eos_token_id not in ids
-    want = _model(work["pre"]).generate([ids], 12, temperature=0.9, top_k=40, top_p=0.95,
+    want = Engine(_model(work["pre"])).generate([ids], 12, temperature=0.9, top_k=40, top_p=0.95,
                                         eos_id=tok.eos_token_id, seed=7)[0]
     assert r.stdout == tok.decode(want, skip_special_tokens=True) + "\n"
     assert "tokens/s" in r.stderr          # statistics go to stderr, never into the pipeline
 
 
 def test_scripted_sft_checkpoint_uses_the_chat_template_and_json(work):
-    from utils import sft
+    from utils.data import sft
     tok = tokenizer()
     r = run_main("infer", "--config", work["cfg"], "--checkpoint", work["chat"], "--prompt", "-",
                  "--max-new-tokens", "8", "--temperature", "0", "--json",
@@ -67,7 +68,7 @@ def test_scripted_sft_checkpoint_uses_the_chat_template_and_json(work):
     data = json.loads(r.stdout)
     ids = sft.encode_prompt(tok, sft.default_template(), [], "Why is the sky blue?",
                             tok.bos_token_id, tok.eos_token_id)
-    want = _model(work["chat"]).generate([ids], 8, temperature=0, eos_id=tok.eos_token_id)[0]
+    want = Engine(_model(work["chat"])).generate([ids], 8, temperature=0, eos_id=tok.eos_token_id)[0]
     assert data["text"] == tok.decode(want, skip_special_tokens=True)
     assert data["chat_template"] is True and data["kind"] == "sft"
     assert data["tokens"] == len(want) and data["tokens_per_s"] > 0
@@ -167,7 +168,7 @@ def test_interactive_single_model_session(work):
 def test_interactive_sft_chat_keeps_the_conversation(work):
     """The second turn's prompt holds the first exchange (its token count, printed with the
     statistics, equals the chat template rendered over that history); /clear forgets it."""
-    from utils import sft
+    from utils.data import sft
     tok, template = tokenizer(), sft.default_template()
     bos, eos = tok.bos_token_id, tok.eos_token_id
     c = _spawn(work, "--checkpoint", work["chat"], "--max-new-tokens", "4", "--temperature", "0")
@@ -189,7 +190,7 @@ def test_interactive_sft_chat_keeps_the_conversation(work):
     c.close()
     assert c.exitstatus == 0
     first = sft.encode_prompt(tok, template, [], "Hello", bos, eos)
-    answer = _model(work["chat"]).generate([first], 4, temperature=0, eos_id=eos)[0]
+    answer = Engine(_model(work["chat"])).generate([first], 4, temperature=0, eos_id=eos)[0]
     history = [("Hello", tok.decode(answer, skip_special_tokens=True))]
     assert counts == [len(first),
                       len(sft.encode_prompt(tok, template, history, "Why?", bos, eos)),

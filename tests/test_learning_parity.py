@@ -28,7 +28,7 @@ import pytest
 
 from perf.reference_loop import reference_run
 from tests.conftest import SPM_MODEL, run_main, write_config
-from utils.logging_utils import latest_per_step, read_jsonl
+from utils.training.logging_utils import latest_per_step, read_jsonl
 
 TOL = 0.02
 
@@ -45,7 +45,7 @@ def _flags(steps: int, eval_steps: int) -> list[str]:
 ])
 def test_same_validation_loss_as_llama_for_causal_lm(tmp_path, train_shards, steps, eval_steps):
     from model import ModelArgs
-    from utils.checkpoint import load_checkpoint
+    from utils.run import load_checkpoint
     from utils.config import load_config
 
     cfg_path = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)},

@@ -14,6 +14,7 @@ from model import ModelArgs, create_model, model_args_from_config
 from utils.hf.mapping import from_hf_state_dict, hf_config, model_args_from_hf_config, to_hf_state_dict
 from tests.conftest import run_main
 from utils.activations import GatedMLP
+from utils.generation.engine import Engine
 from utils.config import ConfigError, Config, MODEL_PRESETS, llama_ffn_hidden, load_config
 
 V = 97
@@ -227,130 +228,6 @@ def test_bf16_autocast_loss_close_to_fp32():
 
 
 # --------------------------------------------------------------------------- generation
-def _greedy_without_cache(m, prompt, n, eos=None):
-    ids = list(prompt)
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            t = int(m(torch.tensor([ids]))[0][0, -1].argmax())
-            if t == eos:
-                break
-            out.append(t)
-            ids.append(t)
-    return out
-
-
-def test_kv_cache_generation_equals_full_recompute():
-    m = build(seed=2)
-    prompt = [1, 5, 9, 33, 2, 7]
-    want = _greedy_without_cache(m, prompt, 20)
-    assert m.generate([prompt], 20, temperature=0) == [want]
-    assert list(m.generate_stream(prompt, 20, temperature=0)) == want
-    # beyond max_seq_len the RoPE table grows instead of failing
-    long = m.generate([prompt], 70, temperature=0)[0]
-    assert len(long) == 70 and long[:20] == want
-
-
-def test_eos_stops_and_is_not_returned():
-    m = build(seed=2)
-    prompt = [1, 5, 9, 33]
-    free = _greedy_without_cache(m, prompt, 12)
-    eos = free[4]
-    cut = free[:free.index(eos)]
-    assert m.generate([prompt], 12, temperature=0, eos_id=eos) == [cut]
-    assert list(m.generate_stream(prompt, 12, temperature=0, eos_id=[eos, 96])) == cut
-    assert m.generate([prompt], 0) == [[]]
-
-
-def test_batched_generation_equals_one_by_one():
-    m = build(seed=4)
-    prompts = [[1, 8, 20, 30, 40, 50, 60], [1, 3], [1, 70, 71, 72], [9]]
-    singles = [m.generate([p], 15, temperature=0)[0] for p in prompts]
-    assert m.generate(prompts, 15, temperature=0) == singles
-    # an EOS in one row ends that row only
-    eos = singles[1][3]
-    batched = m.generate(prompts, 15, temperature=0, eos_id=eos)
-    for got, single in zip(batched, singles):
-        assert got == (single[:single.index(eos)] if eos in single else single)
-
-
-@pytest.mark.parametrize("tie,act", [(True, "swiglu"), (False, "geglu")])
-def test_cpu_decode_pack_follows_the_weights(monkeypatch, tie, act):
-    """fp32 generation on CPU multiplies by a transposed copy of the weights kept between
-    calls: it must agree with the Linear path, be rebuilt after any in-place change of the
-    weights, and not outlive a call made in training mode."""
-    m = build(seed=7, tie_embeddings=tie, activation=act)
-    prompts = [[1, 5, 9, 11], [1, 2]]
-    gen = lambda n=12: m.generate(prompts, n, temperature=1.0, seed=3)  # noqa: E731 (tied greedy repeats)
-    packed = gen()
-    pack = m._pack
-    assert pack is not None and len(pack.layers) == 2
-    assert gen() == packed and m._pack is pack      # reused
-    with monkeypatch.context() as mp:
-        mp.setattr(M, "DECODE_PACK_MAX_BYTES", 0)                                    # over the cap
-        assert gen() == packed and m._pack is None  # Linear path
-    m.generate(prompts, 1)
-    other = build(seed=8, tie_embeddings=tie, activation=act)
-    want = other.generate(prompts, 12, temperature=1.0, seed=3)
-    assert want != packed                                   # the swap below must show
-    m.load_state_dict(other.state_dict())                   # in place, like an optimizer step
-    assert gen() == want
-    m.train()
-    assert gen(3) == [w[:3] for w in want]
-    assert m._pack is None and m.training                   # training: weights move on
-
-
-def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone():
-    m = build(seed=5)
-    prompts = [[1, 2, 3], [1, 4]]
-    state = torch.get_rng_state()
-    a = m.generate(prompts, 25, temperature=1.0, top_k=20, top_p=0.9, seed=123)
-    assert torch.equal(state, torch.get_rng_state())
-    b = m.generate(prompts, 25, temperature=1.0, top_k=20, top_p=0.9, seed=123)
-    c = m.generate(prompts, 25, temperature=1.0, top_k=20, top_p=0.9, seed=124)
-    assert a == b and a != c
-    assert list(m.generate_stream(prompts[0], 25, temperature=1.0, seed=7)) == \
-        m.generate([prompts[0]], 25, temperature=1.0, seed=7)[0]
-
-
-def test_top_k_and_top_p_filters():
-    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0]])
-    inf = float("-inf")
-    assert M.top_k_filter(logits, 2).tolist() == [[inf, 4.0, 3.0, inf, inf]]
-    assert torch.equal(M.top_k_filter(logits, 0), logits)
-    assert torch.equal(M.top_p_filter(logits, 1.0), logits)
-    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    lp = p.log()
-    # 0.5 < 0.6 so the second token is needed; 0.8 >= 0.6 so the rest go
-    assert torch.isinf(M.top_p_filter(lp, 0.6)).tolist() == [[False, False, True, True]]
-    assert torch.isinf(M.top_p_filter(lp, 0.5)).tolist() == [[False, True, True, True]]
-    assert torch.isinf(M.top_p_filter(lp, 0.01)).tolist() == [[False, True, True, True]]
-    # shuffled order is filtered by probability, not position
-    assert torch.isinf(M.top_p_filter(lp[:, [3, 1, 0, 2]], 0.6)).tolist() == [[True, False, False, True]]
-    # sampling never picks a filtered token
-    g = torch.Generator().manual_seed(0)
-    picks = set(M.sample_next(logits.repeat(200, 1), 1.0, top_k=2, generator=g).tolist())
-    assert picks == {1, 2}
-    assert M.sample_next(logits, 0.0).tolist() == [1]
-
-
-def test_generation_rejects_bad_requests():
-    m = build()
-    with pytest.raises(ValueError, match="empty"):
-        m.generate([[]], 3)
-    with pytest.raises(ValueError, match="vocabulary"):
-        m.generate([[V]], 3)
-    with pytest.raises(ValueError, match="top_p"):
-        m.generate([[1]], 3, top_p=0.0)
-
-
-def test_bf16_generation_on_cpu():
-    m = build(seed=6).to(torch.bfloat16)
-    out = m.generate([[1, 2, 3], [4]], 8, temperature=0)
-    assert [len(o) for o in out] == [8, 8]
-    assert m.rope(4, torch.device("cpu"))[0].dtype == torch.float32
-
-
 # --------------------------------------------------------------------------- args, presets, config
 def test_model_args_round_trip_and_unknown_keys():
     a = tiny(activation="geglu", tie_embeddings=False)
@@ -439,11 +316,31 @@ def test_cuda_bf16_paths_match_sdpa():
 @pytest.mark.cuda
 def test_cuda_bf16_generation_and_fused_loss():
     m = build(seed=3).cuda().to(torch.bfloat16)
-    out = m.generate([[1, 2, 3], [4, 5]], 10, temperature=0.7, top_k=10, seed=1)
-    assert out == m.generate([[1, 2, 3], [4, 5]], 10, temperature=0.7, top_k=10, seed=1)
+    out = Engine(m).generate([[1, 2, 3], [4, 5]], 10, temperature=0.7, top_k=10, seed=1)
+    assert out == Engine(m).generate([[1, 2, 3], [4, 5]], 10, temperature=0.7, top_k=10, seed=1)
     m = build(seed=3).cuda().train()
     x = torch.randint(0, V, (2, 32), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _, a = m(x, x, return_logits=False)
         _, b = m(x, x)
     assert math.isfinite(a.item()) and abs(a.item() - b.item()) < 0.05
+
+
+def test_model_schema_is_defined_once():
+    """ModelArgs is the schema: config.json's model section has every one of its fields (with
+    the same defaults where the config gives one), model_args_from_config copies them by name,
+    and the Hugging Face mapping covers each field (by its table or by hand)."""
+    import dataclasses
+    from utils.config import ModelConfig
+    from utils.hf.mapping import HF_CONFIG_NAMES, SPECIAL_FIELDS
+    args = {f.name: f for f in dataclasses.fields(ModelArgs)}
+    cfg = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    from_tokenizer = {"vocab_size", "bos_id"}
+    assert set(args) - from_tokenizer <= set(cfg), set(args) - from_tokenizer - set(cfg)
+    for name in set(args) - from_tokenizer:
+        if cfg[name].default is not None:            # null in the config: from the preset
+            assert cfg[name].default == args[name].default, name
+    assert set(HF_CONFIG_NAMES) | set(SPECIAL_FIELDS) == set(args)
+    assert not set(HF_CONFIG_NAMES) & set(SPECIAL_FIELDS)
+    m = model_args_from_config(Config(), 500, 1)
+    assert (m.vocab_size, m.bos_id, m.d_model) == (500, 1, MODEL_PRESETS["default"]["d_model"])

@@ -8,7 +8,7 @@ import sys
 
 from tests.conftest import ROOT, SPM_MODEL, offline_env, run_main
 from utils.config import load_config
-from utils.textio import iter_articles
+from utils.data.textio import iter_articles
 
 
 def run_loader(cfg, *args):
@@ -46,7 +46,7 @@ def test_clean_prepare_load_then_stale_and_auto_prepare(tmp_path, tmp_config, sa
     assert "(y is x shifted left by one: True)" in p.stdout
 
     import dataloader
-    from utils.tok import load_tokenizer
+    from utils.data.tok import load_tokenizer
     c = load_config(cfg, test=True)
     tok = load_tokenizer(c)
     train, val, info = dataloader.build_loaders(c, tok)

@@ -1,4 +1,4 @@
-"""`prepare` (dataset_prep.py + utils/packing.py): cleaned articles -> token shards.
+"""`prepare` (dataset_prep.py + utils/data/packing.py): cleaned articles -> token shards.
 
 Inputs are real text: the 300 news documents of the offline sample (NEWS), written as
 cleaned-article files (one escaped article per line, as the cleaner writes them) with
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import NEWS, ROOT, SPM_MODEL, default_signals, offline_env, run_main
-from utils.textio import escape_article, unescape_article
+from utils.data.textio import escape_article, unescape_article
 
 SHARD_TOKENS = 3000
 
@@ -33,7 +33,7 @@ SHARD_TOKENS = 3000
 @pytest.fixture(scope="session")
 def saved_tokenizer(samples, tmp_path_factory) -> Path:
     """The SPM sample converted once and saved as tokenizer.json (what `tokenize` does)."""
-    from utils.tok import load_tokenizer_from
+    from utils.data.tok import load_tokenizer_from
     d = tmp_path_factory.mktemp("tok") / "mistral-v1"
     load_tokenizer_from(str(SPM_MODEL)).save_pretrained(str(d))
     return d
@@ -94,8 +94,8 @@ def documents(arr: np.ndarray, bos: int, eos: int) -> list[np.ndarray]:
 
 def check_set(d: Path, tok, articles: list[str]) -> dict:
     """Everything the shard contract promises, checked against the shard contents."""
-    from utils.shards import FORMAT_NAME, FORMAT_VERSION, load_shards, read_metadata, validate_metadata
-    from utils.tok import describe
+    from utils.data.shards import FORMAT_NAME, FORMAT_VERSION, load_shards, read_metadata, validate_metadata
+    from utils.data.tok import describe
     meta = read_metadata(d)
     validate_metadata(meta, d, tokenizer_info=describe(tok, "x"))
     assert meta["format"] == FORMAT_NAME and meta["format_version"] == FORMAT_VERSION
@@ -127,7 +127,7 @@ def check_set(d: Path, tok, articles: list[str]) -> dict:
 
 # --------------------------------------------------------------------------- unit (in-process)
 def test_cleaned_article_escaping_round_trips():
-    """utils.textio: paragraph breaks and backslashes survive the one-line-per-article format."""
+    """utils.data.textio: paragraph breaks and backslashes survive the one-line-per-article format."""
     texts = ["plain", "a\nb", "a\\nb", "back\\slash\n\\n", "trailing\\", "\\x\n\\\\", ""]
     texts += news_articles()[:20]
     for t in texts:
@@ -140,7 +140,7 @@ def test_cleaned_article_escaping_round_trips():
 
 
 def test_encode_frame_ids_match_encode_batch(tok):
-    from utils.packing import encode_frame
+    from utils.data.packing import encode_frame
     arts = news_articles()[:30]
     backend = tok.backend_tokenizer
     ref = [e.ids for e in backend.encode_batch(arts, add_special_tokens=False)]
@@ -169,9 +169,9 @@ def test_prepare_end_to_end_and_workers_determinism(prep_env, tmp_path, tok):
 
 
 def test_shard_writer_is_the_engines_format(prep_env, tmp_path):
-    """utils.shards.write_shard_set (what the loader and train tests write their sets with)
+    """utils.data.shards.write_shard_set (what the loader and train tests write their sets with)
     fed the engine's own documents writes the engine's bytes and shard records."""
-    from utils.shards import write_shard_set
+    from utils.data.shards import write_shard_set
     ref = prep_env["ref"]
     meta = json.loads((ref / "metadata.json").read_text())
     tok_info = meta["tokenizer"]

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.conftest import SPM_MODEL, offline_env, run_main, spawn_main, write_config
-from utils.checkpoint import load_checkpoint
-from utils.logging_utils import latest_per_step, read_jsonl
+from utils.generation.engine import Engine
+from utils.run import load_checkpoint
+from utils.training.logging_utils import latest_per_step, read_jsonl
 
 FLAGS = ["--window", "32", "--batch-size", "2", "--eval-batches", "2", "--sample-tokens", "0",
          "--log-every", "1", "--warmup-steps", "2", "--eval-steps", "4", "--device", "cpu"]
@@ -78,7 +79,7 @@ def test_activation_checkpointing_is_on_and_changes_nothing(cfg, root, base):
 def test_activation_checkpointing_recomputes_blocks_in_backward():
     """The blocks' forward runs again during backward (twice per step instead of once)."""
     from model import ModelArgs, create_model
-    from utils.trainer import enable_activation_checkpointing
+    from utils.training.trainer import enable_activation_checkpointing
     m = create_model(ModelArgs(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                max_seq_len=16))
     calls = []
@@ -160,7 +161,7 @@ def test_gradient_accumulation_equals_the_large_batch(cfg, root):
 @pytest.fixture(scope="module")
 def chat_ckpt(tmp_path_factory, samples):
     from tests.test_sft import TOK_NAME, make_checkpoint
-    from utils import sft
+    from utils.data import sft
     root = tmp_path_factory.mktemp("promises_infer")
     cfg = write_config(root, {"tokenizer": {"name": TOK_NAME}})
     path = make_checkpoint(root / "checkpoints" / "sft_x" / "checkpoint_best.pt", kind="sft",
@@ -170,8 +171,8 @@ def chat_ckpt(tmp_path_factory, samples):
 
 def test_infer_raw_skips_the_chat_template(chat_ckpt):
     from tests.test_sft import tokenizer
-    from utils import sft
-    from utils.checkpoint import load_model
+    from utils.data import sft
+    from utils.run import load_model
     cfg, path = chat_ckpt
     tok = tokenizer()
     common = ["infer", "--config", cfg, "--checkpoint", path, "--prompt", "Why is the sky blue?",
@@ -182,7 +183,7 @@ def test_infer_raw_skips_the_chat_template(chat_ckpt):
     plain_ids = [tok.bos_token_id] + sft.encode_plain(tok, ["Why is the sky blue?"])[0]
     assert raw["prompt_tokens"] == len(plain_ids) < chat["prompt_tokens"]
     model = load_model(path)[0]
-    want = model.generate([plain_ids], 6, temperature=raw["params"]["temperature"],
+    want = Engine(model).generate([plain_ids], 6, temperature=raw["params"]["temperature"],
                           top_k=raw["params"]["top_k"], top_p=raw["params"]["top_p"],
                           eos_id=tok.eos_token_id, seed=5)[0]
     assert raw["text"] == tok.decode(want, skip_special_tokens=True)
@@ -192,7 +193,7 @@ def test_chat_history_drops_the_oldest_exchange_when_the_context_is_full(chat_ck
     """A 48-token model asked for 20 new tokens: the second question no longer fits after the
     first exchange, which is dropped with a note; the prompt is then the question alone."""
     from tests.test_sft import tokenizer
-    from utils import sft
+    from utils.data import sft
     cfg, path = chat_ckpt
     tok, template = tokenizer(), sft.default_template()
     c = spawn_main("infer", "--config", cfg, "--checkpoint", path, "--max-new-tokens", "20",

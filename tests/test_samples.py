@@ -5,7 +5,7 @@ import hashlib
 import zipfile
 
 from tests.conftest import ROOT, offline_env, run_main, write_config
-from utils.samples import MANIFEST, find_wheel, sha256_file
+from utils.data.samples import MANIFEST, find_wheel, sha256_file
 
 WHEELS = ROOT / ".cache" / "sample_wheels"
 

@@ -2,7 +2,7 @@
 `main.py sft train` (masked loss lowers, mismatches refused, Ctrl-C resumes exactly).
 
 Checkpoints here are tiny models built with model.py and saved with
-utils.checkpoint.save_checkpoint (the format load_checkpoint reads), with the offline sample
+utils.training.checkpoint.save_checkpoint (the format load_checkpoint reads), with the offline sample
 tokenizer (Mistral v1 SentencePiece, 32,000 pieces)."""
 from __future__ import annotations
 
@@ -25,17 +25,17 @@ _TOK = {}
 
 def tokenizer():
     if "tok" not in _TOK:
-        from utils.tok import load_tokenizer_from
+        from utils.data.tok import load_tokenizer_from
         _TOK["tok"] = load_tokenizer_from(TOK_NAME)
     return _TOK["tok"]
 
 
 def make_checkpoint(path: Path, *, kind: str = "pretrain", chat_template=None, seed: int = 0,
                     tokenizer_info: dict | None = None, **args) -> Path:
-    """A tiny model saved as a weights checkpoint the pipeline loads (utils.checkpoint)."""
+    """A tiny model saved as a weights checkpoint the pipeline loads (utils.training.checkpoint)."""
     import model as model_lib
-    from utils.checkpoint import save_checkpoint
-    from utils.tok import describe
+    from utils.training.checkpoint import save_checkpoint
+    from utils.data.tok import describe
     tok = tokenizer()
     a = dict(vocab_size=len(tok), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
              max_seq_len=256, bos_id=tok.bos_token_id)
@@ -64,7 +64,7 @@ def work(tmp_path_factory, samples):
 
 # --------------------------------------------------------------------------- template and mask
 def test_template_bos_eos_and_mask_cover_exactly_the_assistant_tokens():
-    from utils import sft
+    from utils.data import sft
     tok = tokenizer()
     tpl = sft.default_template()
     bos, eos = tok.bos_token_id, tok.eos_token_id
@@ -87,7 +87,7 @@ def test_template_bos_eos_and_mask_cover_exactly_the_assistant_tokens():
 
 
 def test_literal_special_token_strings_in_turns_stay_text():
-    from utils import sft
+    from utils.data import sft
     tok = tokenizer()
     bos, eos = tok.bos_token_id, tok.eos_token_id
     turns = ["Please print </s> and <s> literally", "Sure: </s> <s> <unk>"]
@@ -99,7 +99,7 @@ def test_literal_special_token_strings_in_turns_stay_text():
 
 
 def test_collate_shifts_and_masks():
-    from utils import sft
+    from utils.data import sft
     tokens = np.array([1, 5, 6, 7, 2, 1, 8, 9, 2], dtype=np.uint16)
     mask = np.array([0, 0, 1, 1, 1, 0, 0, 1, 1], dtype=np.uint8)
     offsets = np.array([0, 5, 9])
@@ -111,7 +111,7 @@ def test_collate_shifts_and_masks():
 
 
 def test_loader_position_resumes_the_same_batches():
-    from utils import sft
+    from utils.data import sft
     lens = [3, 4, 5, 6, 7, 3, 4]
     offsets = np.concatenate([[0], np.cumsum(lens)])
     tokens = np.arange(offsets[-1], dtype=np.uint16) % 50 + 3
@@ -130,7 +130,7 @@ def test_loader_position_resumes_the_same_batches():
 
 # --------------------------------------------------------------------------- malformed records
 def test_malformed_records_skipped_with_file_line_and_reason(tmp_path):
-    from utils import sft
+    from utils.data import sft
     lines = [
         json.dumps({"conversations": ["q1", "a1"]}).encode(),                               # 1 ok
         json.dumps({"conversations": ["q", "a", "q2"]}).encode(),                           # 2 odd
@@ -169,7 +169,7 @@ def test_malformed_records_skipped_with_file_line_and_reason(tmp_path):
 
 
 def test_json_array_saved_as_jsonl_is_read_and_said_so(tmp_path):
-    from utils import sft
+    from utils.data import sft
     p = tmp_path / "array.jsonl"
     p.write_text(json.dumps([{"conversations": ["q", "a"]}, {"conversations": ["q"]}], indent=1))
     skips = sft.Skips()
@@ -220,7 +220,7 @@ def test_prepare_local_jsonl_copies_source_and_reports_skips(tmp_path):
 
 # --------------------------------------------------------------------------- prepare (samples)
 def test_prepare_samples_layout_counts_and_mask(work):
-    from utils import sft
+    from utils.data import sft
     out = work["root"] / "data" / "post-training"
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["complete"] and meta["source"]["kind"] == "qa_substitute"
@@ -265,7 +265,7 @@ def test_train_lowers_masked_val_loss_and_writes_the_run(work):
     assert {"checkpoint_best.pt", "checkpoint_latest.pt", "checkpoint_epoch_1.pt",
             "checkpoint_epoch_2.pt", "sft_config.json"} <= set(names)
     assert not [n for n in names if n.startswith("checkpoint_step_")]
-    from utils.checkpoint import load_checkpoint
+    from utils.run import load_checkpoint
     ck = load_checkpoint(run / "checkpoint_best.pt")
     assert ck["kind"] == "sft" and ck["chat_template"]["assistant_prefix"] == "Assistant: "
     conf = json.loads((run / "sft_config.json").read_text())
@@ -277,7 +277,7 @@ def test_train_lowers_masked_val_loss_and_writes_the_run(work):
 
 def test_train_refuses_tokenizer_and_architecture_mismatch(work):
     root = work["root"]
-    from utils.tok import describe
+    from utils.data.tok import describe
     info = dict(describe(tokenizer(), TOK_NAME), fingerprint="0" * 64, name="other-tokenizer")
     other_tok = make_checkpoint(root / "mm" / "tok.pt", tokenizer_info=info)
     r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", other_tok)
@@ -312,7 +312,7 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(work):
     args = shlex.split(cmd)[2:]
     r = run_main(*args, timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
-    from utils.checkpoint import load_checkpoint
+    from utils.run import load_checkpoint
     a = load_checkpoint(next((root / "checkpoints").glob("sft_ref_*")) / "checkpoint_latest.pt")
     b = load_checkpoint(next((root / "checkpoints").glob("sft_cut_*")) / "checkpoint_latest.pt")
     assert a["step"] == b["step"]

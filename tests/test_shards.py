@@ -1,7 +1,7 @@
-"""utils/shards.py: reading a shard set is validation (issue 9 section 4).
+"""utils/data/shards.py: reading a shard set is validation (issue 9 section 4).
 
 Every set here is written by the real writer: the `prepare` stage's own entry point
-(``dataset_prep.main``, i.e. utils.packing) on the real news sample documents, so a format
+(``dataset_prep.main``, i.e. utils.data.packing) on the real news sample documents, so a format
 change in the writer or in the reader fails these tests. Malformed sets are that set with
 one defect added, one test per class of defect: each must be refused with a clear
 ShardSetError (exit code 1 through the CLI) naming the file and the rebuild command, never a
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import NEWS, ROOT, SPM_MODEL, offline_env, write_config
-from utils.shards import (METADATA_FILE, ShardSetError, load_shards, open_shard, read_metadata,
+from utils.data.shards import (METADATA_FILE, ShardSetError, load_shards, open_shard, read_metadata,
                           read_npy_header, rebuild_command, save_npy_atomic, validate_metadata)
 
 REBUILD = "python main.py prepare --test"
@@ -37,7 +37,7 @@ def news_documents() -> list[str]:
 def prep_config(root: Path, tokenizer: Path, shard_tokens: int = 20_000, **sections) -> Path:
     """A tmp-rooted config for `prepare --test` over the news documents, written as cleaned
     articles (the prep stage's input format), with the given tokenizer."""
-    from utils.textio import escape_article
+    from utils.data.textio import escape_article
     cleaned = root / "cleaned"
     cleaned.mkdir(parents=True, exist_ok=True)
     (cleaned / "cleaned_news.txt").write_text(
@@ -65,7 +65,7 @@ def saved_tok(tmp_path_factory, samples) -> Path:
     """The sample Llama-style SentencePiece tokenizer, loaded as the pipeline loads it and saved
     as a tokenizer folder (what `tokenize` leaves under tokenizers/; fast to load in the CLI
     runs below)."""
-    from utils.tok import load_tokenizer_from
+    from utils.data.tok import load_tokenizer_from
     d = tmp_path_factory.mktemp("tokenizer") / "mistral-v1"
     load_tokenizer_from(str(SPM_MODEL)).save_pretrained(str(d))
     return d

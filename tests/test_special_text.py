@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import NEWS, SPM_MODEL, run_main, write_config
-from utils.textio import escape_article
+from utils.data.textio import escape_article
 
 ARTICLES = [
     "Apples grow on trees in many parts of the world, and people have eaten them for "
@@ -46,7 +46,7 @@ def _documents(out: Path) -> tuple[list[np.ndarray], int, int]:
 
 
 def _check(out: Path, name: str) -> None:
-    from utils.tok import load_tokenizer_from
+    from utils.data.tok import load_tokenizer_from
     ids, bos, eos = _documents(out)
     assert int((ids == bos).sum()) == len(ARTICLES), ids.tolist()
     assert int((ids == eos).sum()) == len(ARTICLES), ids.tolist()
@@ -97,7 +97,7 @@ def test_fineweb_keeps_special_strings_as_text(tmp_path, tokenizers_by_kind, kin
 
 def test_every_document_encoder_is_encode_plain():
     """One function encodes document text: the prep engine, the on-the-fly loader and the
-    framing all go through utils.tok.encode_plain (nothing else calls a batch encoder)."""
+    framing all go through utils.data.tok.encode_plain (nothing else calls a batch encoder)."""
     import ast
     from tests.conftest import ROOT
     offenders = []
@@ -105,7 +105,7 @@ def test_every_document_encoder_is_encode_plain():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Attribute) and node.attr in ("encode_batch", "encode_batch_fast"):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert offenders and all(o.startswith("utils/tok.py:") for o in offenders), offenders
+    assert offenders and all(o.startswith("utils/data/tok.py:") for o in offenders), offenders
 
 
 def _fake_download(error: Exception):
@@ -129,7 +129,7 @@ def test_hub_spm_lookup_falls_back_on_the_expected_errors(monkeypatch, capsys, e
     not cached while offline: None, with one notice naming the fallback."""
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
-    from utils.tok import _hub_spm_file
+    from utils.data.tok import _hub_spm_file
     exc = LocalEntryNotFoundError("not in the cache") if error == "not-cached-offline" else _remote_404()
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", _fake_download(exc))
     assert _hub_spm_file("org/model") is None
@@ -140,7 +140,7 @@ def test_hub_spm_lookup_falls_back_on_the_expected_errors(monkeypatch, capsys, e
 
 def test_hub_spm_lookup_lets_unexpected_errors_through(monkeypatch):
     import huggingface_hub
-    from utils.tok import _hub_spm_file
+    from utils.data.tok import _hub_spm_file
     monkeypatch.setattr(huggingface_hub, "hf_hub_download",
                         _fake_download(PermissionError("cache folder not readable")))
     with pytest.raises(PermissionError, match="cache folder not readable"):

@@ -1,5 +1,5 @@
 """`python main.py status`: read-only progress of training runs, from the logs the trainer's
-own writer (utils.logging_utils.DualLogger) produces and the run folder."""
+own writer (utils.training.logging_utils.DualLogger) produces and the run folder."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 
 import status
 from tests.conftest import ROOT, offline_env, write_config
-from utils.logging_utils import DualLogger
+from utils.training.logging_utils import DualLogger
 
 
 def _cfg(tmp_path):

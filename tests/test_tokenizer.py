@@ -19,9 +19,9 @@ import tokenizer as stage
 from tests.conftest import NEWS, SPM_MODEL, offline_env, run_main
 from utils.cli import UsageError
 from utils.config import load_config
-from utils.textio import escape_article
-from utils import tok as tok_lib
-from utils.tok import describe, encode_plain, fingerprint, load_tokenizer_from
+from utils.data.textio import escape_article
+from utils.data import tok as tok_lib
+from utils.data.tok import describe, encode_plain, fingerprint, load_tokenizer_from
 
 UNICODE_TEXTS = {
     "accents": "Héllo wörld, café crème, Ångström, naïve façade",
@@ -234,7 +234,7 @@ def test_spm_leading_spaces_are_kept(spm_tok, sp):
 
 
 def old_conversion():
-    """The conversion the pipeline used before utils/spm.py (transformers' LlamaTokenizer)."""
+    """The conversion the pipeline used before utils/data/spm.py (transformers' LlamaTokenizer)."""
     import shutil
     import tempfile
 
@@ -245,7 +245,7 @@ def old_conversion():
 
 
 def test_fingerprint_changes_with_the_exact_conversion(spm_tok, sp, tmp_path):
-    from utils.shards import ShardSetError, validate_metadata
+    from utils.data.shards import ShardSetError, validate_metadata
     old = old_conversion()
     # The old conversion really is inexact (that is why the fingerprint must change) ...
     assert any(old.encode(t, add_special_tokens=False) != sp.encode(t) for t in TRICKY)
@@ -306,14 +306,14 @@ def test_spm_special_strings_equal_sentencepiece(spm_tok, sp):
 def test_only_framing_adds_bos_and_eos(any_tok):
     import numpy as np
 
-    from utils.packing import encode_frame
+    from utils.data.packing import encode_frame
     bos, eos = any_tok.bos_token_id, any_tok.eos_token_id
     texts = injected(any_tok)
     for text in texts:
         ids = stage.encode(any_tok, text, add_special_tokens=True)
         assert ids[0] == bos and ids[-1] == eos
         assert bos not in ids[1:-1] and eos not in ids[1:-1]
-    # The shard framing (utils.packing, in-process path) on a tokenizer loaded by the pipeline.
+    # The shard framing (utils.data.packing, in-process path) on a tokenizer loaded by the pipeline.
     framed, kept, lengths = encode_frame(any_tok.backend_tokenizer, texts, np.dtype(np.int64),
                                          bos, eos)
     assert kept.all()
@@ -352,7 +352,7 @@ def test_special_merges_found(spm_tok, bpe_tok):
 
 
 def test_unsupported_spm_model_falls_back_with_notice(tmp_path, capsys):
-    """A model utils.spm cannot convert exactly (here: user-defined pieces) still loads, through
+    """A model utils.data.spm cannot convert exactly (here: user-defined pieces) still loads, through
     transformers' conversion, and says so."""
     from sentencepiece import sentencepiece_model_pb2 as pb
     proto = pb.ModelProto()
@@ -477,7 +477,7 @@ def test_cli_saved_copy_of_the_old_conversion_is_refused_then_resaved(samples, t
     cfg = tmp_config({"tokenizer": {"name": str(SPM_MODEL)}})
     saved = tmp_path / "tokenizers" / "mistral-v1"
     old = old_conversion()
-    old.save_pretrained(str(saved))    # what `tokenize` saved before utils/spm.py
+    old.save_pretrained(str(saved))    # what `tokenize` saved before utils/data/spm.py
     (saved / stage.INFO_FILE).write_text(json.dumps({
         "format": "pipeline-tokenizer", "version": 1, "source": str(SPM_MODEL),
         "kind": "SentencePiece model, converted to a fast tokenizer",

@@ -4,7 +4,7 @@ and SIGKILL during a checkpoint save (the previous checkpoint stays loadable; re
 
 Every run is the CLI a user types (subprocess `python main.py train --test ...`) on a tiny shard
 set of the real news sample encoded with the Llama-style SentencePiece sample tokenizer and
-written by utils.shards (tests/conftest.py: write_train_shards); tiny model, windows of 32
+written by utils.data.shards (tests/conftest.py: write_train_shards); tiny model, windows of 32
 tokens, batches of 2, so each run takes seconds. Signals are sent to the process when the
 run's own JSONL log shows a given step (polling the file), never after a sleep.
 """
@@ -22,9 +22,9 @@ import torch
 
 from tests.conftest import (SPM_MODEL, offline_env, paused_env, popen_main, run_main, wait_for_line,
                             write_config)
-from utils.checkpoint import load_checkpoint
-from utils.logging_utils import latest_per_step, read_jsonl
-from utils.scheduler import CosineWarmupScheduler, lr_factor
+from utils.run import load_checkpoint
+from utils.training.logging_utils import latest_per_step, read_jsonl
+from utils.training.scheduler import CosineWarmupScheduler, lr_factor
 
 FLAGS = ["--window", "32", "--batch-size", "2", "--eval-batches", "2", "--sample-tokens", "4",
          "--log-every", "1", "--warmup-steps", "2", "--eval-steps", "4"]
@@ -107,7 +107,7 @@ def test_train_writes_run_files_and_loss_goes_down(root, cfg, full_run):
     assert "python main.py status full" in full_run
     # On CPU with glibc the stage restarted itself once with the malloc tunables, and said so
     # (the test machines are Linux with glibc; elsewhere it must not restart at all).
-    from utils.allocator import CPU_MALLOC_TUNABLES, cpu_allocator_env
+    from utils.training.allocator import CPU_MALLOC_TUNABLES, cpu_allocator_env
     glibc = bool(cpu_allocator_env())
     restart = f"restarting once with GLIBC_TUNABLES={CPU_MALLOC_TUNABLES}"
     assert full_run.count(restart) == (1 if glibc else 0), full_run
@@ -115,7 +115,7 @@ def test_train_writes_run_files_and_loss_goes_down(root, cfg, full_run):
 
 
 def test_allocator_opt_out_keeps_the_defaults(root, cfg):
-    from utils.allocator import OPT_OUT_ENV
+    from utils.training.allocator import OPT_OUT_ENV
     out = ok(train(cfg, "--name", "sysalloc", "--max-steps", 1,
                    env=allocator_env(**{OPT_OUT_ENV: "system"}))).stdout
     assert "restarting once" not in out
@@ -174,7 +174,7 @@ def test_sigterm_exits_130_and_max_steps_is_the_run_total(root, cfg):
 
 
 def test_resume_with_another_tokenizer_refused(root, cfg, shard_dir, full_run):
-    from utils.tok import load_tokenizer_from
+    from utils.data.tok import load_tokenizer_from
     other = root / "other_tok"
     tok2 = load_tokenizer_from(str(SPM_MODEL))     # the same vocabulary plus one added token
     tok2.add_tokens(["<extra_token_for_the_test>"])
@@ -183,7 +183,7 @@ def test_resume_with_another_tokenizer_refused(root, cfg, shard_dir, full_run):
                                "dataset": {"wikipedia_test_dir": str(shard_dir)}}, "other.json")
     proc = train(cfg2, "--name", "full", "--max-steps", TOTAL + 4, "--resume", "auto")
     assert proc.returncode == 1, proc.stderr
-    assert "another tokenizer" in proc.stderr and "checkpoint_latest.pt" in proc.stderr
+    assert "tokenizer mismatch" in proc.stderr and "checkpoint_latest.pt" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

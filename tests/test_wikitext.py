@@ -1,4 +1,4 @@
-"""Tests for utils/wikitext.py: templates rendered to their visible text, entities decoded
+"""Tests for utils/data/wikitext.py: templates rendered to their visible text, entities decoded
 once, punctuation tidied only where markup was removed, section titles matched by words,
 surrogates and control characters repaired. A few checks run on the real sample dump."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-import cleaner
 from tests.conftest import ENWIKI_XML
-from utils import wikitext as wt
+from utils.data import mediawiki
+from utils.data import wikitext as wt
 
 DEFAULT_DROP = ["References", "External links", "See also", "Further reading", "Notes",
                 "Bibliography", "Sources", "Citations", "Footnotes", "Notes and references",
@@ -175,10 +175,10 @@ def test_leftover_markup_fallback():
 @pytest.fixture(scope="module")
 def sample_articles(samples) -> dict:
     """title -> cleaned text of every article of the real enwiki sample (default options)."""
-    opts = cleaner.CleanOptions(drop_sections=tuple(DEFAULT_DROP))
+    opts = mediawiki.CleanOptions(drop_sections=tuple(DEFAULT_DROP))
     with bz2.open(ENWIKI_XML) as f:
-        return {p.title: cleaner.wikitext_article_text(p.text, opts)
-                for p in cleaner.iter_xml_pages(f) if p.ns == 0 and not p.redirect}
+        return {p.title: mediawiki.wikitext_article_text(p.text, opts)
+                for p in mediawiki.iter_xml_pages(f) if p.ns == 0 and not p.redirect}
 
 
 def test_sample_dump_keeps_template_text(sample_articles):

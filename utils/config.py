@@ -268,7 +268,16 @@ class SFTConfig:
     max_length: int = _f(512, "drop conversations longer than this (tokens)", min=8)
     epochs: int = _f(2, "fine-tuning epochs", min=1)
     batch_size: int = _f(8, "conversations per batch", min=1)
-    lr: float = _f(5e-5, "learning rate (low to avoid forgetting)", min=0, min_exclusive=True)
+    lr: float = _f(5e-5, "peak learning rate (low to avoid forgetting)", min=0, min_exclusive=True)
+    min_lr_ratio: float = _f(0.1, "final learning rate of the cosine decay, as a fraction of lr",
+                             min=0, max=1)
+    warmup_ratio: float = _f(0.1, "linear warm-up, as a fraction of the run's steps", min=0, max=1)
+    weight_decay: float = _f(0.1, "AdamW weight decay (LIMA's 0.1)", min=0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0, max=1)
+    beta2: float = _f(0.95, "AdamW beta2 (LIMA's 0.95)", min=0, max=1)
+    grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", min=0)
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f("auto", "autocast dtype (auto: bf16 on CUDA, "
+                                                        "fp32 on CPU)")
     val_split: float = _f(0.1, "held-out fraction", min=0, max=1)
     user_prefix: str = _f("User: ", "user turn marker")
     assistant_prefix: str = _f("Assistant: ", "assistant turn marker")

@@ -1,6 +1,24 @@
-"""What a run folder and its checkpoints say about the run (library; no side effects).
+"""The run layer: the one module that knows run folders and opens what is in them
+(library; no side effects).
 
-Contract: a checkpoint opens with the tokenizer it was trained with, whatever today's
+Run folders (``paths.checkpoints_dir/<run>/``; SFT runs are ``sft_<name>_<stamp>``, and the
+seed's old flat layout of ``*.pt`` files directly in the folder is one "legacy" run):
+
+    runs = list_runs(checkpoints_dir)           newest first (RunInfo: name, path, kind, checkpoints)
+    run = find_run(checkpoints_dir, name=None)  the named run, or the newest
+    run_checkpoints(folder)                     its ``*.pt`` files: best, latest, then newest step
+    pick_checkpoint(path, say)                  a file as given; a folder: its best (else latest)
+    resume_checkpoint(checkpoints_dir, spec, name=None, prefix=None)   ``--resume PATH|auto``
+    resume_command_train(...) / resume_command_sft(...)   what the user runs to continue
+
+Checkpoints (the one loader; the file format itself is ``utils/training/checkpoint.py``):
+
+    ckpt = load_checkpoint(path, purpose="weights"|"resume")   validated against the model
+    model, ckpt = load_model(path, device)                       rebuilt from ckpt["model_args"]
+    tok, info = tokenizer_for_checkpoint(ckpt, cfg, path)        the tokenizer it was trained with
+    require_same_tokenizer(have, want, ...)                     the one fingerprint check
+
+Tokenizers. Contract: a checkpoint opens with the tokenizer it was trained with, whatever today's
 config.json names. :func:`tokenizer_for_checkpoint` looks, in order, at
 
 1. the run's own tokenizer: what the checkpoint's stored config resolves to (its saved copy
@@ -20,11 +38,214 @@ Cost: loading a tokenizer (about 0.1-1 s for a SentencePiece model) and its fing
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
+import shlex
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-from utils.cli import PipelineError
+from utils.cli import PipelineError, argv_without
 from utils.config import Config, apply_layer
+
+
+# --------------------------------------------------------------------------- checkpoints
+def model_args_of(ckpt: dict, path: Path):
+    """``ModelArgs`` from a checkpoint's stored dict, or CheckpointError."""
+    from model import ModelArgs
+    from utils.training.checkpoint import CheckpointError
+    try:
+        return ModelArgs.from_dict(dict(ckpt["model_args"]))
+    except Exception as e:      # whatever the stored args get wrong: the file is unusable
+        raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
+
+
+def _weight_shapes(model_args: dict) -> dict:
+    """{weight name: shape} of the model ``model_args`` build (on the meta device: no memory)."""
+    import torch
+    from model import ModelArgs, create_model
+    with torch.device("meta"):
+        ref = create_model(ModelArgs.from_dict(model_args))
+    return {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+
+
+def load_checkpoint(path, purpose: str = "weights", map_location="cpu") -> dict:
+    """The one checkpoint loader (``read_checkpoint``'s checks, plus the weights' names and
+    shapes against the model the stored model_args build). purpose "weights": what SFT,
+    inference, benchmark and export need; "resume": also the full training state."""
+    from utils.training.checkpoint import read_checkpoint   # torch: imported when a file is read
+    return read_checkpoint(path, purpose, map_location, shapes_of=_weight_shapes)
+
+
+def load_model(path, device="cpu"):
+    """``(model, ckpt)``: the model rebuilt from ``ckpt["model_args"]`` with its weights, in eval
+    mode on ``device``."""
+    from model import create_model
+    ckpt = load_checkpoint(path, purpose="weights", map_location="cpu")
+    model = create_model(model_args_of(ckpt, Path(path)))
+    model.load_state_dict(ckpt["model"], strict=True)
+    model.to(device)
+    model.eval()
+    return model, ckpt
+
+
+# --------------------------------------------------------------------------- run folders
+@dataclasses.dataclass
+class RunInfo:
+    """One training run folder (or the legacy flat layout: ``legacy=True``)."""
+    name: str
+    path: Path
+    kind: str                      # "pretrain", "sft" or "legacy"
+    checkpoints: list              # Paths, best and latest first, then steps/epochs newest first
+    mtime: float                   # newest file in the run
+
+    @property
+    def latest(self) -> Optional[Path]:
+        p = self.path / "checkpoint_latest.pt"
+        return p if p in self.checkpoints else None
+
+    @property
+    def best(self) -> Optional[Path]:
+        p = self.path / "checkpoint_best.pt"
+        return p if p in self.checkpoints else None
+
+    @property
+    def legacy(self) -> bool:
+        return self.kind == "legacy"
+
+
+def _ckpt_order(p: Path) -> tuple:
+    name = p.stem
+    if name == "checkpoint_best":
+        return (0, 0)
+    if name == "checkpoint_latest":
+        return (1, 0)
+    m = re.search(r"(\d+)$", name)
+    return (2, -int(m.group(1)) if m else 0, name)
+
+
+def run_checkpoints(directory) -> list[Path]:
+    """The ``*.pt`` checkpoint files of a run folder (no temp files), best/latest first."""
+    d = Path(directory)
+    files = [p for p in d.glob("*.pt") if p.is_file() and not p.name.startswith(".")]
+    return sorted(files, key=_ckpt_order)
+
+
+def list_runs(checkpoints_dir) -> list[RunInfo]:
+    """Runs under ``checkpoints_dir``, newest first: every sub-folder holding checkpoints
+    (``sft_*`` folders are kind "sft") plus, when ``*.pt`` files sit directly in the folder
+    (the seed's old flat layout), one "legacy" run named after the folder."""
+    base = Path(checkpoints_dir)
+    runs: list[RunInfo] = []
+    if not base.is_dir():
+        return runs
+    for d in base.iterdir():
+        if not d.is_dir() or d.name.startswith("."):
+            continue
+        files = run_checkpoints(d)
+        if not files:
+            continue
+        kind = "sft" if d.name.startswith("sft") else "pretrain"
+        mtime = max(p.stat().st_mtime for p in files)
+        runs.append(RunInfo(d.name, d, kind, files, mtime))
+    flat = run_checkpoints(base)
+    if flat:
+        runs.append(RunInfo(f"{base.name} (flat layout)", base, "legacy", flat,
+                            max(p.stat().st_mtime for p in flat)))
+    runs.sort(key=lambda r: r.mtime, reverse=True)
+    return runs
+
+
+def find_run(checkpoints_dir, name: Optional[str] = None) -> Optional[RunInfo]:
+    """The named run, or the newest one when ``name`` is None."""
+    runs = list_runs(checkpoints_dir)
+    if name is None:
+        return runs[0] if runs else None
+    return next((r for r in runs if r.name == name), None)
+
+
+def pick_checkpoint(path, say: Callable[[str], None] = lambda s: None) -> Path:
+    """``path`` itself when it is a file; for a run folder its best checkpoint (else latest,
+    else the newest step), said in one line."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    files = run_checkpoints(path)
+    if not files:
+        raise PipelineError(f"{path} is a folder without checkpoint files (*.pt); pass "
+                            "a checkpoint file or a run folder that holds one.")
+    say(f"using {files[0].name} of {path}")
+    return files[0]
+
+
+def age_text(seconds: float) -> str:
+    """A short human age: '45 s', '12 min', '3.5 h', '2.0 days'."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+# --------------------------------------------------------------------------- resuming
+def resume_checkpoint(checkpoints_dir, spec: str, name: Optional[str] = None,
+                      sft_name: Optional[str] = None) -> Path:
+    """The checkpoint ``--resume spec`` means: a path as given; ``auto``: the latest
+    checkpoint of run ``name`` (or of the newest run), or with ``sft_name`` of the newest
+    ``sft_<sft_name>_*`` run."""
+    if spec != "auto":
+        return Path(os.path.expanduser(spec)).resolve()
+    if sft_name is not None:
+        runs = [r for r in list_runs(checkpoints_dir)
+                if r.name.startswith(f"sft_{sft_name}_") and r.latest is not None]
+        if not runs:
+            raise PipelineError(f"--resume auto: no sft_{sft_name}_* run with a "
+                                f"checkpoint_latest.pt under {checkpoints_dir}.")
+        return runs[0].latest
+    run = find_run(checkpoints_dir, name)
+    if run is None:
+        what = f"run '{name}'" if name else "any run"
+        raise PipelineError(f"--resume auto: no checkpoints of {what} under {checkpoints_dir}. "
+                            "Start it without --resume, or pass a checkpoint path.")
+    return run.latest or run.checkpoints[0]
+
+
+def resume_command_train(argv: Sequence[str], run: str, world_size: int,
+                         local_world_size: Optional[int] = None) -> str:
+    """The command that continues a pre-training run: main.py's, with ``--nproc-per-node``
+    for DDP on one machine; torchrun's when the ranks span several machines (its rendezvous
+    flags are the user's to add)."""
+    rest = argv_without(argv, ("--resume", "--name")) + ["--name", run, "--resume", "auto"]
+    local = world_size if local_world_size is None else local_world_size
+    if world_size > 1 and local != world_size:
+        return f"torchrun --nproc_per_node={local} train.py {shlex.join(rest)}"
+    if world_size > 1:
+        rest += ["--nproc-per-node", str(world_size)]
+    return f"python main.py train {shlex.join(rest)}"
+
+
+def resume_command_sft(argv: Sequence[str], latest: Path) -> str:
+    """The command that continues an SFT run from its ``latest`` checkpoint (``argv``: the
+    arguments after ``sft train``)."""
+    out = argv_without(list(argv), ("--resume", "--checkpoint"))
+    return "python main.py sft train " + shlex.join(out + ["--resume", str(latest)])
+
+
+# --------------------------------------------------------------------------- tokenizers
+def require_same_tokenizer(have: Optional[dict], want: Optional[dict], have_what: str,
+                           want_what: str, fix: str) -> None:
+    """The one tokenizer-fingerprint check: ``have`` and ``want`` are tokenizer records
+    (``utils.data.tok.describe``); a record without a fingerprint (older files) passes.
+    The error names both sides, both fingerprints, and ``fix``."""
+    have, want = have or {}, want or {}
+    a, b = have.get("fingerprint"), want.get("fingerprint")
+    if a and b and a != b:
+        raise PipelineError(
+            f"tokenizer mismatch: {have_what} was made with tokenizer '{have.get('name')}' "
+            f"(fingerprint {str(a)[:12]}), but {want_what} with '{want.get('name')}' "
+            f"(fingerprint {str(b)[:12]}). {fix}")
 
 
 def run_config(ckpt: dict) -> Optional[Config]:
@@ -41,7 +262,7 @@ def run_config(ckpt: dict) -> Optional[Config]:
 def _candidates(ckpt: dict, cfg: Config) -> list[tuple[str, str, Config]]:
     """(label, tokenizer spec, config to resolve it against), in the order they are tried,
     without repeats."""
-    from utils.tok import tokenizer_source
+    from utils.data.tok import tokenizer_source
     out: list[tuple[str, str, Config]] = []
     run_cfg = run_config(ckpt)
     if run_cfg is not None:
@@ -60,7 +281,7 @@ def _candidates(ckpt: dict, cfg: Config) -> list[tuple[str, str, Config]]:
 
 
 def _is_path(spec: str, base: Config) -> bool:
-    from utils.tok import looks_like_path
+    from utils.data.tok import looks_like_path
     return looks_like_path(spec) or base.resolve(spec).exists()
 
 
@@ -69,7 +290,7 @@ def tokenizer_for_checkpoint(ckpt: dict, cfg: Config, path: Path,
                              cache: Optional[dict] = None):
     """``(tokenizer, info)`` for the checkpoint at ``path`` (see the module docstring);
     ``info`` is the checkpoint's tokenizer record with ``fingerprint`` and ``verified``."""
-    from utils.tok import fingerprint, load_tokenizer_from
+    from utils.data.tok import fingerprint, load_tokenizer_from
     info = dict(ckpt.get("tokenizer") or {})
     want = info.get("fingerprint")
     cache = {} if cache is None else cache

@@ -11,7 +11,7 @@ An adapter holds a model and its tokenizer and gives, in batches and without gra
 - :meth:`Adapter.generate_greedy` — greedy continuation of prompts.
 
 Only :meth:`Adapter.logits` differs between our model and a Hugging Face one, so both are
-scored by the same code. Text is encoded with :func:`utils.tok.encode_plain` (a literal
+scored by the same code. Text is encoded with :func:`utils.data.tok.encode_plain` (a literal
 "<s>" in benchmark text is text, never a special id). BOS: our checkpoints saw every document
 as BOS + tokens + EOS, so a context starts with BOS; a Hugging Face model gets its tokenizer's
 default (what lm-eval 0.4 does: ``tokenizer.encode`` with its own special-token setting).
@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from utils.cli import PipelineError
-from utils.tok import encode_plain
+from utils.data.tok import encode_plain
 
 TOPK = (1, 5, 10)
 
@@ -50,9 +50,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> Optional[torch.dtype]:
-    """The training rule (utils.trainer.resolve_dtype: auto = bf16 on CUDA, fp16 where bf16 is
+    """The training rule (utils.training.trainer.resolve_dtype: auto = bf16 on CUDA, fp16 where bf16 is
     unsupported, float32 on CPU), with None for full float32."""
-    from utils.trainer import resolve_dtype
+    from utils.training.trainer import resolve_dtype
     resolved = resolve_dtype(dtype, device)
     return None if resolved == torch.float32 else resolved
 
@@ -179,11 +179,11 @@ class Adapter:
 
 # --------------------------------------------------------------------------- our checkpoints
 class CheckpointAdapter(Adapter):
-    """A checkpoint of this pipeline, loaded through utils.checkpoint.load_model."""
+    """A checkpoint of this pipeline, loaded through utils.run.load_model."""
 
     def __init__(self, path: Path, cfg, device: torch.device, dtype: str = "auto",
                  tokenizers: Optional[dict] = None):
-        from utils.checkpoint import load_model
+        from utils.run import load_model
         from utils.run import tokenizer_for_checkpoint
         self.path = Path(path)
         self.model, ckpt = load_model(self.path, device=str(device))
@@ -239,7 +239,7 @@ class HFAdapter(Adapter):
         self.add_bos = tok.bos_token_id is not None and len(enc) > len(bare) and enc[0] == tok.bos_token_id
         c = model.config
         self.max_length = int(getattr(c, "max_position_embeddings", None) or 2048)
-        from utils import tok as tok_lib
+        from utils.data import tok as tok_lib
         self.identity = {
             "kind": "huggingface", "path": spec, "gguf_file": gguf_file,
             "architecture": type(model).__name__,

@@ -51,7 +51,9 @@ BUILDERS: dict[str, Callable[[Any, int], Any]] = {
     "arc_easy": T.arc_item, "arc_challenge": T.arc_item,
 }
 MIN_PASSAGE_CHARS = 200
-OFFLINE = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
+def hub_offline() -> bool:
+    """Offline mode as the hub libraries see it (read at each call, not at import)."""
+    return os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
 
 # Held-out Wikipedia for offline perplexity: gensim's second real enwiki sample dump (5 articles
 # with tables). The pipeline trains on the other sample dump (data/samples/enwiki); articles
@@ -61,7 +63,7 @@ HELDOUT_TRAIN_DUMP = "enwiki/enwiki-sample-pages-articles.xml.bz2"
 
 
 def heldout_sample():
-    from utils.samples import SampleFile
+    from utils.data.samples import SampleFile
     return SampleFile("gensim", "4.4.0", "gensim/test/test_data/enwiki-table-markup.xml.bz2",
                       HELDOUT_DEST,
                       "81415636d4dc79c99147ee52098d9a1b1d977d5727543a81227d85ce5cca9383",
@@ -170,7 +172,7 @@ def _read_saved_dataset(path: Path, split: str) -> Iterator[Any]:
 
 def _read_hub(source: str, split: str) -> Iterator[Any]:
     name, _, config = source.partition(":")
-    if OFFLINE:
+    if hub_offline():
         raise PipelineError(f"cannot load '{source}' from the Hugging Face hub: offline "
                             "(HF_HUB_OFFLINE=1). Point the benchmark.*_source key at a local copy "
                             "(the offline samples are under data/samples/, `python main.py samples`).")
@@ -236,34 +238,34 @@ def _add_passages(data: TaskData, paragraphs, prefix: str) -> None:
 
 
 def _dump_articles(path: Path) -> list[tuple[str, str]]:
-    """(title, cleaned text) of a MediaWiki XML dump, cleaned by the cleaner stage's own code."""
-    import cleaner
+    """(title, cleaned text) of a MediaWiki XML dump, cleaned by the clean stage's own code (utils.data.mediawiki)."""
+    from utils.data import mediawiki
     from utils.config import load_config
-    opts = cleaner.CleanOptions.from_config(load_config(base_file=None))
+    opts = mediawiki.CleanOptions.from_config(load_config(base_file=None))
     out = []
     try:
-        with cleaner.open_binary(path) as stream:
-            for page in cleaner.iter_xml_pages(stream):
-                if page.ns != 0 or page.redirect or cleaner.is_redirect_text(page.text):
+        with mediawiki.open_binary(path) as stream:
+            for page in mediawiki.iter_xml_pages(stream):
+                if page.ns != 0 or page.redirect or mediawiki.is_redirect_text(page.text):
                     continue
-                out.append((page.title, cleaner.wikitext_article_text(page.text, opts)))
-    except (EOFError, OSError, zlib.error, cleaner.InputFormatError) as e:
+                out.append((page.title, mediawiki.wikitext_article_text(page.text, opts)))
+    except (EOFError, OSError, zlib.error, mediawiki.InputFormatError) as e:
         raise _damaged(path, e, "Wikipedia dump") from e
     return out
 
 
 def _dump_titles(path: Path) -> set[str]:
-    import cleaner
+    from utils.data import mediawiki
     titles = set()
-    with cleaner.open_binary(path) as stream:
-        for page in cleaner.iter_xml_pages(stream):
+    with mediawiki.open_binary(path) as stream:
+        for page in mediawiki.iter_xml_pages(stream):
             titles.add(page.title.strip().lower())
     return titles
 
 
 def ensure_heldout(samples_dir: Path, cache_dir: Path) -> Path:
     """The held-out dump under samples_dir, extracted (and verified) from the gensim wheel."""
-    from utils.samples import fetch_samples
+    from utils.data.samples import fetch_samples
     target = samples_dir / HELDOUT_DEST
     fetch_samples(samples_dir, cache_dir / "sample_wheels", [heldout_sample()], log=lambda *_: None)
     return target
@@ -271,7 +273,7 @@ def ensure_heldout(samples_dir: Path, cache_dir: Path) -> Path:
 
 def load_texts(source: Optional[str], samples_dir: Path, cache_dir: Path, root: Path) -> TaskData:
     """Passages (paragraphs of at least MIN_PASSAGE_CHARS characters) for perplexity."""
-    if source is None and not OFFLINE:
+    if source is None and not hub_offline():
         try:
             return _wikitext_hub("Salesforce/wikitext:wikitext-103-raw-v1")
         except PipelineError as e:

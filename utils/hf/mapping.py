@@ -88,19 +88,33 @@ def from_hf_state_dict(sd: dict, args: ModelArgs) -> dict:
     return out
 
 
+# ModelArgs field -> LlamaConfig attribute: the one table both directions use. The fields it
+# leaves out are translated by hand below (SPECIAL_FIELDS); tests/test_model.py checks that
+# together they cover every ModelArgs field, so a new field cannot be forgotten here.
+HF_CONFIG_NAMES = {
+    "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+    "ffn_hidden": "intermediate_size", "max_seq_len": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
+    "dropout": "attention_dropout", "init_std": "initializer_range", "bos_id": "bos_token_id",
+}
+SPECIAL_FIELDS = {
+    "activation": "hidden_act, through HF_ACT_NAMES",
+    "rope_theta": "rope_parameters['rope_theta'] (rope_type 'default')",
+    "norm": "rmsnorm only (LayerNorm is refused)",
+    "document_mask": "a training-time attention mask: not part of the architecture; never set on import",
+}
+
+
 def hf_config(args: ModelArgs, eos_id: Optional[int] = None):
     """The ``transformers.LlamaConfig`` of the same architecture."""
     _check_hf_compatible(args)
     from transformers import LlamaConfig
     return LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.d_model, intermediate_size=args.ffn_hidden,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
-        hidden_act=HF_ACT_NAMES[args.activation], max_position_embeddings=args.max_seq_len,
-        rms_norm_eps=args.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
-        tie_word_embeddings=args.tie_embeddings, attention_bias=False, mlp_bias=False,
-        attention_dropout=args.dropout, initializer_range=args.init_std,
-        bos_token_id=args.bos_id, eos_token_id=eos_id)
+        **{hf: getattr(args, ours) for ours, hf in HF_CONFIG_NAMES.items()},
+        head_dim=args.head_dim, hidden_act=HF_ACT_NAMES[args.activation],
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        attention_bias=False, mlp_bias=False, eos_token_id=eos_id)
 
 
 def model_args_from_hf_config(c, bos_id: Optional[int] = None) -> ModelArgs:
@@ -112,9 +126,10 @@ def model_args_from_hf_config(c, bos_id: Optional[int] = None) -> ModelArgs:
     theta = rope.get("rope_theta", getattr(c, "rope_theta", 10_000.0))
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
-    return ModelArgs(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
-                     n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
-                     ffn_hidden=c.intermediate_size, activation=act, norm="rmsnorm", norm_eps=c.rms_norm_eps,
-                     rope_theta=float(theta), max_seq_len=c.max_position_embeddings, dropout=0.0,
-                     tie_embeddings=bool(c.tie_word_embeddings),
-                     bos_id=bos_id if bos_id is not None else c.bos_token_id)
+    values = {ours: getattr(c, hf) for ours, hf in HF_CONFIG_NAMES.items()}
+    values["n_kv_heads"] = values["n_kv_heads"] or c.num_attention_heads
+    values["tie_embeddings"] = bool(values["tie_embeddings"])
+    values["dropout"] = float(values["dropout"] or 0.0)
+    if bos_id is not None:
+        values["bos_id"] = bos_id
+    return ModelArgs(**values, activation=act, norm="rmsnorm", rope_theta=float(theta))

@@ -9,7 +9,7 @@ Training windows are cut at read time, so no token is stored twice.
 ``complete: false``, is incomplete. Each ``shards[i]`` entry names its ``file`` and its
 ``tokens`` and ``documents`` counts, and (sets built since it was recorded) ``max_token_id``.
 
-Writing is one set of functions, used by the prep engine (:mod:`utils.packing`, which streams)
+Writing is one set of functions, used by the prep engine (:mod:`utils.data.packing`, which streams)
 and by anyone with documents already tokenized (the tests): :func:`write_shard` writes one
 shard atomically and returns its ``shards[i]`` record; :func:`shard_set_metadata` builds the
 ``metadata.json`` of a complete set and refuses (``ValueError``) anything the reader below
@@ -246,7 +246,7 @@ def validate_metadata(meta: dict, directory: Path, *, tokenizer_info: Optional[d
                       model_vocab_size: Optional[int] = None, rebuild: str = "python main.py prepare") -> None:
     """Refuse a shard set that does not match the current tokenizer or model.
 
-    ``tokenizer_info`` is :func:`utils.tok.describe` of the configured tokenizer.
+    ``tokenizer_info`` is :func:`utils.data.tok.describe` of the configured tokenizer.
     """
     where = Path(directory) / METADATA_FILE
     tmeta = meta.get("tokenizer", {})

@@ -12,11 +12,13 @@ Contract:
   perf/train_throughput.py on 2 CPU cores: 1.1-1.35x more tokens/s, page faults per step from
   ~25k-70k to ~0-5k, at a few percent more peak memory. (jemalloc via LD_PRELOAD was slower
   here: its decay-based purging faults even more.)
-- glibc reads ``GLIBC_TUNABLES`` only when a process starts, so ``apply_cpu_allocator()``
-  re-executes the running script once (``os.execve``: same pid, the same interpreter flags and arguments (``sys.orig_argv``), signal mask
-  and ignored signals kept) with the tunables added to the environment, after printing one
-  line saying so. It returns a short note for the caller's "training on CPU" line. It does
-  nothing (and returns the reason) when: the tunables are already set (the re-executed
+- glibc reads ``GLIBC_TUNABLES`` only when a process starts, so a CPU training process
+  has to be re-executed once (``os.execve``: same pid, the same interpreter flags and
+  arguments (``sys.orig_argv``), signal mask and ignored signals kept) with the tunables
+  added to the environment. ``cpu_allocator_plan()`` says how (a :class:`Restart`, whose
+  message the stage prints before it re-executes: only the stage's own code calls
+  ``os.execve``), or returns a short note for the "training on CPU" line. No restart (and the
+  reason as the note) when: the tunables are already set (the re-executed
   process, or a user's own ``GLIBC_TUNABLES``), ``LLM_CPU_ALLOCATOR=system`` is set (the
   opt-out), the C library is not glibc, the process is not the script named by ``script``
   (e.g. ``train.main`` called from Python or tests), or it is one rank of a torchrun job
@@ -30,6 +32,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -45,29 +48,36 @@ def cpu_allocator_env() -> dict[str, str]:
     return {"GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}
 
 
-def apply_cpu_allocator(script: str = "train.py", say=None) -> Optional[str]:
-    """Re-exec the running ``script`` once with :func:`cpu_allocator_env`; return a note."""
+@dataclass(frozen=True)
+class Restart:
+    """How the stage re-executes itself with the allocator settings (``os.execve`` arguments)."""
+    executable: str
+    argv: list
+    env: dict
+    message: str
+
+
+def cpu_allocator_plan(script: str = "train.py") -> tuple[Optional[Restart], Optional[str]]:
+    """``(restart, note)``: a :class:`Restart` the stage's entry point performs (this module
+    never re-executes anything), or None with a short note for the "training on CPU" line
+    saying why not (see the module docstring)."""
     env = cpu_allocator_env()
     current = os.environ.get("GLIBC_TUNABLES", "")
     if not env:
-        return None
+        return None, None
     if current == env["GLIBC_TUNABLES"]:
-        return "glibc malloc tunables set (large blocks kept in the heap, no trimming)"
+        return None, "glibc malloc tunables set (large blocks kept in the heap, no trimming)"
     if current:
-        return "GLIBC_TUNABLES given by the user: kept as is"
+        return None, "GLIBC_TUNABLES given by the user: kept as is"
     if os.environ.get(OPT_OUT_ENV, "") == "system":
-        return f"{OPT_OUT_ENV}=system: glibc malloc defaults"
+        return None, f"{OPT_OUT_ENV}=system: glibc malloc defaults"
     main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
     if Path(main_file).name != script or not sys.argv or Path(sys.argv[0]).name != script:
-        return None
+        return None, None
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        return (f"malloc defaults (set GLIBC_TUNABLES={CPU_MALLOC_TUNABLES} before torchrun "
-                "for fewer page faults)")
+        return None, (f"malloc defaults (set GLIBC_TUNABLES={CPU_MALLOC_TUNABLES} before torchrun "
+                      "for fewer page faults)")
     msg = (f"{script}: CPU run: restarting once with GLIBC_TUNABLES={CPU_MALLOC_TUNABLES} "
            f"(glibc malloc returns freed step buffers to the kernel otherwise; "
            f"{OPT_OUT_ENV}=system keeps the defaults).")
-    (say or (lambda s: print(s, flush=True)))(msg)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable] + sys.orig_argv[1:], {**os.environ, **env})
-    return None  # not reached
+    return Restart(sys.executable, [sys.executable] + sys.orig_argv[1:], {**os.environ, **env}, msg), None

@@ -1,13 +1,20 @@
 """The one training loop, for pre-training and SFT (library; nothing runs on import).
 
-    trainer = Trainer(model, model_args, hp=cfg.training, log_cfg=cfg.logging,
-                      train_data=train_loader, val_data=val_loader, run_dir=run_dir,
-                      logger=logger, device=device, dist=dist_info, total_steps=N,
-                      steps_per_epoch=S, config=cfg.to_dict(), tokenizer_info=tok_info,
-                      kind="pretrain", chat_template=None, sample_fn=fn,
-                      bytes_per_token=bpt, resume_command=cmd)
-    if ckpt is not None: trainer.load_state(ckpt)    # a load_checkpoint(..., "resume") dict
+A training mode is a :class:`TrainSpec`, not a subclass: the parts (model, optimizer with its
+parameter groups, loss, data, the numbers it follows, how its checkpoints are named and what
+they record); the Trainer adds the run around them (device, DDP, logging, signals, resume)::
+
+    spec = TrainSpec(model, model_args, train_data, val_data,
+                     optimizer=OptimizerSpec.from_config(cfg.training),
+                     settings=Settings.from_config(cfg.training, cfg.logging, total_steps, steps_per_epoch),
+                     record=RunRecord("pretrain", cfg.to_dict(), tok_info), sample_fn=fn)
+    trainer = Trainer(spec, run_dir=run_dir, logger=logger, device=device, dist=dist_info,
+                      resume_command=cmd)
+    if ckpt is not None: trainer.load_state(ckpt)    # a utils.run.load_checkpoint(..., "resume") dict
     result = trainer.fit()                           # TrainResult(reason, step, best_val_loss)
+
+Every stateful part has ``state_dict`` / ``load_state_dict`` (model, optimizers, scheduler,
+GradScaler, data position, metrics, RNG), and the checkpoint is their union.
 
 Data
     ``train_data`` is any iterable of batches with a resumable position: ``state_dict()``,
@@ -17,12 +24,12 @@ Data
     ignored), or an ``(x, y)`` tuple. ``val_data`` is re-iterable in a fixed order, or None.
 
 Step
-    ``hp.grad_accum`` micro-batches (loss / grad_accum; DDP syncs gradients only on the last
-    one) -> unscale (fp16) -> clip to ``hp.grad_clip`` (the norm is logged) -> learning rates
-    from utils.scheduler for this step -> optimizer step(s) -> zero grads. Autocast bf16/fp16
-    or fp32 (``hp.dtype``); fp16 uses a GradScaler. AdamW decays 2-D weights only (fused on
-    CUDA and CPU); ``hp.optimizer == "muon"``: torch.optim.Muon for the 2-D hidden matrices and AdamW
-    for embeddings, norms and an untied output head.
+    ``settings.grad_accum`` micro-batches (``spec.loss`` / grad_accum; DDP syncs gradients only
+    on the last one) -> unscale (fp16) -> clip to ``settings.grad_clip`` (the norm is logged) ->
+    learning rates from utils.training.scheduler for this step -> optimizer step(s) -> zero
+    grads. Autocast bf16/fp16 or fp32 (``settings.dtype``); fp16 uses a GradScaler. AdamW decays
+    2-D weights only (fused on CUDA and CPU); ``optimizer.optimizer == "muon"``:
+    torch.optim.Muon for the 2-D hidden matrices and AdamW for embeddings, norms and the head.
 
 Exact resume
     A checkpoint is taken only at an optimizer-step boundary. It holds the weights, every
@@ -60,13 +67,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from utils import distributed as D
-from utils.checkpoint import remove_stale_temps, save_checkpoint
+from utils.training import distributed as D
+from utils.training.checkpoint import remove_stale_temps, save_checkpoint
 from utils.cli import PipelineError
-from utils.metrics import (MetricsTracker, Throughput, bits_per_byte, device_peak_flops, mfu,
+from utils.training.metrics import (MetricsTracker, Throughput, bits_per_byte, device_peak_flops, mfu,
                            mfu_unavailable_reason,
                            peak_memory_mb, perplexity)
-from utils.scheduler import CosineWarmupScheduler
+from utils.training.scheduler import CosineWarmupScheduler
 
 
 # --------------------------------------------------------------------------- precision
@@ -136,6 +143,129 @@ def build_optimizers(model: nn.Module, hp, device: torch.device, lr: Optional[fl
               {"params": no_decay, "weight_decay": 0.0}]
     opts["adamw"] = torch.optim.AdamW([g for g in groups if g["params"]], **kw)
     return opts
+
+
+# --------------------------------------------------------------------------- the spec
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer(s) and their hyperparameters (``build_optimizers`` makes the parameter
+    groups: decay on 2-D weights; Muon for the hidden matrices, found by role)."""
+    optimizer: str = "adamw"            # "adamw" | "muon"
+    lr: float = 2e-3                    # peak learning rate (the schedule scales it)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.1
+    muon_momentum: float = 0.95
+
+    @classmethod
+    def from_config(cls, section, **override) -> "OptimizerSpec":
+        """From a config section with these keys (``training``, or ``sft`` for its own)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{**{n: getattr(section, n) for n in names if hasattr(section, n)}, **override})
+
+    def build(self, model: nn.Module, device: torch.device) -> dict[str, torch.optim.Optimizer]:
+        return build_optimizers(model, self, device)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The numbers a run follows, explicit (each stage builds them from its own config section)."""
+    total_steps: int
+    min_lr: float                       # end of the cosine decay (peak: OptimizerSpec.lr)
+    warmup_steps: int                   # capped at 20% of total_steps by the trainer (said once)
+    eval_interval: int                  # optimizer steps between validations
+    eval_batches: int                   # validation batches per evaluation
+    checkpoint_every: int               # steps between numbered checkpoints
+    keep_checkpoints: Optional[int]     # numbered checkpoints kept (0: none written, None: all)
+    steps_per_epoch: Optional[int] = None
+    grad_accum: int = 1
+    grad_clip: float = 1.0              # 0: no clipping (the norm is still logged)
+    dtype: str = "auto"                 # auto | bf16 | fp16 | fp32 (autocast)
+    patience: int = 0                   # evaluations without improvement before stopping (0: off)
+    log_every: int = 10
+    smoothing_window: int = 50
+    compile: bool = False
+    activation_checkpointing: bool = False
+    warmup_source: str = "training.warmup_steps"   # named when the cap applies
+
+    @classmethod
+    def from_config(cls, hp, log_cfg, total_steps: int,
+                    steps_per_epoch: Optional[int] = None) -> "Settings":
+        """Pre-training's numbers: the ``training`` and ``logging`` sections."""
+        return cls(total_steps=int(total_steps), min_lr=hp.min_lr, warmup_steps=hp.warmup_steps,
+                   eval_interval=eval_interval(hp.eval_steps, hp.eval_every, steps_per_epoch, total_steps),
+                   eval_batches=hp.eval_batches, checkpoint_every=hp.checkpoint_every,
+                   keep_checkpoints=hp.keep_checkpoints, steps_per_epoch=steps_per_epoch,
+                   grad_accum=hp.grad_accum, grad_clip=hp.grad_clip, dtype=hp.dtype,
+                   patience=hp.early_stopping_patience, log_every=log_cfg.log_every,
+                   smoothing_window=log_cfg.smoothing_window, compile=hp.compile,
+                   activation_checkpointing=hp.activation_checkpointing)
+
+
+def eval_interval(eval_steps: Optional[int], eval_every: float, steps_per_epoch: Optional[int],
+                  total_steps: int) -> int:
+    """Steps between validations: ``eval_steps`` when set, else ``eval_every`` of an epoch
+    (of the run when the data has no epoch length), at least 1."""
+    if eval_steps:
+        return int(eval_steps)
+    span = steps_per_epoch or total_steps
+    span = min(span, total_steps) if total_steps else span
+    return max(1, int(round(eval_every * span)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """What every checkpoint says about the run beyond its training state."""
+    kind: str = "pretrain"              # "pretrain" | "sft"
+    config: dict = dataclasses.field(default_factory=dict)     # the resolved config
+    tokenizer: Optional[dict] = None    # utils.data.tok.describe
+    chat_template: Any = None           # SFT: the template its data was rendered with
+    extra: dict = dataclasses.field(default_factory=dict)      # e.g. {"sft": {...}}
+
+
+def next_token_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The loss of both modes today: next-token cross-entropy over ``y`` (-100 ignored), weighted
+    by the batch's ``loss_mask`` when it has one (SFT: the assistant's tokens), fused with the
+    head (no logits kept)."""
+    _, loss = model(batch["x"], batch["y"], loss_mask=batch.get("loss_mask"), return_logits=False)
+    return loss
+
+
+def counted_tokens(batch: dict) -> float:
+    """Positions the loss counts (for the token-weighted validation mean)."""
+    valid = batch["y"] != -100
+    if batch.get("loss_mask") is not None:
+        valid = valid & (batch["loss_mask"] > 0)
+    return float(valid.sum())
+
+
+def step_checkpoint_name(step: int) -> str:
+    return f"checkpoint_step_{step}.pt"
+
+
+@dataclasses.dataclass
+class TrainSpec:
+    """A training mode: the parts a :class:`Trainer` is built from.
+
+    ``train_data``: an iterable of batches with a resumable position (``state_dict``,
+    ``load_state_dict``, ``epoch``); each ``for`` pass yields the rest of the current epoch; a
+    batch is ``{"x", "y"[, "loss_mask"]}`` (all (B, T)) or an ``(x, y)`` tuple. ``val_data``:
+    re-iterable in a fixed order, or None. ``loss(model, batch)`` -> scalar; ``count(batch)``
+    -> the positions it averages over. ``checkpoint_name(step)``: the numbered checkpoint's
+    file name. ``sample_fn(model)`` -> [(prompt, text)] at each validation."""
+    model: nn.Module                    # the plain model, on the device
+    model_args: Any                     # stored as checkpoint["model_args"] (to_dict())
+    train_data: Any
+    val_data: Any
+    optimizer: OptimizerSpec
+    settings: Settings
+    record: RunRecord = dataclasses.field(default_factory=RunRecord)
+    loss: Callable[[nn.Module, dict], torch.Tensor] = next_token_loss
+    count: Callable[[dict], float] = counted_tokens
+    checkpoint_name: Callable[[int], str] = step_checkpoint_name
+    sample_fn: Optional[Callable[[nn.Module], list[tuple[str, str]]]] = None
+    bytes_per_token: Optional[float] = None     # for bits per byte
+    flops_per_token: Optional[float] = None     # for MFU (default: the model's own count)
 
 
 # --------------------------------------------------------------------------- model wrappers
@@ -283,49 +413,41 @@ class Trainer:
     """See the module docstring. ``model`` is the plain model (already on ``device``); the
     trainer adds activation checkpointing, torch.compile and DDP as configured."""
 
-    def __init__(self, model: nn.Module, model_args, *, hp, log_cfg, train_data, val_data,
-                 run_dir: Path, logger, device, dist: D.DistInfo = D.DistInfo(),
-                 total_steps: int, steps_per_epoch: Optional[int] = None,
-                 config: Optional[dict] = None, tokenizer_info: Optional[dict] = None,
-                 kind: str = "pretrain", chat_template: Optional[Any] = None,
-                 sample_fn: Optional[Callable[[nn.Module], list[tuple[str, str]]]] = None,
-                 bytes_per_token: Optional[float] = None, resume_command: Optional[str] = None,
-                 flops_per_token: Optional[float] = None, extra_payload: Optional[dict] = None,
+    def __init__(self, spec: TrainSpec, *, run_dir: Path, logger, device,
+                 dist: D.DistInfo = D.DistInfo(), resume_command: Optional[str] = None,
                  progress: bool = True, out=None, pause_at_step: Optional[int] = None):
-        self.hp, self.log_cfg = hp, log_cfg
+        self.spec = spec
+        st = self.settings = spec.settings
+        model = spec.model
         self.device = torch.device(device)
         self.dist = dist
         self.raw_model = model
-        self.model_args = model_args
-        self.train_data, self.val_data = train_data, val_data
+        self.model_args = spec.model_args
+        self.train_data, self.val_data = spec.train_data, spec.val_data
         self.run_dir = Path(run_dir)
         self.logger = logger
-        self.total_steps = int(total_steps)
-        self.steps_per_epoch = steps_per_epoch
-        self.config = config or {}
-        self.tokenizer_info = tokenizer_info
-        self.kind, self.chat_template = kind, chat_template
-        self.sample_fn = sample_fn
-        self.bytes_per_token = bytes_per_token
+        self.total_steps = int(st.total_steps)
+        self.steps_per_epoch = st.steps_per_epoch
+        self.sample_fn = spec.sample_fn
+        self.bytes_per_token = spec.bytes_per_token
         self.resume_command = resume_command
-        self.extra_payload = extra_payload or {}
         self.progress = progress and dist.is_main
         self.out = out or sys.stdout
         self.pause_at_step = pause_at_step   # see pause_step_from_env
 
-        self.dtype = resolve_dtype(hp.dtype, self.device)
+        self.dtype = resolve_dtype(st.dtype, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
-        self.optimizers = build_optimizers(model, hp, self.device)
-        warmup = min(hp.warmup_steps, max(0, self.total_steps // 5)) if self.total_steps else 0
-        self.warmup_capped = warmup != hp.warmup_steps
+        self.optimizers = spec.optimizer.build(model, self.device)
+        warmup = min(st.warmup_steps, max(0, self.total_steps // 5)) if self.total_steps else 0
+        self.warmup_capped = warmup != st.warmup_steps
         self.scheduler = CosineWarmupScheduler(list(self.optimizers.values()), warmup=warmup,
                                                total=self.total_steps,
-                                               min_ratio=hp.min_lr / hp.lr)
-        self.metrics = MetricsTracker(log_cfg.smoothing_window, hp.early_stopping_patience)
+                                               min_ratio=st.min_lr / spec.optimizer.lr)
+        self.metrics = MetricsTracker(st.smoothing_window, st.patience)
         self.step = 0
         self.tokens_seen = 0
-        self.flops_per_token = flops_per_token
-        if flops_per_token is None and hasattr(model, "flops_per_token"):
+        self.flops_per_token = spec.flops_per_token
+        if self.flops_per_token is None and hasattr(model, "flops_per_token"):
             self.flops_per_token = float(model.flops_per_token())
         self.peak_flops = device_peak_flops(self.device)
         self.mfu_note = mfu_unavailable_reason(self.device, self.flops_per_token)
@@ -333,30 +455,22 @@ class Trainer:
         # Model wrappers (the raw model stays reachable for saving and generation).
         m = model
         self.checkpointed_blocks = 0
-        if getattr(hp, "activation_checkpointing", False):
+        if st.activation_checkpointing:
             self.checkpointed_blocks = enable_activation_checkpointing(m)
-        if hp.compile:
+        if st.compile:
             m = torch.compile(m)
         if dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
             m = DDP(m, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.model = m
-        self.eval_interval = self._eval_interval()
+        self.eval_interval = st.eval_interval
         self._pending: list[torch.Tensor] = []   # per-step losses not yet pulled to the host
         self._grad_norm: Optional[torch.Tensor] = None
         self._last_val: Optional[float] = None
         self._last_eval_step = -1
         self._resumed_from: Optional[int] = None
 
-    # ------------------------------------------------------------------ schedule helpers
-    def _eval_interval(self) -> int:
-        hp = self.hp
-        if getattr(hp, "eval_steps", None):
-            return int(hp.eval_steps)
-        span = self.steps_per_epoch or self.total_steps
-        span = min(span, self.total_steps) if self.total_steps else span
-        return max(1, int(round(hp.eval_every * span)))
-
+    # ------------------------------------------------------------------ progress
     @property
     def epoch_float(self) -> float:
         pos = self.train_data.state_dict()
@@ -370,8 +484,9 @@ class Trainer:
         """Everything DESIGN.md section 3 lists, as plain data and tensors."""
         self._flush_losses()
         ranks = D.gather_objects(self.dist, rng_state()) if self.dist.enabled else [rng_state()]
+        rec = self.spec.record
         return {
-            "kind": self.kind,
+            "kind": rec.kind,
             "model": self.raw_model.state_dict(),
             "model_args": self.model_args.to_dict(),
             "optimizer": {k: o.state_dict() for k, o in self.optimizers.items()},
@@ -383,13 +498,13 @@ class Trainer:
             "data_position": dict(self.train_data.state_dict()),
             "rng": {"world_size": self.dist.world_size, "ranks": ranks},
             "best_val_loss": self.metrics.best_val_loss,
-            "config": self.config,
-            "tokenizer": self.tokenizer_info,
-            "chat_template": self.chat_template,
+            "config": rec.config,
+            "tokenizer": rec.tokenizer,
+            "chat_template": rec.chat_template,
             "metrics": {**self.metrics.state_dict(), "last_val_loss": self._last_val,
                         "last_eval_step": self._last_eval_step,
                         "bytes_per_token": self.bytes_per_token},
-            **self.extra_payload,
+            **rec.extra,
         }
 
     def load_state(self, ckpt: dict) -> None:
@@ -440,7 +555,9 @@ class Trainer:
         return path
 
     def _rotate_step_checkpoints(self) -> None:
-        keep = self.hp.keep_checkpoints
+        keep = self.settings.keep_checkpoints
+        if keep is None:                                   # keep every numbered checkpoint
+            return
         files = sorted(self.run_dir.glob("checkpoint_step_*.pt"),
                        key=lambda p: int(p.stem.rsplit("_", 1)[1]) if p.stem.rsplit("_", 1)[1].isdigit() else -1)
         for p in files[:max(0, len(files) - keep)]:
@@ -453,7 +570,7 @@ class Trainer:
         ranks' slices combined); None without validation data."""
         if self.val_data is None:
             return None
-        max_batches = max_batches or self.hp.eval_batches
+        max_batches = max_batches or self.settings.eval_batches
         model = self.raw_model if not self.dist.enabled else self.model
         was = model.training
         model.eval()
@@ -464,22 +581,13 @@ class Trainer:
                     break
                 b = _to(_as_dict(batch), self.device)
                 with autocast_ctx(self.device, self.dtype):
-                    _, loss = self.raw_model(b["x"], b["y"], loss_mask=b.get("loss_mask"),
-                                             return_logits=False)
-                n = self._count(b)
+                    loss = self.spec.loss(self.raw_model, b)
+                n = self.spec.count(b)
                 total += float(loss) * n
                 count += n
         model.train(was)
         total, count = D.all_reduce_sum(self.dist, [total, count], self.device)
         return total / count if count else None
-
-    @staticmethod
-    def _count(b: dict) -> float:
-        y = b["y"]
-        valid = (y != -100)
-        if b.get("loss_mask") is not None:
-            valid = valid & (b["loss_mask"] > 0)
-        return float(valid.sum())
 
     def _samples(self) -> None:
         if self.sample_fn is None or not self.dist.is_main:
@@ -560,7 +668,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> TrainResult:
-        hp = self.hp
+        st = self.settings
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.run_dir)
@@ -581,7 +689,7 @@ class Trainer:
             self._print(f"note: MFU is not logged: {self.mfu_note}.")
         if self.warmup_capped and self.dist.is_main and self._resumed_from is None:
             self._print(f"note: warm-up shortened to {self.scheduler.warmup} steps (20% of the "
-                        f"run's {self.total_steps}) from training.warmup_steps = {hp.warmup_steps}.")
+                        f"run's {self.total_steps}) from {st.warmup_source} = {st.warmup_steps}.")
         self.model.train()
         for o in self.optimizers.values():
             o.zero_grad(set_to_none=True)
@@ -604,7 +712,7 @@ class Trainer:
                     self.step += 1
                     if bar is not None:
                         bar.update(1)
-                    if self.step % self.log_cfg.log_every == 0 or self.step == self.total_steps:
+                    if self.step % st.log_every == 0 or self.step == self.total_steps:
                         self._log_train(thr, bar)
                     if self.step == self.pause_at_step and self.dist.is_main:
                         self._print(f"paused after step {self.step} until a stop signal "
@@ -619,10 +727,10 @@ class Trainer:
                         if self._validate(bar):
                             reason = "early_stopping"
                             self._print(f"early stopping: validation loss did not improve for "
-                                        f"{hp.early_stopping_patience} evaluations.")
+                                        f"{st.patience} evaluations.")
                             break
-                    if self.step % hp.checkpoint_every == 0 and hp.keep_checkpoints > 0:
-                        self.save(f"checkpoint_step_{self.step}.pt")
+                    if self.step % st.checkpoint_every == 0 and st.keep_checkpoints != 0:
+                        self.save(self.spec.checkpoint_name(self.step))
                         if self.dist.is_main:
                             self._rotate_step_checkpoints()
                 if reason == "done" and self._last_eval_step != self.step:
@@ -645,8 +753,8 @@ class Trainer:
     def _train_step(self, batches: Iterator[dict]) -> int:
         """One optimizer step over ``grad_accum`` micro-batches; returns tokens processed
         (all ranks)."""
-        hp = self.hp
-        accum = hp.grad_accum
+        st = self.settings
+        accum = st.grad_accum
         loss_sum = None
         tokens = 0
         for micro in range(accum):
@@ -655,8 +763,7 @@ class Trainer:
             sync = contextlib.nullcontext() if (last or not self.dist.enabled) else self.model.no_sync()
             with sync:
                 with autocast_ctx(self.device, self.dtype):
-                    _, loss = self.model(b["x"], b["y"], loss_mask=b.get("loss_mask"),
-                                         return_logits=False)
+                    loss = self.spec.loss(self.model, b)
                 self.scaler.scale(loss / accum).backward()
             d = loss.detach()
             loss_sum = d if loss_sum is None else loss_sum + d
@@ -664,7 +771,7 @@ class Trainer:
         for o in self.optimizers.values():
             self.scaler.unscale_(o)
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
-        max_norm = hp.grad_clip if hp.grad_clip > 0 else float("inf")
+        max_norm = st.grad_clip if st.grad_clip > 0 else float("inf")
         self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.scheduler.apply(self.step)
         for o in self.optimizers.values():

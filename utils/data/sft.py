@@ -13,7 +13,7 @@ Contract (docs/DESIGN.md sections 3 and 7; docs/sft_inference.md):
   ``BOS + "User: {q}\\nAssistant: " + answer + EOS``; a conversation is its exchanges
   back to back. :func:`encode_conversation` is the only encoder: training data and
   inference prompts (:func:`encode_prompt`) go through it, so inference renders exactly
-  what training saw. Text is encoded with ``utils.tok.encode_plain`` semantics: a literal
+  what training saw. Text is encoded with ``utils.data.tok.encode_plain`` semantics: a literal
   ``<s>`` / ``</s>`` typed in a turn is ordinary text, never a control id.
 - The loss mask is 1 exactly on the assistant answer tokens and each exchange's closing
   EOS (0 on BOS, the user turn and the role markers).
@@ -24,7 +24,7 @@ Contract (docs/DESIGN.md sections 3 and 7; docs/sft_inference.md):
   and ``example_conversations.json``. :func:`load_examples` validates and reads them.
 - :class:`SFTLoader`: padded batches ``{"x", "y", "loss_mask"}`` (``y == -100`` on
   padding), shuffled per epoch from a seed, with a resumable position
-  (``state_dict`` / ``load_state_dict``, ``epoch``), as utils/trainer.py expects.
+  (``state_dict`` / ``load_state_dict``, ``epoch``), as utils/training/trainer.py expects.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from utils.cli import PipelineError
-from utils.tok import encode_plain  # the one plain-text encoder (also used as sft.encode_plain)
+from utils.data.tok import encode_plain  # the one plain-text encoder (also used as sft.encode_plain)
 
 FORMAT_NAME = "sft-examples"
 FORMAT_VERSION = 1
@@ -71,19 +71,35 @@ def encode_conversation(tok, template: dict, turns: Sequence[str], bos_id: int, 
                         ) -> tuple[list[int], list[int]]:
     """``(ids, mask)`` of a conversation (even number of turns: user, assistant, ...).
     An odd final turn (a pending user question) is encoded as a prompt with no answer."""
-    prompts = [prompt_text(template, turns[i]) for i in range(0, len(turns), 2)]
-    answers = [turns[i] for i in range(1, len(turns), 2)]
-    enc = encode_plain(tok, prompts + answers)
-    p_ids, a_ids = enc[:len(prompts)], enc[len(prompts):]
-    ids: list[int] = []
-    mask: list[int] = []
-    for i, p in enumerate(p_ids):
-        ids += [bos_id] + p
-        mask += [0] * (1 + len(p))
-        if i < len(a_ids):
-            ids += a_ids[i] + [eos_id]
-            mask += [1] * (len(a_ids[i]) + 1)
-    return ids, mask
+    return encode_conversations(tok, template, [turns], bos_id, eos_id)[0]
+
+
+def encode_conversations(tok, template: dict, conversations: Sequence[Sequence[str]], bos_id: int,
+                         eos_id: int) -> list[tuple[list[int], list[int]]]:
+    """``encode_conversation`` of each conversation, with every turn of them all in one
+    tokenizer call (the fast tokenizer encodes a batch on all cores; the ids are the same as
+    one conversation at a time)."""
+    texts: list[str] = []
+    shapes = []
+    for turns in conversations:
+        prompts = [prompt_text(template, turns[i]) for i in range(0, len(turns), 2)]
+        answers = [turns[i] for i in range(1, len(turns), 2)]
+        shapes.append((len(texts), len(prompts), len(answers)))
+        texts += prompts + answers
+    enc = encode_plain(tok, texts)
+    out = []
+    for start, n_p, n_a in shapes:
+        p_ids, a_ids = enc[start:start + n_p], enc[start + n_p:start + n_p + n_a]
+        ids: list[int] = []
+        mask: list[int] = []
+        for i, p in enumerate(p_ids):
+            ids += [bos_id] + p
+            mask += [0] * (1 + len(p))
+            if i < len(a_ids):
+                ids += a_ids[i] + [eos_id]
+                mask += [1] * (len(a_ids[i]) + 1)
+        out.append((ids, mask))
+    return out
 
 
 def encode_prompt(tok, template: dict, history: Sequence[tuple[str, str]], question: str,

@@ -8,7 +8,7 @@ filtered it. A stream that cannot seek cheaply (Hugging Face streaming) gives it
 records it with each shard (``stream_resume`` in the progress file) and passes it back as
 ``resume={"position": p, "state": s}`` (``p <= start``) so a re-run restores the stream there
 instead of reading it again from the beginning. :func:`pack` turns the stream into a shard set (DESIGN.md section 3,
-:mod:`utils.shards`):
+:mod:`utils.data.shards`):
 
     parent: read docs -> chunks ──► worker processes: fast tokenizer ``encode_batch`` on a chunk,
             ▲                        min-token filter, BOS + ids + EOS framing, all as NumPy
@@ -55,11 +55,11 @@ import numpy as np
 
 from utils.atomic import write_json_atomic
 from utils.cli import PipelineError
-from utils.parallel import ordered_map
-from utils.shards import (FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, shard_name,
+from utils.data.parallel import ordered_map
+from utils.data.shards import (FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, shard_name,
                           shard_set_metadata, write_metadata, write_shard)
-from utils.textio import CleanedFileError, iter_articles
-from utils.tok import encode_plain
+from utils.data.textio import CleanedFileError, iter_articles
+from utils.data.tok import encode_plain
 
 PROGRESS_FILE = ".progress.json"
 REBUILD_DIR = ".rebuild"         # where --force builds a new set beside the old one
@@ -76,7 +76,7 @@ def encode_frame(backend, texts: list[str], dtype: np.dtype, bos: int, eos: int,
 
     Returns ``(framed, kept, lengths)``: the concatenated framed documents (1-D ``dtype``),
     a bool mask over ``texts`` of documents with at least ``min_tokens`` tokens, and every
-    document's token count (without BOS/EOS). Text goes through :func:`utils.tok.encode_plain`,
+    document's token count (without BOS/EOS). Text goes through :func:`utils.data.tok.encode_plain`,
     the one plain-text encoder: a literal ``<s>`` or ``</s>`` in a document stays text, also on
     a backend rebuilt in a worker process (``Tokenizer.from_str`` does not keep that setting).
     """
@@ -194,7 +194,7 @@ class PackJob:
 
     out_dir: Path
     tokenizer: Any                      # a transformers fast tokenizer
-    tokenizer_info: dict                # utils.tok.describe(tokenizer, name)
+    tokenizer_info: dict                # utils.data.tok.describe(tokenizer, name)
     kind: str                           # "wikipedia" | "fineweb"
     inputs: list                        # what metadata lists as the source's inputs
     input_identity: list                # what must not change for a resume (paths + sizes, ...)
@@ -482,7 +482,7 @@ def _swap_in(staging: Path, d: Path, meta: dict) -> None:
 
 
 def _pack(job: PackJob, log: Callable[[str], None]) -> dict:
-    from utils.tok import require_bos_eos
+    from utils.data.tok import require_bos_eos
 
     d = job.out_dir
     state = _load_resume(job, log)
@@ -620,7 +620,7 @@ def add_output_flags(parser, default_dir: str) -> None:
 
 def load_fast_tokenizer(cfg) -> tuple[Any, dict]:
     """The configured tokenizer and its description; prep needs a fast (tokenizers) backend."""
-    from utils.tok import describe, load_tokenizer
+    from utils.data.tok import describe, load_tokenizer
 
     tok = load_tokenizer(cfg)
     if not getattr(tok, "is_fast", False):

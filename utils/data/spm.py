@@ -21,12 +21,12 @@ What makes this conversion exact, step by step of ``sentencepiece``'s own pipeli
   equally scored (whitespace) pieces. ``byte_fallback`` as in the model; unknown characters
   (no byte fallback) become one ``<unk>`` per run, as in sentencepiece.
 - control and unknown pieces (``<s>``, ``</s>``, ``<unk>``) are special added tokens; they are
-  never merged from text, so with ``encode_special_tokens`` (utils.tok.encode_plain) their
+  never merged from text, so with ``encode_special_tokens`` (utils.data.tok.encode_plain) their
   literal strings encode as the ordinary pieces sentencepiece gives.
 - decoder: ``▁`` -> space, byte pieces -> bytes, then the dummy prefix removed once.
 
 Unigram models, models with user-defined pieces and whitespace-as-suffix models have no
-exact conversion here (:func:`unsupported` says why); utils.tok falls back to transformers'
+exact conversion here (:func:`unsupported` says why); utils.data.tok falls back to transformers'
 conversion for them and says so. Parity is checked by tests/test_tokenizer.py against
 ``sentencepiece`` on every sample news document and on tricky strings (docs/tokenizer.md).
 Converting a 32,000-piece model takes about a second.
@@ -171,7 +171,7 @@ def tokenizer_from_spm(source: Union[str, Path]):
 
     Special tokens come from the model (unk, bos, eos, pad ids of its trainer spec). Calling
     it with the transformers default ``add_special_tokens=True`` adds BOS, as Llama's own
-    tokenizers do; the pipeline always frames documents itself (utils.tok.encode_plain).
+    tokenizers do; the pipeline always frames documents itself (utils.data.tok.encode_plain).
     """
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast

@@ -1,9 +1,11 @@
-"""Checkpoint files: the ONE writer and the ONE loader every stage uses (library; no side effects).
+"""Checkpoint files: the ONE writer and the file half of the ONE loader (library; no side effects).
 
-    save_checkpoint(path, payload)                         atomic (temp file + os.replace)
-    ckpt = load_checkpoint(path, purpose="weights"|"resume")   validated dict, or CheckpointError
-    model, ckpt = load_model(path, device="cpu")           rebuilt from ckpt["model_args"]
-    runs = list_runs(checkpoints_dir)                      runs newest first (RunInfo)
+    save_checkpoint(path, payload)                                atomic (temp file + os.replace)
+    ckpt = read_checkpoint(path, purpose="weights"|"resume", shapes_of=...)   validated dict
+
+Stages do not call ``read_checkpoint`` directly: ``utils.run.load_checkpoint`` and
+``utils.run.load_model`` add what needs the model (the expected weight names and shapes), so
+this module does not import model.py.
 
 Format (``FORMAT_VERSION``): ``torch.save`` of a dict of plain data and tensors only, so
 ``torch.load(weights_only=True)`` reads it and a checkpoint is never code::
@@ -12,7 +14,7 @@ Format (``FORMAT_VERSION``): ``torch.save`` of a dict of plain data and tensors 
     prefixes), model_args (ModelArgs.to_dict()), optimizer ({name: optimizer state_dict}),
     scheduler, grad_scaler, step, epoch, tokens_seen, data_position (the loader's state_dict:
     plain ints), rng ({"ranks": [per-rank {"python", "numpy", "torch", "cuda"}]}: tensors and
-    plain types), best_val_loss, config (resolved config dict), tokenizer (utils.tok.describe),
+    plain types), best_val_loss, config (resolved config dict), tokenizer (utils.data.tok.describe),
     chat_template (SFT only; None otherwise), metrics (smoothing window, patience, ...).
 
 A "weights" load needs format_version, model and model_args; a "resume" load needs the
@@ -24,13 +26,12 @@ load reads the file once and checks every weight for finiteness (one pass over m
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -175,45 +176,22 @@ def strip_prefixes(state_dict: dict) -> dict:
     return out
 
 
-def _model_lib():
-    import model as model_lib  # the model library (imported lazily: only when needed)
-    return model_lib
-
-
-def model_args_of(ckpt: dict, path: Path):
-    """``ModelArgs`` from a checkpoint's stored dict, or CheckpointError."""
-    try:
-        return _model_lib().ModelArgs.from_dict(dict(ckpt["model_args"]))
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
-
-
-def _check_weights(path: Path, ckpt: dict) -> None:
-    """Keys and shapes against a model built (on the meta device: no memory) from model_args;
-    every floating weight finite."""
+def check_weights(path: Path, ckpt: dict, expected: Optional[dict]) -> None:
+    """Keys and shapes against ``expected`` ({name: shape}, from the model its model_args
+    build; None skips that part) and every floating weight finite."""
     sd = ckpt["model"]
-    args = model_args_of(ckpt, path)
-    try:
-        with torch.device("meta"):
-            ref = _model_lib().create_model(args)
-        expected = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    bad = [f"{k} {tuple(sd[k].shape)} vs {expected[k]}" for k in expected
-           if k in sd and tuple(sd[k].shape) != expected[k]]
     problems = []
-    if missing:
-        problems.append(f"missing weights {_few(missing)}")
-    if unexpected:
-        problems.append(f"unexpected weights {_few(unexpected)}")
-    if bad:
-        problems.append(f"shapes disagree with the stored model config: {_few(bad)}")
+    if expected is not None:
+        missing = [k for k in expected if k not in sd]
+        unexpected = [k for k in sd if k not in expected]
+        bad = [f"{k} {tuple(sd[k].shape)} vs {expected[k]}" for k in expected
+               if k in sd and tuple(sd[k].shape) != tuple(expected[k])]
+        if missing:
+            problems.append(f"missing weights {_few(missing)}")
+        if unexpected:
+            problems.append(f"unexpected weights {_few(unexpected)}")
+        if bad:
+            problems.append(f"shapes disagree with the stored model config: {_few(bad)}")
     if problems:
         raise CheckpointError(path, "; ".join(problems) + ". The weights do not belong to the "
                                     "model its model_args describe (edited or mixed-up file).")
@@ -230,8 +208,12 @@ def _few(items: list, n: int = 4) -> str:
     return shown + (f" (and {len(items) - n} more)" if len(items) > n else "")
 
 
-def load_checkpoint(path, purpose: str = "weights", map_location="cpu") -> dict:
-    """The one checkpoint loader: ``torch.load(weights_only=True)`` plus validation.
+def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
+                    shapes_of: Optional[Callable[[dict], dict]] = None) -> dict:
+    """A checkpoint file: ``torch.load(weights_only=True)`` plus validation. Stages open
+    checkpoints through ``utils.run.load_checkpoint``, which passes ``shapes_of`` (model_args
+    dict -> {weight name: shape}, from the model those args build): the file layer does not
+    know the model.
 
     purpose "weights": needs the model and its config (SFT, inference, benchmark, export);
     purpose "resume": also the optimizer, scheduler, step, data position and RNG states.
@@ -275,105 +257,13 @@ def load_checkpoint(path, purpose: str = "weights", map_location="cpu") -> dict:
                       "schedule, data position and RNG state an exact resume needs). Use it for "
                       "inference, benchmark or sft, or start a new run without --resume.")
     ckpt["model"] = strip_prefixes(ckpt["model"])
-    _check_weights(path, ckpt)
+    expected = None
+    if shapes_of is not None:
+        try:
+            expected = shapes_of(dict(ckpt["model_args"]))
+        except Exception as e:   # whatever the stored args get wrong: the file is unusable
+            raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
+    check_weights(path, ckpt, expected)
     ckpt.setdefault("kind", "pretrain")
     ckpt.setdefault("chat_template", None)
     return ckpt
-
-
-def load_model(path, device="cpu"):
-    """``(model, ckpt)``: the model rebuilt from ``ckpt["model_args"]`` with its weights, in eval
-    mode on ``device``. Used by SFT, inference, benchmark and export."""
-    ckpt = load_checkpoint(path, purpose="weights", map_location="cpu")
-    args = model_args_of(ckpt, Path(path))
-    model = _model_lib().create_model(args)
-    model.load_state_dict(ckpt["model"], strict=True)
-    model.to(device)
-    model.eval()
-    return model, ckpt
-
-
-# --------------------------------------------------------------------------- runs
-@dataclasses.dataclass
-class RunInfo:
-    """One training run folder (or the legacy flat layout: ``legacy=True``)."""
-    name: str
-    path: Path
-    kind: str                      # "pretrain", "sft" or "legacy"
-    checkpoints: list              # Paths, best and latest first, then steps/epochs newest first
-    mtime: float                   # newest file in the run
-
-    @property
-    def latest(self) -> Optional[Path]:
-        p = self.path / "checkpoint_latest.pt"
-        return p if p in self.checkpoints else None
-
-    @property
-    def best(self) -> Optional[Path]:
-        p = self.path / "checkpoint_best.pt"
-        return p if p in self.checkpoints else None
-
-    @property
-    def legacy(self) -> bool:
-        return self.kind == "legacy"
-
-
-def _ckpt_order(p: Path) -> tuple:
-    name = p.stem
-    if name == "checkpoint_best":
-        return (0, 0)
-    if name == "checkpoint_latest":
-        return (1, 0)
-    m = re.search(r"(\d+)$", name)
-    return (2, -int(m.group(1)) if m else 0, name)
-
-
-def run_checkpoints(directory) -> list[Path]:
-    """The ``*.pt`` checkpoint files of a run folder (no temp files), best/latest first."""
-    d = Path(directory)
-    files = [p for p in d.glob("*.pt") if p.is_file() and not p.name.startswith(".")]
-    return sorted(files, key=_ckpt_order)
-
-
-def list_runs(checkpoints_dir) -> list[RunInfo]:
-    """Runs under ``checkpoints_dir``, newest first: every sub-folder holding checkpoints
-    (``sft_*`` folders are kind "sft") plus, when ``*.pt`` files sit directly in the folder
-    (the seed's old flat layout), one "legacy" run named after the folder."""
-    base = Path(checkpoints_dir)
-    runs: list[RunInfo] = []
-    if not base.is_dir():
-        return runs
-    for d in base.iterdir():
-        if not d.is_dir() or d.name.startswith("."):
-            continue
-        files = run_checkpoints(d)
-        if not files:
-            continue
-        kind = "sft" if d.name.startswith("sft") else "pretrain"
-        mtime = max(p.stat().st_mtime for p in files)
-        runs.append(RunInfo(d.name, d, kind, files, mtime))
-    flat = run_checkpoints(base)
-    if flat:
-        runs.append(RunInfo(f"{base.name} (flat layout)", base, "legacy", flat,
-                            max(p.stat().st_mtime for p in flat)))
-    runs.sort(key=lambda r: r.mtime, reverse=True)
-    return runs
-
-
-def find_run(checkpoints_dir, name: Optional[str] = None) -> Optional[RunInfo]:
-    """The named run, or the newest one when ``name`` is None."""
-    runs = list_runs(checkpoints_dir)
-    if name is None:
-        return runs[0] if runs else None
-    return next((r for r in runs if r.name == name), None)
-
-
-def age_text(seconds: float) -> str:
-    """A short human age: '45 s', '12 min', '3.5 h', '2.0 days'."""
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"

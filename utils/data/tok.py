@@ -9,7 +9,7 @@ is needed afterwards.
 Contracts (docs/tokenizer.md):
 
 - SentencePiece models (a ``.model`` file, or a folder or hub repo whose only tokenizer file
-  is ``tokenizer.model``) are converted by :mod:`utils.spm`, which gives exactly the ids of
+  is ``tokenizer.model``) are converted by :mod:`utils.data.spm`, which gives exactly the ids of
   the ``sentencepiece`` library. Models it cannot convert exactly fall back to transformers'
   conversion with a notice on stderr saying the ids may differ from sentencepiece's.
 - Text is ordinary text: every tokenizer this module returns has special-token matching off
@@ -39,8 +39,8 @@ SPECIAL_TOKENS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
 INFO_FILE = "pipeline_tokenizer.json"     # written by the tokenize stage next to a saved copy
 # How a SentencePiece model became a fast tokenizer (the ``conversion`` of INFO_FILE; a saved copy
 # of a SentencePiece tokenizer whose INFO_FILE has no ``conversion`` key predates it: stale).
-SPM_CONVERSION = "utils.spm/1"                  # exact
-FALLBACK_CONVERSION = "transformers (inexact)"  # model utils.spm cannot convert exactly
+SPM_CONVERSION = "utils.data.spm/1"                  # exact
+FALLBACK_CONVERSION = "transformers (inexact)"  # model utils.data.spm cannot convert exactly
 FINGERPRINT_VERSION = 2
 # Probe strings whose ids enter the fingerprint (spaces, tabs, newlines, CJK, emoji, specials).
 FINGERPRINT_PROBES = ("x", " x", "  x", "a  b", "a   b \t c\n\nd ", "    def f(x):\n\treturn  x",
@@ -88,9 +88,9 @@ def offline_help(name: str) -> str:
 
 
 def _spm_tokenizer(model: Path):
-    """A SentencePiece model file as a fast tokenizer: exact (utils.spm) when possible, else
+    """A SentencePiece model file as a fast tokenizer: exact (utils.data.spm) when possible, else
     transformers' conversion with a notice."""
-    from utils import spm
+    from utils.data import spm
 
     try:
         return _mark(spm.tokenizer_from_spm(model), SPM_CONVERSION)
@@ -135,7 +135,7 @@ def _from_hub(name: str):
     model = _hub_spm_file(name)
     if model is None or not getattr(tok, "is_fast", False):
         return tok
-    from utils import spm
+    from utils.data import spm
     try:
         proto = spm.read_model(model)
     except PipelineError:

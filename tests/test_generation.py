@@ -1,0 +1,166 @@
+"""The generation engine (utils/generation/engine.py) over the network: KV cache against full
+recompute, EOS, batching against one by one, the CPU decode weights, seeded sampling,
+filters, bad requests, bf16, incremental detokenization."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import utils.generation.engine as E
+from tests.test_model import V, build
+from utils.generation.engine import Engine, TextDecoder
+
+def _greedy_without_cache(m, prompt, n, eos=None):
+    ids = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(m(torch.tensor([ids]))[0][0, -1].argmax())
+            if t == eos:
+                break
+            out.append(t)
+            ids.append(t)
+    return out
+
+
+def test_kv_cache_generation_equals_full_recompute():
+    m = build(seed=2)
+    prompt = [1, 5, 9, 33, 2, 7]
+    want = _greedy_without_cache(m, prompt, 20)
+    assert Engine(m).generate([prompt], 20, temperature=0) == [want]
+    assert list(Engine(m).stream(prompt, 20, temperature=0)) == want
+    # beyond max_seq_len the RoPE table grows instead of failing
+    long = Engine(m).generate([prompt], 70, temperature=0)[0]
+    assert len(long) == 70 and long[:20] == want
+
+
+def test_eos_stops_and_is_not_returned():
+    m = build(seed=2)
+    prompt = [1, 5, 9, 33]
+    free = _greedy_without_cache(m, prompt, 12)
+    eos = free[4]
+    cut = free[:free.index(eos)]
+    assert Engine(m).generate([prompt], 12, temperature=0, eos_id=eos) == [cut]
+    assert list(Engine(m).stream(prompt, 12, temperature=0, eos_id=[eos, 96])) == cut
+    assert Engine(m).generate([prompt], 0) == [[]]
+
+
+def test_batched_generation_equals_one_by_one():
+    m = build(seed=4)
+    prompts = [[1, 8, 20, 30, 40, 50, 60], [1, 3], [1, 70, 71, 72], [9]]
+    singles = [Engine(m).generate([p], 15, temperature=0)[0] for p in prompts]
+    assert Engine(m).generate(prompts, 15, temperature=0) == singles
+    # an EOS in one row ends that row only
+    eos = singles[1][3]
+    batched = Engine(m).generate(prompts, 15, temperature=0, eos_id=eos)
+    for got, single in zip(batched, singles):
+        assert got == (single[:single.index(eos)] if eos in single else single)
+
+
+@pytest.mark.parametrize("tie,act", [(True, "swiglu"), (False, "geglu")])
+def test_cpu_decode_pack_follows_the_weights(monkeypatch, tie, act):
+    """fp32 generation on CPU multiplies by a transposed copy of the weights kept between
+    calls: it must agree with the Linear path, be rebuilt after any in-place change of the
+    weights, and not outlive a call made in training mode."""
+    m = build(seed=7, tie_embeddings=tie, activation=act)
+    eng = Engine(m)
+    prompts = [[1, 5, 9, 11], [1, 2]]
+    gen = lambda n=12: eng.generate(prompts, n, temperature=1.0, seed=3)  # noqa: E731 (tied greedy repeats)
+    packed = gen()
+    pack = eng._pack
+    assert pack is not None and len(pack.layers) == 2
+    assert gen() == packed and eng._pack is pack      # reused
+    with monkeypatch.context() as mp:
+        mp.setattr(E, "DECODE_PACK_MAX_BYTES", 0)                                    # over the cap
+        assert gen() == packed and eng._pack is None  # Linear path
+    eng.generate(prompts, 1)
+    other = build(seed=8, tie_embeddings=tie, activation=act)
+    want = Engine(other).generate(prompts, 12, temperature=1.0, seed=3)
+    assert want != packed                                   # the swap below must show
+    m.load_state_dict(other.state_dict())                   # in place, like an optimizer step
+    assert gen() == want
+    m.train()
+    assert gen(3) == [w[:3] for w in want]
+    assert eng._pack is None and m.training                 # training: weights move on
+
+
+def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone():
+    m = build(seed=5)
+    prompts = [[1, 2, 3], [1, 4]]
+    state = torch.get_rng_state()
+    a = Engine(m).generate(prompts, 25, temperature=1.0, top_k=20, top_p=0.9, seed=123)
+    assert torch.equal(state, torch.get_rng_state())
+    b = Engine(m).generate(prompts, 25, temperature=1.0, top_k=20, top_p=0.9, seed=123)
+    c = Engine(m).generate(prompts, 25, temperature=1.0, top_k=20, top_p=0.9, seed=124)
+    assert a == b and a != c
+    assert list(Engine(m).stream(prompts[0], 25, temperature=1.0, seed=7)) == \
+        Engine(m).generate([prompts[0]], 25, temperature=1.0, seed=7)[0]
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0]])
+    inf = float("-inf")
+    assert E.top_k_filter(logits, 2).tolist() == [[inf, 4.0, 3.0, inf, inf]]
+    assert torch.equal(E.top_k_filter(logits, 0), logits)
+    assert torch.equal(E.top_p_filter(logits, 1.0), logits)
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    lp = p.log()
+    # 0.5 < 0.6 so the second token is needed; 0.8 >= 0.6 so the rest go
+    assert torch.isinf(E.top_p_filter(lp, 0.6)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(E.top_p_filter(lp, 0.5)).tolist() == [[False, True, True, True]]
+    assert torch.isinf(E.top_p_filter(lp, 0.01)).tolist() == [[False, True, True, True]]
+    # shuffled order is filtered by probability, not position
+    assert torch.isinf(E.top_p_filter(lp[:, [3, 1, 0, 2]], 0.6)).tolist() == [[True, False, False, True]]
+    # sampling never picks a filtered token
+    g = torch.Generator().manual_seed(0)
+    picks = set(E.sample_next(logits.repeat(200, 1), 1.0, top_k=2, generator=g).tolist())
+    assert picks == {1, 2}
+    assert E.sample_next(logits, 0.0).tolist() == [1]
+
+
+def test_generation_rejects_bad_requests():
+    m = build()
+    with pytest.raises(ValueError, match="empty"):
+        Engine(m).generate([[]], 3)
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(m).generate([[V]], 3)
+    with pytest.raises(ValueError, match="top_p"):
+        Engine(m).generate([[1]], 3, top_p=0.0)
+
+
+def test_bf16_generation_on_cpu():
+    m = build(seed=6).to(torch.bfloat16)
+    out = Engine(m).generate([[1, 2, 3], [4]], 8, temperature=0)
+    assert [len(o) for o in out] == [8, 8]
+    assert m.rope(4, torch.device("cpu"))[0].dtype == torch.float32
+
+
+def test_generation_leaves_the_global_thread_count_alone():
+    """Small steps run on one thread (step_threads), restored between steps: the caller's
+    code between streamed tokens, and everything after, sees its own thread count."""
+    m = build(seed=1)
+    before = torch.get_num_threads()
+    seen = []
+    for _ in Engine(m).stream([1, 2, 3], 5, temperature=0):
+        seen.append(torch.get_num_threads())
+    assert seen and set(seen) == {before} and torch.get_num_threads() == before
+    eng = Engine(m, threads=1)
+    assert eng.step_threads(10_000, 10 ** 9) == 1 and Engine(m).step_threads(1, 10) == 1
+    assert Engine(m).step_threads(10_000, 10 ** 9) is None
+
+
+def test_text_decoder_never_cuts_a_character(samples):
+    """Byte-fallback pieces of a multi-byte character come out whole: no piece holds U+FFFD,
+    some pushes hold text back, and the pieces join to the full decode."""
+    from tests.conftest import SPM_MODEL
+    from utils.data.tok import encode_plain, load_tokenizer_from
+    tok = load_tokenizer_from(str(SPM_MODEL))
+    text = "Plain words, then 日本語 and an emoji 😀🧪 and café."
+    ids = encode_plain(tok, [text])[0]
+    dec = TextDecoder(tok)
+    pieces = [dec.push(t) for t in ids]
+    pieces.append(dec.finish())
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in p for p in pieces)
+    assert pieces.count("") >= 3          # the emoji's byte tokens wait for the last one
+    assert dec.finish() == ""
