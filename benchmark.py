@@ -140,6 +140,28 @@ def resolve_checkpoints(specs: Sequence[str], cfg: Config) -> list[Path]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(argv)
+    tasks, limits = plan(args, cfg)
+    ckpts = resolve_checkpoints(args.models, cfg)
+    if not ckpts and not args.hf_model:
+        raise PipelineError(f"nothing to benchmark: no checkpoints in {cfg.path('paths.checkpoints_dir')} "
+                            "and no --hf-model. Train first (`python main.py train --test`) or pass "
+                            "checkpoint paths.")
+    from utils.bench import adapters
+    device = adapters.resolve_device(cfg.benchmark.device)
+    b = cfg.benchmark
+    print(f"Benchmark: preset {b.preset}{' (--test)' if cfg.test else ''}, tasks {', '.join(tasks)}, "
+          f"device {device}, seed {b.seed}", flush=True)
+    loaded, selected = load_data(cfg, tasks, limits)
+    specs = [("checkpoint", str(p)) for p in ckpts] + [("hf", s) for s in args.hf_model]
+    models, records = score_models(cfg, args, specs, device, selected, loaded)
+    write_report(cfg, args, tasks, limits, device, models, records, loaded)
+    return 0
+
+
+# --------------------------------------------------------------------------- steps of main
+def plan(args, cfg) -> tuple[list[str], dict]:
+    """The tasks (checked), the items per task (preset, --test cap, --limit), and the
+    packages the chosen tasks need."""
     b = cfg.benchmark
     tasks = check_tasks(b.tasks)
     limits = dict(PRESETS[b.preset])
@@ -148,7 +170,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     limits.update(parse_limits(args.limit))
     if args.gguf_file and not args.hf_model:
         raise UsageError("--gguf-file needs --hf-model (the folder holding the .gguf file).")
-
     if "completion" in tasks:
         missing = [m for m in ("sacrebleu", "rouge_score")
                    if importlib.util.find_spec(m) is None]
@@ -157,20 +178,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 "(BLEU and ROUGE are computed by sacrebleu and rouge-score): "
                                 "`pip install -r requirements.txt`, or leave the task out with "
                                 "--tasks.")
-    ckpts = resolve_checkpoints(args.models, cfg)
-    if not ckpts and not args.hf_model:
-        raise PipelineError(f"nothing to benchmark: no checkpoints in {cfg.path('paths.checkpoints_dir')} "
-                            "and no --hf-model. Train first (`python main.py train --test`) or pass "
-                            "checkpoint paths.")
+    return tasks, limits
 
-    from utils.bench import adapters, data as D, report, runner, tasks as T
 
-    device = adapters.resolve_device(b.device)
-    root, samples_dir = cfg.root, cfg.path("paths.samples_dir")
-    print(f"Benchmark: preset {b.preset}{' (--test)' if cfg.test else ''}, tasks {', '.join(tasks)}, "
-          f"device {device}, seed {b.seed}", flush=True)
-
-    # ---- data: loaded and validated once, before any model is touched
+def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
+    """Every task's data, loaded and validated once before any model is touched, and the
+    seeded selection of items; one line per task."""
+    from utils.bench import data as D
+    b, root, samples_dir = cfg.benchmark, cfg.root, cfg.path("paths.samples_dir")
     loaded: dict = {}
     sources = {"lambada": b.lambada_source, "hellaswag": b.hellaswag_source,
                "arc_easy": b.arc_easy_source, "arc_challenge": b.arc_challenge_source}
@@ -184,31 +199,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     selected: dict = {}
     shown_notes: set = set()
     for t in tasks:
-        data = loaded[t]
         if t == "completion":
-            comp = D.TaskData(task="completion", items=[], source=data.source, note=data.note)
-            comp.skipped.update(data.skipped)
-            for it in data.items:
-                try:
-                    comp.items.append(T.completion_item(it))
-                except T.BadRow as e:
-                    comp.skipped[e.reason] += 1
-            if not comp.items:
-                raise PipelineError(f"{data.source}: no passage is long enough for the completion "
-                                    f"task ({T.COMPLETION_PROMPT_WORDS}+{T.COMPLETION_REFERENCE_WORDS} words).")
-            loaded[t] = data = comp
-        limit = limits["perplexity" if t == "next_token" else t]
-        selected[t] = D.select(data.items, limit, b.seed)
+            loaded[t] = completion_data(loaded[t])
+        data = loaded[t]
+        selected[t] = D.select(data.items, limits["perplexity" if t == "next_token" else t], b.seed)
         note = f" [{data.note}]" if data.note and data.note not in shown_notes else ""
         shown_notes.add(data.note)
         print(f"  {t}: {len(selected[t])} of {len(data.items)} valid items"
               f"{f' ({sum(data.skipped.values())} rows skipped)' if data.skipped else ''}{note}",
               flush=True)
+    return loaded, selected
 
-    # ---- models, one at a time (memory is released between them)
-    models = []
-    specs = [("checkpoint", str(p)) for p in ckpts] + [("hf", s) for s in args.hf_model]
-    records_all: list = []
+
+def completion_data(data):
+    """The completion task's items (prompt + reference words) from the perplexity passages."""
+    from utils.bench import data as D, tasks as T
+    comp = D.TaskData(task="completion", items=[], source=data.source, note=data.note)
+    comp.skipped.update(data.skipped)
+    for it in data.items:
+        try:
+            comp.items.append(T.completion_item(it))
+        except T.BadRow as e:
+            comp.skipped[e.reason] += 1
+    if not comp.items:
+        raise PipelineError(f"{data.source}: no passage is long enough for the completion "
+                            f"task ({T.COMPLETION_PROMPT_WORDS}+{T.COMPLETION_REFERENCE_WORDS} words).")
+    return comp
+
+
+def score_models(cfg, args, specs, device, selected: dict, loaded: dict) -> tuple[list, list]:
+    """Each model in turn (memory is released between them): results and per-item records."""
+    from utils.bench import adapters, runner
+    b = cfg.benchmark
+    models, records_all = [], []
     names_seen: dict[str, int] = {}
     tokenizers: dict = {}          # loaded once for checkpoints that share one
     for kind, spec in specs:
@@ -229,7 +252,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        "seconds": round(time.perf_counter() - t0, 2)})
         records_all += records
         del ad
+    return models, records_all
 
+
+def write_report(cfg, args, tasks, limits, device, models, records, loaded) -> None:
+    """The comparison table on the terminal, and the result files (JSON, text, per-item)."""
+    from utils.bench import report
+    b = cfg.benchmark
     table = report.render_table(models, color=report.use_color(sys.stdout) and not args.no_color)
     plain = report.render_table(models, color=False)
     counts = report.render_counts(models)
@@ -250,13 +279,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     header = (f"Benchmark {payload['created']}  preset {b.preset}  seed {b.seed}  device {device}"
               f"  dtype {b.dtype}")
     written = report.write_results(paths, payload, f"{header}\n\n{plain}\n\n{counts}",
-                                   records_all if args.per_item else None)
+                                   records if args.per_item else None)
     print()
     print(table)
     print()
     print(counts)
     print("\nWrote " + ", ".join(str(p) for p in written))
-    return 0
 
 
 if __name__ == "__main__":

@@ -488,6 +488,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(argv)
     input_dir = cfg.path("wikipedia.raw_dir")
     output_dir = cfg.resolve(cfg.cleaning.output_dir) or cfg.path("paths.cleaned_dir")
+    inputs, outputs, not_files = find_work(input_dir, output_dir)
+    opts = CleanOptions.from_config(cfg)
+    results, tasks = plan_files(inputs, outputs, opts, args.force)
+    run = announce(cfg, tasks, inputs, input_dir, output_dir, opts, not_files)
+    start = time.monotonic()
+    if tasks:
+        for r in run(tasks, cfg.cleaning.workers or available_cpus()):
+            results[r.input] = r
+    ordered = [results[str(p)] for p in inputs]
+    totals = summarize(ordered, time.monotonic() - start)
+    print_summary(ordered, totals, not_files)
+    write_summary(cfg, input_dir, output_dir, ordered, totals, not_files)
+    return verdict(ordered, totals, tasks, inputs, output_dir, opts)
+
+
+# --------------------------------------------------------------------------- steps of main
+def find_work(input_dir: Path, output_dir: Path) -> tuple[list[Path], list[Path], list]:
+    """The dumps in ``input_dir``, their output files, and what was skipped (with why); the
+    output folder exists afterwards."""
     if not input_dir.exists():
         raise PipelineError(f"input folder {input_dir} does not exist. Set wikipedia.raw_dir in "
                             f"config.json or pass --input-dir DIR (the offline sample: "
@@ -507,20 +526,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as e:
         raise PipelineError(f"cannot create the output folder {output_dir} ({e.strerror or e}); "
                             f"set cleaning.output_dir or --output-dir to a writable folder.") from None
-    opts = CleanOptions.from_config(cfg)
+    return inputs, outputs, not_files
 
+
+def plan_files(inputs, outputs, opts: CleanOptions, force: bool) -> tuple[dict, list]:
+    """Files whose output exists (kept unless --force) and the tasks to run, biggest first
+    (better balance)."""
     results: dict[str, FileResult] = {}
     tasks = []
     for inp, out in zip(inputs, outputs):
-        if out.exists() and not args.force:
+        if out.exists() and not force:
             results[str(inp)] = FileResult(str(inp), str(out), status="exists")
         else:
             tasks.append((str(inp), str(out), opts))
-    tasks.sort(key=lambda t: -Path(t[0]).stat().st_size)   # biggest first: better balance
+    tasks.sort(key=lambda t: -Path(t[0]).stat().st_size)
+    return results, tasks
+
+
+def announce(cfg, tasks, inputs, input_dir, output_dir, opts: CleanOptions, not_files) -> Callable:
+    """Say what runs how, and return the runner. As many files as cores: one process per
+    file. Fewer (a single big XML dump is the common download): files one after another, each
+    file's records spread over all cores."""
     workers = cfg.cleaning.workers or available_cpus()
     mode = f"test mode, first {opts.max_articles:,} articles per file" if cfg.test else "full run"
-    # As many files as cores: one process per file. Fewer (a single big XML dump is the common
-    # download): files one after another, each file's records spread over all cores.
     per_file = len(tasks) >= workers or workers == 1
     how = (f"{min(workers, max(1, len(tasks)))} worker process(es), one file each" if per_file
            else f"one file at a time, its articles converted by {workers} worker processes")
@@ -528,22 +556,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"({how}; {mode})", flush=True)
     for name, why in not_files:
         print(f"  skipped {name}: {why}", flush=True)
+    return run_workers if per_file else run_in_process
 
-    start = time.monotonic()
-    if tasks:
-        run = run_workers if per_file else run_in_process
-        for r in run(tasks, workers):
-            results[r.input] = r
-    ordered = [results[str(p)] for p in inputs]
-    totals = summarize(ordered, time.monotonic() - start)
-    print_summary(ordered, totals, not_files)
 
+def write_summary(cfg, input_dir, output_dir, ordered, totals, not_files) -> None:
+    """resolved_config.json and cleaning_summary.json next to the outputs (atomically)."""
     cfg.save_resolved(output_dir)
     summary = {"test": cfg.test, "input_dir": str(input_dir), "output_dir": str(output_dir),
                "inputs_skipped": [{"name": n, "reason": why} for n, why in not_files],
                "totals": totals, "files": [asdict(r) for r in ordered]}
     write_json_atomic(output_dir / SUMMARY_FILE, summary)
 
+
+def verdict(ordered, totals, tasks, inputs, output_dir, opts: CleanOptions) -> int:
+    """Exit 1 (raised) when a file failed or nothing usable came out; else say what was written."""
     failed = [r for r in ordered if r.status == "failed"]
     if failed:
         names = "; ".join(f"{Path(r.input).name}: {r.error}" for r in failed)

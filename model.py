@@ -23,30 +23,25 @@ Building blocks: pre-norm blocks (RMSNorm, or bias-free LayerNorm), rotary embed
 pure functions over cached fp32 tables, grouped-query attention, gated MLP
 (utils/activations.py), no biases, optional dropout, optional tied embeddings.
 
-Attention backends, picked per call: flash-attn (``flash_attn_func``; varlen for document
-masks) when importable, on CUDA, in fp16/bf16; else a compiled flex-attention block mask for
-document masks on CUDA; else ``F.scaled_dot_product_attention`` (``is_causal`` for plain
-windows, a boolean block-diagonal causal mask for document masks and padded batches).
-
-Importing this module has no side effects (flash-attn and transformers load lazily).
+Attention backends, picked per call by utils/attention.py: flash-attn when importable, on
+CUDA, in fp16/bf16; else a flex-attention block mask for document masks on CUDA; else
+``F.scaled_dot_product_attention``. Importing this module has no side effects.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from utils import attention
 from utils.activations import HF_ACT_NAMES, GatedMLP, llama_ffn_hidden
+from utils.attention import AttnSpec
 from utils.config import ConfigError, attention_shape_problems
-
-if TYPE_CHECKING:   # generation's per-call state (utils/generation/engine.py); the layers only use it
-    from utils.generation.engine import KVCache, PackedLayer
 
 IGNORE_INDEX = -100
 
@@ -167,50 +162,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-# --------------------------------------------------------------------------- attention backends
-@functools.lru_cache(maxsize=None)
-def _flash_backend() -> tuple[Optional[tuple], str]:
-    """(flash_attn's (func, varlen_func) or None, why not), imported once on first use."""
-    try:
-        from flash_attn import flash_attn_func, flash_attn_varlen_func
-        return (flash_attn_func, flash_attn_varlen_func), ""
-    except (ImportError, OSError, RuntimeError) as e:  # not installed, or built for another torch/CUDA
-        return None, f"{type(e).__name__}: {e}"
-
-
-@functools.lru_cache(maxsize=None)
-def _flex_backend() -> tuple[Optional[tuple], str]:
-    """((compiled flex_attention, create_block_mask) or None, why not), made once on first use."""
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        return (torch.compile(flex_attention, dynamic=False), create_block_mask), ""
-    except (ImportError, RuntimeError) as e:
-        return None, f"{type(e).__name__}: {e}"
-
-
-def _flash_attn() -> Optional[tuple]:
-    return _flash_backend()[0]
-
-
-def _flex_attn() -> Optional[tuple]:
-    return _flex_backend()[0]
-
-
-@dataclass
-class AttnSpec:
-    """How every layer of one forward call attends (computed once per call).
-
-    kind: "causal" (SDPA is_causal), "full" (SDPA, no mask: one new token over the cache),
-    "mask" (SDPA with boolean ``mask`` (B, 1, Tq, Tk), True = attend), "flash", "varlen"
-    (flash-attn over ``cu_seqlens``), "flex" (flex-attention ``block_mask``).
-    """
-    kind: str = "causal"
-    mask: Optional[torch.Tensor] = None
-    cu_seqlens: Optional[torch.Tensor] = None
-    max_seqlen: int = 0
-    block_mask: Any = None
-
-
 def make_norm(args: ModelArgs) -> nn.Module:
     if args.norm == "rmsnorm":
         return RMSNorm(args.d_model, args.norm_eps)
@@ -243,7 +194,9 @@ class Attention(nn.Module):
         self.dropout = args.dropout
         self.resid_dropout = nn.Dropout(args.dropout) if args.dropout > 0 else nn.Identity()
 
-    def forward(self, x, cos, sin, spec: AttnSpec, cache: Optional[KVCache] = None):
+    def forward(self, x, cos, sin, spec: AttnSpec, cache: Any = None):
+        """x (B, T, d_model). ``cache``: generation's per-layer KV cache (anything with
+        ``update(k, v) -> (keys, values)``, utils/generation/engine.py), None in training."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)       # (B, T, n_heads, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)    # (B, T, n_kv_heads, hd)
@@ -252,10 +205,10 @@ class Attention(nn.Module):
         p = self.dropout if self.training else 0.0
         gqa = self.n_kv_heads != self.n_heads
         if spec.kind == "flash":
-            y = _flash_attn()[0](q, k, v, dropout_p=p, causal=True)   # (B, T, n_heads, hd)
+            y = attention.flash_attn()[0](q, k, v, dropout_p=p, causal=True)   # (B, T, n_heads, hd)
         elif spec.kind == "varlen":
             n = B * T
-            y = _flash_attn()[1](q.reshape(n, self.n_heads, -1), k.reshape(n, self.n_kv_heads, -1),
+            y = attention.flash_attn()[1](q.reshape(n, self.n_heads, -1), k.reshape(n, self.n_kv_heads, -1),
                                  v.reshape(n, self.n_kv_heads, -1), spec.cu_seqlens, spec.cu_seqlens,
                                  spec.max_seqlen, spec.max_seqlen, dropout_p=p, causal=True)
             y = y.view(B, T, self.n_heads, self.head_dim)
@@ -264,7 +217,7 @@ class Attention(nn.Module):
             if cache is not None:
                 k, v = cache.update(k, v)                                     # (B, Hkv, L, hd)
             if spec.kind == "flex":
-                y = _flex_attn()[0](q, k, v, block_mask=spec.block_mask, enable_gqa=gqa)
+                y = attention.flex_attn()[0](q, k, v, block_mask=spec.block_mask, enable_gqa=gqa)
             else:
                 y = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=spec.mask if spec.kind == "mask" else None, dropout_p=p,
@@ -272,8 +225,8 @@ class Attention(nn.Module):
             y = y.transpose(1, 2)                                             # (B, T, H, hd)
         return self.resid_dropout(self.wo(y.reshape(B, T, self.n_heads * self.head_dim)))
 
-    def decode(self, x, cos, sin, cache: KVCache, key_bias: Optional[torch.Tensor],
-               packed: Optional[PackedLayer] = None):
+    def decode(self, x, cos, sin, cache: Any, key_bias: Optional[torch.Tensor],
+               packed: Any = None):
         """One new token per row over the cache: x (B, 1, d_model). Plain matmul attention
         (softmax(q k^T / sqrt(hd) + key_bias) v, the query heads of one KV head batched
         together) instead of SDPA, whose CPU kernel pays a parallel region per call for a
@@ -307,12 +260,12 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(args)
         self.mlp = GatedMLP(args.d_model, args.ffn_hidden, args.activation, args.dropout)
 
-    def forward(self, x, cos, sin, spec: AttnSpec, cache: Optional[KVCache] = None):
+    def forward(self, x, cos, sin, spec: AttnSpec, cache: Any = None):
         x = x + self.attn(self.attn_norm(x), cos, sin, spec, cache)
         return x + self.mlp(self.mlp_norm(x))
 
-    def decode(self, x, cos, sin, cache: KVCache, key_bias: Optional[torch.Tensor],
-               packed: Optional[PackedLayer] = None):
+    def decode(self, x, cos, sin, cache: Any, key_bias: Optional[torch.Tensor],
+               packed: Any = None):
         x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache, key_bias, packed)
         h = self.mlp_norm(x)
         return x + (self.mlp(h) if packed is None else self.mlp.packed(h, packed.gate_up, packed.down))
@@ -443,27 +396,9 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def attention_path(self, device_type: str, dtype: torch.dtype) -> str:
-        """Which attention kernel training runs with on ``device_type`` under autocast ``dtype``
-        (the rule ``forward`` applies), and why the faster ones are not used, in one line."""
-        half = dtype in (torch.float16, torch.bfloat16) or self.tok_embeddings.weight.dtype in (
-            torch.float16, torch.bfloat16)
-        doc = self.args.document_mask
-        cuda = device_type == "cuda"
-        if cuda and half and _flash_attn():
-            return "flash-attn" + (" varlen (document masks)" if doc else "")
-        why = []
-        if not cuda:
-            why.append(f"flash-attn and flex attention run on CUDA only, this is {device_type}")
-        elif not half:
-            why.append("flash-attn needs fp16/bf16, this run is fp32")
-        elif not _flash_attn():
-            why.append(f"flash-attn is not importable ({_flash_backend()[1]})")
-        if doc and cuda:
-            if _flex_attn():
-                return "flex attention with a document block mask (" + "; ".join(why) + ")"
-            why.append(f"flex attention is unavailable ({_flex_backend()[1]})")
-        kind = "a block-diagonal causal mask (document masks)" if doc else "is_causal"
-        return f"PyTorch SDPA with {kind} (" + "; ".join(why) + ")"
+        """Which attention kernel training runs with, and why not a faster one (utils/attention.py)."""
+        return attention.attention_path(self.args.document_mask, self.tok_embeddings.weight.dtype,
+                                        device_type, dtype)
 
     def rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached (cos, sin) tables covering at least ``n`` positions on ``device``."""
@@ -474,36 +409,6 @@ class Transformer(nn.Module):
             tab = rope_tables(self.args.head_dim, size, self.args.rope_theta, device)
             self._rope[key] = tab
         return tab
-
-    def _document_spec(self, idx: torch.Tensor) -> tuple[Optional[torch.Tensor], AttnSpec]:
-        """Positions (B, T) restarting at each BOS and the attention that keeps each token
-        inside its document; (None, causal) when no row holds a second document."""
-        B, T = idx.shape
-        is_bos = idx == self.args.bos_id
-        if T < 2 or not bool(is_bos[:, 1:].any()):
-            return None, AttnSpec("causal")
-        ar = torch.arange(T, device=idx.device)
-        start = is_bos.clone()
-        start[:, 0] = True
-        last_start = torch.where(start, ar, 0).cummax(dim=1).values
-        positions = ar - last_start                                          # (B, T)
-        doc = start.cumsum(dim=1)                                            # (B, T) document ids
-        cuda_half = idx.is_cuda and torch.is_autocast_enabled("cuda") or (
-            idx.is_cuda and self.tok_embeddings.weight.dtype in (torch.float16, torch.bfloat16))
-        if cuda_half and _flash_attn():
-            starts = (start.reshape(-1)).nonzero().squeeze(1).to(torch.int32)
-            cu = torch.cat([starts, torch.tensor([B * T], dtype=torch.int32, device=idx.device)])
-            return positions, AttnSpec("varlen", cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))
-        if idx.is_cuda and _flex_attn():
-            create_block_mask = _flex_attn()[1]
-
-            def mask_mod(b, h, q, k):
-                return (k <= q) & (doc[b, q] == doc[b, k])
-            return positions, AttnSpec("flex", block_mask=create_block_mask(mask_mod, B, None, T, T,
-                                                                             device=idx.device))
-        causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
-        mask = causal & (doc[:, :, None] == doc[:, None, :])                 # (B, T, T)
-        return positions, AttnSpec("mask", mask=mask[:, None])
 
     def trunk(self, idx, positions, spec: AttnSpec, caches=None) -> torch.Tensor:
         """Embeddings -> blocks -> final norm: (B, T) -> (B, T, d_model)."""
@@ -527,12 +432,8 @@ class Transformer(nn.Module):
                 loss_mask: Optional[torch.Tensor] = None, return_logits: bool = True):
         """(B, T) token ids -> (logits (B, T, vocab) or None, loss or None)."""
         B, T = idx.shape
-        positions, spec = None, AttnSpec("causal")
-        if self.args.document_mask:
-            positions, spec = self._document_spec(idx)
-        elif idx.is_cuda and _flash_attn() and (torch.is_autocast_enabled("cuda") or
-                                                self.tok_embeddings.weight.dtype in (torch.float16, torch.bfloat16)):
-            spec = AttnSpec("flash")
+        positions, spec = attention.forward_spec(idx, self.tok_embeddings.weight.dtype,
+                                                 self.args.document_mask, self.args.bos_id)
         h = self.trunk(idx, positions, spec)
         if targets is None:
             return self.lm_head(h), None

@@ -142,104 +142,164 @@ def _load_source(cfg, spec: str, max_turn_chars: int, skips) -> tuple[list, dict
 
 
 def prepare(argv: Sequence[str]) -> int:
-    parser = prepare_parser()
-    args, cfg = parser.parse(argv)
-    import numpy as np
-    from utils.data import sft
-    from utils.atomic import write_json_atomic
-    from utils.data.shards import dtype_for_vocab, save_npy_atomic
-    from utils.data.tok import describe, load_tokenizer, require_bos_eos
-
+    args, cfg = prepare_parser().parse(argv)
     if args.batch_size < 1:
         raise UsageError("--batch-size must be at least 1.")
-    max_len = cfg.sft.max_length
-    out = cfg.path("paths.post_training_dir")
+    from utils.data import sft
+    from utils.data.tok import describe, load_tokenizer, require_bos_eos
     tok = load_tokenizer(cfg)
     tok_info = describe(tok, cfg.tokenizer.name)
     bos, eos = require_bos_eos(tok, cfg.tokenizer.name)
     template = sft.default_template(cfg.sft)
+    src = read_records(cfg, args)
+    enc = encode_records(tok, template, src, cfg.sft.max_length, args.batch_size, bos, eos)
+    out = cfg.path("paths.post_training_dir")
+    arrays = write_arrays(out, enc, len(tok))
+    copy_name = write_source_copy(out, src)
+    write_examples_and_metadata(cfg, out, tok, tok_info, template, src, enc, arrays, copy_name)
+    report_prepare(out, src, enc, arrays)
+    return 0
+
+
+@dataclass
+class Records:
+    records: list
+    source: dict
+    local: Optional[Path]         # a local file to copy next to the data, else None
+    skips: object                 # sft.Skips: malformed records
+    read: int                     # records read (kept + malformed)
+    limit: Optional[int]
+
+
+def read_records(cfg, args) -> Records:
+    """The records of the configured source (malformed ones counted), cut to --limit."""
+    from utils.data import sft
     skips = sft.Skips()
-    records, source, local = _load_source(cfg, cfg.sft.dataset, max_len * sft.MAX_TURN_CHARS_PER_TOKEN,
-                                          skips)
+    records, source, local = _load_source(cfg, cfg.sft.dataset,
+                                          cfg.sft.max_length * sft.MAX_TURN_CHARS_PER_TOKEN, skips)
     limit = args.limit if args.limit is not None else (TEST_MAX_RECORDS if cfg.test else None)
     read = len(records) + skips.total
     if limit is not None:
         records = records[:limit]
     print(f"sft prepare: {len(records)} records from {source['label']} ({source['name']})"
           + (f"; {skips.total} malformed skipped" if skips.total else "") + ".", flush=True)
+    return Records(records, source, local, skips, read, limit)
 
-    ids_all, mask_all, lengths, kept_recs = [], [], [], []
-    too_long = 0
-    for s in range(0, len(records), args.batch_size):
-        batch = records[s:s + args.batch_size]
+
+@dataclass
+class Encoded:
+    ids: list
+    masks: list
+    lengths: list
+    kept: list                    # the records kept (not longer than max_length)
+    too_long: int
+    max_length: int
+
+
+def encode_records(tok, template, src: Records, max_len: int, batch_size: int, bos, eos) -> Encoded:
+    """Token ids and loss masks of every record (``batch_size`` conversations per tokenizer
+    call); longer than ``max_len`` dropped and counted; none left is an error (nothing written)."""
+    from utils.data import sft
+    enc = Encoded([], [], [], [], 0, max_len)
+    records = src.records
+    for s in range(0, len(records), batch_size):
+        batch = records[s:s + batch_size]
         encoded = sft.encode_conversations(tok, template, [r["conversations"] for r in batch], bos, eos)
         for rec, (ids, mask) in zip(batch, encoded):
             if len(ids) > max_len:
-                too_long += 1
+                enc.too_long += 1
                 continue
-            ids_all.append(ids)
-            mask_all.append(mask)
-            lengths.append(len(ids))
-            kept_recs.append(rec)
-    total = len(records)
-    if not kept_recs:
+            enc.ids.append(ids)
+            enc.masks.append(mask)
+            enc.lengths.append(len(ids))
+            enc.kept.append(rec)
+    if not enc.kept:
+        skips = src.skips
         why = "; ".join(f"{k}: {v}" for k, v in sorted(skips.counts.items()))
         first = ("; first problems: " + "; ".join(skips.where[:5])) if skips.where else ""
         raise PipelineError(
-            f"no usable SFT example in {', '.join(source['inputs'])}: {read} record(s) read, "
-            f"{skips.total} malformed ({why or 'none'}), {too_long} longer than --max-length "
+            f"no usable SFT example in {', '.join(src.source['inputs'])}: {src.read} record(s) read, "
+            f"{skips.total} malformed ({why or 'none'}), {enc.too_long} longer than --max-length "
             f"{max_len}{first}. Fix the file (one {{\"conversations\": [user, assistant, ...]}} "
             "object per line) or raise --max-length; nothing was written.")
+    return enc
 
+
+def write_arrays(out: Path, enc: Encoded, vocab_size: int) -> dict:
+    """tokens, loss mask and offsets as .npy files (atomically; metadata.json removed first:
+    the set is incomplete until it is rewritten)."""
+    import numpy as np
+    from utils.data import sft
+    from utils.data.shards import dtype_for_vocab, save_npy_atomic
     out.mkdir(parents=True, exist_ok=True)
-    (out / sft.METADATA_FILE).unlink(missing_ok=True)     # the set is incomplete until it is rewritten
-    dtype = dtype_for_vocab(len(tok))
-    tokens = np.fromiter((t for ids in ids_all for t in ids), dtype=dtype, count=sum(lengths))
-    mask = np.fromiter((m for ms in mask_all for m in ms), dtype=np.uint8, count=sum(lengths))
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum(lengths)
+    (out / sft.METADATA_FILE).unlink(missing_ok=True)
+    dtype = dtype_for_vocab(vocab_size)
+    n = sum(enc.lengths)
+    tokens = np.fromiter((t for ids in enc.ids for t in ids), dtype=dtype, count=n)
+    mask = np.fromiter((m for ms in enc.masks for m in ms), dtype=np.uint8, count=n)
+    offsets = np.zeros(len(enc.lengths) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(enc.lengths)
     save_npy_atomic(out / sft.TOKENS_FILE, tokens)
     save_npy_atomic(out / sft.MASK_FILE, mask)
     save_npy_atomic(out / sft.OFFSETS_FILE, offsets)
+    return {"tokens": tokens, "mask": mask, "offsets": offsets, "dtype": dtype}
 
-    if local is not None:
-        copy_name = local.name
+
+def write_source_copy(out: Path, src: Records) -> str:
+    """A copy of the source next to the data (the local file, or the records as JSONL)."""
+    if src.local is not None:
+        copy_name = src.local.name
         tmp = out / f".{copy_name}.tmp-{os.getpid()}"
-        shutil.copyfile(local, tmp)
+        shutil.copyfile(src.local, tmp)
         os.replace(tmp, out / copy_name)
-    else:
-        copy_name = "lima_train.jsonl" if source["kind"] == "hub" else "qa_substitute_lima_schema.jsonl"
-        from utils.atomic import atomic_open
-        with atomic_open(out / copy_name, "w") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        return copy_name
+    from utils.atomic import atomic_open
+    copy_name = "lima_train.jsonl" if src.source["kind"] == "hub" else "qa_substitute_lima_schema.jsonl"
+    with atomic_open(out / copy_name, "w") as f:
+        for r in src.records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return copy_name
 
+
+def write_examples_and_metadata(cfg, out, tok, tok_info, template, src: Records, enc: Encoded,
+                                arrays: dict, copy_name: str) -> None:
+    """example_conversations.json (the first five as the model sees them) and metadata.json
+    (last: its presence marks a complete set)."""
+    import numpy as np
+    from utils.atomic import write_json_atomic
+    from utils.data import sft
     examples = []
-    for rec, ids, m in list(zip(kept_recs, ids_all, mask_all))[:5]:
+    for rec, ids, m in list(zip(enc.kept, enc.ids, enc.masks))[:5]:
         examples.append({"source": rec["source"], "conversations": rec["conversations"],
                          "formatted": sft.decode_for_people(tok, ids),
                          "trained_on": tok.decode([t for t, k in zip(ids, m) if k],
                                                   skip_special_tokens=False),
                          "tokens": len(ids), "loss_tokens": int(sum(m))})
     write_json_atomic(out / sft.EXAMPLES_FILE, examples)
-    single = sum(1 for r in kept_recs if len(r["conversations"]) == 2)
+    single = sum(1 for r in enc.kept if len(r["conversations"]) == 2)
     meta = {"format": sft.FORMAT_NAME, "format_version": sft.FORMAT_VERSION, "complete": True,
             "created": datetime.datetime.now().isoformat(timespec="seconds"),
-            "source": {**source, "copy": copy_name, "test": cfg.test, "limit": limit},
-            "template": template, "max_length": max_len, "dtype": str(np.dtype(dtype)),
+            "source": {**src.source, "copy": copy_name, "test": cfg.test, "limit": src.limit},
+            "template": template, "max_length": enc.max_length,
+            "dtype": str(np.dtype(arrays["dtype"])),
             "files": {"tokens": sft.TOKENS_FILE, "loss_mask": sft.MASK_FILE,
                       "offsets": sft.OFFSETS_FILE, "examples": sft.EXAMPLES_FILE},
-            "counts": {"records_read": read, "considered": total, "kept": len(kept_recs),
-                       "too_long": too_long, "single_turn": single,
-                       "multi_turn": len(kept_recs) - single, **skips.to_dict()},
-            "lengths": sft.length_stats(lengths),
-            "loss_tokens": int(mask.sum()),
+            "counts": {"records_read": src.read, "considered": len(src.records),
+                       "kept": len(enc.kept), "too_long": enc.too_long, "single_turn": single,
+                       "multi_turn": len(enc.kept) - single, **src.skips.to_dict()},
+            "lengths": sft.length_stats(enc.lengths),
+            "loss_tokens": int(arrays["mask"].sum()),
             "tokenizer": tok_info,
-            "data_fingerprint": sft.data_fingerprint(tokens, mask, offsets)}
+            "data_fingerprint": sft.data_fingerprint(arrays["tokens"], arrays["mask"],
+                                                     arrays["offsets"])}
     write_json_atomic(out / sft.METADATA_FILE, meta)
 
-    print(f"sft prepare: kept {len(kept_recs)}/{total} examples (max length {max_len} tokens; "
-          f"{too_long} too long); {sum(lengths):,} tokens, {int(mask.sum()):,} in the loss.")
+
+def report_prepare(out: Path, src: Records, enc: Encoded, arrays: dict) -> None:
+    skips = src.skips
+    print(f"sft prepare: kept {len(enc.kept)}/{len(src.records)} examples (max length "
+          f"{enc.max_length} tokens; {enc.too_long} too long); {sum(enc.lengths):,} tokens, "
+          f"{int(arrays['mask'].sum()):,} in the loss.")
     if skips.total:
         print(f"sft prepare: skipped {skips.total} malformed record(s): "
               + ", ".join(f"{k} {v}" for k, v in sorted(skips.counts.items())))
@@ -247,12 +307,11 @@ def prepare(argv: Sequence[str]) -> int:
             print(f"  {w}")
     if skips.notes:
         print("sft prepare: converted: " + ", ".join(f"{k} ({v})" for k, v in sorted(skips.notes.items())))
-    if source["kind"] == "qa_substitute":
+    if src.source["kind"] == "qa_substitute":
         print("sft prepare: note: this is a labelled SUBSTITUTE for LIMA (SciQ + ARC), recorded "
               "as such in metadata.json.")
     print(f"sft prepare: wrote {out}. Next: python main.py sft train --checkpoint "
           "checkpoints/<run>/checkpoint_best.pt")
-    return 0
 
 
 # --------------------------------------------------------------------------- train

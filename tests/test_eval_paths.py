@@ -176,14 +176,14 @@ def test_train_says_its_attention_path_and_why_no_mfu(tmp_path, train_shards):
 def test_attention_path_names_the_cuda_kernels_reasons():
     """The rule on CUDA, without a GPU: fp32 never takes flash-attn; a missing flash-attn is
     named with its import error."""
-    import model as M
+    import utils.attention as A
     m = create_model(ModelArgs(vocab_size=V, d_model=D, n_layers=1, n_heads=4, n_kv_heads=2,
                                max_seq_len=16))
     assert "flash-attn needs fp16/bf16" in m.attention_path("cuda", torch.float32)
-    if M._flash_attn():
+    if A.flash_attn():
         pytest.fail("flash-attn is importable on this CPU machine; this check expects it absent")
-    assert f"flash-attn is not importable ({M._flash_backend()[1]})" in m.attention_path("cuda", torch.bfloat16)
-    assert M._flash_backend()[1].startswith(("ImportError", "ModuleNotFoundError"))
+    assert f"flash-attn is not importable ({A.flash_backend()[1]})" in m.attention_path("cuda", torch.bfloat16)
+    assert A.flash_backend()[1].startswith(("ImportError", "ModuleNotFoundError"))
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -218,6 +218,23 @@ def test_prepare_local_jsonl_copies_source_and_reports_skips(tmp_path):
     assert int((toks == tok.eos_token_id).sum()) == 1      # the literal "</s>" stayed text
 
 
+def test_prepare_batch_size_is_tokenizer_calls_and_never_changes_the_data(work, tmp_path):
+    """--batch-size N: N conversations per tokenizer call. Prepared with 1 and with 7 (neither
+    divides 48) the arrays are byte-identical to the default run's."""
+    from utils.data import sft
+    ref = work["root"] / "data" / "post-training"
+    for n in ("1", "7"):
+        out = tmp_path / f"b{n}"
+        r = run_main("sft", "prepare", "--config", work["cfg"], "--dataset", "samples",
+                     "--limit", "48", "--max-length", "96", "--batch-size", n, "--output-dir", str(out))
+        assert r.returncode == 0, r.stderr
+        for name in (sft.TOKENS_FILE, sft.MASK_FILE, sft.OFFSETS_FILE):
+            assert (out / name).read_bytes() == (ref / name).read_bytes(), (n, name)
+    r = run_main("sft", "prepare", "--config", work["cfg"], "--dataset", "samples",
+                 "--batch-size", "0", "--output-dir", str(tmp_path / "b0"))
+    assert r.returncode == 2 and "--batch-size must be at least 1" in r.stderr
+
+
 # --------------------------------------------------------------------------- prepare (samples)
 def test_prepare_samples_layout_counts_and_mask(work):
     from utils.data import sft
@@ -273,6 +290,45 @@ def test_train_lowers_masked_val_loss_and_writes_the_run(work):
     vals = _val_losses(root, run.name)
     assert len(vals) >= 3 and vals[-1] < vals[0] - 0.3, vals
     assert "sample @ step" in r.stdout and "Why is the sky blue?" in r.stdout
+
+
+def test_sft_hyperparameters_are_its_own_and_the_inherited_ones_are_said(work, tmp_path):
+    """The sft section's weight decay, betas, clip, warm-up and final lr are what the optimizer
+    and the schedule use, whatever the training section says; the settings taken from
+    training/logging are printed in one line."""
+    import copy
+    root = work["root"]
+    cfg = json.loads(Path(work["cfg"]).read_text())
+    cfg = copy.deepcopy(cfg)
+    cfg.setdefault("training", {}).update({"weight_decay": 0.7, "beta2": 0.5, "grad_clip": 9.0,
+                                           "warmup_steps": 1000, "min_lr": 1.0, "lr": 1.0})
+    cfg.setdefault("sft", {}).update({"weight_decay": 0.03, "beta1": 0.8, "beta2": 0.9,
+                                      "grad_clip": 0.5, "warmup_ratio": 0.2, "min_lr_ratio": 0.25})
+    path = tmp_path / "sft_own.json"
+    path.write_text(json.dumps(cfg))
+    r = run_main("sft", "train", "--config", str(path), "--checkpoint", work["base"],
+                 "--epochs", "2", "--batch-size", "2", "--lr", "2e-3", "--name", "own",
+                 "--sample-tokens", "0", timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "sft train: from the training section: device" in r.stdout
+    assert "early_stopping_patience 0; from logging: log_every 1" in r.stdout
+    run = next((root / "checkpoints").glob("sft_own_*"))
+    from utils.run import load_checkpoint
+    ck = load_checkpoint(run / "checkpoint_latest.pt", "resume")
+    groups = ck["optimizer"]["adamw"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.03, 0.0]
+    assert all(tuple(g["betas"]) == (0.8, 0.9) for g in groups)
+    hyper = json.loads((run / "sft_config.json").read_text())["hyperparameters"]
+    total = hyper["total_steps"]
+    assert total >= 20 and hyper["warmup_steps"] == int(total * 0.2) and hyper["grad_clip"] == 0.5
+    assert hyper["min_lr"] == 2e-3 * 0.25 and hyper["weight_decay"] == 0.03
+    recs = [json.loads(l) for l in (root / "logs" / "raw_metrics" / f"{run.name}.jsonl").read_text().splitlines()]
+    lrs = [x["lr"] for x in recs if x.get("type") == "train"]
+    warm = hyper["warmup_steps"]
+    assert lrs[0] == pytest.approx(2e-3 / warm) and lrs[warm - 1] == pytest.approx(2e-3)   # sft's warm-up and lr
+    assert min(lrs) >= 2e-3 * 0.25 and lrs[-1] < 2e-3 * 0.4          # decays towards sft's floor
+    norms = [x["grad_norm"] for x in recs if x.get("type") == "train"]
+    assert norms and all(n is not None for n in norms)
 
 
 def test_train_refuses_tokenizer_and_architecture_mismatch(work):

@@ -33,6 +33,8 @@ from typing import Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
+from utils.attention import AttnSpec
+
 DECODE_PACK_MAX_BYTES = 1 << 30   # models with more weights generate without a transposed copy
 
 
@@ -186,7 +188,6 @@ class Engine:
                 self._pack = None      # training moves the weights on: the copy would only hold memory
 
     def _run(self, prompts, max_new_tokens, temperature, top_k, top_p, eos, seed):
-        from model import AttnSpec
         model = self.model
         device = model.device
         B, lens = len(prompts), [len(p) for p in prompts]

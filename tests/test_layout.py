@@ -1,0 +1,111 @@
+"""The seams the code is built on (docs/DESIGN.md, the map): imports run one way, down; the
+network, the generation engine, the run layer and checkpoint I/O each stay in their place;
+library modules have no process-wide side effects. Read from the source with ``ast``, so
+a change that crosses a seam fails here with the file and line."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+STAGES = {"main", "cleaner", "tokenizer", "dataset_prep", "fineweb_prep", "train", "status",
+          "post_training", "inference", "benchmark"}
+LIBRARY = sorted((ROOT / "utils").rglob("*.py")) + [ROOT / "model.py", ROOT / "dataloader.py"]
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """(module, line) of every import in the file, at any depth (lazy imports included)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, node.lineno))
+    return out
+
+
+def _calls(path: Path, names: set[str]) -> list[tuple[str, int]]:
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in names:
+                hits.append((name, node.lineno))
+    return hits
+
+
+def test_no_library_module_imports_a_stage_script():
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in LIBRARY
+           for mod, line in _imports(p) if mod.split(".")[0] in STAGES]
+    assert not bad, bad
+
+
+def test_the_network_and_the_file_format_know_nothing_above_them():
+    """model.py imports no generation, run, training or HF code; the engine does not import
+    model.py (it drives any model with the network's interface); checkpoint I/O does not
+    import the model (the run layer builds it)."""
+    model_imports = {m for m, _ in _imports(ROOT / "model.py")}
+    assert not {m for m in model_imports if m.startswith(("utils.run", "utils.training",
+                                                          "utils.hf", "utils.bench",
+                                                          "utils.generation"))}, model_imports
+    assert "model" not in {m for m, _ in _imports(ROOT / "utils" / "generation" / "engine.py")}
+    ckpt_imports = {m for m, _ in _imports(ROOT / "utils" / "training" / "checkpoint.py")}
+    assert "model" not in ckpt_imports and not any(m.startswith("utils.run") for m in ckpt_imports)
+
+
+def test_generation_lives_in_the_engine_only():
+    """No generation loop outside utils/generation: model.py has no generate/sampling, and
+    every caller goes through the engine."""
+    src = (ROOT / "model.py").read_text()
+    for name in ("def generate", "def generate_stream", "def sample_next", "def top_k_filter",
+                 "class KVCache", "_decode_pack", "set_num_threads"):
+        assert name not in src, name
+    callers = [p for p in ROOT.glob("*.py")] + LIBRARY
+    bad = [f"{p.relative_to(ROOT)}:{line}" for p in callers
+           if "generation" not in p.parts for name, line in _calls(p, {"generate_stream"})]
+    assert not bad, bad
+
+
+def test_no_process_side_effects_in_library_modules():
+    """No exec of a process and no change of torch's global thread count outside the engine's
+    step scope; importing every library module leaves the environment, the thread count and
+    the signal handlers as they were."""
+    bad = [f"{p.relative_to(ROOT)}:{line} {name}" for p in LIBRARY
+           for name, line in _calls(p, {"execve", "execv", "execvp", "system"})]
+    assert not bad, bad
+    threads = [f"{p.relative_to(ROOT)}:{line}" for p in LIBRARY
+               for name, line in _calls(p, {"set_num_threads"})
+               if p != ROOT / "utils" / "generation" / "engine.py"]
+    assert not threads, threads
+    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for p in LIBRARY]
+    code = ("import os, signal, sys, torch\n"
+            "env, n = dict(os.environ), torch.get_num_threads()\n"
+            "handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]\n"
+            f"for m in {modules!r}:\n"
+            "    __import__(m)\n"
+            "assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items())\n"
+            "assert torch.get_num_threads() == n\n"
+            "assert handlers == [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]\n"
+            "print('ok', len(sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
+
+
+def test_stage_functions_read_as_short_steps():
+    """No function in a stage script is longer than 60 lines (their main()s are a short
+    sequence of named steps over library code)."""
+    long = []
+    for name in sorted(STAGES):
+        path = ROOT / f"{name}.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 62:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, long
