@@ -16,12 +16,17 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
 	touch $@
 
+# llama.cpp for the GGUF checks: built from source by pip the first time (about 8 minutes)
+$(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements-test.txt
+	touch $@
+
 venv: $(VENV)/.installed
 
 samples: venv
 	$(PY) main.py samples
 
-demo: samples
+demo: samples $(VENV)/.installed-test
 	@echo "== 1. tokenizer: the Llama-style SentencePiece sample (stands in for CodeLlama offline)"
 	$(PY) main.py tokenize $(OFFLINE)
 	$(PY) main.py tokenize $(OFFLINE) --encode "Wikipedia is a free online encyclopedia. 日本語 😀"
@@ -49,7 +54,11 @@ demo: samples
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py infer $(OFFLINE) --checkpoint $$SFT/checkpoint_best.pt --prompt "Why is the sky blue?" --max-new-tokens 30 --seed 1
 	@echo "== 11. benchmark: the pre-trained and the SFT checkpoint compared (test mode: a few items per task)"
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py benchmark $(OFFLINE) --test checkpoints/demo/checkpoint_best.pt $$SFT/checkpoint_best.pt
-	@echo "== demo done: outputs in data/, tokenizers/, checkpoints/, logs/, benchmark_results/ (all git-ignored)"
+	@echo "== 12. export: the SFT checkpoint as a Hugging Face folder and as GGUF, each run by its own consumer"
+	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py export $(OFFLINE) --checkpoint $$SFT --format hf --out exports/demo-hf --force
+	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py export $(OFFLINE) --checkpoint $$SFT --format gguf --out exports/demo-gguf --force
+	$(PY) examples/try_exports.py --hf exports/demo-hf --gguf $$(ls exports/demo-gguf/*.gguf) --prompt "Why is the sky blue?" --chat
+	@echo "== demo done: outputs in data/, tokenizers/, checkpoints/, logs/, benchmark_results/, exports/ (all git-ignored)"
 
-test: samples
+test: samples $(VENV)/.installed-test
 	$(PY) -m pytest -q

@@ -117,6 +117,7 @@ def check_tasks(tasks: Sequence[str]) -> list[str]:
 
 def resolve_checkpoints(specs: Sequence[str], cfg: Config) -> list[Path]:
     """Checkpoint files from files, run folders or run names; default: newest pretrain + SFT."""
+    from utils.hf.import_hf import is_hf_model
     from utils.run import list_runs, pick_checkpoint
     ckdir = cfg.path("paths.checkpoints_dir")
     out: list[Path] = []
@@ -127,7 +128,8 @@ def resolve_checkpoints(specs: Sequence[str], cfg: Config) -> list[Path]:
         if hit is None:
             raise PipelineError(f"checkpoint or run '{spec}' not found (looked for {cands[0]} and "
                                 f"{ckdir / spec}). `python main.py status` lists the runs.")
-        out.append(pick_checkpoint(hit).resolve())      # a run folder: best, else latest
+        out.append(hit.resolve() if is_hf_model(hit) else   # imported through our model
+                   pick_checkpoint(hit).resolve())         # a run folder: best, else latest
     if specs:
         return out
     runs = list_runs(ckdir) if ckdir.exists() else []
@@ -229,6 +231,7 @@ def completion_data(data):
 
 def score_models(cfg, args, specs, device, selected: dict, loaded: dict) -> tuple[list, list]:
     """Each model in turn (memory is released between them): results and per-item records."""
+    from utils.hf.import_hf import is_hf_model
     from utils.bench import adapters, runner
     b = cfg.benchmark
     models, records_all = [], []
@@ -236,7 +239,9 @@ def score_models(cfg, args, specs, device, selected: dict, loaded: dict) -> tupl
     tokenizers: dict = {}          # loaded once for checkpoints that share one
     for kind, spec in specs:
         t0 = time.perf_counter()
-        if kind == "checkpoint":
+        if kind == "checkpoint" and is_hf_model(Path(spec)):
+            ad = adapters.ImportedAdapter(Path(spec), device, b.dtype)
+        elif kind == "checkpoint":
             ad = adapters.CheckpointAdapter(Path(spec), cfg, device, b.dtype, tokenizers)
         else:
             ad = adapters.HFAdapter(spec, device, b.dtype, gguf_file=args.gguf_file)

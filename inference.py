@@ -5,6 +5,7 @@
     python main.py infer --checkpoint PATH --prompt "The history of" --max-new-tokens 50 \\
         --temperature 0 [--seed 1] [--json]                scripted: prints only the generated text
     echo "Why is the sky blue?" | python main.py infer --checkpoint PATH --prompt -
+    python main.py infer --checkpoint exports/run-hf --prompt "..."   a Hugging Face Llama folder or .gguf file
 
 Interactive: pick a training run (newest first, highlighted; SFT runs and the legacy flat
 layout included), then a checkpoint (best in green, latest in blue), or several for a
@@ -78,7 +79,8 @@ def build_parser() -> StageParser:
     p = StageParser("inference.py", "Generate text from trained checkpoints: an interactive menu, "
                     "or scripted with --checkpoint and --prompt.")
     p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH",
-                   help="checkpoint file (skips the run/checkpoint menu)")
+                   help="checkpoint file or run folder (skips the run/checkpoint menu); also a "
+                        "Hugging Face Llama folder or .gguf file (imported)")
     p.add_argument("--prompt", default=None, metavar="TEXT",
                    help="scripted mode: generate once for TEXT ('-' reads standard input) and "
                         "print only the generated text")
@@ -166,6 +168,12 @@ class Session:
     def load(self, path: Path, label: Optional[str] = None) -> Loaded:
         from utils.generation.engine import Engine
         from utils.run import load_model, pick_checkpoint, tokenizer_for_checkpoint
+        from utils.hf.import_hf import is_hf_model, load_hf_llama
+        if is_hf_model(Path(path)):            # a Hugging Face Llama folder or .gguf: imported
+            imported = load_hf_llama(path)
+            model, ckpt, tok = imported.model.to(self.device), {"kind": "hf"}, imported.tok
+            n = sum(p.numel() for p in model.parameters())
+            return Loaded(Path(path), label or Path(path).name, model, "hf", None, n, tok, Engine(model))
         path = pick_checkpoint(path, say=lambda s: print(f"infer: {s}", file=self.err))
         model, ckpt = load_model(path, device=self.device)
         tok, _ = tokenizer_for_checkpoint(ckpt, self.cfg, path, cache=self._tokenizers,

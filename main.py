@@ -65,9 +65,12 @@ STAGES: dict[str, Stage] = {
     "sft": Stage("post_training", "instruction data (LIMA format) -> supervised fine-tuning"),
     "infer": Stage("inference", "generate text from a checkpoint", ("inference",)),
     "benchmark": Stage("benchmark", "perplexity, LAMBADA, HellaSwag and more on checkpoints"),
+    "export": Stage("export", "a checkpoint as a Hugging Face model folder or a GGUF file "
+                    "(llama.cpp)"),
 }
 ALIASES: dict[str, str] = {a: name for name, st in STAGES.items() for a in st.aliases}
-MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "infer", "benchmark", "samples"]
+MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "infer", "benchmark",
+              "export", "samples"]
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)

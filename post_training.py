@@ -72,6 +72,9 @@ def train_parser() -> StageParser:
     p.add_argument("--resume", default=None, metavar="PATH|auto",
                    help="continue an SFT run from its checkpoint file, or 'auto': the newest "
                         "sft_<name>_* run's checkpoint_latest.pt")
+    p.add_argument("--init-from-hf", type=cli_path, default=None, metavar="DIR",
+                   help="fine-tune a local Hugging Face Llama model (folder or .gguf file) "
+                        "instead of --checkpoint (prepare the data with its tokenizer)")
     p.add_argument("--name", default="lima", help="run name: checkpoints/sft_<name>_<time>/")
     p.config_flag("--epochs", key="sft.epochs", type=int, metavar="N", help="fine-tuning epochs")
     p.config_flag("--lr", key="sft.lr", type=float, metavar="LR", help="learning rate")
@@ -348,7 +351,7 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
     optimizer, settings = sft_hyperparameters(cfg, args, data)
     model, device = build_model(cfg, start)
     spec = sft_spec(cfg, args, model, start, data, optimizer, settings, tok, tok_info, eos)
-    logger = open_logger(cfg, args, start, data, spec, device)
+    logger = open_logger(cfg, args, start, data, spec, tok, device)
     from utils.run import resume_command_sft
     from utils.training.trainer import Trainer, pause_step_from_env
     trainer = Trainer(spec, run_dir=start.run_dir, logger=logger, device=device,
@@ -361,9 +364,13 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
 # --------------------------------------------------------------------------- steps of train
 def parse_train(argv: Sequence[str]):
     args, cfg = train_parser().parse(argv)
-    if not args.checkpoint and not args.resume:
-        raise UsageError("sft train needs --checkpoint PATH (the pretrained checkpoint to "
-                         "fine-tune), or --resume PATH|auto to continue an SFT run.")
+    given = [f for f, v in (("--checkpoint", args.checkpoint), ("--init-from-hf", args.init_from_hf),
+                            ("--resume", args.resume)) if v]
+    if len(given) != 1:
+        raise UsageError("sft train needs exactly one of --checkpoint PATH (a pretrained checkpoint "
+                         "to fine-tune), --init-from-hf DIR (a Hugging Face Llama model) or "
+                         "--resume PATH|auto (continue an SFT run)"
+                         + (f"; got {' and '.join(given)}." if given else "."))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name or ""):
         raise UsageError(f"--name {args.name!r}: use letters, digits, '.', '_' or '-'.")
     if not 0 < args.eval_every <= 1:
@@ -380,6 +387,7 @@ class Start:
     ckpt: Optional[dict]          # a new run's base checkpoint (its weights are loaded)
     resume: Optional[dict]        # a resumed run's checkpoint (Trainer.load_state)
     resume_path: Optional[Path]
+    imported: object = None       # --init-from-hf: utils.hf.import_hf.Imported
 
 
 def open_sft_run(cfg, args, meta: dict) -> Start:
@@ -398,15 +406,23 @@ def open_sft_run(cfg, args, meta: dict) -> Start:
         check_compatible(resume, rpath, meta, data_dir, model_args)
         base = Path((resume.get("sft") or {}).get("base_checkpoint") or rpath)
         return Start(rpath.parent, base, model_args, None, resume, rpath)
-    base = Path(args.checkpoint)
-    ckpt = load_checkpoint(base, purpose="weights")
-    model_args = model_lib.ModelArgs.from_dict(dict(ckpt["model_args"]))
+    imported = None
+    if args.init_from_hf:
+        from utils.hf.import_hf import load_hf_llama
+        imported = load_hf_llama(args.init_from_hf)
+        base = Path(imported.source)
+        ckpt = {"model": imported.model.state_dict(), "tokenizer": imported.tok_info}
+        model_args = imported.model.args
+    else:
+        base = Path(args.checkpoint)
+        ckpt = load_checkpoint(base, purpose="weights")
+        model_args = model_lib.ModelArgs.from_dict(dict(ckpt["model_args"]))
     check_compatible(ckpt, base, meta, data_dir, model_args)
     stamp = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
     run_dir = cfg.path("paths.checkpoints_dir") / f"sft_{args.name}_{stamp}"
     if run_dir.exists():
         raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
-    return Start(run_dir, base, model_args, ckpt, None, None)
+    return Start(run_dir, base, model_args, ckpt, None, None, imported)
 
 
 def open_run_tokenizer(cfg, start: Start, meta: dict):
@@ -414,9 +430,12 @@ def open_run_tokenizer(cfg, start: Start, meta: dict):
     no tokenizer load), matched once more against the SFT data's fingerprint."""
     from utils.data.tok import require_bos_eos
     from utils.run import require_same_tokenizer, tokenizer_for_checkpoint
-    tok, tok_info = tokenizer_for_checkpoint(start.resume or start.ckpt, cfg,
-                                             start.resume_path or start.base_path)
-    tok_info = {k: v for k, v in tok_info.items() if k != "verified"}
+    if start.imported is not None:
+        tok, tok_info = start.imported.tok, dict(start.imported.tok_info)
+    else:
+        tok, tok_info = tokenizer_for_checkpoint(start.resume or start.ckpt, cfg,
+                                                 start.resume_path or start.base_path)
+        tok_info = {k: v for k, v in tok_info.items() if k != "verified"}
     require_same_tokenizer(tok_info, meta.get("tokenizer"), "the checkpoint's tokenizer",
                            f"the SFT data in {cfg.path('paths.post_training_dir')}",
                            "Re-run `python main.py sft prepare` with that tokenizer.")
@@ -516,9 +535,11 @@ def sft_spec(cfg, args, model, start: Start, data: Data, optimizer, settings, to
                      sample_fn=sample_fn if args.sample_tokens > 0 else None)
 
 
-def open_logger(cfg, args, start: Start, data: Data, spec, device):
-    """The run folder with sft_config.json (what it was trained from and with), the logs."""
+def open_logger(cfg, args, start: Start, data: Data, spec, tok, device):
+    """The run folder with sft_config.json (what it was trained from and with) and a copy of
+    its tokenizer, the logs."""
     from utils.atomic import write_json_atomic
+    from utils.run import save_run_tokenizer
     from utils.training.logging_utils import DualLogger
     from utils.training.trainer import resolve_dtype
     run, meta, st, opt = start.run_dir.name, data.examples.meta, spec.settings, spec.optimizer
@@ -526,6 +547,7 @@ def open_logger(cfg, args, start: Start, data: Data, spec, device):
                         jsonl=cfg.logging.raw_metrics,
                         purge_step=(int(start.resume["step"]) + 1) if start.resume else None)
     start.run_dir.mkdir(parents=True, exist_ok=True)
+    save_run_tokenizer(start.run_dir, tok, spec.record.tokenizer["name"])
     hyper = {"epochs": cfg.sft.epochs, "lr": opt.lr, "min_lr": st.min_lr,
              "batch_size": cfg.sft.batch_size, "val_split": cfg.sft.val_split,
              "warmup_steps": st.warmup_steps, "total_steps": st.total_steps,

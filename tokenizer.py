@@ -27,21 +27,17 @@ import itertools
 import json
 import os
 import re
-import shutil
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 from utils.config import Config
 from utils.data.textio import iter_articles
-from utils.data.tok import (INFO_FILE, SPECIAL_TOKENS, SPM_CONVERSION, conversion_of, describe,
-                       encode_plain, fingerprint, has_tokenizer_files, load_tokenizer_from,
-                       looks_like_path, plain, save_dir, special_ids, special_merges,
-                       tokenizer_source)
+from utils.data.tok import (SPECIAL_TOKENS, SPM_CONVERSION, conversion_of, encode_plain, fingerprint, has_tokenizer_files, load_tokenizer_from,
+                       looks_like_path, plain, save_dir, save_tokenizer, special_ids,
+                       special_merges, special_tokens, tokenizer_source)
 
-INFO_FORMAT = ("pipeline-tokenizer", 1)
 # Trained tokenizers: special tokens in id order (unk 0, bos 1, eos 2, pad 3, as in the seed).
 TRAIN_SPECIALS = [SPECIAL_TOKENS["unk"], SPECIAL_TOKENS["bos"], SPECIAL_TOKENS["eos"],
                   SPECIAL_TOKENS["pad"]]
@@ -97,37 +93,6 @@ def configured_tokenizer(cfg: Config, load: Optional[str] = None) -> tuple[objec
     spec, saved = tokenizer_source(cfg)
     note = f"saved copy in {saved}" if saved else source_kind(spec, cfg)
     return load_tokenizer_from(spec, cfg), cfg.tokenizer.name, note
-
-
-def save_tokenizer(tok, directory: Path, source: str, extra: Optional[dict] = None) -> dict:
-    """save_pretrained into ``directory`` plus pipeline_tokenizer.json; returns that info.
-
-    Written into a sibling temp directory first and then moved into place, so an interrupted
-    save never leaves a half-written tokenizer where the other stages look for one.
-    """
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(directory.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tok.save_pretrained(str(tmp))
-    info = {"format": INFO_FORMAT[0], "version": INFO_FORMAT[1], "source": source,
-            "class": type(tok).__name__, "conversion": conversion_of(tok), **describe(tok, source),
-            "special_tokens": special_tokens(tok),
-            "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    if extra:
-        info.update(extra)
-    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n",
-                                 encoding="utf-8")
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(tmp, directory)
-    return info
-
-
-def special_tokens(tok) -> dict:
-    """{'bos': '<s>', ...} (None when the tokenizer has no such token)."""
-    return {"bos": tok.bos_token, "eos": tok.eos_token, "unk": tok.unk_token, "pad": tok.pad_token}
 
 
 # --------------------------------------------------------------------------- sample text

@@ -21,7 +21,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from utils.cli import EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, argv_without, run_stage
+from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, argv_without, cli_path,
+                       run_stage)
 
 # --test: a quick CPU profile. Each entry applies unless its flag is given on the command line
 # (it then overrides the config file's value, like any flag).
@@ -83,6 +84,10 @@ def build_parser() -> StageParser:
                   help="training window length in tokens (--test: 64)")
     p.config_flag("--sample-tokens", key="training.sample_tokens", type=int,
                   help="tokens of the sample generated at each validation (0 = none)")
+    p.add_argument("--init-from-hf", type=cli_path, default=None, metavar="DIR",
+                   help="start from a local Hugging Face Llama model (folder or .gguf file): its "
+                        "weights, shape and tokenizer (the shards must be made with that "
+                        "tokenizer: tokenizer.name DIR)")
     p.add_argument("--nproc-per-node", type=_positive_int, default=1, metavar="N",
                    help="DDP on N processes of this machine (one per GPU; gloo on CPU): "
                         "torchrun --standalone, launched for you")
@@ -110,11 +115,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.nproc_per_node > 1:
         return launch_ranks(argv, args.nproc_per_node)
     proc = set_up_process(cfg)
-    tok, tok_info = open_tokenizer(cfg)
-    start = open_run(cfg, args, tok, tok_info, proc)
+    tok, tok_info, imported = open_tokenizer(cfg, args)
+    start = open_run(cfg, args, tok, tok_info, proc, imported)
     data = build_data(cfg, tok, tok_info, proc)
     model = build_model(cfg, start, data, proc)
-    logger = open_logger(cfg, start, data, model, proc)
+    logger = open_logger(cfg, start, data, model, tok, tok_info, proc)
     spec = pretraining_spec(cfg, model, start, data, tok, tok_info, proc)
     from utils.training.trainer import Trainer, pause_step_from_env
     from utils.run import resume_command_train
@@ -185,22 +190,35 @@ def restart_process(restart) -> None:
     os.execve(restart.executable, restart.argv, restart.env)
 
 
-def open_tokenizer(cfg):
+def open_tokenizer(cfg, args):
+    """The configured tokenizer; with ``--init-from-hf``, the imported model's own (and the
+    imported model)."""
+    if args.init_from_hf:
+        if args.resume:
+            raise UsageError("--init-from-hf starts a new run from a Hugging Face model; "
+                             "--resume continues a run of ours: give one of them.")
+        from utils.hf.import_hf import load_hf_llama
+        imported = load_hf_llama(args.init_from_hf)
+        print(f"train: starting from {imported.source} ({imported.model.num_params():,} "
+              "parameters, its own tokenizer).", flush=True)
+        return imported.tok, imported.tok_info, imported
     from utils.data.tok import describe, load_tokenizer
     tok = load_tokenizer(cfg)
-    return tok, describe(tok, cfg.tokenizer.name)
+    return tok, describe(tok, cfg.tokenizer.name), None
 
 
 @dataclass
 class Start:
-    """Where the run lives and what it starts from (a resume checkpoint, or nothing)."""
+    """Where the run lives and what it starts from (a resume checkpoint, imported weights, or
+    a fresh initialization)."""
     run: str
     run_dir: Path
     model_args: object
     ckpt: Optional[dict]
+    init_weights: Optional[dict] = None      # --init-from-hf: the imported state dict
 
 
-def open_run(cfg, args, tok, tok_info, proc: Process) -> Start:
+def open_run(cfg, args, tok, tok_info, proc: Process, imported=None) -> Start:
     """A resumed run (its checkpoint, checked against today's tokenizer and settings) or a new
     one (a name, a model from the config); refuses to start over an existing run."""
     import model as model_lib
@@ -220,13 +238,20 @@ def open_run(cfg, args, tok, tok_info, proc: Process) -> Start:
     else:
         run = hp.run_name or D.broadcast_object(
             proc.dist, datetime.datetime.now().strftime("run_%Y_%m_%d_%H_%M"))
-        model_args = model_lib.model_args_from_config(cfg, cfg.model.vocab_size or len(tok),
-                                                      tok.bos_token_id)
+        if imported is not None:
+            model_args = imported.model.args
+            if cfg.dataset.window > model_args.max_seq_len:
+                raise UsageError(f"dataset.window {cfg.dataset.window} is longer than the imported "
+                                 f"model's context ({model_args.max_seq_len}); lower --window.")
+        else:
+            model_args = model_lib.model_args_from_config(cfg, cfg.model.vocab_size or len(tok),
+                                                          tok.bos_token_id)
     run_dir = ckdir / run
     if ckpt is None and (run_dir / "checkpoint_latest.pt").exists():
         raise UsageError(f"{run_dir} already holds a run. Continue it with `--name {run} --resume "
                          "auto`, or choose another --name.")
-    return Start(run, run_dir, model_args, ckpt)
+    return Start(run, run_dir, model_args, ckpt,
+                 imported.model.state_dict() if imported is not None else None)
 
 
 @dataclass
@@ -289,7 +314,11 @@ def build_model(cfg, start: Start, data: Data, proc: Process):
     from utils.training.trainer import resolve_dtype, seed_everything
     hp = cfg.training
     seed_everything(hp.seed)
-    model = model_lib.create_model(start.model_args).to(proc.device)
+    model = model_lib.create_model(start.model_args)
+    if start.init_weights is not None:
+        model.load_state_dict(start.init_weights, strict=True)
+        start.init_weights = None
+    model = model.to(proc.device)
     dtype = resolve_dtype(hp.dtype, proc.device)
     proc.say(f"train: model {model.num_params():,} parameters (preset {cfg.model.preset}); "
              f"{data.total_steps} steps of {_effective_batch(cfg, proc)} x {cfg.dataset.window} "
@@ -304,8 +333,10 @@ def _effective_batch(cfg, proc: Process) -> int:
     return cfg.training.batch_size * cfg.training.grad_accum * proc.dist.world_size
 
 
-def open_logger(cfg, start: Start, data: Data, model, proc: Process):
-    """TensorBoard + JSONL metrics (rank 0), the run folder and its resolved config."""
+def open_logger(cfg, start: Start, data: Data, model, tok, tok_info, proc: Process):
+    """TensorBoard + JSONL metrics (rank 0), the run folder with its resolved config and a
+    copy of its tokenizer."""
+    from utils.run import save_run_tokenizer
     from utils.training.logging_utils import DualLogger
     from utils.training.trainer import resolve_dtype
     hp = cfg.training
@@ -315,6 +346,7 @@ def open_logger(cfg, start: Start, data: Data, model, proc: Process):
     if proc.dist.is_main:
         start.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save_resolved(start.run_dir, "config.json")
+        save_run_tokenizer(start.run_dir, tok, tok_info["name"])
         hparams = {"run": start.run, "params": model.num_params(), "total_steps": data.total_steps,
                    "effective_batch": _effective_batch(cfg, proc), "window": cfg.dataset.window,
                    "world_size": proc.dist.world_size,

@@ -232,19 +232,20 @@ def sample_wheels(samples, tmp_path_factory) -> Path:
 
 
 # ----------------------------------------------------------------------------- training data
-def write_train_shards(directory: Path, n_docs: int = 120) -> Path:
+def write_train_shards(directory: Path, n_docs: int = 120, tokenizer: str = str(SPM_MODEL)) -> Path:
     """A tiny shard set for the train stage: the first ``n_docs`` distinct lines of the real
-    news sample, encoded with the sample SentencePiece tokenizer (BOS + ids + EOS per line) and
-    written by utils.data.shards (tests.test_dataloader.write_shard_set). Returns ``directory``."""
+    news sample, encoded with ``tokenizer`` (default: the sample SentencePiece model; BOS + ids
+    + EOS per line) and written by utils.data.shards (tests.test_dataloader.write_shard_set).
+    Returns ``directory``."""
     import numpy as np
     from tests.test_dataloader import write_shard_set
     from utils.data.tok import describe, load_tokenizer_from
-    tok = load_tokenizer_from(str(SPM_MODEL))
+    tok = load_tokenizer_from(tokenizer)
     lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines()]
     texts = list(dict.fromkeys(x for x in lines if x))[:n_docs]
     ids = tok(texts, add_special_tokens=False)["input_ids"]
     docs = [np.asarray([tok.bos_token_id, *x, tok.eos_token_id]) for x in ids]
-    write_shard_set(Path(directory), docs, describe(tok, str(SPM_MODEL)))
+    write_shard_set(Path(directory), docs, describe(tok, tokenizer))
     return Path(directory)
 
 

@@ -99,14 +99,46 @@ def test_interactive_infer_opens_a_run_without_its_config(run):
     assert c.exitstatus == 0 and "Traceback" not in c.before
 
 
-def test_a_missing_tokenizer_is_named_with_where_it_looked(run):
+def test_a_run_folder_copied_elsewhere_opens_with_its_own_tokenizer_copy(run, tmp_path):
+    """Each run folder keeps <run>/tokenizer/ (train and sft write it): copied to another
+    place without the tokenizer it was trained with, infer and export still open it, through
+    that copy (checked by fingerprint)."""
+    from utils.run import RUN_TOKENIZER_DIR, load_checkpoint
+    from utils.data.tok import fingerprint, load_tokenizer_from
+    base = run["root"] / "checkpoints" / "base"
+    copy = base / RUN_TOKENIZER_DIR
+    assert fingerprint(load_tokenizer_from(str(copy))) == load_checkpoint(run["ckpt"])["tokenizer"]["fingerprint"]
+    elsewhere = tmp_path / "other_machine"
+    shutil.copytree(base, elsewhere / "base")
+    cfg = write_config(elsewhere, {}, "c.json")
     moved = run["root"] / "mytok_moved"
     run["tok_dir"].rename(moved)
+    try:
+        p = run_main("infer", "--config", cfg, "--checkpoint", str(elsewhere / "base"),
+                     "--prompt", "The history of", "--max-new-tokens", "4", "--seed", "1")
+        e = run_main("export", "--config", cfg, "--checkpoint", str(elsewhere / "base"),
+                     "--format", "hf", "--out", str(elsewhere / "hf"))
+    finally:
+        moved.rename(run["tok_dir"])
+    out = _ok(p)
+    assert str(elsewhere / "base" / RUN_TOKENIZER_DIR) in out
+    _ok(e)
+    assert (elsewhere / "hf" / "tokenizer.json").is_file()
+
+
+def test_a_missing_tokenizer_is_named_with_where_it_looked(run):
+    from utils.run import RUN_TOKENIZER_DIR
+    moved = run["root"] / "mytok_moved"
+    copy = run["ckpt"].parent / RUN_TOKENIZER_DIR
+    hidden = run["ckpt"].parent / "tokenizer_hidden"
+    run["tok_dir"].rename(moved)
+    copy.rename(hidden)
     try:
         p = run_main("infer", "--config", run["plain"], "--checkpoint", run["ckpt"],
                      "--prompt", "x", "--max-new-tokens", "2")
     finally:
         moved.rename(run["tok_dir"])
+        hidden.rename(copy)
     out = p.stdout + p.stderr
     assert p.returncode == 1, out
     assert "cannot find the tokenizer this checkpoint was trained with" in out

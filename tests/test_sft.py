@@ -282,6 +282,7 @@ def test_train_lowers_masked_val_loss_and_writes_the_run(work):
     assert {"checkpoint_best.pt", "checkpoint_latest.pt", "checkpoint_epoch_1.pt",
             "checkpoint_epoch_2.pt", "sft_config.json"} <= set(names)
     assert not [n for n in names if n.startswith("checkpoint_step_")]
+    assert (run / "tokenizer" / "tokenizer.json").is_file()        # the run folder's own copy
     from utils.run import load_checkpoint
     ck = load_checkpoint(run / "checkpoint_best.pt")
     assert ck["kind"] == "sft" and ck["chat_template"]["assistant_prefix"] == "Assistant: "

@@ -101,7 +101,7 @@ def test_fingerprint_stable_across_save_reload(any_tok, tmp_path):
     assert re.fullmatch(r"[0-9a-f]{64}", fp)
     info = stage.save_tokenizer(any_tok, tmp_path / "tok", "test")
     assert info["fingerprint"] == fp
-    saved = json.loads((tmp_path / "tok" / stage.INFO_FILE).read_text())
+    saved = json.loads((tmp_path / "tok" / tok_lib.INFO_FILE).read_text())
     assert saved["fingerprint"] == fp and saved["vocab_size"] == len(any_tok)
     reloaded = load_tokenizer_from(str(tmp_path / "tok"))
     assert fingerprint(reloaded) == fp
@@ -398,7 +398,7 @@ def test_cli_save_and_report(saved_spm):
     d = root / "tokenizers" / "mistral-v1"
     assert (d / "tokenizer.json").exists() and (d / "tokenizer_config.json").exists()
     assert json.loads((d / "resolved_config.json").read_text())["tokenizer"]["name"] == str(SPM_MODEL)
-    info = json.loads((d / stage.INFO_FILE).read_text())
+    info = json.loads((d / tok_lib.INFO_FILE).read_text())
     assert info["vocab_size"] == 32000 and (info["bos_id"], info["eos_id"], info["unk_id"]) == (1, 2, 0)
     assert info["fingerprint"] in out and info["source"] == str(SPM_MODEL)
     assert info["fingerprint"] == fingerprint(load_tokenizer_from(str(SPM_MODEL)))
@@ -430,8 +430,8 @@ def test_cli_train(samples, tmp_path, tmp_config, bpe_tok):
     assert proc.returncode == 0, proc.stderr
     d = tmp_path / "tokenizers" / "bpe"
     assert (d / "resolved_config.json").exists()
-    assert (d / "tokenizer.json").exists() and (d / stage.INFO_FILE).exists()
-    info = json.loads((d / stage.INFO_FILE).read_text())
+    assert (d / "tokenizer.json").exists() and (d / tok_lib.INFO_FILE).exists()
+    info = json.loads((d / tok_lib.INFO_FILE).read_text())
     assert info["vocab_size"] == 600 and info["training"]["documents"] == 300
     assert (info["unk_id"], info["bos_id"], info["eos_id"], info["pad_id"]) == (0, 1, 2, 3)
     assert re.search(r"vocab size\s*:\s*600", proc.stdout) and "characters per token" in proc.stdout
@@ -478,7 +478,7 @@ def test_cli_saved_copy_of_the_old_conversion_is_refused_then_resaved(samples, t
     saved = tmp_path / "tokenizers" / "mistral-v1"
     old = old_conversion()
     old.save_pretrained(str(saved))    # what `tokenize` saved before utils/data/spm.py
-    (saved / stage.INFO_FILE).write_text(json.dumps({
+    (saved / tok_lib.INFO_FILE).write_text(json.dumps({
         "format": "pipeline-tokenizer", "version": 1, "source": str(SPM_MODEL),
         "kind": "SentencePiece model, converted to a fast tokenizer",
         **describe(old, str(SPM_MODEL))}), encoding="utf-8")
@@ -488,7 +488,7 @@ def test_cli_saved_copy_of_the_old_conversion_is_refused_then_resaved(samples, t
     assert "python main.py tokenize" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_main("tokenize", "--config", cfg)      # re-save from the .model
     assert proc.returncode == 0, proc.stderr
-    info = json.loads((saved / stage.INFO_FILE).read_text())
+    info = json.loads((saved / tok_lib.INFO_FILE).read_text())
     assert info["conversion"] == tok_lib.SPM_CONVERSION
     resaved = load_tokenizer_from(str(saved))
     assert stage.encode(resaved, " x") == sp.encode(" x") != old.encode(" x", add_special_tokens=False)

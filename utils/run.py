@@ -25,7 +25,9 @@ config.json names. :func:`tokenizer_for_checkpoint` looks, in order, at
    under the run's ``tokenizers/`` folder, else its ``tokenizer.name``, relative paths taken
    against the run's ``paths.root``), then the ``name`` the checkpoint's tokenizer record
    gives, against the same root;
-2. the configured tokenizer (``--config`` / config.json), when it names something else;
+2. the copy the run folder keeps (``<run>/tokenizer/``, :func:`save_run_tokenizer`: train and
+   sft write it), so a run folder copied to another machine opens without its tokenizer;
+3. the configured tokenizer (``--config`` / config.json), when it names something else;
 
 and takes the first whose fingerprint equals the one stored in the checkpoint (a checkpoint
 without a fingerprint, from before fingerprints, takes the first that loads). When the
@@ -259,7 +261,28 @@ def run_config(ckpt: dict) -> Optional[Config]:
     return None if problems else cfg
 
 
-def _candidates(ckpt: dict, cfg: Config) -> list[tuple[str, str, Config]]:
+RUN_TOKENIZER_DIR = "tokenizer"      # the copy of its tokenizer each run folder keeps
+
+
+def save_run_tokenizer(run_dir: Path, tok, name: str) -> Path:
+    """Keep a copy of ``tok`` in the run folder (``<run>/tokenizer/``), so the folder works
+    on another machine; an existing copy with the same fingerprint is left as it is."""
+    from utils.data.tok import INFO_FILE, fingerprint, save_tokenizer
+    target = Path(run_dir) / RUN_TOKENIZER_DIR
+    info = target / INFO_FILE
+    fp = fingerprint(tok)
+    if info.is_file():
+        import json
+        try:
+            if json.loads(info.read_text(encoding="utf-8")).get("fingerprint") == fp:
+                return target
+        except ValueError:
+            pass                  # a damaged copy: written again below
+    save_tokenizer(tok, target, name, {"kind": "the run's tokenizer"})
+    return target
+
+
+def _candidates(ckpt: dict, cfg: Config, path: Optional[Path] = None) -> list[tuple[str, str, Config]]:
     """(label, tokenizer spec, config to resolve it against), in the order they are tried,
     without repeats."""
     from utils.data.tok import tokenizer_source
@@ -270,6 +293,8 @@ def _candidates(ckpt: dict, cfg: Config) -> list[tuple[str, str, Config]]:
     name = (ckpt.get("tokenizer") or {}).get("name")
     if isinstance(name, str) and name:
         out.append(("the checkpoint's tokenizer record", name, run_cfg or cfg))
+    if path is not None and (Path(path).parent / RUN_TOKENIZER_DIR).is_dir():
+        out.append(("the run folder's copy", str((Path(path).parent / RUN_TOKENIZER_DIR).resolve()), cfg))
     out.append(("the configured tokenizer.name", tokenizer_source(cfg)[0], cfg))
     seen, unique = set(), []
     for label, spec, base in out:
@@ -295,7 +320,7 @@ def tokenizer_for_checkpoint(ckpt: dict, cfg: Config, path: Path,
     want = info.get("fingerprint")
     cache = {} if cache is None else cache
     tried = []
-    for label, spec, base in _candidates(ckpt, cfg):
+    for label, spec, base in _candidates(ckpt, cfg, path):
         where = str(base.resolve(spec)) if _is_path(spec, base) else spec
         try:
             if where not in cache:

@@ -207,6 +207,37 @@ class CheckpointAdapter(Adapter):
         return logits
 
 
+class ImportedAdapter(Adapter):
+    """A Hugging Face Llama folder or .gguf file imported as our model (utils/hf/import_hf.py):
+    our forward pass on its weights, its own tokenizer; BOS framing as ``HFAdapter`` decides it
+    for the same folder, so both score the same token sequences."""
+
+    def __init__(self, path: Path, device: torch.device, dtype: str = "auto"):
+        from utils.hf.import_hf import load_hf_llama
+        imported = load_hf_llama(path)
+        self.model = imported.model.to(device).eval()
+        self.device, self.amp = device, autocast_dtype(dtype, device)
+        self.tok = imported.tok
+        self.add_bos = _adds_bos(self.tok)
+        self.max_length = int(self.model.args.max_seq_len)
+        self.name = f"{Path(imported.source).name} (imported)"
+        self.identity = {"kind": "imported", "path": imported.source,
+                         "fingerprint": weights_fingerprint(self.model.state_dict()),
+                         "tokenizer": imported.tok_info, "model_args": self.model.args.to_dict(),
+                         "parameters": sum(p.numel() for p in self.model.parameters())}
+
+    def logits(self, idx):
+        logits, _ = self.model(idx)
+        return logits
+
+
+def _adds_bos(tok) -> bool:
+    """Whether the tokenizer puts BOS in front of a text by itself (its post-processor)."""
+    enc = tok.encode("a")
+    bare = tok.encode("a", add_special_tokens=False)
+    return tok.bos_token_id is not None and len(enc) > len(bare) and enc[0] == tok.bos_token_id
+
+
 def _run_label(path: Path) -> str:
     return f"{path.parent.name}/{path.stem}" if path.parent.name else path.stem
 
@@ -234,9 +265,7 @@ class HFAdapter(Adapter):
             model, tok, spec = load_hf(spec, gguf_file)
         self.model = model.to(device).eval()
         self.tok = tok
-        enc = tok.encode("a")
-        bare = tok.encode("a", add_special_tokens=False)
-        self.add_bos = tok.bos_token_id is not None and len(enc) > len(bare) and enc[0] == tok.bos_token_id
+        self.add_bos = _adds_bos(tok)
         c = model.config
         self.max_length = int(getattr(c, "max_position_embeddings", None) or 2048)
         from utils.data import tok as tok_lib

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -37,6 +40,7 @@ from utils.config import Config
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SPECIAL_TOKENS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
 INFO_FILE = "pipeline_tokenizer.json"     # written by the tokenize stage next to a saved copy
+INFO_FORMAT = ("pipeline-tokenizer", 1)
 # How a SentencePiece model became a fast tokenizer (the ``conversion`` of INFO_FILE; a saved copy
 # of a SentencePiece tokenizer whose INFO_FILE has no ``conversion`` key predates it: stale).
 SPM_CONVERSION = "utils.data.spm/1"                  # exact
@@ -93,7 +97,7 @@ def _spm_tokenizer(model: Path):
     from utils.data import spm
 
     try:
-        return _mark(spm.tokenizer_from_spm(model), SPM_CONVERSION)
+        return _mark(spm.tokenizer_from_spm(model), SPM_CONVERSION, model)
     except spm.SpmUnsupported as e:
         import shutil
         import tempfile
@@ -152,13 +156,21 @@ def _from_hub(name: str):
               f"{len(exact)}); using the hub's tokenizer.json: its ids may differ from the "
               "sentencepiece library's (docs/tokenizer.md).", file=sys.stderr)
         return _mark(tok, FALLBACK_CONVERSION)
-    return _mark(exact, SPM_CONVERSION)
+    return _mark(exact, SPM_CONVERSION, model)
 
 
-def _mark(tok, conversion: Optional[str]):
-    """Record how a SentencePiece model was converted (read by :func:`conversion_of`)."""
+def _mark(tok, conversion: Optional[str], spm_model: Optional[Path] = None):
+    """Record how a SentencePiece model was converted (read by :func:`conversion_of`) and the
+    model file it came from (:func:`spm_model_of`: the GGUF export writes its pieces)."""
     tok.pipeline_conversion = conversion
+    if spm_model is not None:
+        tok.pipeline_spm_model = Path(spm_model)
     return tok
+
+
+def spm_model_of(tok) -> Optional[Path]:
+    """The SentencePiece ``.model`` an exactly converted tokenizer was made from, or None."""
+    return getattr(tok, "pipeline_spm_model", None)
 
 
 def conversion_of(tok) -> Optional[str]:
@@ -219,7 +231,9 @@ def _load(name: str, cfg: Optional[Config]):
                 if (p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists():
                     from transformers import AutoTokenizer
                     conversion = _check_saved_copy(p)
-                    return _mark(AutoTokenizer.from_pretrained(str(p)), conversion)
+                    model = p / "tokenizer.model"
+                    return _mark(AutoTokenizer.from_pretrained(str(p)), conversion,
+                                 model if conversion == SPM_CONVERSION and model.is_file() else None)
                 if (p / "tokenizer.model").exists():
                     return _spm_tokenizer(p / "tokenizer.model")
                 raise PipelineError(f"{p} holds no tokenizer files (expected one of "
@@ -328,3 +342,38 @@ def require_bos_eos(tok, name: str) -> tuple[int, int]:
         raise PipelineError(f"tokenizer '{name}' has no BOS or EOS token (bos={bos}, eos={eos}); "
                             "documents are stored as BOS + tokens + EOS, so both are required.")
     return bos, eos
+
+
+# --------------------------------------------------------------------------- saved copies
+def save_tokenizer(tok, directory: Path, source: str, extra: Optional[dict] = None) -> dict:
+    """save_pretrained into ``directory`` plus pipeline_tokenizer.json; returns that info.
+
+    Written into a sibling temp directory first and then moved into place, so an interrupted
+    save never leaves a half-written tokenizer where the other stages look for one.
+    """
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tok.save_pretrained(str(tmp))
+    model = spm_model_of(tok)
+    if model is not None:          # the SentencePiece pieces and scores (the GGUF export writes them)
+        shutil.copyfile(model, tmp / "tokenizer.model")
+    info = {"format": INFO_FORMAT[0], "version": INFO_FORMAT[1], "source": source,
+            "class": type(tok).__name__, "conversion": conversion_of(tok), **describe(tok, source),
+            "special_tokens": special_tokens(tok),
+            "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    if extra:
+        info.update(extra)
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n",
+                                 encoding="utf-8")
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.replace(tmp, directory)
+    return info
+
+
+def special_tokens(tok) -> dict:
+    """{'bos': '<s>', ...} (None when the tokenizer has no such token)."""
+    return {"bos": tok.bos_token, "eos": tok.eos_token, "unk": tok.unk_token, "pad": tok.pad_token}

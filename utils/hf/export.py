@@ -1,0 +1,109 @@
+"""Export a checkpoint as a Hugging Face model folder (library; no side effects).
+
+    problems = llama_problems(args)                 what LlamaForCausalLM cannot express
+    files = write_hf(folder, model, tok, card=..., dtype=..., generation=..., chat_template=...)
+
+The folder holds what ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` read with no custom code and no network:
+
+- ``config.json``: ``LlamaConfig`` from utils/hf/mapping.py (sizes, GQA, rope_theta, RMS eps,
+  tie_word_embeddings, bos/eos ids, max_position_embeddings) and ``dtype``;
+- ``model.safetensors`` (transformers shards it above 2 GB and writes the index file);
+- ``generation_config.json``: the ``inference`` section's sampling defaults, bos/eos;
+- the tokenizer: our ``tokenizer.json`` (for a SentencePiece model, the exact conversion of
+  utils/data/spm.py: the ids sentencepiece gives) with a post-processor that puts BOS in front
+  of a text, as our documents and prompts start; ``tokenizer_config.json`` keeps special-token
+  strings inside text as text (``split_special_tokens``), like every stage here; an SFT
+  checkpoint's chat template as ``chat_template.jinja``;
+- ``README.md``: the model card the caller wrote.
+
+The writer works in the folder it is given; the stage (export.py) gives it a temporary one
+and renames it into place, so a failure never leaves a half-written export.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from utils.hf.mapping import hf_config, to_hf_state_dict
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def llama_problems(args) -> list[str]:
+    """What of ``args`` LlamaForCausalLM cannot express (empty: exportable), each naming the
+    option and why."""
+    out = []
+    if args.norm != "rmsnorm":
+        out.append(f"model.norm is '{args.norm}': Llama has RMSNorm only (train with "
+                   "model.norm 'rmsnorm' to export)")
+    return out
+
+
+def notes(args) -> list[str]:
+    """What changes meaning on export, said in the model card and by the stage."""
+    out = []
+    if args.document_mask:
+        out.append("trained with document masks (attention kept inside each document of a "
+                   "packed window); a Llama model attends over the whole input, which is the "
+                   "same for one document per input")
+    if args.dropout:
+        out.append(f"trained with dropout {args.dropout}: inference runs without it, as here")
+    return out
+
+
+def hf_tokenizer(tok, chat_template: Optional[str] = None):
+    """A ``PreTrainedTokenizerFast`` of ``tok``'s exact backend: BOS put in front of each text
+    by the post-processor, special-token strings in text kept as text, ``chat_template``."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from utils.data.tok import backend_of
+    backend = backend_of(tok).__class__.from_str(backend_of(tok).to_str())   # a copy
+    bos = tok.bos_token
+    if bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tok.bos_token_id)])
+    kw = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+          if getattr(tok, k, None) is not None}
+    out = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
+                                  clean_up_tokenization_spaces=False,
+                                  model_max_length=getattr(tok, "model_max_length", None) or 10 ** 30,
+                                  **kw)
+    if chat_template:
+        out.chat_template = chat_template
+    return out
+
+
+def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype] = None,
+             generation: Optional[dict] = None, chat_template: Optional[str] = None) -> list[Path]:
+    """Write the model folder into ``folder`` (which exists and is empty); return the files."""
+    from transformers import GenerationConfig, LlamaForCausalLM
+    args = model.args
+    problems = llama_problems(args)
+    if problems:
+        raise ValueError("; ".join(problems))
+    dtype = dtype or model.lm_head.weight.dtype
+    config = hf_config(args, eos_id=tok.eos_token_id)
+    config.dtype = dtype
+    sd = {k: v.detach().to(dtype) for k, v in to_hf_state_dict(model).items()}
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    hf.load_state_dict(sd, strict=False, assign=True)     # tied: lm_head is embed_tokens
+    if args.tie_embeddings:
+        hf.tie_weights()
+    gen = dict(generation or {})
+    hf.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id,
+                                            eos_token_id=tok.eos_token_id,
+                                            pad_token_id=tok.pad_token_id, **gen)
+    hf.save_pretrained(folder, max_shard_size="2GB", safe_serialization=True)
+    hf_tokenizer(tok, chat_template).save_pretrained(folder)
+    (folder / "README.md").write_text(card, encoding="utf-8")
+    return sorted(p for p in folder.iterdir() if p.is_file())
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))

@@ -1,0 +1,249 @@
+"""Export a model as one GGUF file for llama.cpp (library; no side effects), written with the
+``gguf`` package (llama.cpp's own Python writer; nothing vendored).
+
+    write_gguf(path, model, tok, dtype="f16", name=..., chat_template=None) -> path
+
+What goes in (the ``llama`` architecture of llama.cpp):
+
+- metadata: context length, embedding/feed-forward sizes, blocks, heads and KV heads, RoPE
+  base and dimension, RMS epsilon, vocabulary size, file type;
+- tensors, renamed from Hugging Face Llama's names (utils/hf/mapping.py) to llama.cpp's
+  (``token_embd``, ``blk.N.attn_q`` ...). Q and K rows are permuted from the rotate-half RoPE
+  layout (first half / second half of each head) to llama.cpp's interleaved pairs, as
+  llama.cpp's own converter does; a tied head is left out (llama.cpp reuses ``token_embd``);
+- ``dtype``: f32, f16, bf16 or q8_0 for the 2-D weights; norms stay f32 (as llama.cpp's
+  converter keeps 1-D tensors);
+- the tokenizer: a SentencePiece model as llama.cpp's ``llama`` tokenizer (pieces, scores,
+  piece types, BOS/EOS/UNK ids, add_bos, the dummy-prefix setting); the project's byte-level
+  BPE as ``gpt2`` (tokens, merges, pre-tokenizer ``gpt-2``); rows the model has beyond the
+  tokenizer's vocabulary become unused ``[PAD<i>]`` tokens; an SFT checkpoint's Jinja chat
+  template as ``tokenizer.chat_template``.
+
+Refused (ValueError naming the option): what Llama cannot express (utils/hf/export.py), a
+q8_0 export whose rows are not a multiple of 32 values, a tokenizer of another kind.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from utils.hf.mapping import to_hf_state_dict
+
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+
+_NAMES = [  # Hugging Face Llama -> llama.cpp ({i}: block index)
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
+    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+]
+
+
+def rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of a Q or K projection (n_head * head_dim, d_model) from rotate-half order (each
+    head: the first halves of the rotated pairs, then the second halves) to llama.cpp's
+    interleaved pairs."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def gguf_name(hf_name: str) -> str:
+    parts = hf_name.split(".")
+    for a, b in _NAMES:
+        pa = a.split(".")
+        if len(pa) == len(parts) and all(x == y or x == "{i}" for x, y in zip(pa, parts)):
+            i = next((y for x, y in zip(pa, parts) if x == "{i}"), None)
+            return b.replace("{i}", i) if i is not None else b
+    raise KeyError(f"no llama.cpp name for {hf_name}")
+
+
+def _tensor(name: str, w: torch.Tensor, dtype: str):
+    """(array, raw_dtype or None) as the writer takes them."""
+    import gguf
+    arr = w.detach().float().cpu().numpy()
+    if arr.ndim < 2 or dtype == "f32":
+        return arr.astype(np.float32), None
+    if dtype == "f16":
+        return arr.astype(np.float16), None
+    if dtype == "bf16":
+        return gguf.quants.quantize(arr, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+    if arr.shape[-1] % 32:
+        raise ValueError(f"q8_0 quantizes rows in blocks of 32 values; {name} has rows of "
+                         f"{arr.shape[-1]}: export it as f16 instead")
+    return gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+
+
+def _file_type(dtype: str):
+    import gguf
+    return {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+            "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+
+
+def write_gguf(path: Path, model, tok, dtype: str = "f16", name: str = "model",
+               chat_template: Optional[str] = None) -> Path:
+    """Write ``model`` and ``tok`` as one GGUF file at ``path``."""
+    import gguf
+    from utils.hf.export import llama_problems
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"GGUF dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
+    a = model.args
+    problems = llama_problems(a)
+    if problems:
+        raise ValueError("; ".join(problems))
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_context_length(a.max_seq_len)
+    w.add_embedding_length(a.d_model)
+    w.add_block_count(a.n_layers)
+    w.add_feed_forward_length(a.ffn_hidden)
+    w.add_head_count(a.n_heads)
+    w.add_head_count_kv(a.n_kv_heads)
+    w.add_rope_freq_base(float(a.rope_theta))
+    w.add_rope_dimension_count(a.head_dim)
+    w.add_layer_norm_rms_eps(float(a.norm_eps))
+    w.add_vocab_size(a.vocab_size)
+    w.add_file_type(_file_type(dtype))
+    if dtype == "q8_0":
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_tokenizer(w, tok, a.vocab_size)
+    if chat_template:
+        w.add_chat_template(chat_template)
+    for hf_name, t in to_hf_state_dict(model).items():
+        if hf_name == "lm_head.weight" and a.tie_embeddings:
+            continue                                  # llama.cpp reuses token_embd
+        if hf_name.endswith("q_proj.weight"):
+            t = rope_permute(t, a.n_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            t = rope_permute(t, a.n_kv_heads)
+        arr, raw = _tensor(hf_name, t, dtype)
+        w.add_tensor(gguf_name(hf_name), arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+# --------------------------------------------------------------------------- tokenizers
+def _add_tokenizer(w, tok, vocab_size: int) -> None:
+    from utils.data.tok import SPM_CONVERSION, backend_of, conversion_of, spm_model_of
+    backend = backend_of(tok)
+    data = json.loads(backend.to_str())
+    model_type = (data.get("model") or {}).get("type")
+    source = spm_model_of(tok)
+    if conversion_of(tok) == SPM_CONVERSION and source is not None:
+        _add_spm(w, source, vocab_size)
+    elif model_type == "BPE" and _is_byte_level(data):
+        _add_byte_bpe(w, data, tok, vocab_size)
+    else:
+        raise ValueError("the tokenizer is neither a SentencePiece model nor a byte-level BPE; "
+                         "llama.cpp's GGUF tokenizers cannot reproduce its ids (export --format hf)")
+    for key, tid in (("bos", tok.bos_token_id), ("eos", tok.eos_token_id), ("unk", tok.unk_token_id),
+                     ("pad", tok.pad_token_id)):
+        if tid is not None:
+            getattr(w, f"add_{key}_token_id")(int(tid))
+    w.add_add_bos_token(tok.bos_token_id is not None)
+    w.add_add_eos_token(False)
+
+
+def _add_spm(w, source, vocab_size: int) -> None:
+    import gguf
+    from utils.data.spm import read_model
+    proto = read_model(source)
+    tokens, scores, types = [], [], []
+    for p in proto.pieces:
+        tokens.append(p.piece)
+        scores.append(float(p.score))
+        types.append(int(p.type))              # sentencepiece's piece types are GGUF's token types
+    _pad(tokens, scores, types, vocab_size)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_key_value(gguf.Keys.Tokenizer.ADD_PREFIX, bool(proto.normalizer_spec.add_dummy_prefix),
+                    gguf.GGUFValueType.BOOL)
+
+
+def _is_byte_level(data: dict) -> bool:
+    pre = data.get("pre_tokenizer") or {}
+    kinds = [pre.get("type")] + [p.get("type") for p in pre.get("pretokenizers", [])]
+    return "ByteLevel" in kinds and not data.get("normalizer")
+
+
+def _add_byte_bpe(w, data: dict, tok, vocab_size: int) -> None:
+    import gguf
+    vocab = data["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    specials = {a["id"]: a["content"] for a in data.get("added_tokens", [])}
+    tokens, scores, types = [], [], []
+    for i in range(len(tok)):
+        t = specials.get(i, by_id.get(i))
+        if t is None:
+            raise ValueError(f"the tokenizer has no token with id {i}")
+        tokens.append(t)
+        scores.append(0.0)
+        types.append(int(gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL))
+    _pad(tokens, scores, types, vocab_size)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"].get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+
+
+def _pad(tokens: list, scores: list, types: list, vocab_size: int) -> None:
+    import gguf
+    if len(tokens) > vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokens)} tokens, more than the model's "
+                         f"{vocab_size} embedding rows")
+    for i in range(len(tokens), vocab_size):
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(int(gguf.TokenType.UNUSED))
+
+
+# --------------------------------------------------------------------------- what quantization costs
+def dequantized_state(model, dtype: str) -> dict:
+    """Our state dict with every tensor the GGUF stores in ``dtype`` rounded through that type
+    and back (gguf's own quantize/dequantize): the weights llama.cpp computes with."""
+    import gguf
+    qtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
+             "q8_0": gguf.GGMLQuantizationType.Q8_0}.get(dtype)
+    out = {}
+    for k, v in model.state_dict().items():
+        if qtype is None or v.dim() < 2:
+            out[k] = v
+            continue
+        arr = v.detach().float().cpu().numpy()
+        back = gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype)
+        out[k] = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32).reshape(arr.shape))
+    return out
+
+
+@torch.no_grad()
+def perplexity(model, token_lists: list[list[int]]) -> float:
+    """exp of the mean next-token loss over the given sequences (each cut to the context)."""
+    total = count = 0.0
+    for ids in token_lists:
+        ids = ids[: model.args.max_seq_len + 1]
+        if len(ids) < 2:
+            continue
+        x = torch.tensor([ids[:-1]])
+        _, loss = model(x, torch.tensor([ids[1:]]), return_logits=False)
+        total += float(loss) * (len(ids) - 1)
+        count += len(ids) - 1
+    return float(np.exp(total / count)) if count else float("nan")
