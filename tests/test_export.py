@@ -329,7 +329,8 @@ def test_import_refuses_what_it_cannot_represent(tmp_path, work):
     cases = {"attention_bias": {"attention_bias": True},
              "RoPE scaling 'linear'": {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
                                                           "rope_theta": 10000.0}},
-             "model_type 'mistral'": None}
+             "model_type 'mistral'": None,
+             "embedding rows": {"vocab_size": 1000}}
     for needle, change in cases.items():
         d = tmp_path / needle.split()[0].strip("'")
         shutil.copytree(base, d)
@@ -424,3 +425,19 @@ def test_import_a_real_public_model_smollm2(tmp_path):
     x = torch.tensor([encode_plain(imp.tok, [news_docs()[0]])[0][:128]])
     with torch.no_grad():
         assert torch.allclose(imp.model(x)[0], hf(x).logits, atol=1e-4, rtol=0)
+
+
+def test_model_card_carries_the_benchmark_of_exactly_these_weights(work):
+    """A benchmark run that scored this checkpoint's weights (matched by their fingerprint,
+    not by path) appears in the exported model card as a table."""
+    r = run_main("benchmark", "--config", work["cfg_spm"], "--test", str(work["bpe_ck"].parent.parent / "pre"),
+                 "--tasks", "perplexity,next_token", "--no-color", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = work["root"] / "exports" / "pre-card"
+    export(work["cfg_spm"], work["pre"], "hf", out)
+    card = (out / "README.md").read_text()
+    assert "Scored on exactly these weights (`benchmark_" in card
+    assert "| perplexity | perplexity |" in card and "| next_token | top1 |" in card
+    other = work["root"] / "exports" / "sft-card"
+    export(work["cfg_spm"], work["sft"], "hf", other)
+    assert "No benchmark result names these weights" in (other / "README.md").read_text()
