@@ -376,6 +376,19 @@ def test_export_refuses_bad_input_and_never_half_writes(work):
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp folder left
     export(cfg, work["sft"], "gguf", out, "--force")
     assert {p.name for p in out.iterdir()} == {"sft_chat-f16.gguf", "README.md"}
+    # a saved SentencePiece copy without its .model (saved before copies kept it): GGUF needs
+    # the pieces and scores, so the export says how to re-save it
+    from utils.data.tok import load_tokenizer_from, save_tokenizer
+    old = root / "tokenizers" / "old_copy"
+    save_tokenizer(work["spm"], old, "an old copy")
+    (old / "tokenizer.model").unlink()
+    stale = _checkpoint(root / "checkpoints" / "stale" / "checkpoint_best.pt",
+                        load_tokenizer_from(str(old)), str(old), seed=6)
+    cfg_old = write_config(root, {"tokenizer": {"name": str(old)}}, "old.json")
+    r = run_main("export", "--config", cfg_old, "--checkpoint", str(stale), "--format", "gguf",
+                 "--out", str(root / "exports" / "stale"))
+    assert r.returncode == 1 and "re-save it with `python main.py tokenize`" in r.stderr
+    assert not (root / "exports" / "stale").exists()
 
 
 def test_benchmark_scores_an_imported_folder_as_transformers_does(work, tmp_path):

@@ -92,7 +92,11 @@ def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype
     sd = {k: v.detach().to(dtype) for k, v in to_hf_state_dict(model).items()}
     with torch.device("meta"):
         hf = LlamaForCausalLM(config)
-    hf.load_state_dict(sd, strict=False, assign=True)     # tied: lm_head is embed_tokens
+    missing, unexpected = hf.load_state_dict(sd, strict=False, assign=True)
+    allowed = {"lm_head.weight"} if args.tie_embeddings else set()   # tied: lm_head is embed_tokens
+    if set(missing) - allowed or unexpected:
+        raise ValueError(f"the weights do not fill LlamaForCausalLM (missing "
+                         f"{sorted(set(missing) - allowed)[:4]}, unexpected {unexpected[:4]})")
     if args.tie_embeddings:
         hf.tie_weights()
     gen = dict(generation or {})

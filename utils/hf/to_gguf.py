@@ -147,6 +147,10 @@ def _add_tokenizer(w, tok, vocab_size: int) -> None:
         _add_spm(w, source, vocab_size)
     elif model_type == "BPE" and _is_byte_level(data):
         _add_byte_bpe(w, data, tok, vocab_size)
+    elif conversion_of(tok) == SPM_CONVERSION:
+        raise ValueError("the tokenizer was converted from a SentencePiece model, but that "
+                         ".model file is not at hand (a saved copy from before copies kept it): "
+                         "re-save it with `python main.py tokenize`, or export --format hf")
     else:
         raise ValueError("the tokenizer is neither a SentencePiece model nor a byte-level BPE; "
                          "llama.cpp's GGUF tokenizers cannot reproduce its ids (export --format hf)")
