@@ -216,6 +216,7 @@ class Start:
     model_args: object
     ckpt: Optional[dict]
     init_weights: Optional[dict] = None      # --init-from-hf: the imported state dict
+    imported: bool = False
 
 
 def open_run(cfg, args, tok, tok_info, proc: Process, imported=None) -> Start:
@@ -315,12 +316,14 @@ def build_model(cfg, start: Start, data: Data, proc: Process):
     hp = cfg.training
     seed_everything(hp.seed)
     model = model_lib.create_model(start.model_args)
+    start.imported = start.init_weights is not None
     if start.init_weights is not None:
         model.load_state_dict(start.init_weights, strict=True)
         start.init_weights = None
     model = model.to(proc.device)
     dtype = resolve_dtype(hp.dtype, proc.device)
-    proc.say(f"train: model {model.num_params():,} parameters (preset {cfg.model.preset}); "
+    origin = "imported" if start.imported else f"preset {cfg.model.preset}"
+    proc.say(f"train: model {model.num_params():,} parameters ({origin}); "
              f"{data.total_steps} steps of {_effective_batch(cfg, proc)} x {cfg.dataset.window} "
              f"tokens ({data.steps_per_epoch or '?'} steps/epoch); {hp.optimizer}, lr {hp.lr:g} -> "
              f"{hp.min_lr:g}, {str(dtype).replace('torch.', '')} on {proc.device}"

@@ -346,6 +346,14 @@ def test_import_refuses_what_it_cannot_represent(tmp_path, work):
         assert r.returncode == 1 and needle.split()[0] in r.stderr and "Traceback" not in r.stderr
     r = run_main("train", "--config", work["cfg_spm"], "--init-from-hf", str(tmp_path / "nothing"))
     assert r.returncode == 1 and "does not exist" in r.stderr
+    cut = tmp_path / "truncated"                       # weights cut short: named, no traceback
+    shutil.copytree(base, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(PipelineError, match="cannot read the weights"):
+        load_hf_llama(cut)
+    r = run_main("train", "--config", work["cfg_spm"], "--init-from-hf", str(cut))
+    assert r.returncode == 1 and "cannot read the weights" in r.stderr and "Traceback" not in r.stderr
 
 
 # --------------------------------------------------------------------------- bad input

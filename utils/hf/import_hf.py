@@ -99,7 +99,12 @@ def load_hf_llama(path) -> Imported:
     if problems:
         raise PipelineError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
     args = model_args_from_hf_config(config, bos_id=tok.bos_token_id)
-    hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kw)
+    from safetensors import SafetensorError
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kw)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:   # missing, truncated, foreign
+        raise PipelineError(f"cannot read the weights in {where}: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:300]}") from None
     sd = from_hf_state_dict(hf.state_dict(), args)
     del hf
     model = create_model(args)
