@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 
-FORMATS = {"hf": ("fp32", "bf16", "fp16"), "gguf": ("f32", "f16", "bf16", "q8_0")}
+FORMATS = ("hf", "gguf")
 
 
 def build_parser() -> StageParser:
@@ -41,7 +41,7 @@ def build_parser() -> StageParser:
                     "GGUF file for llama.cpp.")
     p.add_argument("--checkpoint", type=cli_path, required=True, metavar="PATH",
                    help="checkpoint file, or a run folder (its best checkpoint)")
-    p.add_argument("--format", choices=sorted(FORMATS), required=True,
+    p.add_argument("--format", choices=FORMATS, required=True,
                    help="hf: a transformers model folder; gguf: one file for llama.cpp")
     p.add_argument("--out", type=cli_path, default=None, metavar="DIR",
                    help="output folder (default: exports/<run>-<format>)")
@@ -84,8 +84,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def check_dtype(fmt: str, dtype: Optional[str]) -> Optional[str]:
     if dtype is None:
         return "f16" if fmt == "gguf" else None
-    if dtype not in FORMATS[fmt]:
-        raise UsageError(f"--dtype {dtype}: --format {fmt} takes {', '.join(FORMATS[fmt])}.")
+    from utils.hf.export import DTYPES
+    from utils.hf.to_gguf import GGUF_DTYPES
+    allowed = tuple(DTYPES) if fmt == "hf" else GGUF_DTYPES   # what each writer takes
+    if dtype not in allowed:
+        raise UsageError(f"--dtype {dtype}: --format {fmt} takes {', '.join(allowed)}.")
     return dtype
 
 
@@ -103,13 +106,9 @@ class Loaded:
 
 def open_checkpoint(cfg, spec: str) -> Loaded:
     """The checkpoint (a run folder: its best one) with the tokenizer it was trained with."""
-    from utils.run import load_model, pick_checkpoint, tokenizer_for_checkpoint
+    from utils.run import load_model_and_tokenizer, pick_checkpoint
     path = pick_checkpoint(spec, say=lambda s: print(f"export: {s}", file=sys.stderr))
-    model, ckpt = load_model(path)
-    tok, info = tokenizer_for_checkpoint(ckpt, cfg, path, say=lambda m: print(m, file=sys.stderr))
-    if model.args.vocab_size < len(tok):
-        raise PipelineError(f"checkpoint {path} has {model.args.vocab_size} embedding rows, fewer "
-                            f"than its tokenizer's {len(tok)} tokens.")
+    model, ckpt, tok, info = load_model_and_tokenizer(path, cfg, say=lambda m: print(m, file=sys.stderr))
     return Loaded(path, model, ckpt, tok, info)
 
 

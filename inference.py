@@ -167,7 +167,7 @@ class Session:
 
     def load(self, path: Path, label: Optional[str] = None) -> Loaded:
         from utils.generation.engine import Engine
-        from utils.run import load_model, pick_checkpoint, tokenizer_for_checkpoint
+        from utils.run import load_model_and_tokenizer, pick_checkpoint
         from utils.hf.import_hf import is_hf_model, load_hf_llama
         if is_hf_model(Path(path)):            # a Hugging Face Llama folder or .gguf: imported
             imported = load_hf_llama(path)
@@ -175,12 +175,9 @@ class Session:
             n = sum(p.numel() for p in model.parameters())
             return Loaded(Path(path), label or Path(path).name, model, "hf", None, n, tok, Engine(model))
         path = pick_checkpoint(path, say=lambda s: print(f"infer: {s}", file=self.err))
-        model, ckpt = load_model(path, device=self.device)
-        tok, _ = tokenizer_for_checkpoint(ckpt, self.cfg, path, cache=self._tokenizers,
-                                          say=lambda msg: print(msg, file=self.err))
-        if model.args.vocab_size < len(tok):
-            raise PipelineError(f"checkpoint {path} has a vocabulary of {model.args.vocab_size} "
-                                f"tokens, smaller than the tokenizer's {len(tok)}.")
+        model, ckpt, tok, _ = load_model_and_tokenizer(
+            path, self.cfg, self.device, say=lambda msg: print(msg, file=self.err),
+            cache=self._tokenizers)
         kind = ckpt.get("kind", "pretrain")
         template = ckpt.get("chat_template") if (kind == "sft" and not self.raw) else None
         n = sum(p.numel() for p in model.parameters())

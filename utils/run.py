@@ -15,6 +15,7 @@ Checkpoints (the one loader; the file format itself is ``utils/training/checkpoi
 
     ckpt = load_checkpoint(path, purpose="weights"|"resume")   validated against the model
     model, ckpt = load_model(path, device)                       rebuilt from ckpt["model_args"]
+    model, ckpt, tok, info = load_model_and_tokenizer(path, cfg, device)   with its own tokenizer
     tok, info = tokenizer_for_checkpoint(ckpt, cfg, path)        the tokenizer it was trained with
     require_same_tokenizer(have, want, ...)                     the one fingerprint check
 
@@ -41,6 +42,7 @@ Cost: loading a tokenizer (about 0.1-1 s for a SentencePiece model) and its fing
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -89,6 +91,19 @@ def load_model(path, device="cpu"):
     model.to(device)
     model.eval()
     return model, ckpt
+
+
+def load_model_and_tokenizer(path, cfg: Config, device="cpu", say: Callable[[str], None] = print,
+                             cache: Optional[dict] = None):
+    """``(model, ckpt, tok, tok_info)``: :func:`load_model` with the tokenizer the checkpoint was
+    trained with (:func:`tokenizer_for_checkpoint`), refused when the model has fewer
+    embedding rows than the tokenizer has tokens."""
+    model, ckpt = load_model(path, device=device)
+    tok, info = tokenizer_for_checkpoint(ckpt, cfg, Path(path), say=say, cache=cache)
+    if model.args.vocab_size < len(tok):
+        raise PipelineError(f"checkpoint {path} has a vocabulary of {model.args.vocab_size} "
+                            f"tokens, smaller than the tokenizer's {len(tok)}.")
+    return model, ckpt, tok, info
 
 
 # --------------------------------------------------------------------------- run folders
@@ -272,7 +287,6 @@ def save_run_tokenizer(run_dir: Path, tok, name: str) -> Path:
     info = target / INFO_FILE
     fp = fingerprint(tok)
     if info.is_file():
-        import json
         try:
             if json.loads(info.read_text(encoding="utf-8")).get("fingerprint") == fp:
                 return target

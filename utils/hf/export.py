@@ -22,7 +22,6 @@ and renames it into place, so a failure never leaves a half-written export.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -107,7 +106,3 @@ def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype
     hf_tokenizer(tok, chat_template).save_pretrained(folder)
     (folder / "README.md").write_text(card, encoding="utf-8")
     return sorted(p for p in folder.iterdir() if p.is_file())
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))

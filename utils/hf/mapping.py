@@ -38,7 +38,9 @@ _HF_NAMES = [  # (ours, Hugging Face LlamaForCausalLM); {i} is the layer index
 ]
 
 
-def _rename(sd: dict, pairs: list[tuple[str, str]]) -> dict:
+def rename(sd: dict, pairs: list[tuple[str, str]]) -> dict:
+    """``sd`` with each key renamed by the first of ``pairs`` (source, target; ``{i}`` a
+    block index) that matches; KeyError naming the keys none matches."""
     pats = [(re.compile("^" + re.escape(a).replace(r"\{i\}", r"(\d+)") + "$"), b) for a, b in pairs]
     out, unknown = {}, []
     for k, v in sd.items():
@@ -69,7 +71,7 @@ def to_hf_state_dict(model: nn.Module | dict, args: Optional[ModelArgs] = None) 
     if args is not None:
         _check_hf_compatible(args)
     sd = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in sd.items()}
-    out = _rename(sd, _HF_NAMES)
+    out = rename(sd, _HF_NAMES)
     if "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -80,7 +82,7 @@ def from_hf_state_dict(sd: dict, args: ModelArgs) -> dict:
     ``lm_head.weight`` may be absent when ``args.tie_embeddings``."""
     _check_hf_compatible(args)
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    out = _rename(sd, [(b, a) for a, b in _HF_NAMES])
+    out = rename(sd, [(b, a) for a, b in _HF_NAMES])
     if args.tie_embeddings:
         out["lm_head.weight"] = out["tok_embeddings.weight"]
     elif "lm_head.weight" not in out:

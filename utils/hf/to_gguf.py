@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from utils.hf.mapping import to_hf_state_dict
+from utils.hf.mapping import rename, to_hf_state_dict
 
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -57,16 +57,6 @@ def rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     interleaved pairs."""
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
-
-
-def gguf_name(hf_name: str) -> str:
-    parts = hf_name.split(".")
-    for a, b in _NAMES:
-        pa = a.split(".")
-        if len(pa) == len(parts) and all(x == y or x == "{i}" for x, y in zip(pa, parts)):
-            i = next((y for x, y in zip(pa, parts) if x == "{i}"), None)
-            return b.replace("{i}", i) if i is not None else b
-    raise KeyError(f"no llama.cpp name for {hf_name}")
 
 
 def _tensor(name: str, w: torch.Tensor, dtype: str):
@@ -120,15 +110,17 @@ def write_gguf(path: Path, model, tok, dtype: str = "f16", name: str = "model",
     _add_tokenizer(w, tok, a.vocab_size)
     if chat_template:
         w.add_chat_template(chat_template)
-    for hf_name, t in to_hf_state_dict(model).items():
-        if hf_name == "lm_head.weight" and a.tie_embeddings:
-            continue                                  # llama.cpp reuses token_embd
+    sd = to_hf_state_dict(model)
+    if a.tie_embeddings:
+        del sd["lm_head.weight"]                      # llama.cpp reuses token_embd
+    for hf_name, t in sd.items():
         if hf_name.endswith("q_proj.weight"):
-            t = rope_permute(t, a.n_heads)
+            sd[hf_name] = rope_permute(t, a.n_heads)
         elif hf_name.endswith("k_proj.weight"):
-            t = rope_permute(t, a.n_kv_heads)
-        arr, raw = _tensor(hf_name, t, dtype)
-        w.add_tensor(gguf_name(hf_name), arr, raw_dtype=raw)
+            sd[hf_name] = rope_permute(t, a.n_kv_heads)
+    for name, t in rename(sd, _NAMES).items():
+        arr, raw = _tensor(name, t, dtype)
+        w.add_tensor(name, arr, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
