@@ -167,22 +167,11 @@ class Session:
 
     def load(self, path: Path, label: Optional[str] = None) -> Loaded:
         from utils.generation.engine import Engine
-        from utils.run import load_model_and_tokenizer, pick_checkpoint
-        from utils.hf.import_hf import is_hf_model, load_hf_llama
-        if is_hf_model(Path(path)):            # a Hugging Face Llama folder or .gguf: imported
-            imported = load_hf_llama(path)
-            model, ckpt, tok = imported.model.to(self.device), {"kind": "hf"}, imported.tok
-            n = sum(p.numel() for p in model.parameters())
-            return Loaded(Path(path), label or Path(path).name, model, "hf", None, n, tok, Engine(model))
-        path = pick_checkpoint(path, say=lambda s: print(f"infer: {s}", file=self.err))
-        model, ckpt, tok, _ = load_model_and_tokenizer(
-            path, self.cfg, self.device, say=lambda msg: print(msg, file=self.err),
-            cache=self._tokenizers)
-        kind = ckpt.get("kind", "pretrain")
-        template = ckpt.get("chat_template") if (kind == "sft" and not self.raw) else None
-        n = sum(p.numel() for p in model.parameters())
-        return Loaded(Path(path), label or _label(Path(path)), model, kind, template, n, tok,
-                      Engine(model))
+        from utils.run import open_for_generation
+        o = open_for_generation(path, self.cfg, self.device, raw=self.raw, cache=self._tokenizers,
+                                say=lambda msg: print(f"infer: {msg}", file=self.err))
+        n = sum(p.numel() for p in o.model.parameters())
+        return Loaded(o.path, label or o.label, o.model, o.kind, o.template, n, o.tok, Engine(o.model))
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
         from utils.data import sft

@@ -67,10 +67,12 @@ STAGES: dict[str, Stage] = {
     "benchmark": Stage("benchmark", "perplexity, LAMBADA, HellaSwag and more on checkpoints"),
     "export": Stage("export", "a checkpoint as a Hugging Face model folder or a GGUF file "
                     "(llama.cpp)"),
+    "serve": Stage("serve", "an OpenAI-compatible server with continuous batching and a web chat "
+                   "page"),
 }
 ALIASES: dict[str, str] = {a: name for name, st in STAGES.items() for a in st.aliases}
 MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "infer", "benchmark",
-              "export", "samples"]
+              "export", "serve", "samples"]
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)

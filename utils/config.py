@@ -317,6 +317,22 @@ class BenchmarkConfig:
 
 
 @dataclass
+class ServeConfig:
+    host: str = _f("127.0.0.1", "address to bind (anything but loopback without an API key warns)")
+    port: int = _f(8000, "TCP port (0 = any free port, printed at start)", min=0, max=65535)
+    max_batch: int = _f(8, "sequences decoded together per model (KV cache slots; more wait)", min=1)
+    max_tokens: int = _f(256, "default max_tokens of a request that gives none", min=1)
+    max_messages: int = _f(64, "most chat messages in one request", min=1)
+    max_prompt_chars: int = _f(100_000, "most characters in one request's prompt or messages", min=1)
+    max_n: int = _f(8, "most choices (n) per request", min=1)
+    max_queue: int = _f(256, "most requests waiting or running per model (more: HTTP 429)", min=1)
+    quantize: Literal["none", "int8"] = _f("none", "weights of the served models (int8: weight-only)")
+    shutdown_grace: float = _f(5.0, "seconds running generations get to finish on SIGINT/SIGTERM "
+                               "before they are cut", min=0)
+    device: str = _f("auto", "auto, cpu, cuda or cuda:N")
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = _f(True, "write TensorBoard events")
     raw_metrics: bool = _f(True, "write logs/raw_metrics/<run>.jsonl")
@@ -337,6 +353,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Not a config.json key: set by --test on the command line.
     test: bool = field(default=False, metadata={"internal": True})

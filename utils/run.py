@@ -106,6 +106,34 @@ def load_model_and_tokenizer(path, cfg: Config, device="cpu", say: Callable[[str
     return model, ckpt, tok, info
 
 
+@dataclasses.dataclass
+class Opened:
+    """A model opened to generate with (``open_for_generation``)."""
+    path: Path             # the checkpoint file (a run folder resolved), or the HF folder / .gguf
+    label: str             # run/checkpoint (HF: the folder or file name)
+    model: object
+    kind: str              # "pretrain", "sft" or "hf"
+    template: Optional[dict]   # the chat template (SFT checkpoints unless raw), else None
+    tok: object
+
+
+def open_for_generation(path, cfg: Config, device="cpu", say: Callable[[str], None] = print,
+                        raw: bool = False, cache: Optional[dict] = None) -> Opened:
+    """A checkpoint file, a run folder (its best checkpoint, :func:`pick_checkpoint`), or a
+    Hugging Face Llama folder / .gguf file (imported, utils/hf/import_hf.py), with its
+    tokenizer and, for SFT checkpoints, its chat template (None with ``raw``)."""
+    from utils.hf.import_hf import is_hf_model, load_hf_llama
+    path = Path(path)
+    if is_hf_model(path):
+        imported = load_hf_llama(path)
+        return Opened(path, path.name, imported.model.to(device), "hf", None, imported.tok)
+    path = pick_checkpoint(path, say=say)
+    model, ckpt, tok, _ = load_model_and_tokenizer(path, cfg, device, say=say, cache=cache)
+    kind = ckpt.get("kind", "pretrain")
+    template = ckpt.get("chat_template") if (kind == "sft" and not raw) else None
+    return Opened(path, f"{path.parent.name}/{path.name}", model, kind, template, tok)
+
+
 # --------------------------------------------------------------------------- run folders
 @dataclasses.dataclass
 class RunInfo:

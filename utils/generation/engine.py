@@ -1,27 +1,35 @@
-"""The generation engine: KV cache, CPU decode weights, thread policy, the step loop,
-sampling and stop conditions, incremental detokenization (library; no side effects).
+"""The generation engine: continuous batching over per-slot KV caches, CPU decode weights,
+thread policy, sampling and stop conditions, incremental detokenization (library; no side
+effects).
 
     engine = Engine(model)                                  keep it to reuse its decode weights
     engine.generate(prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
                     eos_id=None, seed=None) -> [[new ids], ...]
     engine.stream(prompt, ...)                              yields each new id as it is sampled
     generate(model, prompts, ...)                           one-off: a throwaway Engine
+    b = engine.batcher(slots=8)                             continuous batching (serve):
+    b.add(Sequence(ids, SamplingParams(...), tok=tok, sink=fn)); b.step() -> [Event, ...]
 
 Contract: greedy (temperature 0), temperature, top-k (0 disables), top-p (1.0 disables);
-``seed`` seeds a private ``torch.Generator`` (the global RNG is untouched; None draws a fresh
-seed); EOS (one id or several) ends a row and is never returned; a batch of prompts of
-different lengths is left-padded with an attention mask and positions per row, and each row
-gets exactly what it would get alone (greedy). The model is put in eval mode for the call and
-back in its previous mode after; each step runs in inference mode with its own thread count
+each sequence samples with a private ``torch.Generator`` seeded by its ``seed`` (the global
+RNG is untouched; None draws a fresh seed; ``generate`` gives row r ``seed + r``); EOS (one id
+or several) ends a row and is never returned; stop strings end it and never appear in its
+text (:class:`TextStream`). Every call goes through :class:`Batcher`: a prompt is prefilled
+alone into its own cache slot, then all running rows decode together, each at its own
+position, and rows join and leave at step boundaries; each row gets what it would get alone
+(to float rounding, see Batcher). The model is put in eval mode for a call and back in its
+previous mode after; each step runs in inference mode with its own thread count
 (``step_threads``), both restored before the caller's code runs again, so ``stream`` can
 yield between steps and torch's global thread count is never left changed.
 
-Memory: the KV cache is (layers x 2 x B x n_kv_heads x (prompt + max_new_tokens) x head_dim)
-values in the weights' dtype, allocated once per call. With fp32 weights on CPU the engine also
-keeps a transposed, contiguous copy of the weights (``decode_pack``: ~2.2x faster tokens at
-batch 1, at the cost of a second copy of the weights while the engine lives, bounded by
-``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights change (storage or ``_version``:
-an optimizer step or ``load_state_dict``) and freed with the engine.
+Memory: a batcher's KV cache is slots x (layers x 2 x n_kv_heads x capacity x head_dim)
+values in the weights' dtype, allocated once (``generate``: one slot per prompt, capacity
+longest prompt + max_new_tokens; serve: ``serve.max_batch`` slots of the model's context).
+With fp32 weights on CPU the engine also keeps a transposed, contiguous copy of the weights
+(``decode_pack``: ~2.2x faster tokens at batch 1, at the cost of a second copy of the weights
+while the engine lives, bounded by ``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights
+change (storage or ``_version``: an optimizer step or ``load_state_dict``) and freed with the
+engine.
 
 :class:`TextDecoder` turns the stream of ids into text pieces without ever cutting a UTF-8
 character (or a multi-token grapheme the tokenizer has not finished) in two.
@@ -29,7 +37,10 @@ character (or a multi-token grapheme the tokenizer has not finished) in two.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
+from dataclasses import dataclass
 from typing import Iterable, Iterator, NamedTuple, Optional
+from typing import Sequence as Sequence_
 
 import torch
 
@@ -45,29 +56,6 @@ def decode_pack_applies(device_type: str, dtype: torch.dtype, weight_bytes: floa
 
 
 # --------------------------------------------------------------------------- state of a call
-class KVCache:
-    """Pre-allocated keys and values of one layer, (B, n_kv_heads, capacity, head_dim)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
-        self.pos = 0
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, H, T, D = k.shape
-        if self.k is None:
-            self.k = k.new_zeros(B, H, self.capacity, D)
-            self.v = v.new_zeros(B, H, self.capacity, D)
-        end = self.pos + T
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache full ({self.capacity} positions)")
-        self.k[:, :, self.pos:end] = k
-        self.v[:, :, self.pos:end] = v
-        self.pos = end
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
 class PackedLayer(NamedTuple):
     """One block's weights for CPU decoding, transposed to (in, out) and contiguous."""
     qkv: torch.Tensor      # (d_model, (n_heads + 2 n_kv_heads) * head_dim): wq | wk | wv
@@ -131,6 +119,294 @@ def step_mode(threads: Optional[int]):
             torch.set_num_threads(prev)
 
 
+# --------------------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one sequence asks for. ``stop_ids``: token ids that end it (EOS; never returned);
+    ``stop``: strings that end it (need a tokenizer; never part of the text, even when split
+    across tokens); ``logprobs``: None, or k >= 0 to return each new token's log-probability
+    and the k most likely alternatives (of the model's distribution, before temperature)."""
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop_ids: frozenset = frozenset()
+    stop: tuple = ()
+    logprobs: Optional[int] = None
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.max_new_tokens < 0:
+            out.append("max_new_tokens must be >= 0")
+        if self.temperature < 0:
+            out.append("temperature must be >= 0")
+        if self.top_k < 0:
+            out.append("top_k must be >= 0 (0 turns it off)")
+        if not 0 < self.top_p <= 1:
+            out.append("top_p must be in (0, 1]")
+        if self.logprobs is not None and self.logprobs < 0:
+            out.append("logprobs must be >= 0")
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sequence:
+    """One request's state in a :class:`Batcher`: its prompt, parameters, private random
+    generator, KV-cache slot, new tokens, text, and why it finished (None while running:
+    "stop" for EOS or a stop string, "length" for max_new_tokens or a full cache slot,
+    "cancelled")."""
+
+    def __init__(self, prompt: Sequence_[int], params: SamplingParams, tok=None, sink=None, tag=None,
+                 continues: bool = False):
+        self.prompt = [int(t) for t in prompt]
+        self.params = params
+        self.tokens: list[int] = []
+        # continues: the text continues the prompt's (a completion), see TextDecoder's prefix
+        self.text = TextStream(tok, params.stop, self.prompt[-1:] if continues else ()) \
+            if tok is not None else None
+        if params.stop and tok is None:
+            raise ValueError("stop strings need a tokenizer on the sequence")
+        self.sink = sink                # called with each Event (from the thread that steps)
+        self.tag = tag                  # the caller's own reference (a request id, a row)
+        self.slot: Optional[int] = None
+        self.pos = 0                    # positions in its cache slot
+        self.finish: Optional[str] = None
+        self.error: Optional[str] = None       # why, when finish == "error" (utils.generation.loop)
+        self.cancelled = False
+        self.generator: Optional[torch.Generator] = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+
+@dataclass
+class Event:
+    """What one step did to one sequence: a new token (None when it finished without one),
+    the text that became final with it ("" without a tokenizer or while a character or a
+    possible stop string is pending), the token's log-probability and top alternatives
+    (``(id, logprob)``, when asked for), and ``finish`` once it is done."""
+    seq: Sequence
+    token: Optional[int]
+    text: str = ""
+    logprob: Optional[float] = None
+    top: Optional[list] = None
+    finish: Optional[str] = None
+
+
+class _PrefillCache:
+    """One layer's cache view for a prompt prefill into one slot (the model's ``update``)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slot: int):
+        self.k, self.v, self.slot, self.pos = k, v, slot, 0
+
+    def update(self, k, v):                                   # (1, Hkv, T, hd)
+        end = self.pos + k.shape[2]
+        self.k[self.slot, :, self.pos:end] = k[0]
+        self.v[self.slot, :, self.pos:end] = v[0]
+        self.pos = end
+        return self.k[self.slot:self.slot + 1, :, :end], self.v[self.slot:self.slot + 1, :, :end]
+
+
+class _DecodeCache:
+    """One layer's cache view for a decode step of rows 0..n-1, each at its own position."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, length: int):
+        self.k, self.v, self.rows, self.pos, self.length = k, v, rows, pos, length
+
+    def update(self, k, v):                                   # (n, Hkv, 1, hd)
+        n = k.shape[0]
+        self.k[self.rows, :, self.pos] = k[:, :, 0]
+        self.v[self.rows, :, self.pos] = v[:, :, 0]
+        return self.k[:n, :, :self.length], self.v[:n, :, :self.length]
+
+
+# --------------------------------------------------------------------------- continuous batching
+class Batcher:
+    """Continuous batching over one engine's model: sequences wait in a queue, join the running
+    batch at a step boundary when a slot is free (a prefill of their prompt alone), decode
+    together one token per step each at its own position, and leave it (EOS, stop string,
+    length, cancel) at a step boundary, freeing their slot for the next one in the queue.
+
+    Memory: ``slots`` cache slots of ``capacity`` positions each, allocated on the first
+    prefill: ``bytes_per_slot`` = layers x 2 x n_kv_heads x capacity x head_dim x the weights'
+    element size, so the cache never exceeds ``slots * bytes_per_slot``; a sequence that finds
+    no free slot waits, and one whose prompt cannot fit a slot is refused when added. Running
+    sequences stay in slots 0..n-1 (a leaving one's slot is filled by moving the last one's
+    cache rows), so a decode step reads one contiguous block.
+
+    Exactness: each sequence samples from its own ``torch.Generator`` seeded by its ``seed``
+    and with its own temperature / top-k / top-p, so its tokens are what a lone run with the
+    same seed gives. The logits of a row agree with a lone run's to float rounding only (BLAS
+    sums a 4-row block in another order than a single row: ~1e-6 relative), so a token could
+    flip only where two candidates tie within that rounding (tests: never seen).
+    Not thread-safe: one thread calls ``add`` / ``step`` (``utils.generation.loop`` runs one)."""
+
+    def __init__(self, engine: "Engine", slots: int, capacity: int):
+        if slots < 1 or capacity < 2:
+            raise ValueError("need at least one slot and a capacity of 2 positions")
+        self.engine, self.model = engine, engine.model
+        self.slots, self.capacity = slots, capacity
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+
+    @property
+    def bytes_per_slot(self) -> int:
+        a = self.model.args
+        size = self.model.tok_embeddings.weight.element_size()
+        return a.n_layers * 2 * a.n_kv_heads * self.capacity * a.head_dim * size
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> Sequence:
+        """Queue ``seq`` (ValueError for an empty or out-of-vocabulary prompt, bad parameters,
+        or a prompt that leaves no room for one new token in a slot)."""
+        V = self.model.args.vocab_size
+        if not seq.prompt:
+            raise ValueError("the prompt is empty (give at least one token, e.g. BOS)")
+        if min(seq.prompt) < 0 or max(seq.prompt) >= V:
+            raise ValueError(f"the prompt holds a token id outside the vocabulary (0..{V - 1})")
+        bad = seq.params.problems()
+        if bad:
+            raise ValueError("; ".join(bad))
+        if len(seq.prompt) >= self.capacity:
+            raise ValueError(f"the prompt has {len(seq.prompt)} tokens: a cache slot holds "
+                             f"{self.capacity} positions with the new tokens")
+        seq.generator = torch.Generator(device=self.model.device)
+        if seq.params.seed is None:
+            seq.generator.seed()
+        else:
+            seq.generator.manual_seed(int(seq.params.seed))
+        self.waiting.append(seq)
+        return seq
+
+    def step(self) -> list[Event]:
+        """One step: drop cancelled sequences, decode one token for every running one, then
+        prefill waiting ones into the free slots (each gives its first token)."""
+        events: list[Event] = []
+        for seq in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(seq)
+            events.append(self._finish_event(seq, "cancelled"))
+        gone = [s for s in self.running if s.cancelled]
+        for seq in sorted(gone, key=lambda s: -s.slot):
+            events.append(self._finish_event(seq, "cancelled"))
+            self._release(seq)
+        if self.running:
+            events += self._decode()
+        while self.waiting and len(self.running) < self.slots:
+            seq = self.waiting.popleft()
+            if seq.params.max_new_tokens == 0:
+                events.append(self._finish_event(seq, "length"))
+                continue
+            events += self._prefill(seq)
+        for e in events:
+            if e.seq.sink is not None:
+                e.seq.sink(e)
+        return events
+
+    # -- the forward passes
+    def _alloc(self) -> None:
+        a, w = self.model.args, self.model.tok_embeddings.weight
+        shape = (self.slots, a.n_kv_heads, self.capacity, a.head_dim)
+        self.kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(a.n_layers)]
+
+    def _prefill(self, seq: Sequence) -> list[Event]:
+        if self.kv is None:
+            self._alloc()
+        model = self.model
+        seq.slot = len(self.running)
+        self.running.append(seq)
+        idx = torch.tensor([seq.prompt], dtype=torch.long, device=model.device)
+        caches = [_PrefillCache(k, v, seq.slot) for k, v in self.kv]
+        head = self.engine.head()
+        with step_mode(self.engine.step_threads(len(seq.prompt), model.num_params())):
+            h = model.trunk(idx, None, AttnSpec("causal"), caches)          # (1, T, d_model)
+            logits = head(h[:, -1]).float()                                 # (1, V)
+            seq.pos = len(seq.prompt)
+            return self._sample([seq], logits)
+
+    def _decode(self) -> list[Event]:
+        model, run = self.model, self.running
+        n, device = len(run), model.device
+        pos = torch.tensor([s.pos for s in run], device=device)            # (n,) the new tokens' positions
+        length = int(pos.max()) + 1
+        cos_all, sin_all = model.rope(length, device)                       # outside inference mode: kept
+        pack = self.engine.decode_pack()
+        packs = pack.layers if pack is not None else [None] * len(model.layers)
+        head = self.engine.head()
+        with step_mode(self.engine.step_threads(n, model.num_params())):
+            rows = torch.arange(n, device=device)
+            key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
+            key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
+            cos, sin = cos_all[pos][:, None], sin_all[pos][:, None]         # (n, 1, hd)
+            toks = torch.tensor([[s.tokens[-1]] for s in run], device=device)
+            h = model.tok_embeddings(toks)                                  # (n, 1, d_model)
+            for layer, (k, v), packed in zip(model.layers, self.kv, packs):
+                h = layer.decode(h, cos, sin, _DecodeCache(k, v, rows, pos, length), key_bias, packed)
+            logits = head(model.norm(h[:, 0])).float()                      # (n, V)
+            for s in run:
+                s.pos += 1
+            return self._sample(list(run), logits)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
+        if all(s.params.greedy for s in seqs):
+            toks = logits.argmax(dim=-1).tolist()
+        else:
+            toks = [int(sample_next(logits[r:r + 1], s.params.temperature, s.params.top_k,
+                                    s.params.top_p, s.generator)) for r, s in enumerate(seqs)]
+        events, finished = [], []
+        for r, (s, t) in enumerate(zip(seqs, toks)):
+            e = Event(s, t)
+            if s.params.logprobs is not None:
+                lp = logits[r].log_softmax(dim=-1)
+                e.logprob = float(lp[t])
+                if s.params.logprobs:
+                    vals, ids = lp.topk(min(s.params.logprobs, lp.numel()))
+                    e.top = list(zip(ids.tolist(), vals.tolist()))
+            hit = False                                    # a stop string ended it
+            if t in s.params.stop_ids:
+                e.token, e.logprob, e.top, e.finish = None, None, None, "stop"
+            else:
+                s.tokens.append(t)
+                if s.text is not None:
+                    e.text, hit = s.text.push(t)
+                    e.finish = "stop" if hit else None
+                if e.finish is None and (len(s.tokens) >= s.params.max_new_tokens or s.pos >= self.capacity):
+                    e.finish = "length"
+            if e.finish is not None:
+                if s.text is not None and not hit:
+                    e.text += s.text.finish()
+                s.finish = e.finish
+                finished.append(s)
+            events.append(e)
+        for s in sorted(finished, key=lambda s: -s.slot):
+            self._release(s)
+        return events
+
+    def _finish_event(self, seq: Sequence, why: str) -> Event:
+        seq.finish = why
+        text = seq.text.finish() if (seq.text is not None and why != "cancelled") else ""
+        return Event(seq, None, text, finish=why)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free ``seq``'s slot; the last running sequence moves into it (cache rows copied)."""
+        i, last = seq.slot, self.running[-1]
+        self.running.pop()
+        if last is not seq:
+            for k, v in self.kv:
+                k[i, :, :last.pos] = k[last.slot, :, :last.pos]
+                v[i, :, :last.pos] = v[last.slot, :, :last.pos]
+            last.slot = i
+            self.running[i] = last
+        seq.slot = None
+
+
 # --------------------------------------------------------------------------- the engine
 class Engine:
     """Generation over one model (see the module docstring). ``threads``: intra-op threads of
@@ -141,120 +417,72 @@ class Engine:
         self.threads = threads
         self._pack: Optional[DecodePack] = None
 
+    def batcher(self, slots: int, capacity: Optional[int] = None) -> Batcher:
+        """A continuous-batching :class:`Batcher` with ``slots`` cache slots of ``capacity``
+        positions (default: the model's context, ``max_seq_len``)."""
+        return Batcher(self, slots, capacity or self.model.args.max_seq_len)
+
+    def run(self, batcher: Batcher) -> Iterator[list[Event]]:
+        """Step ``batcher`` until it has no work, yielding each step's events; the model is in
+        eval mode meanwhile and back in its previous mode after (also when the caller stops
+        early)."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            while batcher.has_work():
+                events = batcher.step()
+                if events:
+                    yield events
+        finally:
+            model.train(was_training)
+            if was_training:
+                self._pack = None      # training moves the weights on: the copy would only hold memory
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, eos_id: int | Iterable[int] | None = None,
                  seed: Optional[int] = None) -> list[list[int]]:
-        """New tokens for each prompt (EOS ends a row and is not included)."""
+        """New tokens for each prompt (EOS ends a row and is not included). Row r samples with
+        ``seed + r`` (a lone run of prompt r with that seed gives the same tokens)."""
         out: list[list[int]] = [[] for _ in prompts]
-        for row_tokens in self.steps(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, seed):
-            for r, t in row_tokens:
-                out[r].append(t)
+        for events in self._run_prompts(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, seed):
+            for e in events:
+                if e.token is not None:
+                    out[e.seq.tag].append(e.token)
         return out
 
     def stream(self, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
                top_k: int = 0, top_p: float = 1.0, eos_id: int | Iterable[int] | None = None,
                seed: Optional[int] = None) -> Iterator[int]:
         """Yield each new token of one prompt as soon as it is sampled (EOS ends, not yielded)."""
-        for row_tokens in self.steps([prompt], max_new_tokens, temperature, top_k, top_p, eos_id, seed):
-            for _, t in row_tokens:
-                yield t
+        for events in self._run_prompts([prompt], max_new_tokens, temperature, top_k, top_p, eos_id, seed):
+            for e in events:
+                if e.token is not None:
+                    yield e.token
 
-    def steps(self, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, eos_id=None,
-              seed=None) -> Iterator[list[tuple[int, int]]]:
-        """The step loop: yields, per step, [(row, token), ...] of the rows still running."""
-        model = self.model
+    def _run_prompts(self, prompts, max_new_tokens, temperature, top_k, top_p, eos_id, seed):
         prompts = [list(p) for p in prompts]
-        V = model.args.vocab_size
         if not prompts:
             return
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty (give at least one token, e.g. BOS)")
-            if min(p) < 0 or max(p) >= V:
-                raise ValueError(f"prompt {i} holds a token id outside the vocabulary (0..{V - 1})")
-        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 0:
-            raise ValueError("need temperature >= 0, top_k >= 0, 0 < top_p <= 1, max_new_tokens >= 0")
-        if max_new_tokens == 0:
-            return
-        eos = set() if eos_id is None else ({int(eos_id)} if isinstance(eos_id, int) else {int(e) for e in eos_id})
-        was_training = model.training
-        model.eval()
-        try:
-            yield from self._run(prompts, max_new_tokens, temperature, top_k, top_p, eos, seed)
-        finally:
-            model.train(was_training)
-            if was_training:
-                self._pack = None      # training moves the weights on: the copy would only hold memory
+        stop_ids = frozenset() if eos_id is None else (
+            frozenset({int(eos_id)}) if isinstance(eos_id, int) else frozenset(int(e) for e in eos_id))
+        capacity = max(len(p) for p in prompts) + max(max_new_tokens, 1)
+        b = self.batcher(len(prompts), capacity)
+        for r, p in enumerate(prompts):
+            params = SamplingParams(max_new_tokens, temperature, top_k, top_p,
+                                    None if seed is None else int(seed) + r, stop_ids)
+            try:
+                b.add(Sequence(p, params, tag=r))
+            except ValueError as e:
+                raise ValueError(f"prompt {r}: {e}") from None
+        yield from self.run(b)
 
-    def _run(self, prompts, max_new_tokens, temperature, top_k, top_p, eos, seed):
-        model = self.model
-        device = model.device
-        B, lens = len(prompts), [len(p) for p in prompts]
-        Tp = max(lens)
-        idx = torch.zeros(B, Tp, dtype=torch.long)
-        valid = torch.zeros(B, Tp, dtype=torch.bool)
-        for r, p in enumerate(prompts):                 # left padding
-            idx[r, Tp - len(p):] = torch.tensor(p)
-            valid[r, Tp - len(p):] = True
-        idx, valid = idx.to(device), valid.to(device)
-        capacity = Tp + max_new_tokens
-        caches = [KVCache(capacity) for _ in model.layers]
-        gen = torch.Generator(device=device)
-        if seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(int(seed))
-        cos_all, sin_all = model.rope(capacity, device)  # outside inference mode: the table is kept
+    def head(self):
+        """The output projection of generation steps: the decode pack's or the model's."""
         pack = self.decode_pack()
-        packs = pack.layers if pack is not None else [None] * len(model.layers)
-        head = (lambda x: x @ pack.head) if pack is not None else model.lm_head
-        n_params = model.num_params()
-        padded = min(lens) < Tp
-        with step_mode(self.step_threads(B * Tp, n_params)):
-            key_bias = None
-            if padded:
-                positions = (valid.long().cumsum(1) - 1).clamp(min=0)    # (B, Tp)
-                eye = torch.eye(Tp, dtype=torch.bool, device=device)
-                causal = torch.ones(Tp, Tp, dtype=torch.bool, device=device).tril()
-                # pad queries see themselves only, so no row of the mask is empty
-                mask = causal & (valid[:, None, :] | eye)                # (B, Tp, Tp)
-                spec = AttnSpec("mask", mask=mask[:, None])
-                key_bias = torch.zeros(B, capacity, dtype=model.tok_embeddings.weight.dtype, device=device)
-                key_bias[:, :Tp].masked_fill_(~valid, float("-inf"))    # new tokens: all valid
-                next_pos = positions[:, -1:] + 1                         # (B, 1)
-            else:
-                positions, spec = None, AttnSpec("causal")
-            h = model.trunk(idx, positions, spec, caches)                # (B, Tp, d_model)
-            tok = sample_next(head(h[:, -1]).float(), temperature, top_k, top_p, gen)
-            toks = tok.tolist()
-        threads = self.step_threads(B, n_params)
-        done = [False] * B
-        for step in range(max_new_tokens):
-            emitted = []
-            for r, t in enumerate(toks):
-                if done[r]:
-                    continue
-                if t in eos:
-                    done[r] = True
-                else:
-                    emitted.append((r, t))
-            if emitted:
-                yield emitted
-            if all(done) or step == max_new_tokens - 1:
-                break
-            with step_mode(threads):
-                if padded:
-                    cos, sin = cos_all[next_pos], sin_all[next_pos]     # (B, 1, hd)
-                    next_pos = next_pos + 1
-                else:
-                    cos, sin = cos_all[Tp + step:Tp + step + 1], sin_all[Tp + step:Tp + step + 1]
-                h = model.tok_embeddings(tok[:, None])                   # (B, 1, d_model)
-                for layer, cache, packed in zip(model.layers, caches, packs):
-                    h = layer.decode(h, cos, sin, cache, key_bias, packed)
-                logits = head(model.norm(h[:, 0])).float()               # (B, V): last position only
-                tok = sample_next(logits, temperature, top_k, top_p, gen)
-                toks = tok.tolist()
+        return (lambda x: x @ pack.head) if pack is not None else self.model.lm_head
+
 
     def decode_pack(self) -> Optional[DecodePack]:
         """The weights of generation steps, transposed, on CPU in fp32; None elsewhere.
@@ -273,6 +501,9 @@ class Engine:
         logits can differ from the Linear's in the last bits. Not on CUDA (its GEMV has no
         such gap) nor for bf16/fp16 weights (slower transposed on CPU)."""
         model = self.model
+        if getattr(model, "quantized", None):                               # int8 layers: their own kernel
+            self._pack = None
+            return None
         w = model.lm_head.weight
         params = list(model.parameters())
         if not decode_pack_applies(w.device.type, w.dtype, sum(p.numel() * p.element_size() for p in params)):
@@ -317,23 +548,34 @@ class TextDecoder:
     token ("" while a character is still incomplete: the decoded tail ends in U+FFFD, or the
     new text would change what was already shown), ``finish()`` the rest. Joined, the pieces
     equal ``tok.decode(ids, skip_special_tokens=True)``, except that a decode which rewrites
-    earlier text is finished with a newline and the full text."""
+    earlier text is finished with a newline and the full text.
 
-    def __init__(self, tok):
+    ``prefix``: token ids the new ones continue (e.g. the prompt's last token): the text is
+    then what the new ids add after the prefix's text, so a SentencePiece word-start piece
+    keeps its leading space (a completion that continues a prompt mid-sentence)."""
+
+    def __init__(self, tok, prefix: Sequence_[int] = ()):
         self.tok = tok
+        self.prefix = [int(t) for t in prefix]
+        self.skip = len(tok.decode(self.prefix, skip_special_tokens=True)) if self.prefix else 0
         self.ids: list[int] = []
         self.shown = ""
 
+    def _decode(self) -> str:
+        if not self.prefix:
+            return self.tok.decode(self.ids, skip_special_tokens=True)
+        return self.tok.decode(self.prefix + self.ids, skip_special_tokens=True)[self.skip:]
+
     def push(self, token: int) -> str:
         self.ids.append(int(token))
-        now = self.tok.decode(self.ids, skip_special_tokens=True)
+        now = self._decode()
         if now.endswith("\ufffd") or len(now) <= len(self.shown) or not now.startswith(self.shown):
             return ""
         piece, self.shown = now[len(self.shown):], now
         return piece
 
     def text(self) -> str:
-        return self.tok.decode(self.ids, skip_special_tokens=True)
+        return self._decode()
 
     def finish(self) -> str:
         final = self.text()
@@ -342,6 +584,40 @@ class TextDecoder:
         piece = final[len(self.shown):] if final.startswith(self.shown) else "\n" + final
         self.shown = final
         return piece
+
+
+class TextStream:
+    """Text of one sequence with stop strings: ``push(id) -> (text, stopped)`` gives the text
+    that became final, holding back any tail that could still grow into a stop string, so a
+    stop string never reaches the caller, even split across tokens; once one appears, the text
+    before it is returned with ``stopped`` True. ``finish()`` returns what was held back."""
+
+    def __init__(self, tok, stop: Sequence_[str] = (), prefix: Sequence_[int] = ()):
+        self.decoder = TextDecoder(tok, prefix)
+        self.stop = [s for s in stop if s]
+        self.pending = ""
+
+    def push(self, token: int) -> tuple[str, bool]:
+        return self._cut(self.pending + self.decoder.push(token))
+
+    def _cut(self, buf: str) -> tuple[str, bool]:
+        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[:min(hits)], True
+        keep = 0                                   # the longest tail that starts a stop string
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:n]):
+                    keep = n
+                    break
+        self.pending = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def finish(self) -> str:
+        text, _ = self._cut(self.pending + self.decoder.finish())
+        rest, self.pending = self.pending, ""
+        return text + rest
 
 
 def estimated_weight_bytes(checkpoint_bytes: float, device_type: str) -> float:
@@ -354,6 +630,6 @@ def estimated_weight_bytes(checkpoint_bytes: float, device_type: str) -> float:
     return weights
 
 
-__all__ = ["Engine", "generate", "TextDecoder", "KVCache", "DecodePack", "PackedLayer",
+__all__ = ["Engine", "Batcher", "Sequence", "SamplingParams", "Event", "TextStream", "generate", "TextDecoder", "DecodePack", "PackedLayer",
            "decode_pack_applies", "DECODE_PACK_MAX_BYTES", "sample_next", "top_k_filter",
            "top_p_filter", "step_mode", "estimated_weight_bytes"]

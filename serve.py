@@ -1,0 +1,183 @@
+"""Stage ``serve``: an OpenAI-compatible HTTP server with continuous batching and a web chat page.
+
+    python main.py serve --checkpoint checkpoints/sft_demo_x           one model (a run folder
+                                                                        serves its best checkpoint)
+    python main.py serve --checkpoint A --checkpoint B --hf-model DIR   several: ids from run names
+    python main.py serve ... --host 0.0.0.0 --port 8000 --api-key KEY   (or LLM_SERVE_API_KEY)
+    python main.py serve ... --quantize int8                            weight-only int8
+
+Then point any OpenAI client at ``http://127.0.0.1:8000/v1`` (``POST /v1/chat/completions``
+for SFT checkpoints, ``POST /v1/completions`` for any model, ``GET /v1/models``, ``GET
+/health``) or open ``http://127.0.0.1:8000/`` in a browser. ``--port 0`` takes a free port;
+the first line on stdout is always ``serve: listening on http://HOST:PORT``.
+
+Each model runs its own continuous-batching engine (utils/generation/engine.py,
+``serve.max_batch`` sequences decoded together; more wait for a slot). SIGINT / SIGTERM: stop
+accepting, give running streams ``serve.shutdown_grace`` seconds to finish, cut the rest with an error
+event, exit 130. Fields, limits, batching and security: docs/serve.md.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
+
+API_KEY_ENV = "LLM_SERVE_API_KEY"
+
+
+def build_parser() -> StageParser:
+    p = StageParser("main.py serve", "Serve checkpoints over an OpenAI-compatible HTTP API with a "
+                    "web chat page.")
+    p.add_argument("--checkpoint", type=cli_path, action="append", default=[], metavar="PATH",
+                   help="checkpoint file or run folder (its best checkpoint); repeat for several")
+    p.add_argument("--hf-model", type=cli_path, action="append", default=[], metavar="DIR",
+                   help="a Hugging Face Llama folder or .gguf file (imported); repeatable")
+    p.config_flag("--host", key="serve.host", metavar="ADDR", help="address to bind")
+    p.config_flag("--port", key="serve.port", type=int, metavar="N", help="TCP port (0: any free port)")
+    p.config_flag("--max-batch", key="serve.max_batch", type=int, metavar="N",
+                  help="sequences decoded together per model")
+    p.config_flag("--quantize", key="serve.quantize", choices=["none", "int8"],
+                  help="weights of the served models")
+    p.config_flag("--device", key="serve.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args, cfg = build_parser().parse(argv)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    sock = bind(cfg.serve.host, cfg.serve.port)
+    models = open_models(args, cfg)
+    app = make_app(models, cfg, api_key)
+    announce(sock, cfg.serve.host, models, api_key)
+    try:
+        run_server(app, sock, models, cfg.serve.shutdown_grace)
+    finally:
+        for m in models.values():
+            m.loop.stop()
+    return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the models load so a busy port fails at once."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise PipelineError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another "
+                            "--port (0 takes a free one) or --host.") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def model_ids(paths: list[Path]) -> list[str]:
+    """Model ids from run names: a run folder's or a checkpoint's run name; an HF folder's or
+    .gguf file's own name; the file name is added where two would collide."""
+    def base(p: Path) -> str:
+        if p.is_file() and p.suffix == ".pt":
+            return p.parent.name
+        return p.stem if p.suffix == ".gguf" else p.name
+    ids = [base(p) for p in paths]
+    return [f"{i}/{p.name}" if ids.count(i) > 1 else i for i, p in zip(ids, paths)]
+
+
+def open_models(args, cfg) -> dict:
+    from utils.device import resolve_device
+    from utils.generation.engine import Engine
+    from utils.generation.loop import EngineLoop
+    from utils.quant import quantize_int8
+    from utils.run import open_for_generation
+    from utils.serve.app import ServedModel
+    paths = [Path(p) for p in list(args.checkpoint) + list(args.hf_model)]
+    if not paths:
+        raise UsageError("give at least one --checkpoint PATH (or --hf-model DIR) to serve.")
+    device = resolve_device(cfg.serve.device, "serve.device")
+    say = lambda s: print(f"serve: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    ids, models, cache = model_ids(paths), {}, {}
+    if len(set(ids)) < len(ids):
+        raise UsageError(f"two models would have the same id ({', '.join(ids)}): serve distinct files.")
+    for mid, path in zip(ids, paths):
+        if not path.exists():
+            raise PipelineError(f"{path} does not exist (a checkpoint file, run folder, HF folder or .gguf).")
+        o = open_for_generation(path, cfg, device, say=say, cache=cache)
+        if cfg.serve.quantize == "int8":
+            say(quantize_int8(o.model).line())
+        loop = EngineLoop(Engine(o.model), cfg.serve.max_batch, log=say, name=f"engine-{mid}").start()
+        models[mid] = ServedModel(mid, o.model, o.tok, o.kind, o.template, loop, int(time.time()),
+                                  cfg.serve.quantize, cfg.serve.max_queue, cfg.serve.max_tokens)
+        mb = loop.batcher.bytes_per_slot / 2 ** 20
+        say(f"model '{mid}': {o.label} ({o.kind}{', chat' if o.template else ''}), context "
+            f"{loop.capacity}, {cfg.serve.max_batch} slots x {mb:.1f} MiB of KV cache")
+    return models
+
+
+def make_app(models: dict, cfg, api_key: Optional[str]):
+    from utils.serve.app import create_app
+    from utils.serve.protocol import Limits
+    limits = Limits(cfg.serve.max_messages, cfg.serve.max_prompt_chars, cfg.serve.max_n,
+                    cfg.serve.max_tokens)
+    return create_app(models, limits, api_key, log=lambda s: print(f"serve: {s}", file=sys.stderr,
+                                                                   flush=True))
+
+
+def announce(sock: socket.socket, host: str, models: dict, api_key: Optional[str]) -> None:
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serve: listening on http://{shown}:{port}", flush=True)
+    print(f"serve: OpenAI base URL http://{shown}:{port}/v1 (models: {', '.join(models)}); chat page "
+          f"http://{shown}:{port}/ ; Ctrl-C stops", file=sys.stderr, flush=True)
+    if not api_key and not is_loopback(host):
+        print(f"serve: WARNING: listening on {host} without an API key: anyone who can reach this "
+              f"machine can use the models. Pass --api-key or set {API_KEY_ENV}.", file=sys.stderr,
+              flush=True)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_server(app, sock: socket.socket, models: dict, grace: float) -> None:
+    """uvicorn on ``sock``. SIGINT/SIGTERM: uvicorn stops accepting; running generations get
+    ``grace`` seconds to finish, then the engines stop, which ends each remaining stream with an
+    error event and ``[DONE]``; uvicorn then re-raises the signal, which run_stage turns into
+    exit 130."""
+    import asyncio
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            for server in self.servers:
+                server.close()                            # no new connections
+            busy = lambda: sum(m.loop.active for m in models.values())  # noqa: E731
+            deadline = time.monotonic() + grace
+            if busy():
+                print(f"serve: stopping: {busy()} generations get up to {grace:g} s to finish",
+                      file=sys.stderr, flush=True)
+            while busy() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            for m in models.values():                     # cut what is left: its streams end cleanly
+                await asyncio.to_thread(m.loop.stop)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=max(1, int(grace) + 1))
+    Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    run_stage(main)

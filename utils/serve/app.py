@@ -1,0 +1,395 @@
+"""The OpenAI-compatible HTTP app of ``serve`` (library: building the app starts nothing; the
+stage script runs it with uvicorn).
+
+    app = create_app(models, limits, api_key=None, log=print)
+
+``models``: model id -> :class:`ServedModel` (an opened checkpoint and its running
+:class:`~utils.generation.loop.EngineLoop`). Endpoints: ``GET /`` (the chat page,
+``utils/serve/static``), ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (plain JSON or server-sent events). Every error is OpenAI's
+JSON shape with a 4xx/5xx status (utils/serve/protocol.py). A request's sequences (``n`` of
+them per prompt, choice i seeded ``seed + i``) join the model's running batch; a client that
+disconnects cancels them at the next step. One log line per request: id, model, prompt and
+completion tokens, time to first token, tokens/s, finish reasons.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from utils.generation.engine import Event, SamplingParams, Sequence
+from utils.generation.loop import EngineLoop
+from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, error_body, new_id, now,
+                                  read_chat, read_completion)
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+@dataclass
+class ServedModel:
+    id: str
+    model: object
+    tok: object
+    kind: str                       # pretrain | sft | hf
+    template: Optional[dict]        # chat template (SFT), None: completions only
+    loop: EngineLoop
+    created: int
+    quantize: str = "none"
+    max_queue: int = 256
+    default_max_tokens: int = 256
+
+    @property
+    def context(self) -> int:
+        return self.loop.capacity
+
+    def completion_ids(self, text: str) -> list[int]:
+        from utils.data.tok import encode_plain
+        return [self.tok.bos_token_id] + encode_plain(self.tok, [text])[0]
+
+    def chat_ids(self, chat: Chat) -> list[int]:
+        """The conversation through the checkpoint's own chat template (utils/data/sft.py);
+        a system message's text opens the first user turn, followed by a blank line."""
+        from utils.data import sft
+        if self.template is None:
+            raise ApiError(400, f"model '{self.id}' is a pre-trained ({self.kind}) model without a chat "
+                           "template: use POST /v1/completions with a plain prompt, or serve an SFT "
+                           "checkpoint for chat.", "model", "chat_not_supported")
+        history, question = [list(p) for p in chat.history], chat.question
+        if chat.system:
+            if history:
+                history[0][0] = f"{chat.system}\n\n{history[0][0]}"
+            else:
+                question = f"{chat.system}\n\n{question}"
+        return sft.encode_prompt(self.tok, self.template, [tuple(p) for p in history], question,
+                                 self.tok.bos_token_id, self.tok.eos_token_id)
+
+    def token_text(self, token: int) -> str:
+        piece = self.tok.convert_ids_to_tokens(int(token))
+        text = self.tok.convert_tokens_to_string([piece])
+        if piece.startswith("\u2581") and not text.startswith(" "):    # SentencePiece word start
+            text = " " + text
+        return text
+
+    def describe(self) -> dict:
+        return {"id": self.id, "object": "model", "created": self.created, "owned_by": "llm-pipeline",
+                "kind": self.kind, "chat": self.template is not None, "context_length": self.context,
+                "quantize": self.quantize}
+
+
+# --------------------------------------------------------------------------- one request
+class Job:
+    """One HTTP request's sequences and what came back for them (events from the engine
+    thread arrive on ``queue`` through the asyncio loop)."""
+
+    def __init__(self, m: ServedModel, s: Sampling, prompts: list[list[int]], texts: list[str],
+                 chat: bool, rid: str):
+        self.m, self.s, self.chat, self.id = m, s, chat, rid
+        self.t0 = time.perf_counter()
+        self.ttft: Optional[float] = None
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.texts = texts
+        aio = asyncio.get_running_loop()
+
+        def sink(e: Event) -> None:
+            try:
+                aio.call_soon_threadsafe(self.queue.put_nowait, e)
+            except RuntimeError:          # the event loop closed (shutdown): nobody is waiting
+                pass
+        self.seqs: list[Sequence] = []
+        for p, ids in enumerate(prompts):
+            max_tokens = s.max_tokens or min(m.default_max_tokens, m.context - len(ids))
+            for i in range(s.n):
+                params = SamplingParams(max_tokens, s.temperature, s.top_k, s.top_p,
+                                        None if s.seed is None else s.seed + i,
+                                        frozenset({m.tok.eos_token_id}), s.stop, s.logprobs)
+                self.seqs.append(Sequence(ids, params, tok=m.tok, sink=sink, tag=p * s.n + i,
+                                           continues=not chat))
+        self.text = [""] * len(self.seqs)
+        self.finish: list[Optional[str]] = [None] * len(self.seqs)
+        self.logprobs: list[list] = [[] for _ in self.seqs]
+
+    def submit(self) -> None:
+        for seq in self.seqs:
+            self.m.loop.submit(seq)
+
+    def cancel(self) -> None:
+        for seq in self.seqs:
+            if not seq.done:
+                self.m.loop.cancel(seq)
+
+    def take(self, e: Event) -> None:
+        i = e.seq.tag
+        if e.token is not None and self.ttft is None:
+            self.ttft = time.perf_counter() - self.t0
+        self.text[i] += e.text
+        if e.logprob is not None:
+            self.logprobs[i].append((e.token, e.logprob, e.top or []))
+        if e.finish is not None:
+            self.finish[i] = e.finish
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    def error(self) -> Optional[str]:
+        bad = [s.error for s in self.seqs if s.finish == "error"]
+        return bad[0] if bad else None
+
+    def usage(self) -> dict:
+        c = sum(len(s.tokens) for s in self.seqs)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c,
+                "total_tokens": self.prompt_tokens + c}
+
+    def log_line(self) -> str:
+        secs = time.perf_counter() - self.t0
+        c = sum(len(s.tokens) for s in self.seqs)
+        gen = secs - (self.ttft or 0.0)
+        rate = f"{(c - len(self.seqs)) / gen:.1f} tokens/s" if gen > 0 and c > len(self.seqs) else "n/a"
+        ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "n/a"
+        return (f"{self.id} model={self.m.id} prompt_tokens={self.prompt_tokens} completion_tokens={c} "
+                f"ttft={ttft} {rate} finish={','.join(str(f) for f in self.finish)} {secs:.2f}s")
+
+    # -- response shapes
+    def reason(self, i: int) -> str:
+        return "length" if self.finish[i] == "length" else "stop"
+
+    def lp_completion(self, i: int, start: int = 0) -> Optional[dict]:
+        if self.s.logprobs is None:
+            return None
+        items = self.logprobs[i][start:]
+        toks = [self.m.token_text(t) for t, _, _ in items]
+        offsets, pos = [], len(self.texts[i // self.s.n]) if self.s.echo else 0
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": toks, "token_logprobs": [lp for _, lp, _ in items],
+                "top_logprobs": [{self.m.token_text(a): b for a, b in top} for _, _, top in items],
+                "text_offset": offsets}
+
+    def lp_chat(self, i: int, start: int = 0) -> Optional[dict]:
+        if self.s.logprobs is None:
+            return None
+
+        def entry(t, lp):
+            s = self.m.token_text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"content": [dict(entry(t, lp), top_logprobs=[entry(a, b) for a, b in top])
+                            for t, lp, top in self.logprobs[i][start:]]}
+
+
+# --------------------------------------------------------------------------- the app
+def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional[str] = None,
+               log: Callable[[str], None] = print) -> FastAPI:
+    app = FastAPI(title="llm-pipeline serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        what = {404: f"no such endpoint: {request.method} {request.url.path} (see GET /v1/models, "
+                     "POST /v1/completions, POST /v1/chat/completions)",
+                405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return JSONResponse(error_body(what, code=str(e.status_code)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):
+        log(f"internal error on {request.url.path}: {type(e).__name__}: {e}")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
+                            status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return JSONResponse(error_body("missing or incorrect API key: send the header "
+                                               "'Authorization: Bearer <key>'.", code="invalid_api_key"),
+                                    status_code=401)
+        return await call_next(request)
+
+    @app.get("/")
+    async def _page():
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/static/{name}")
+    async def _static(name: str):
+        path = STATIC / name
+        if name not in {p.name for p in STATIC.iterdir()}:
+            raise StarletteHTTPException(404)
+        kind = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}.get(path.suffix)
+        return FileResponse(path, media_type=kind)
+
+    @app.get("/health")
+    async def _health():
+        return {"status": "ok", "models": {k: {"active": m.loop.active, "slots": m.loop.batcher.slots,
+                                               "running": len(m.loop.batcher.running)}
+                                           for k, m in models.items()}}
+
+    @app.get("/v1/models")
+    async def _models():
+        return {"object": "list", "data": [m.describe() for m in models.values()]}
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request):
+        body = await _json(request)
+        s, texts = read_completion(body, limits)
+        m = _model(models, s.model)
+        prompts = [m.completion_ids(t) for t in texts]
+        return await _run(request, Job(m, s, _fit(m, s, prompts, False), texts, False, new_id("cmpl")), log)
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request):
+        body = await _json(request)
+        s, chat = read_chat(body, limits)
+        m = _model(models, s.model)
+        prompts = [m.chat_ids(chat)]
+        return await _run(request, Job(m, s, _fit(m, s, prompts, True), [chat.question], True,
+                                       new_id("chatcmpl")), log)
+
+    return app
+
+
+async def _json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e}).", None, "invalid_json") from None
+
+
+def _model(models: dict, name: Optional[str]) -> ServedModel:
+    if name is None:
+        if len(models) == 1:
+            return next(iter(models.values()))
+        raise ApiError(400, f"'model' is required: this server has {', '.join(models)}.", "model",
+                       "missing_required")
+    if name not in models:
+        raise ApiError(404, f"the model '{name}' does not exist here; GET /v1/models lists "
+                       f"{', '.join(models)}.", "model", "model_not_found")
+    return models[name]
+
+
+def _fit(m: ServedModel, s: Sampling, prompts: list[list[int]], chat: bool) -> list[list[int]]:
+    for ids in prompts:
+        room = m.context - len(ids)
+        if room < 1 or (s.max_tokens is not None and s.max_tokens > room):
+            asked = f" + max_tokens {s.max_tokens}" if s.max_tokens is not None else ""
+            raise ApiError(400, f"the prompt is {len(ids)} tokens{asked}, more than the model's "
+                           f"context of {m.context} tokens: shorten the prompt or lower max_tokens.",
+                           "max_tokens" if s.max_tokens is not None else ("messages" if chat else "prompt"),
+                           "context_length_exceeded")
+    waiting = m.loop.active + len(prompts) * s.n
+    if waiting > m.max_queue:
+        raise ApiError(429, f"the server is busy ({m.loop.active} sequences running or waiting for "
+                       f"model '{m.id}', serve.max_queue {m.max_queue}); retry later.", None,
+                       "rate_limit_exceeded", "rate_limit_error")
+    return prompts
+
+
+async def _run(request: Request, job: Job, log):
+    try:
+        job.submit()
+    except ValueError as e:
+        job.cancel()
+        raise ApiError(400, str(e), None, "invalid_value") from None
+    if job.s.stream:
+        return StreamingResponse(_sse(job, log), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        while not job.done:
+            job.take(await job.queue.get())
+    finally:
+        watcher.cancel()
+        job.cancel()
+    log(job.log_line())
+    if job.error():
+        raise ApiError(500, f"generation failed: {job.error()}", None, "engine_error", "server_error")
+    return JSONResponse(_full_body(job))
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+def _full_body(job: Job) -> dict:
+    s, created, model = job.s, now(), job.m.id
+    choices = []
+    for i, _ in enumerate(job.seqs):
+        if job.chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": job.text[i]},
+                            "logprobs": job.lp_chat(i), "finish_reason": job.reason(i)})
+        else:
+            text = (job.texts[i // s.n] if s.echo else "") + job.text[i]
+            choices.append({"index": i, "text": text, "logprobs": job.lp_completion(i),
+                            "finish_reason": job.reason(i)})
+    return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion",
+            "created": created, "model": model, "choices": choices, "usage": job.usage()}
+
+
+async def _sse(job: Job, log):
+    """Server-sent events: the role first (chat), text deltas, each choice's finish_reason,
+    the usage chunk when asked for, then ``data: [DONE]``."""
+    s, created = job.s, now()
+    kind = "chat.completion.chunk" if job.chat else "text_completion"
+
+    def chunk(choices, usage=None) -> str:
+        body = {"id": job.id, "object": kind, "created": created, "model": job.m.id, "choices": choices}
+        if s.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def delta(i: int, text: str, finish=None, lp_from: Optional[int] = None) -> dict:
+        if job.chat:
+            d = {"index": i, "delta": {"content": text} if text else {}, "logprobs": None,
+                 "finish_reason": finish}
+            if lp_from is not None:
+                d["logprobs"] = job.lp_chat(i, lp_from)
+        else:
+            d = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            if lp_from is not None:
+                d["logprobs"] = job.lp_completion(i, lp_from)
+        return d
+
+    try:
+        if job.chat:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(job.seqs))])
+        elif s.echo:
+            yield chunk([delta(i, job.texts[i // s.n]) for i in range(len(job.seqs))])
+        while not job.done:
+            e = await job.queue.get()
+            i, seen = e.seq.tag, len(job.logprobs[e.seq.tag])
+            job.take(e)
+            lp_from = seen if len(job.logprobs[i]) > seen else None
+            if e.finish == "error":
+                err = error_body(f"generation failed: {e.seq.error}", "server_error", code="engine_error")
+                yield f"data: {json.dumps(err)}\n\n"
+                break
+            if e.finish == "cancelled":
+                yield f"data: {json.dumps(error_body('the server stopped this generation (shutting down).', 'server_error', code='cancelled'))}\n\n"
+                break
+            if e.text or lp_from is not None:
+                yield chunk([delta(i, e.text, None, lp_from)])
+            if e.finish is not None:
+                yield chunk([delta(i, "", job.reason(i))])
+        if s.include_usage and job.done:
+            yield chunk([], job.usage())
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()
+        log(job.log_line())

@@ -1,0 +1,243 @@
+"""The OpenAI request and response shapes of ``serve`` (library; no side effects).
+
+Requests are read by hand rather than by pydantic models so that every refusal is OpenAI's
+error body, ``{"error": {"message", "type", "param", "code"}}``, naming the field and what to
+send instead (:class:`ApiError`). Fields read (docs/serve.md lists them and what is ignored):
+
+- both: ``model``, ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature`` (0..2),
+  ``top_p`` (0..1], ``top_k`` (extra field, >= 0), ``n``, ``seed``, ``stop`` (string or list of
+  up to 4), ``stream``, ``stream_options.include_usage``; ``presence_penalty`` /
+  ``frequency_penalty`` only as 0 (refused otherwise: not implemented), ``user`` ignored.
+- completions: ``prompt`` (a string, or a list of one or more strings), ``logprobs`` (0..5),
+  ``echo``; ``suffix`` refused.
+- chat: ``messages`` (roles system / user / assistant; content a string or a list of text
+  parts), ``logprobs`` (bool) with ``top_logprobs`` (0..20).
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's JSON body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, type_: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+# --------------------------------------------------------------------------- field readers
+_MISSING = object()
+
+
+def _num(body: dict, key: str, default, lo=None, hi=None, integer=False, lo_open=False):
+    v = body.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)) \
+            or (isinstance(v, float) and not math.isfinite(v)):
+        raise ApiError(400, f"'{key}' must be {kind}, got {type(v).__name__} {v!r}.", key,
+                       "invalid_type")
+    if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+        rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise ApiError(400, f"'{key}' is {v}; it must be in {rng}.", key, "invalid_value")
+    return v
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"'{key}' must be true or false, got {v!r}.", key, "invalid_type")
+    return v
+
+
+def _stop(body: dict, max_chars: int) -> tuple:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ApiError(400, "'stop' must be a string or a list of strings.", "stop", "invalid_type")
+    if len(items) > 4:
+        raise ApiError(400, f"'stop' has {len(items)} strings; at most 4 are allowed.", "stop", "invalid_value")
+    if any(len(s) > max_chars for s in items):
+        raise ApiError(400, "a 'stop' string is too long.", "stop", "invalid_value")
+    return tuple(s for s in items if s)
+
+
+@dataclass
+class Limits:
+    max_messages: int = 64
+    max_prompt_chars: int = 100_000
+    max_n: int = 8
+    default_max_tokens: int = 256
+
+
+@dataclass
+class Sampling:
+    """The generation fields shared by both endpoints."""
+    model: Optional[str]
+    max_tokens: Optional[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    n: int
+    seed: Optional[int]
+    stop: tuple
+    stream: bool
+    include_usage: bool
+    logprobs: Optional[int] = None        # None: not asked; k: the token's and k alternatives
+    echo: bool = False
+
+
+def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object.", None, "invalid_type")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string (GET /v1/models lists them).", "model", "invalid_type")
+    max_tokens = _num(body, "max_tokens", None, lo=1, integer=True)
+    if chat:
+        max_tokens = _num(body, "max_completion_tokens", max_tokens, lo=1, integer=True)
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _num(body, key, 0, lo=-2, hi=2) != 0:
+            raise ApiError(400, f"'{key}' is not supported by this server (send 0 or leave it out).",
+                           key, "unsupported_parameter")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise ApiError(400, "'stream_options' must be an object.", "stream_options", "invalid_type")
+    stream = _bool(body, "stream", False)
+    include_usage = _bool(opts or {}, "include_usage", False)
+    if opts and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with \"stream\": true.", "stream_options",
+                       "invalid_value")
+    seed = _num(body, "seed", None, integer=True)
+    return Sampling(model, max_tokens, float(_num(body, "temperature", 1.0, lo=0, hi=2)),
+                    float(_num(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)),
+                    _num(body, "top_k", 0, lo=0, integer=True),
+                    _num(body, "n", 1, lo=1, hi=limits.max_n, integer=True),
+                    None if seed is None else int(seed) % (1 << 63),
+                    _stop(body, 1000), stream, include_usage)
+
+
+def read_completion(body: dict, limits: Limits) -> tuple[Sampling, list[str]]:
+    s = read_common(body, limits, chat=False)
+    if body.get("suffix") is not None:
+        raise ApiError(400, "'suffix' (insertion) is not supported by this server.", "suffix",
+                       "unsupported_parameter")
+    prompt = body.get("prompt", _MISSING)
+    if prompt is _MISSING:
+        raise ApiError(400, "'prompt' is required (a string, or a list of strings).", "prompt", "missing_required")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ApiError(400, "'prompt' must be a string or a non-empty list of strings (token-id "
+                       "prompts are not supported).", "prompt", "invalid_type")
+    if sum(len(p) for p in prompts) > limits.max_prompt_chars:
+        raise ApiError(400, f"the prompt has more than {limits.max_prompt_chars} characters "
+                       "(serve.max_prompt_chars).", "prompt", "prompt_too_long")
+    if len(prompts) * s.n > limits.max_n:
+        raise ApiError(400, f"{len(prompts)} prompts x n={s.n} choices is more than "
+                       f"{limits.max_n} (serve.max_n).", "n", "invalid_value")
+    lp = body.get("logprobs")
+    if lp is not None:
+        s.logprobs = _num(body, "logprobs", None, lo=0, hi=5, integer=True)
+    s.echo = _bool(body, "echo", False)
+    return s, prompts
+
+
+@dataclass
+class Chat:
+    """A chat request's conversation: the system text (or ""), the finished (user, assistant)
+    exchanges, and the last user message."""
+    system: str
+    history: list = field(default_factory=list)
+    question: str = ""
+
+
+def _content(msg: Any, i: int) -> str:
+    c = msg.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for j, part in enumerate(c):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content[{j}] must be a text part "
+                               "({\"type\": \"text\", \"text\": ...}); images and audio are not supported.",
+                               f"messages[{i}].content", "invalid_type")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts.",
+                   f"messages[{i}].content", "invalid_type")
+
+
+def read_chat(body: dict, limits: Limits) -> tuple[Sampling, Chat]:
+    s = read_common(body, limits, chat=True)
+    msgs = body.get("messages", _MISSING)
+    if msgs is _MISSING:
+        raise ApiError(400, "'messages' is required.", "messages", "missing_required")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects.",
+                       "messages", "invalid_type")
+    if len(msgs) > limits.max_messages:
+        raise ApiError(400, f"'messages' has {len(msgs)} entries; at most {limits.max_messages} are "
+                       "allowed (serve.max_messages).", "messages", "too_many_messages")
+    system, turns = [], []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'.",
+                           f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role is {role!r}; this server takes 'system', "
+                           "'user' and 'assistant' (no tools).", f"messages[{i}].role", "invalid_value")
+        text = _content(m, i)
+        if role in ("system", "developer"):
+            if turns:
+                raise ApiError(400, f"messages[{i}]: a system message must come before the "
+                               "conversation.", f"messages[{i}].role", "invalid_value")
+            system.append(text)
+            continue
+        want = "user" if len(turns) % 2 == 0 else "assistant"
+        if role != want:
+            raise ApiError(400, f"messages[{i}].role is '{role}' where '{want}' was expected: the "
+                           "conversation must alternate user / assistant, starting with user.",
+                           f"messages[{i}].role", "invalid_value")
+        turns.append(text)
+    if not turns or len(turns) % 2 == 0:
+        raise ApiError(400, "the last message must be from the user (the model answers it).",
+                       "messages", "invalid_value")
+    if sum(len(t) for t in turns) + sum(len(t) for t in system) > limits.max_prompt_chars:
+        raise ApiError(400, f"the messages have more than {limits.max_prompt_chars} characters "
+                       "(serve.max_prompt_chars).", "messages", "prompt_too_long")
+    if _bool(body, "logprobs", False):
+        s.logprobs = _num(body, "top_logprobs", 0, lo=0, hi=20, integer=True)
+    elif body.get("top_logprobs") is not None:
+        raise ApiError(400, "'top_logprobs' needs \"logprobs\": true.", "top_logprobs", "invalid_value")
+    pairs = [(turns[i], turns[i + 1]) for i in range(0, len(turns) - 1, 2)]
+    return s, Chat("\n\n".join(system), pairs, turns[-1])
+
+
+def now() -> int:
+    return int(time.time())

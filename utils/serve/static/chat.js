@@ -1,0 +1,147 @@
+// The chat page of `python main.py serve`: plain JavaScript, no build step, no network but
+// this server. Chat models (SFT) go through /v1/chat/completions with the whole conversation;
+// pre-trained models continue the text through /v1/completions. Replies stream (SSE).
+"use strict";
+const $ = (id) => document.getElementById(id);
+const state = { models: [], messages: [], controller: null };
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) h["Authorization"] = "Bearer " + key;
+  return h;
+}
+
+function bubble(role, text) {
+  const div = document.createElement("div");
+  div.className = "msg " + role;
+  const body = document.createElement("span");
+  body.className = "text";
+  body.textContent = text;
+  div.appendChild(body);
+  $("log").appendChild(div);
+  $("log").scrollTop = $("log").scrollHeight;
+  return div;
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+async function loadModels() {
+  try {
+    const r = await fetch("/v1/models", { headers: headers() });
+    const body = await r.json();
+    if (!r.ok) throw new Error(body.error ? body.error.message : r.statusText);
+    state.models = body.data;
+    const sel = $("model");
+    sel.innerHTML = "";
+    for (const m of state.models) {
+      const o = document.createElement("option");
+      o.value = m.id;
+      o.textContent = m.id + (m.chat ? " (chat)" : " (completion)");
+      sel.appendChild(o);
+    }
+    $("status").textContent = state.models.length + " model(s)";
+  } catch (e) {
+    $("status").textContent = "could not list models: " + e.message;
+  }
+}
+
+function currentModel() {
+  return state.models.find((m) => m.id === $("model").value);
+}
+
+async function send(text) {
+  const m = currentModel();
+  if (!m) { $("status").textContent = "no model selected"; return; }
+  bubble("user", text);
+  const reply = bubble("assistant", "");
+  const out = reply.querySelector(".text");
+  const chat = m.chat;
+  if (chat) state.messages.push({ role: "user", content: text });
+  const body = {
+    model: m.id, stream: true, stream_options: { include_usage: true },
+    temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
+  };
+  if (chat) body.messages = state.messages; else body.prompt = text;
+  const controller = new AbortController();
+  state.controller = controller;
+  setBusy(true);
+  const t0 = performance.now();
+  let first = null, tokens = 0, reason = null, stopped = false, failed = null;
+  try {
+    const r = await fetch(chat ? "/v1/chat/completions" : "/v1/completions",
+      { method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal });
+    if (!r.ok) {
+      const err = await r.json().catch(() => ({}));
+      throw new Error(err.error ? err.error.message : r.status + " " + r.statusText);
+    }
+    const reader = r.body.getReader();
+    const decoder = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const line = buf.slice(0, cut).trim();
+        buf = buf.slice(cut + 2);
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") continue;
+        const ev = JSON.parse(data);
+        if (ev.error) { failed = ev.error.message; continue; }
+        if (ev.usage) tokens = ev.usage.completion_tokens;
+        for (const c of ev.choices || []) {
+          const piece = chat ? (c.delta && c.delta.content) || "" : c.text || "";
+          if (piece) {
+            if (first === null) first = performance.now();
+            out.textContent += piece;
+            $("log").scrollTop = $("log").scrollHeight;
+          }
+          if (c.finish_reason) reason = c.finish_reason;
+        }
+      }
+    }
+  } catch (e) {
+    if (e.name === "AbortError") stopped = true; else failed = e.message;
+  } finally {
+    state.controller = null;
+    setBusy(false);
+  }
+  if (chat && (out.textContent || !failed)) state.messages.push({ role: "assistant", content: out.textContent });
+  if (failed) bubble("error", failed);
+  const secs = (performance.now() - t0) / 1000;
+  const gen = first === null ? 0 : (performance.now() - first) / 1000;
+  const rate = tokens > 1 && gen > 0 ? ((tokens - 1) / gen).toFixed(1) + " tokens/s" : "";
+  const meta = document.createElement("span");
+  meta.className = "meta";
+  meta.textContent = [stopped ? "stopped" : reason && "finish: " + reason,
+    tokens ? tokens + " tokens" : "", rate, secs.toFixed(2) + " s"].filter(Boolean).join(" · ");
+  reply.appendChild(meta);
+  $("status").textContent = rate ? "last reply: " + rate : "";
+}
+
+$("form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const text = $("input").value.trim();
+  if (!text || state.controller) return;
+  $("input").value = "";
+  send(text);
+});
+$("input").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("form").requestSubmit(); }
+});
+$("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
+$("clear").addEventListener("click", () => {
+  if (state.controller) state.controller.abort();
+  state.messages = [];
+  $("log").innerHTML = "";
+  $("status").textContent = "conversation cleared";
+});
+$("model").addEventListener("change", () => { state.messages = []; });
+$("api-key").addEventListener("change", loadModels);
+loadModels();
