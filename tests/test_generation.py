@@ -164,3 +164,78 @@ def test_text_decoder_never_cuts_a_character(samples):
     assert not any("\ufffd" in p for p in pieces)
     assert pieces.count("") >= 3          # the emoji's byte tokens wait for the last one
     assert dec.finish() == ""
+
+
+# --------------------------------------------------------------------------- continuous batching
+def _lone(m, seq_args):
+    """What one sequence gives alone in its own one-slot batcher."""
+    prompt, params = seq_args
+    b = Engine(m).batcher(1, 64)
+    s = b.add(E.Sequence(prompt, params))
+    while b.has_work():
+        b.step()
+    return s.tokens, s.finish
+
+
+def test_continuous_batching_rows_join_and_leave_and_equal_their_lone_runs():
+    """10 sequences on 3 slots, added at different steps, greedy and seeded sampling with
+    their own settings and lengths: each gives exactly its lone run's tokens; sequences wait
+    for a slot instead of failing; finished ones free their slot for the queue."""
+    m = build(seed=4)
+    P = E.SamplingParams
+    jobs = [([1, 5, 9, 11][: 1 + i % 4] + [i + 2], P(5 + (i * 3) % 11, temperature=0.0 if i % 3 == 0 else 0.9,
+                                                  top_k=(0, 20)[i % 2], top_p=(1.0, 0.8)[i % 2], seed=50 + i,
+                                                  stop_ids=frozenset({7})))
+            for i in range(10)]
+    b = Engine(m).batcher(3, 64)
+    seqs, joined_late, max_running = [], 0, 0
+    with torch.no_grad():
+        for step in range(400):
+            if step % 2 == 0 and len(seqs) < len(jobs):      # one new request every other step
+                seqs.append(b.add(E.Sequence(*jobs[len(seqs)])))
+                joined_late += bool(b.running)
+            b.step()
+            max_running = max(max_running, len(b.running))
+            assert len(b.running) <= 3 and [s.slot for s in b.running] == list(range(len(b.running)))
+            if len(seqs) == len(jobs) and not b.has_work():
+                break
+    assert not b.has_work() and joined_late >= 5 and max_running == 3
+    for s, job in zip(seqs, jobs):
+        assert (s.tokens, s.finish) == _lone(m, job)
+        assert s.finish in ("stop", "length") and 7 not in s.tokens
+
+
+def test_cancel_frees_the_slot_at_the_next_step():
+    m = build(seed=4)
+    b = Engine(m).batcher(1, 64)
+    a = b.add(E.Sequence([1, 2], E.SamplingParams(40, temperature=0)))
+    w = b.add(E.Sequence([1, 3], E.SamplingParams(3, temperature=0)))
+    b.step()
+    assert b.running == [a] and list(b.waiting) == [w]           # w waits for the only slot
+    a.cancelled = True
+    events = b.step()
+    assert a.finish == "cancelled" and a.slot is None and w in b.running
+    assert [e.finish for e in events if e.seq is a] == ["cancelled"]
+    with pytest.raises(ValueError, match="slot holds 64"):
+        b.add(E.Sequence(list(range(1, 65)), E.SamplingParams(3)))
+
+
+def test_stop_strings_never_reach_the_text_even_across_tokens(samples):
+    from tests.conftest import SPM_MODEL
+    from utils.data.tok import encode_plain, load_tokenizer_from
+    tok = load_tokenizer_from(str(SPM_MODEL))
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = encode_plain(tok, [text])[0]
+    for stop in ("k bro", "fox", "lazy dog.", "o", "dog. and more"):
+        ts = E.TextStream(tok, [stop, "@@"])
+        out, hit = "", False
+        for t in ids:
+            piece, hit = ts.push(t)
+            out += piece
+            assert stop not in out
+            if hit:
+                break
+        if not hit:
+            out += ts.finish()
+        want = text[:text.find(stop)] if stop in text else text
+        assert (out, hit) == (want, stop in text), stop

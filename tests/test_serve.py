@@ -35,7 +35,8 @@ class Server:
                                     timeout=TIMEOUT)
 
     def stderr(self) -> str:
-        self.err.flush()
+        if not self.err.closed:
+            self.err.flush()
         return self.log.read_text()
 
     def health(self) -> dict:
@@ -267,3 +268,166 @@ def test_concurrent_streams_equal_their_lone_runs_and_memory_stays_flat(server):
 def server_pid(server) -> int:
     from tests.conftest import stage_pid
     return stage_pid(server.proc.pid)
+
+
+# --------------------------------------------------------------------------- auth, HF folders, int8
+@pytest.fixture(scope="module")
+def hf_dir(work):
+    from tests.conftest import run_main
+    out = work["root"] / "exports" / "base-hf"
+    r = run_main("export", "--config", work["cfg"], "--checkpoint", work["pre"], "--format", "hf",
+                 "--out", out, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_api_key_int8_and_an_hf_folder_beside_a_checkpoint(work, hf_dir):
+    s = Server(work["root"], work["cfg"], "--checkpoint", work["pre"], "--hf-model", hf_dir,
+               "--quantize", "int8", env=offline_env(LLM_SERVE_API_KEY="s3cret"))
+    try:
+        r = httpx.get(s.url + "/v1/models", timeout=TIMEOUT)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 200     # public
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0, timeout=TIMEOUT)
+        models = {m.id: m for m in c.models.list().data}
+        assert set(models) == {"base", "base-hf"}
+        assert all(m.model_extra["quantize"] == "int8" for m in models.values())
+        texts = [c.completions.create(model=mid, prompt="The history of", max_tokens=12, temperature=0)
+                 .choices[0].text for mid in ("base", "base-hf")]
+        assert texts[0] == texts[1] and texts[0]           # the same weights through both loaders
+        assert "int8 weights" in s.stderr() and "MiB" in s.stderr()
+    finally:
+        assert s.stop() == 130
+
+
+def test_binding_beyond_loopback_without_a_key_warns(capsys):
+    import socket
+    import serve
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        serve.announce(sock, "0.0.0.0", {"m": None}, None)
+        assert "WARNING" in capsys.readouterr().err
+        serve.announce(sock, "0.0.0.0", {"m": None}, "key")
+        serve.announce(sock, "127.0.0.1", {"m": None}, None)
+        assert "WARNING" not in capsys.readouterr().err
+
+
+def test_int8_weights_stay_close_to_fp32():
+    from tests.test_model import build
+    from utils.quant import Int8Linear, quantize_int8
+    m = build(seed=3)
+    x = torch.randint(0, 97, (2, 24))
+    with torch.no_grad():
+        ref = m(x)[0]
+        report = quantize_int8(m)
+        got = m(x)[0]
+    assert isinstance(m.lm_head, Int8Linear) and report.bytes_after < report.bytes_before / 3
+    rel = (got - ref).norm() / ref.norm()
+    assert 0 < rel < 0.02, rel
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+# --------------------------------------------------------------------------- shutdown
+def _read_sse(r, stop_after: int):
+    lines = r.iter_lines()
+    got = []
+    for line in lines:
+        if line.startswith("data: "):
+            got.append(line[6:])
+            if len(got) >= stop_after:
+                break
+    return got, lines
+
+
+@pytest.mark.parametrize("grace", [60, 0])
+def test_sigterm_finishes_or_cuts_running_streams_and_exits_130(work, grace):
+    """SIGTERM to main.py: no new connections; a running stream finishes within
+    serve.shutdown_grace (60 s here), or is cut at once (0) with an error event; both end with
+    data: [DONE]; the stage exits 130."""
+    cfg = write_config(work["root"], {"tokenizer": {"name": TOK_NAME}, "serve": {"shutdown_grace": grace}},
+                       name=f"grace{grace}.json")
+    s = Server(work["root"], cfg, "--checkpoint", work["long"])
+    body = {"model": "long", "prompt": "The", "max_tokens": 1500, "temperature": 1.0, "seed": 1, "stream": True}
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            first, lines = _read_sse(r, 2)
+            s.proc.send_signal(signal.SIGTERM)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        events = first + rest
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        if grace:
+            assert last["choices"][0]["finish_reason"] == "length"
+            text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+            assert len(text) > 100
+        else:
+            assert last["error"]["code"] == "cancelled"
+        with pytest.raises(httpx.TransportError):
+            httpx.get(s.url + "/health", timeout=5)
+    finally:
+        code = s.stop()
+    assert code == 130, s.stderr()
+    assert "generations get up to" in s.stderr()
+
+
+# --------------------------------------------------------------------------- the chat page
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+
+
+@pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+                    reason="no browser installed: apt-get install chromium chromium-driver "
+                           "(make test installs them)")
+def test_chat_page_in_a_real_browser(work, tmp_path):
+    """Headless Chromium: pick a model, type, watch the reply stream in, stop it, send again,
+    a chat model keeps the conversation, clear; a screenshot lands in the test's folder."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+    s = Server(work["root"], work["cfg"], "--checkpoint", work["long"], "--checkpoint", work["chat"])
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--window-size=1100,800", f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(a)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
+    wait = WebDriverWait(driver, 60, poll_frequency=0.1)
+    try:
+        driver.get(s.url + "/")
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "model")).options) == 2)
+        Select(driver.find_element(By.ID, "model")).select_by_value("long")
+        box = driver.find_element(By.ID, "max-tokens")
+        box.clear()
+        box.send_keys("6000")
+        driver.find_element(By.ID, "input").send_keys("Once upon a time")
+        driver.find_element(By.ID, "send").click()
+        reply = lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .text")  # noqa: E731
+        wait.until(lambda d: len(reply(d)) == 1 and len(reply(d)[0].text) > 30)      # streaming
+        assert not driver.find_element(By.ID, "stop").get_property("disabled")
+        driver.find_element(By.ID, "stop").click()
+        wait.until(lambda d: "stopped" in d.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text)
+        stopped = reply(driver)[0].text
+        assert driver.find_element(By.ID, "send").is_enabled()
+        wait.until(lambda d: s.health()["models"]["long"]["active"] == 0)         # the slot is free
+        assert reply(driver)[0].text == stopped
+        Select(driver.find_element(By.ID, "model")).select_by_value("sft_chat")
+        box.clear()
+        box.send_keys("8")
+        for question in ("Hello there", "And then?"):
+            driver.find_element(By.ID, "input").send_keys(question)
+            driver.find_element(By.ID, "send").click()
+            n = len(reply(driver))
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")) == n)
+        metas = [m.text for m in driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")]
+        assert all("tokens" in m for m in metas[1:]) and "tokens/s" in driver.find_element(By.ID, "status").text
+        log = s.stderr()
+        assert log.count("model=sft_chat") == 2
+        assert "prompt_tokens=" in log.splitlines()[-1]
+        driver.save_screenshot(str(tmp_path / "chat.png"))
+        assert (tmp_path / "chat.png").stat().st_size > 10_000
+        driver.find_element(By.ID, "clear").click()
+        assert not driver.find_elements(By.CSS_SELECTOR, ".msg")
+    finally:
+        driver.quit()
+        s.stop()
