@@ -69,6 +69,9 @@ def build_parser() -> StageParser:
                   help="autocast dtype")
     p.config_flag("--perplexity-source", key="benchmark.perplexity_source", metavar="SRC",
                   help="WikiText hub name or local text/dump for perplexity")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none",
+                   help="weights of our checkpoints and imported models (int8: weight-only, "
+                        "utils/quant.py); not for --hf-model")
     p.add_argument("--per-item", action="store_true",
                    help="also write every item's scores (benchmark_<time>_items.jsonl)")
     p.add_argument("--output-dir", type=cli_path, default=None, metavar="DIR",
@@ -172,6 +175,9 @@ def plan(args, cfg) -> tuple[list[str], dict]:
     limits.update(parse_limits(args.limit))
     if args.gguf_file and not args.hf_model:
         raise UsageError("--gguf-file needs --hf-model (the folder holding the .gguf file).")
+    if args.quantize != "none" and args.hf_model:
+        raise UsageError("--quantize applies to our checkpoints and imported folders (pass the "
+                         "folder as a positional CHECKPOINT), not to --hf-model (transformers).")
     if "completion" in tasks:
         missing = [m for m in ("sacrebleu", "rouge_score")
                    if importlib.util.find_spec(m) is None]
@@ -245,6 +251,8 @@ def score_models(cfg, args, specs, device, selected: dict, loaded: dict) -> tupl
             ad = adapters.CheckpointAdapter(Path(spec), cfg, device, b.dtype, tokenizers)
         else:
             ad = adapters.HFAdapter(spec, device, b.dtype, gguf_file=args.gguf_file)
+        if args.quantize == "int8":
+            print(f"Model {ad.name}: {ad.quantize_int8()}", flush=True)
         n = names_seen.get(ad.name, 0)
         names_seen[ad.name] = n + 1
         if n:

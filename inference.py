@@ -94,6 +94,8 @@ def build_parser() -> StageParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.add_argument("--json", action="store_true",
                    help="scripted mode: print one JSON object (text and statistics)")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none",
+                   help="weight-only int8 weights (less memory, utils/quant.py)")
     p.add_argument("--raw", action="store_true",
                    help="no chat template, even for SFT checkpoints (plain completion)")
     return p
@@ -159,8 +161,8 @@ class Session:
     """Loaded checkpoints (each with its tokenizer and generation engine), the chat history,
     and one generation at a time with streaming and statistics."""
 
-    def __init__(self, cfg, raw: bool = False, err=None):
-        self.cfg, self.raw = cfg, raw
+    def __init__(self, cfg, raw: bool = False, err=None, quantize: str = "none"):
+        self.cfg, self.raw, self.quantize = cfg, raw, quantize
         self.err = err or sys.stderr
         self.device = pick_device(cfg.inference.device)
         self._tokenizers: dict = {}      # loaded once for checkpoints that share one
@@ -171,6 +173,9 @@ class Session:
         o = open_for_generation(path, self.cfg, self.device, raw=self.raw, cache=self._tokenizers,
                                 say=lambda msg: print(f"infer: {msg}", file=self.err))
         n = sum(p.numel() for p in o.model.parameters())
+        if self.quantize == "int8":
+            from utils.quant import quantize_int8
+            print(f"infer: {quantize_int8(o.model).line()}", file=self.err)
         return Loaded(o.path, label or o.label, o.model, o.kind, o.template, n, o.tok, Engine(o.model))
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
@@ -493,7 +498,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(argv)
     inf = cfg.inference
     params = Params(inf.max_new_tokens, inf.temperature, inf.top_k, inf.top_p, args.seed)
-    session = Session(cfg, raw=args.raw)
+    session = Session(cfg, raw=args.raw, quantize=args.quantize)
     if args.prompt is not None:
         return scripted(session, args, params)
     if args.json:

@@ -42,6 +42,8 @@ def build_parser() -> StageParser:
     p.config_flag("--port", key="serve.port", type=int, metavar="N", help="TCP port (0: any free port)")
     p.config_flag("--max-batch", key="serve.max_batch", type=int, metavar="N",
                   help="sequences decoded together per model")
+    p.config_flag("--context", key="serve.context", type=int, metavar="N",
+                  help="positions per request (0: the model's context)")
     p.config_flag("--quantize", key="serve.quantize", choices=["none", "int8"],
                   help="weights of the served models")
     p.config_flag("--device", key="serve.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
@@ -112,7 +114,9 @@ def open_models(args, cfg) -> dict:
         o = open_for_generation(path, cfg, device, say=say, cache=cache)
         if cfg.serve.quantize == "int8":
             say(quantize_int8(o.model).line())
-        loop = EngineLoop(Engine(o.model), cfg.serve.max_batch, log=say, name=f"engine-{mid}").start()
+        own = o.model.args.max_seq_len
+        context = min(cfg.serve.context, own) if cfg.serve.context else own
+        loop = EngineLoop(Engine(o.model), cfg.serve.max_batch, context, log=say, name=f"engine-{mid}").start()
         models[mid] = ServedModel(mid, o.model, o.tok, o.kind, o.template, loop, int(time.time()),
                                   cfg.serve.quantize, cfg.serve.max_queue, cfg.serve.max_tokens)
         mb = loop.batcher.bytes_per_slot / 2 ** 20

@@ -431,3 +431,35 @@ def test_chat_page_in_a_real_browser(work, tmp_path):
     finally:
         driver.quit()
         s.stop()
+
+
+def test_infer_and_benchmark_take_int8_weights(work, tmp_path):
+    """--quantize int8 in infer and benchmark: said on stderr, results marked int8 (and kept out
+    of the model card's table of these weights), perplexity within a few percent of fp32."""
+    from tests.conftest import run_main
+    r = run_main("infer", "--config", work["cfg"], "--checkpoint", work["pre"], "--prompt", "The history of",
+                 "--max-new-tokens", "8", "--temperature", "0", "--quantize", "int8")
+    assert r.returncode == 0 and r.stdout.strip() and "int8 weights" in r.stderr, r.stderr
+    ppl = {}
+    for q in ("none", "int8"):
+        out = tmp_path / q
+        r = run_main("benchmark", "--config", work["cfg"], "--test", "--tasks", "perplexity,completion",
+                     "--quantize", q, work["pre"], "--output-dir", out, timeout=600)
+        assert r.returncode == 0, r.stderr
+        m = json.loads(next(out.glob("*.json")).read_text())["models"][0]
+        assert m["identity"].get("quantize") == (None if q == "none" else "int8")
+        ppl[q] = m["results"]["perplexity"]["metrics"]["perplexity"]["value"]
+    assert ppl["none"] != ppl["int8"] and abs(ppl["int8"] / ppl["none"] - 1) < 0.05, ppl
+    r = run_main("benchmark", "--config", work["cfg"], "--quantize", "int8", "--hf-model", "x")
+    assert r.returncode == 2 and "--quantize applies to" in r.stderr
+
+
+def test_the_demo_example_streams_a_chat_reply_and_stops_the_server(work):
+    import sys
+    from tests.conftest import ROOT
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "serve_and_ask.py"), "--question", "Hi?",
+                        "--max-tokens", "6", "--", "--config", str(work["cfg"]), "--checkpoint",
+                        str(work["chat"].parent)], capture_output=True, text=True, timeout=300,
+                       env=offline_env(), cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "assistant: " in r.stdout and "exit 130" in r.stdout

@@ -322,6 +322,8 @@ class ServeConfig:
     port: int = _f(8000, "TCP port (0 = any free port, printed at start)", min=0, max=65535)
     max_batch: int = _f(8, "sequences decoded together per model (KV cache slots; more wait)", min=1)
     max_tokens: int = _f(256, "default max_tokens of a request that gives none", min=1)
+    context: int = _f(0, "positions per request, prompt + completion (0: the model's own context; "
+                      "a smaller value shrinks every KV cache slot)", min=0)
     max_messages: int = _f(64, "most chat messages in one request", min=1)
     max_prompt_chars: int = _f(100_000, "most characters in one request's prompt or messages", min=1)
     max_n: int = _f(8, "most choices (n) per request", min=1)

@@ -161,20 +161,25 @@ class Adapter:
             ns.append(len(t))
         return [(s.ll, s.greedy, s.n) for s in self.score(seqs, ns, batch_size, progress)]
 
-    @torch.no_grad()
+    def quantize_int8(self) -> str:
+        """Weight-only int8 (utils/quant.py) for our model's adapters; the identity keeps the
+        checkpoint's fingerprint and says ``quantize: int8``, the name gets `` [int8]``."""
+        from utils.quant import quantize_int8
+        report = quantize_int8(self.model)
+        self.identity["quantize"] = "int8"
+        self.name += " [int8]"
+        return report.line()
+
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        """Greedy continuation (stops at EOS, which is not returned)."""
-        ids = list(prompt_ids)
-        new: list[int] = []
-        for _ in range(max_new_tokens):
-            window = ids[-self.max_length:]
-            logits = self._forward(torch.tensor([window], dtype=torch.long, device=self.device))
-            nxt = int(logits[0, -1].float().argmax())
-            if self.eos_id is not None and nxt == self.eos_id:
-                break
-            ids.append(nxt)
-            new.append(nxt)
-        return new
+        """Greedy continuation through the generation engine (stops at EOS, which is not
+        returned); the prompt keeps its last ``max_length - max_new_tokens`` tokens, so prompt
+        and continuation fit the model's context. Runs in the weights' dtype (no autocast)."""
+        from utils.generation.engine import Engine
+        if getattr(self, "_engine", None) is None:
+            self._engine = Engine(self.model)
+        keep = max(1, self.max_length - max_new_tokens)
+        return self._engine.generate([list(prompt_ids)[-keep:]], max_new_tokens, temperature=0,
+                                     eos_id=self.eos_id)[0]
 
 
 # --------------------------------------------------------------------------- our checkpoints

@@ -21,7 +21,8 @@ def benchmark_rows(bench_dir: Path, weights_fp: str) -> tuple[list[str], Optiona
         except (OSError, ValueError):
             continue                       # a damaged result file: the next one may do
         for m in data.get("models") or []:
-            if (m.get("identity") or {}).get("fingerprint") != weights_fp:
+            ident = m.get("identity") or {}
+            if ident.get("fingerprint") != weights_fp or ident.get("quantize"):   # int8: other weights
                 continue
             rows = []
             for task, res in sorted((m.get("results") or {}).items()):

