@@ -22,8 +22,12 @@ LOG = ROOT / "logs" / "serve_demo.log"     # the server's own messages (one line
 
 def start(serve_args: list[str]) -> tuple[subprocess.Popen, str]:
     LOG.parent.mkdir(parents=True, exist_ok=True)
+    # The server is stopped below with SIGINT: start it with SIGINT's default handling, since a
+    # shell starts background jobs (and nohup) with SIGINT ignored, and main.py keeps an
+    # ignored signal ignored.
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "serve", "--port", "0", *serve_args],
-                            stdout=subprocess.PIPE, stderr=LOG.open("w"), text=True)
+                            stdout=subprocess.PIPE, stderr=LOG.open("w"), text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     for line in proc.stdout:                     # the first line names the address
         if line.startswith("serve: listening on "):
