@@ -16,6 +16,7 @@ from utils.report.plots import COLORS, Line, Panel, figure_png
 from utils.training.logging_utils import finite
 
 SAMPLES_SHOWN = 5
+SAMPLE_CHARS = 2000       # a sample longer than this is cut (and says so)
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -82,9 +83,8 @@ def _bpb_series(f: F.RunFacts) -> tuple[list, list, str]:
 def curve_panels(f: F.RunFacts) -> list[Panel]:
     marks = [(s.step0, "resumed") for s in f.segments if s.kind == "resume"]
     last = max([r["step"] for r in f.train + f.val] or [0])
-    window = ((f.configs[-1].get("config") or {}).get("logging") or {}).get("smoothing_window") \
-        if f.configs else None
-    smoothed = f"train (mean of last {window} steps)" if isinstance(window, int) else "train (smoothed)"
+    window = F.smoothing_window(f)
+    smoothed = f"train (mean of last {window} steps)" if window else "train (smoothed)"
     bx, bpb, bpb_label = _bpb_series(f)
 
     def panel(title, ylabel, lines):
@@ -131,7 +131,7 @@ def _intro(f: F.RunFacts, s: dict) -> list:
                  "data and benchmark results."])]
     if f.log.bad_lines:
         shown = ", ".join(map(str, f.log.bad_lines[:10])) + (" ..." if len(f.log.bad_lines) > 10 else "")
-        out.append(Para([Bold("Damaged log: "), f"{len(f.log.bad_lines)} line(s) of ",
+        out.append(Para([Bold("Damaged log:"), f" {len(f.log.bad_lines)} line(s) of ",
                          Code(str(f.log.path)), f" are not JSON records and were skipped "
                          f"(line {shown}); the numbers below come from the other "
                          f"{len(f.log.records)} records."]))
@@ -162,11 +162,11 @@ def _shards(f: F.RunFacts) -> list:
     m = f.shards
     if m is None:
         return []
-    src, tot, st = m.get("source") or {}, m.get("totals") or {}, m.get("stats") or {}
-    inputs = src.get("inputs") or []
+    src, tot, st = F.as_dict(m.get("source")), F.as_dict(m.get("totals")), F.as_dict(m.get("stats"))
+    inputs = F.as_list(src.get("inputs"))
     names = ", ".join(str(x).rsplit("/", 1)[-1] for x in inputs[:3]) + (" ..." if len(inputs) > 3 else "")
-    filters = src.get("filters") or {}
-    dropped = st.get("dropped_by_reason") or {}
+    filters = F.as_dict(src.get("filters"))
+    dropped = F.as_dict(st.get("dropped_by_reason"))
     rows = [["source", [Code(str(src.get("kind"))), f" ({len(inputs)} input file(s): {names})"
                         + ("; test mode" if src.get("test") else "")]],
             ["shard set", [Code(str(f.shards_dir)), f", {count(tot.get('shards'))} shard(s), "
@@ -185,9 +185,9 @@ def _shards(f: F.RunFacts) -> list:
 
 
 def _sft_data(f: F.RunFacts) -> list:
-    sc = f.sft_config or {}
-    data, m = sc.get("data") or {}, f.sft_data or {}
-    src = data.get("source") or {}
+    sc = F.as_dict(f.sft_config)
+    data, m = F.as_dict(sc.get("data")), F.as_dict(f.sft_data)
+    src = F.as_dict(data.get("source"))
     rows = [["fine-tuned from", [Code(str(sc.get("base_checkpoint")))]],
             ["data", [Code(str(data.get("dir"))), f" ({src.get('kind')}: {src.get('name')})"]],
             ["examples", f"{count(data.get('train_examples'))} training, "
@@ -195,23 +195,22 @@ def _sft_data(f: F.RunFacts) -> list:
     if src.get("label"):
         rows.append(["note", str(src["label"])])
     if m:
-        c, ln = m.get("counts") or {}, m.get("lengths") or {}
+        c, ln = F.as_dict(m.get("counts")), F.as_dict(m.get("lengths"))
         rows += [["records", f"{count(c.get('kept'))} kept of {count(c.get('considered'))} considered; "
                              f"{count(c.get('too_long'))} too long, {count(c.get('skipped_total'))} malformed"],
                  ["lengths (tokens)", f"mean {ln.get('mean')}, median {ln.get('median')}, max {ln.get('max')}; "
                                       f"{count(ln.get('total_tokens'))} in all, {count(m.get('loss_tokens'))} in the loss"],
-                 ["chat template", [Code(str((m.get("template") or {}).get("name")))]]]
+                 ["chat template", [Code(str(F.as_dict(m.get("template")).get("name")))]]]
     return [Table(["", "value"], rows)]
 
 
 def _tokenizer(f: F.RunFacts) -> list:
-    tok = f.tokenizer_copy or (f.ckpt.tokenizer if f.ckpt else None) or {}
+    tok = F.as_dict(f.tokenizer_copy) or (f.ckpt.tokenizer if f.ckpt else {})
     if not tok:
         return [Para("Not available: the tokenizer (no copy in the run folder, no checkpoint record).")]
-    st = (f.shards or {}).get("stats") or {}
-    cpt = st.get("chars_per_token")
+    cpt = F.as_dict(F.as_dict(f.shards).get("stats")).get("chars_per_token")
     bpt = F.bytes_per_token(f)
-    specials = tok.get("special_tokens") or {}
+    specials = F.as_dict(tok.get("special_tokens"))
     rows = [["tokenizer", [Code(str(tok.get("name"))), f" ({tok.get('class', 'n/a')})"]],
             ["vocabulary", f"{count(tok.get('vocab_size'))} tokens; BOS {tok.get('bos_id')}, "
                            f"EOS {tok.get('eos_id')}"
@@ -274,10 +273,14 @@ def _training(f: F.RunFacts, s: dict) -> list:
                                  f"x {hp.get('world_size', 1)} process(es))"])
     keys = ("optimizer", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "betas",
             "epochs", "seed", "compile", "activation_checkpointing")
-    settings = ", ".join(f"{k} {json.dumps(hp[k])}" for k in keys if k in hp)
+    settings = ", ".join(f"{k} {_plain(hp[k])}" for k in keys if k in hp)
     out += [Table(["", "value"], rows), Para(["Settings: ", settings, "."])]
     out += _starts(f)
     return out + _missing(f, "training")
+
+
+def _plain(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
 
 
 def _mfu_reason(f: F.RunFacts) -> str:
@@ -313,8 +316,10 @@ def _starts(f: F.RunFacts) -> list:
 
 def _setting_changes(f: F.RunFacts) -> list:
     out = []
-    for i, (a, b) in enumerate(zip(f.configs, f.configs[1:])):
-        ha, hb = a["hparams"], b["hparams"]
+    for i, (a, b) in enumerate(zip(f.segments, f.segments[1:])):
+        if not (a.config and b.config):
+            continue
+        ha, hb = a.config["hparams"], b.config["hparams"]
         diff = [f"{k} {json.dumps(ha.get(k))} -> {json.dumps(hb.get(k))}" for k in sorted(set(ha) | set(hb))
                 if ha.get(k) != hb.get(k) and k != "run"]
         if diff:
@@ -332,8 +337,8 @@ def _sft(f: F.RunFacts, s: dict) -> list:
     rows = []
     for c in f.children:
         cs = F.summary(c)
-        base = str((c.sft_config or {}).get("base_checkpoint", "")).rsplit("/", 1)[-1]
-        data = ((c.sft_config or {}).get("data") or {})
+        base = str(F.as_dict(c.sft_config).get("base_checkpoint", "")).rsplit("/", 1)[-1]
+        data = F.as_dict(F.as_dict(c.sft_config).get("data"))
         rows.append([Code(c.name), Code(base), f"{count(data.get('train_examples'))} / "
                      f"{count(data.get('val_examples'))}", count(cs["step"]), count(cs["tokens"]),
                      num(cs["final_val_loss"]), num(cs["best_val_loss"]), duration(cs["wall_s"]),
@@ -361,10 +366,15 @@ def _benchmarks(f: F.RunFacts, s: dict) -> list:
                                  for i, (v, e) in enumerate(zip(r["values"], r["stderrs"]))]
                  for r in rows]
         st = g.settings
-        limits = ", ".join(f"{k} {v if v is not None else 'all'}" for k, v in sorted((st.get("limits") or {}).items()))
-        out += [Para(["Scored on the same items (", ", ".join(g.files), f"; preset {st.get('preset')}, "
-                      f"seed {st.get('seed')}, items per task: {limits}):"]),
-                Table(header, table, "l" + "r" * len(g.models))]
+        limits = ", ".join(f"{k} {v if v is not None else 'all'}"
+                           for k, v in sorted(F.as_dict(st.get("limits")).items()))
+        how = [f"preset {st['preset']}" if st.get("preset") else "",
+               f"seed {st['seed']}" if st.get("seed") is not None else "",
+               f"items per task: {limits}" if limits else ""]
+        out.append(Para(["Scored on the same items (", "; ".join([", ".join(g.files)]
+                                                                  + [h for h in how if h]), "):"]))
+        out.append(Table(header, table, "l" + "r" * len(g.models)) if table else
+                   Para("Not available: these result files hold no metric value this report reads."))
     if f.benchmarks:
         out.append(Para("* best value of the row; ↑ higher is better, ↓ lower is better; ± standard "
                         "error. Columns are every model scored on the same items, from any result "
@@ -382,49 +392,51 @@ def _samples(f: F.RunFacts, s: dict) -> list:
                     "(seeded, temperature 0.8, top-k 50):"))
     for i in pick:
         r = f.samples[i]
+        text = r["text"] if len(r["text"]) <= SAMPLE_CHARS else r["text"][:SAMPLE_CHARS] + " [...]"
         out += [Para([Bold(f"step {r.get('step')}"), " — prompt ", Code(str(r.get("prompt", "")))]),
-                CodeBlock(r["text"])]
+                CodeBlock(text)]
     return out
 
 
 def _environment(f: F.RunFacts, s: dict) -> list:
     out = [Heading(2, "Environment")]
-    envs = F.environments(f)
+    envs = [e for e in map(F.environment, f.segments) if e]
     if not envs:
         return out + [Para("Not recorded: this run's log predates environment recording (git "
                            "commit, packages, machine; runs started since the report stage record "
                            "it once per start in their log).")]
     e = envs[-1]
-    git, pk, mc = e.get("git") or {}, e.get("packages") or {}, e.get("machine") or {}
+    git, pk, mc = F.as_dict(e.get("git")), F.as_dict(e.get("packages")), F.as_dict(e.get("machine"))
     commit = git.get("commit")
     code = ([Code(str(commit)[:12]), " (uncommitted changes)" if git.get("dirty") else " (clean tree)"]
             if commit else f"unknown ({git.get('reason', 'not recorded')})")
-    gpus = ", ".join(mc.get("gpus") or []) or "none"
+    gpus = ", ".join(map(str, F.as_list(mc.get("gpus")))) or "none"
+    parts = [f"{mc['cpu']}" if mc.get("cpu") else "", f"{mc['cpus']} CPUs" if mc.get("cpus") else "",
+             f"{mc['memory_gb']} GB RAM" if mc.get("memory_gb") else "",
+             f"GPUs: {gpus}" + (f" (CUDA {mc['cuda']})" if mc.get("cuda") else "")]
     rows = [["code", code],
-            ["machine", f"{mc.get('hostname')}: {mc.get('cpu')}, {mc.get('cpus')} CPUs, "
-                        f"{mc.get('memory_gb')} GB RAM; GPUs: {gpus}"
-                        + (f" (CUDA {mc['cuda']})" if mc.get("cuda") else "")],
-            ["system", str(mc.get("os"))],
-            ["packages", ", ".join(f"{k} {v}" for k, v in pk.items() if v)]]
+            ["machine", f"{mc.get('hostname', 'n/a')}: " + ", ".join(p for p in parts if p)],
+            ["system", str(mc.get("os", "n/a"))],
+            ["packages", ", ".join(f"{k} {v}" for k, v in pk.items() if v) or "n/a"]]
     out.append(Table(["", "value"], rows))
-    commits = {str((x.get("git") or {}).get("commit")) for x in envs}
-    hosts = {str((x.get("machine") or {}).get("hostname")) for x in envs}
-    if len(envs) < len(f.configs):
-        out.append(Para(f"{len(f.configs) - len(envs)} earlier start(s) did not record it."))
+    if len(envs) < len(f.segments):
+        out.append(Para(f"{len(f.segments) - len(envs)} of the {len(f.segments)} starts did not "
+                        "record it."))
+    commits = {str(F.as_dict(x.get("git")).get("commit"))[:12] for x in envs}
+    hosts = {str(F.as_dict(x.get("machine")).get("hostname")) for x in envs}
     if len(commits) > 1 or len(hosts) > 1:
         out.append(Para(f"The starts ran on different code or machines (commits "
-                        f"{', '.join(sorted(c[:12] for c in commits))}; hosts {', '.join(sorted(hosts))}); "
+                        f"{', '.join(sorted(commits))}; hosts {', '.join(sorted(hosts))}); "
                         "the table shows the last start's."))
     return out
 
 
 def _config(f: F.RunFacts, s: dict) -> list:
-    stored = f.configs[-1].get("config") if f.configs else None
-    if not isinstance(stored, dict):
+    if not f.config:
         return []
     return [Heading(2, "Configuration"),
             Details("The resolved configuration of the last start (from the log)",
-                    [CodeBlock(json.dumps(stored, indent=2, ensure_ascii=False), "json")])]
+                    [CodeBlock(json.dumps(f.config, indent=2, ensure_ascii=False), "json")])]
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -463,7 +475,7 @@ def build_comparison(runs: list) -> list:
             row("device", lambda r, s: str(r.hparams.get("device", "n/a"))),
             row("precision", lambda r, s: str(r.hparams.get("dtype", "n/a")).replace("torch.", "")),
             row("data", lambda r, s: str(r.shards_dir.name if r.shards_dir else
-                                         ((r.sft_config or {}).get("data") or {}).get("dir", "n/a")))]
+                                         F.as_dict(F.as_dict(r.sft_config).get("data")).get("dir", "n/a")))]
     blocks.append(Table(["", *names], rows, "l" + "r" * len(runs)))
     val, train = [], []
     for i, r in enumerate(runs):

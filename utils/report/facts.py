@@ -41,6 +41,7 @@ class Segment:
     step1: int
     t1: float
     end: Optional[str] = None   # the terminal event (TERMINAL_EVENTS), None: none logged
+    config: Optional[dict] = None   # the config record logged just before it (hparams, environment)
 
 
 @dataclass
@@ -94,7 +95,15 @@ class RunFacts:
 
     @property
     def hparams(self) -> dict:
-        return (self.configs[-1].get("hparams") or {}) if self.configs else {}
+        """The last start's hyperparameters (else the last config record's)."""
+        configs = [s.config for s in self.segments if s.config] or self.configs
+        return configs[-1]["hparams"] if configs else {}
+
+    @property
+    def config(self) -> dict:
+        """The resolved config the last start logged (else the last config record's)."""
+        configs = [s.config for s in self.segments if s.config] or self.configs
+        return as_dict(configs[-1].get("config")) if configs else {}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -127,7 +136,7 @@ def _read_log_parts(f: RunFacts) -> None:
     recs = f.log.records
     if not f.log.exists:
         f.note("training", f"no metrics log: {f.log.path} does not exist.")
-    f.train = [r for r in latest_per_step(recs, "train")]
+    f.train = latest_per_step(recs, "train")
     f.val = [r for r in latest_per_step(recs, "val") if finite(r.get("val_loss"))]
     f.samples = [r for r in recs if r.get("type") == "sample" and isinstance(r.get("text"), str)]
     f.configs = [r for r in recs if r.get("type") == "config" and isinstance(r.get("hparams"), dict)]
@@ -136,13 +145,20 @@ def _read_log_parts(f: RunFacts) -> None:
 
 
 def segments(records: list) -> list[Segment]:
-    """The run's starts and resumes, each to its last record and terminal event."""
+    """The run's starts and resumes, each to its last record and terminal event, with the
+    config record its stage logged before it (a config record with no start after it, as a
+    run found already complete logs, belongs to none)."""
     out: list[Segment] = []
+    config = None
     for r in records:
         step, t = r.get("step"), r.get("time")
+        if r.get("type") == "config" and isinstance(r.get("hparams"), dict):
+            config = r
+            continue
         if r.get("type") == "event" and r.get("event") in ("start", "resume") \
                 and isinstance(step, int) and finite(t):
-            out.append(Segment(r["event"], step, t, step, t))
+            out.append(Segment(r["event"], step, t, step, t, config=config))
+            config = None
             continue
         if not out:
             continue
@@ -196,13 +212,21 @@ def _checkpoint_meta(f: RunFacts, files: list) -> Optional[CheckpointMeta]:
         except PipelineError as e:
             f.note("model", f"{p.name} could not be read: {str(e).splitlines()[0][:300]}")
             continue
-        metrics = ck.get("metrics") if isinstance(ck.get("metrics"), dict) else {}
-        bpt = metrics.get("bytes_per_token")
+        bpt = as_dict(ck.get("metrics")).get("bytes_per_token")
         return CheckpointMeta(p, str(ck.get("kind", "pretrain")), _int(ck.get("step")),
                               _int(ck.get("tokens_seen")), _num(ck.get("best_val_loss")),
-                              dict(ck["model_args"]), ck.get("tokenizer"),
+                              dict(ck["model_args"]), as_dict(ck.get("tokenizer")),
                               bpt if finite(bpt) and bpt > 0 else None)
     return None
+
+
+def as_dict(x) -> dict:
+    """``x`` when it is a dict, else {}: what the stages wrote is read as data of any shape."""
+    return x if isinstance(x, dict) else {}
+
+
+def as_list(x) -> list:
+    return x if isinstance(x, list) else []
 
 
 def _int(v) -> Optional[int]:
@@ -232,8 +256,8 @@ def _read_data(f: RunFacts) -> None:
     except PipelineError as e:
         f.note("data", f"shard set {f.shards_dir}: {str(e).split('. ')[0]}.")
         return
-    want = (f.ckpt.tokenizer if f.ckpt else None) or {}
-    have = f.shards.get("tokenizer") or {}
+    want = f.ckpt.tokenizer if f.ckpt else {}
+    have = as_dict(f.shards.get("tokenizer"))
     if want.get("fingerprint") and have.get("fingerprint") != want.get("fingerprint"):
         f.note("data", f"the shard set in {f.shards_dir} was rebuilt with another tokenizer "
                        "since this run (fingerprints differ): its numbers below are not this "
@@ -242,7 +266,7 @@ def _read_data(f: RunFacts) -> None:
 
 def _read_sft_data(f: RunFacts) -> None:
     from utils.data.sft import read_metadata
-    data = (f.sft_config or {}).get("data") or {}
+    data = as_dict(as_dict(f.sft_config).get("data"))
     if not isinstance(data.get("dir"), str):
         f.note("data", "the run folder records no SFT data folder (sft_config.json).")
         return
@@ -263,7 +287,7 @@ def model_args(f: RunFacts) -> Optional[dict]:
     """The run's model settings: its checkpoint's, else what the log or sft_config recorded."""
     if f.ckpt and f.ckpt.model_args:
         return f.ckpt.model_args
-    for source in (f.hparams.get("model"), (f.sft_config or {}).get("model")):
+    for source in (f.hparams.get("model"), as_dict(f.sft_config).get("model")):
         if isinstance(source, dict):
             return source
     return None
@@ -274,7 +298,7 @@ def sequence_length(f: RunFacts, args: dict) -> int:
     mean length, else the model's context."""
     if isinstance(f.hparams.get("window"), int):
         return f.hparams["window"]
-    mean = ((f.sft_data or {}).get("lengths") or {}).get("mean")
+    mean = as_dict(as_dict(f.sft_data).get("lengths")).get("mean")
     if finite(mean) and mean > 0:
         return int(round(mean))
     return int(args.get("max_seq_len") or 1)
@@ -351,18 +375,25 @@ def bytes_per_token(f: RunFacts) -> Optional[float]:
     return f.ckpt.bytes_per_token if f.ckpt else None
 
 
-def environments(f: RunFacts) -> list[dict]:
-    """The environment each start recorded (runs logged before it was recorded: empty)."""
-    return [c["environment"] for c in f.configs if isinstance(c.get("environment"), dict)]
+def environment(seg: Segment) -> Optional[dict]:
+    """The environment a start recorded (utils/environment.py), None for a start logged before
+    it was recorded (or a record without any of its parts)."""
+    env = as_dict(as_dict(seg.config).get("environment"))
+    return env if any(as_dict(env.get(k)) for k in ("git", "packages", "machine")) else None
+
+
+def smoothing_window(f: RunFacts) -> Optional[int]:
+    """The window of the logged smoothed loss (the last start's logging.smoothing_window)."""
+    return _int(as_dict(f.config.get("logging")).get("smoothing_window"))
 
 
 # ----------------------------------------------------------------------------- benchmarks
 def _item_key(payload: dict, task: str) -> str:
     """What decides which items a task scored: its data (source, rows, valid items), its item
     count and the seed (benchmark.py: ``select(items, limit, seed)``)."""
-    s = payload.get("settings") or {}
-    limits = s.get("limits") or {}
-    data = (payload.get("data") or {}).get(task) or {}
+    s = as_dict(payload.get("settings"))
+    limits = as_dict(s.get("limits"))
+    data = as_dict(as_dict(payload.get("data")).get(task))
     limit = limits.get("perplexity" if task == "next_token" else task)
     return json.dumps([task, limit, s.get("seed"), data.get("source"), data.get("rows"),
                        data.get("valid")])
@@ -387,18 +418,32 @@ def _files(bench_dir: Path, f: RunFacts) -> list[tuple[str, dict]]:
 
 
 def _is_ours(model: dict, run_dir: Path) -> bool:
-    ident = model.get("identity") or {}
+    ident = as_dict(model.get("identity"))
     path = ident.get("path")
     return (ident.get("kind") == "checkpoint" and isinstance(path, str)
             and Path(path).resolve().parent == run_dir.resolve())
 
 
 def _label(model: dict) -> str:
-    ident = model.get("identity") or {}
+    ident = as_dict(model.get("identity"))
     name = str(model.get("name", "?"))
     step = ident.get("step")
     return f"{name}, step {step}" if ident.get("kind") == "checkpoint" and _int(step) is not None \
         else name
+
+
+def _results(results) -> dict:
+    """``{task: {"metrics": {metric: {"value", "stderr"}}}}`` with only well-formed numbers
+    (a hand-edited or foreign file cannot break the table; a bad value reads as n/a)."""
+    out: dict = {}
+    for task, r in as_dict(results).items():
+        metrics = {}
+        for metric, v in as_dict(as_dict(r).get("metrics")).items():
+            v = as_dict(v)
+            metrics[str(metric)] = {k: (float(v[k]) if finite(v.get(k)) else None)
+                                    for k in ("value", "stderr")}
+        out[str(task)] = {"metrics": metrics}
+    return out
 
 
 def benchmark_groups(bench_dir: Path, run_dir: Path, f: RunFacts) -> list[BenchGroup]:
@@ -410,14 +455,15 @@ def benchmark_groups(bench_dir: Path, run_dir: Path, f: RunFacts) -> list[BenchG
         return []
     groups: dict[tuple, BenchGroup] = {}
     for name, payload in _files(bench_dir, f):
-        tasks = (payload.get("settings") or {}).get("tasks") or []
-        key = tuple(sorted(_item_key(payload, t) for t in tasks if isinstance(t, str)))
-        g = groups.setdefault(key, BenchGroup([], payload.get("settings") or {}, []))
+        settings = as_dict(payload.get("settings"))
+        tasks = [t for t in as_list(settings.get("tasks")) if isinstance(t, str)]
+        key = tuple(sorted(_item_key(payload, t) for t in tasks))
+        g = groups.setdefault(key, BenchGroup([], settings, []))
         g.files.append(name)
         for m in payload["models"]:
-            if isinstance(m, dict) and isinstance(m.get("results"), dict):
-                g.models.append({"name": _label(m), "results": m["results"],
-                                 "ours": _is_ours(m, run_dir), "identity": m.get("identity") or {},
+            if isinstance(m, dict):
+                g.models.append({"name": _label(m), "results": _results(m.get("results")),
+                                 "ours": _is_ours(m, run_dir), "identity": as_dict(m.get("identity")),
                                  "file": name})
     out = []
     for g in groups.values():
