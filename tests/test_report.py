@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -105,8 +106,7 @@ def test_numbers_are_the_logs(work, written):
     assert cell(md, "device") == "cpu, world size 1" and cell(md, "precision") == "float32"
     # The data: the shard set's own counts.
     meta = json.loads((work["root"] / "checkpoints" / "base" / "config.json").read_text())
-    shards = json.loads((__import__("pathlib").Path(meta["dataset"]["wikipedia_test_dir"])
-                         / "metadata.json").read_text())
+    shards = json.loads((Path(meta["dataset"]["wikipedia_test_dir"]) / "metadata.json").read_text())
     assert cell(md, "tokens").startswith(f"{shards['totals']['tokens']:,} ")
     samples = [r for r in recs if r.get("type") == "sample"]
     assert samples and samples[-1]["text"] in md

@@ -186,6 +186,8 @@ def _shards(f: F.RunFacts) -> list:
 
 def _sft_data(f: F.RunFacts) -> list:
     sc = F.as_dict(f.sft_config)
+    if not sc:
+        return []
     data, m = F.as_dict(sc.get("data")), F.as_dict(f.sft_data)
     src = F.as_dict(data.get("source"))
     rows = [["fine-tuned from", [Code(str(sc.get("base_checkpoint")))]],
