@@ -443,17 +443,12 @@ def _config(f: F.RunFacts, s: dict) -> list:
 
 # ----------------------------------------------------------------------------- comparison
 def _tokens_at(f: F.RunFacts, steps: list) -> list:
-    """Tokens seen at each step, interpolated from the train records (0 at step 0)."""
-    pts = [(0, 0)] + [(r["step"], r["tokens_seen"]) for r in f.train if finite(r.get("tokens_seen"))]
-    out = []
-    for st in steps:
-        lo = max((p for p in pts if p[0] <= st), default=pts[0])
-        hi = min((p for p in pts if p[0] >= st), default=None)
-        if hi is None or hi[0] == lo[0]:
-            out.append(lo[1] if hi is not None else float("nan"))
-        else:
-            out.append(lo[1] + (hi[1] - lo[1]) * (st - lo[0]) / (hi[0] - lo[0]))
-    return out
+    """Tokens seen at each step, interpolated from the train records (0 at step 0; NaN past
+    the last record)."""
+    import numpy as np
+    pts = [(0, 0)] + [(r["step"], r["tokens_seen"]) for r in f.train
+                      if r["step"] > 0 and finite(r.get("tokens_seen"))]
+    return np.interp(steps, [p[0] for p in pts], [p[1] for p in pts], right=math.nan).tolist()
 
 
 def build_comparison(runs: list) -> list:

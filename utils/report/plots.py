@@ -89,6 +89,9 @@ def _draw(ax, p: Panel) -> None:
                     textcoords="offset points", fontsize=10, color="#555555")
     if p.log_y and all(y > 0 for ln in p.lines for y in ln.ys if _ok(y)):
         ax.set_yscale("log")
+    if max((abs(x) for ln in p.lines for x in ln.xs if _ok(x)), default=0) >= 1e4:
+        from matplotlib.ticker import EngFormatter
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))     # 20k, 1.5M: labels that fit
     if p.xlim and p.xlim[1] > p.xlim[0]:
         pad = 0.03 * (p.xlim[1] - p.xlim[0])
         ax.set_xlim(p.xlim[0] - pad, p.xlim[1] + pad)
