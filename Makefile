@@ -60,7 +60,9 @@ demo: samples $(VENV)/.installed-test
 	$(PY) examples/try_exports.py --hf exports/demo-hf --gguf $$(ls exports/demo-gguf/*.gguf) --prompt "Why is the sky blue?" --chat
 	@echo "== 13. serve: the SFT checkpoint behind an OpenAI-compatible server; one streamed chat reply through the openai client"
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) examples/serve_and_ask.py --question "Why is the sky blue?" -- $(OFFLINE) --checkpoint $$SFT
-	@echo "== demo done: outputs in data/, tokenizers/, checkpoints/, logs/, benchmark_results/, exports/ (all git-ignored)"
+	@echo "== 14. report: the demo run's report card (data, model, training, curves, its SFT run, benchmarks) as Markdown + PNG and one HTML page"
+	$(PY) main.py report $(OFFLINE) demo --html
+	@echo "== demo done: outputs in data/, tokenizers/, checkpoints/, logs/, benchmark_results/, exports/, reports/ (all git-ignored)"
 
 # Debian's chromium + chromium-driver for the chat page's browser test (root or sudo; skipped
 # with a note elsewhere: the test then says it was skipped and why)

@@ -69,10 +69,12 @@ STAGES: dict[str, Stage] = {
                     "(llama.cpp)"),
     "serve": Stage("serve", "an OpenAI-compatible server with continuous batching and a web chat "
                    "page"),
+    "report": Stage("report", "a run's report card: data, model, training, curves, SFT, benchmarks "
+                    "(Markdown + PNG, --html)"),
 }
 ALIASES: dict[str, str] = {a: name for name, st in STAGES.items() for a in st.aliases}
 MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "infer", "benchmark",
-              "export", "serve", "samples"]
+              "export", "serve", "report", "samples"]
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)

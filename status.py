@@ -16,7 +16,6 @@ records). A run killed with SIGKILL therefore shows as "stalled" once that time 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 import time
@@ -25,9 +24,8 @@ from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, run_stage
 from utils.run import list_runs, run_checkpoints
+from utils.training.logging_utils import TERMINAL_EVENTS, finite as _finite
 
-# The trainer's last event of a start (utils/training/trainer.py: Trainer.fit's reasons).
-TERMINAL_EVENTS = {"done", "interrupted", "early_stopping", "already_done"}
 MIN_STALE_S = 120.0
 
 
@@ -41,10 +39,6 @@ def build_parser() -> StageParser:
 
 
 # ------------------------------------------------------------------------------ library
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def run_names(checkpoints_dir: Path, logs_dir: Path) -> list[tuple[str, float]]:
     """(name, last activity) of every run with a metrics log or a checkpoint, newest first."""
     seen: dict[str, float] = {}

@@ -350,11 +350,11 @@ def open_logger(cfg, start: Start, data: Data, model, tok, tok_info, proc: Proce
         start.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save_resolved(start.run_dir, "config.json")
         save_run_tokenizer(start.run_dir, tok, tok_info["name"])
-        hparams = {"run": start.run, "params": model.num_params(), "total_steps": data.total_steps,
-                   "effective_batch": _effective_batch(cfg, proc), "window": cfg.dataset.window,
-                   "world_size": proc.dist.world_size,
+        hparams = {**vars(hp), "run": start.run, "params": model.num_params(),
+                   "total_steps": data.total_steps, "effective_batch": _effective_batch(cfg, proc),
+                   "window": cfg.dataset.window, "world_size": proc.dist.world_size,
                    "dtype": str(resolve_dtype(hp.dtype, proc.device)), "device": str(proc.device),
-                   **{k: v for k, v in vars(hp).items()}, "model": start.model_args.to_dict()}
+                   "model": start.model_args.to_dict()}
         logger.config(cfg.to_dict(), hparams)
     return logger
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 STAGES = {"main", "cleaner", "tokenizer", "dataset_prep", "fineweb_prep", "train", "status",
-          "post_training", "inference", "benchmark", "export", "serve"}
+          "post_training", "inference", "benchmark", "export", "serve", "report"}
 LIBRARY = sorted((ROOT / "utils").rglob("*.py")) + [ROOT / "model.py", ROOT / "dataloader.py"]
 
 

@@ -7,6 +7,8 @@ seed's old flat layout of ``*.pt`` files directly in the folder is one "legacy" 
     runs = list_runs(checkpoints_dir)           newest first (RunInfo: name, path, kind, checkpoints)
     run = find_run(checkpoints_dir, name=None)  the named run, or the newest
     run_checkpoints(folder)                     its ``*.pt`` files: best, latest, then newest step
+    stored_config(folder) / read_sft_config(folder)   what the run folder keeps of its config
+    sft_runs_of(checkpoints_dir, folder)        the SFT runs started from the run's checkpoints
     pick_checkpoint(path, say)                  a file as given; a folder: its best (else latest)
     resume_checkpoint(checkpoints_dir, spec, name=None, prefix=None)   ``--resume PATH|auto``
     resume_command_train(...) / resume_command_sft(...)   what the user runs to continue
@@ -73,12 +75,13 @@ def _weight_shapes(model_args: dict) -> dict:
     return {k: tuple(v.shape) for k, v in ref.state_dict().items()}
 
 
-def load_checkpoint(path, purpose: str = "weights", map_location="cpu") -> dict:
+def load_checkpoint(path, purpose: str = "weights", map_location="cpu", mmap: bool = False) -> dict:
     """The one checkpoint loader (``read_checkpoint``'s checks, plus the weights' names and
     shapes against the model the stored model_args build). purpose "weights": what SFT,
-    inference, benchmark and export need; "resume": also the full training state."""
+    inference, benchmark and export need; "resume": also the full training state. ``mmap``:
+    tensors stay in the file (memory-mapped) until touched, for readers of the metadata."""
     from utils.training.checkpoint import read_checkpoint   # torch: imported when a file is read
-    return read_checkpoint(path, purpose, map_location, shapes_of=_weight_shapes)
+    return read_checkpoint(path, purpose, map_location, shapes_of=_weight_shapes, mmap=mmap)
 
 
 def load_model(path, device="cpu"):
@@ -296,12 +299,59 @@ def require_same_tokenizer(have: Optional[dict], want: Optional[dict], have_what
 def run_config(ckpt: dict) -> Optional[Config]:
     """The config a checkpoint was trained with (its stored, resolved config), or None when it
     holds none or the stored one no longer validates."""
-    stored = ckpt.get("config")
+    return _config_from(ckpt.get("config"))
+
+
+def _config_from(stored) -> Optional[Config]:
+    """A stored, resolved config dict as a Config (``_meta.test`` restored), or None when it is
+    not a dict or no longer validates."""
     if not isinstance(stored, dict):
         return None
     cfg, problems = Config(), []
-    apply_layer(cfg, stored, "the checkpoint's stored config", problems)
-    return None if problems else cfg
+    apply_layer(cfg, stored, "a run's stored config", problems)
+    if problems:
+        return None
+    meta = stored.get("_meta")
+    cfg.test = bool(meta.get("test")) if isinstance(meta, dict) else False
+    return cfg
+
+
+RUN_CONFIG_FILE = "config.json"        # train: the resolved config (Config.save_resolved)
+SFT_CONFIG_FILE = "sft_config.json"    # sft train: base checkpoint, data, hyperparameters, config
+
+
+def _read_json_object(path: Path) -> Optional[dict]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_sft_config(run_dir) -> Optional[dict]:
+    """An SFT run folder's ``sft_config.json`` (None when missing or unreadable)."""
+    return _read_json_object(Path(run_dir) / SFT_CONFIG_FILE)
+
+
+def stored_config(run_dir) -> Optional[Config]:
+    """The config a run folder keeps: ``config.json`` (a pre-training run), else the
+    ``config`` of ``sft_config.json`` (an SFT run); None when neither is readable and valid."""
+    cfg = _config_from(_read_json_object(Path(run_dir) / RUN_CONFIG_FILE))
+    if cfg is None:
+        cfg = _config_from((read_sft_config(run_dir) or {}).get("config"))
+    return cfg
+
+
+def sft_runs_of(checkpoints_dir, run_dir) -> list[RunInfo]:
+    """The SFT runs whose ``sft_config.json`` names a checkpoint of ``run_dir`` as their base,
+    by name."""
+    home = Path(run_dir).resolve()
+    out = []
+    for r in list_runs(checkpoints_dir):
+        base = (read_sft_config(r.path) or {}).get("base_checkpoint")
+        if r.kind == "sft" and isinstance(base, str) and Path(base).resolve().parent == home:
+            out.append(r)
+    return sorted(out, key=lambda r: r.name)
 
 
 RUN_TOKENIZER_DIR = "tokenizer"      # the copy of its tokenizer each run folder keeps

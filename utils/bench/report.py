@@ -179,14 +179,6 @@ def write_results(paths: dict[str, Path], payload: dict, text: str,
 
 
 def package_versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-    out = {}
-    for pkg in ("torch", "transformers", "tokenizers", "datasets", "numpy", "sacrebleu",
-                "rouge-score", "tqdm"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    import platform
-    out["python"] = platform.python_version()
-    return out
+    from utils.environment import package_versions as versions
+    return versions(("torch", "transformers", "tokenizers", "datasets", "numpy", "sacrebleu",
+                     "rouge-score", "tqdm"))

@@ -326,8 +326,9 @@ class Examples:
         return np.diff(self.offsets)
 
 
-def load_examples(directory: Path, rebuild: str = "python main.py sft prepare") -> Examples:
-    """The prepared SFT examples, validated; PipelineError naming the file otherwise."""
+def read_metadata(directory: Path, rebuild: str = "python main.py sft prepare") -> dict:
+    """The ``metadata.json`` of a complete SFT example set; PipelineError naming the file
+    otherwise (the arrays are not read: :func:`load_examples` checks them)."""
     d = Path(directory)
     meta_path = d / METADATA_FILE
     if not meta_path.is_file():
@@ -335,14 +336,23 @@ def load_examples(directory: Path, rebuild: str = "python main.py sft prepare") 
                             f"with `{rebuild}`.")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:    # unreadable, not UTF-8, not JSON
         raise PipelineError(f"{meta_path} is not valid JSON ({e}); rebuild with `{rebuild}`.") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or not meta.get("complete"):
         raise PipelineError(f"{meta_path} does not describe a complete SFT example set (format "
                             f"{FORMAT_NAME}); rebuild with `{rebuild}`.")
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-        raise PipelineError(f"{meta_path}: format version {meta.get('format_version')} is newer "
-                            "than this program reads; update the pipeline.")
+    version = meta.get("format_version", 0)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise PipelineError(f"{meta_path}: format version {meta.get('format_version')!r} is not "
+                            f"one this program reads (up to {FORMAT_VERSION}); update the "
+                            f"pipeline, or rebuild with `{rebuild}`.")
+    return meta
+
+
+def load_examples(directory: Path, rebuild: str = "python main.py sft prepare") -> Examples:
+    """The prepared SFT examples, validated; PipelineError naming the file otherwise."""
+    d = Path(directory)
+    meta = read_metadata(d, rebuild)
     arrays = []
     for name in (TOKENS_FILE, MASK_FILE, OFFSETS_FILE):
         p = d / name

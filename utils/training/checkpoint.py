@@ -121,9 +121,10 @@ def _sniff(path: Path) -> None:
                                 "PyTorch checkpoint written by this pipeline.")
 
 
-def _torch_load(path: Path, map_location) -> Any:
+def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True,
+                          mmap=mmap and _is_zip_start(path))
     except pickle.UnpicklingError as e:
         msg = str(e)
         found = re.findall(r"(?:GLOBAL|global|Unsupported global:)\s*([\w.]+(?:\s[\w.]+)?)", msg)
@@ -209,7 +210,7 @@ def _few(items: list, n: int = 4) -> str:
 
 
 def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
-                    shapes_of: Optional[Callable[[dict], dict]] = None) -> dict:
+                    shapes_of: Optional[Callable[[dict], dict]] = None, mmap: bool = False) -> dict:
     """A checkpoint file: ``torch.load(weights_only=True)`` plus validation. Stages open
     checkpoints through ``utils.run.load_checkpoint``, which passes ``shapes_of`` (model_args
     dict -> {weight name: shape}, from the model those args build): the file layer does not
@@ -218,12 +219,14 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
     purpose "weights": needs the model and its config (SFT, inference, benchmark, export);
     purpose "resume": also the optimizer, scheduler, step, data position and RNG states.
     Returns the payload dict with prefix-free model keys. Raises :class:`CheckpointError`.
+    ``mmap``: tensors are memory-mapped from the file (torch's zip format), so the optimizer
+    state is never read into memory (the weights still are, by the finiteness check).
     """
     if purpose not in ("weights", "resume"):
         raise ValueError(f"purpose must be 'weights' or 'resume', not {purpose!r}")
     path = Path(path)
     _sniff(path)
-    ckpt = _torch_load(path, map_location)
+    ckpt = _torch_load(path, map_location, mmap)
     if not isinstance(ckpt, dict):
         raise CheckpointError(path, f"is not a checkpoint: it holds a {type(ckpt).__name__}, "
                                     "not the pipeline's checkpoint dict.")

@@ -3,7 +3,8 @@
 ``logs/tensorboard/<run>/`` gets TensorBoard scalars, texts (sample generations) and the
 hyperparameters; ``logs/raw_metrics/<run>.jsonl`` gets one JSON object per line::
 
-    {"type": "config", "time": ..., "config": {...}, "hparams": {...}}        once per start
+    {"type": "config", "time": ..., "config": {...}, "hparams": {...},
+     "environment": {...}}            once per start (utils/environment.py: git, packages, machine)
     {"type": "train", "step": 10, "time": ..., "loss": ..., "smoothed_loss": ..., "lr": ...,
      "grad_norm": ..., "tokens_per_s": ..., "tokens_seen": ..., "peak_memory_mb": ...,
      "epoch": ..., "mfu": ... (when the device's peak is known)}
@@ -16,14 +17,23 @@ them at once; a crash loses nothing already logged). After a resume a step may a
 (logged, then killed before the next checkpoint): the later line is the one that counts.
 On a resume, TensorBoard's ``purge_step`` drops events after the resumed step. Only the
 main process logs: other DDP ranks get a logger whose methods do nothing.
+
+Readers (``main.py status``, ``main.py report``): :func:`read_log` returns the records and the
+line numbers of lines that are not a JSON object (a line torn by a crash, damaged bytes), so
+a reader can say how many it skipped; :func:`latest_per_step` keeps one record per step.
 """
 from __future__ import annotations
 
 import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+# The last event of a start: Trainer.fit's reasons (utils/training/trainer.py). A start with
+# none of these after it ended without saying so (killed, crashed) or is still running.
+TERMINAL_EVENTS = ("done", "interrupted", "early_stopping", "already_done")
 
 
 def _clean(v: Any) -> Any:
@@ -94,7 +104,9 @@ class DualLogger:
         """The resolved config and the run's hyperparameters (once per start or resume)."""
         if not self.enabled:
             return
-        self._line({"type": "config", "time": time.time(), "config": config, "hparams": hparams})
+        from utils.environment import describe
+        self._line({"type": "config", "time": time.time(), "config": config, "hparams": hparams,
+                    "environment": describe()})
         if self._tb is not None:
             self._tb.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
             simple = {k: v for k, v in hparams.items()
@@ -116,24 +128,47 @@ class DualLogger:
             self._fh = None
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Records of a raw-metrics file; a torn last line (crash mid-write) is skipped."""
-    out = []
+@dataclass
+class LogRead:
+    """A raw-metrics file as read: its records, and the 1-based numbers of the lines that are
+    not a JSON object (torn by a crash mid-write, damaged bytes), which were skipped."""
+    path: Path
+    records: list = field(default_factory=list)
+    bad_lines: list = field(default_factory=list)
+    exists: bool = True
+
+
+def read_log(path: Path) -> LogRead:
+    """Every JSON-object line of a raw-metrics file; any other non-blank line is skipped and
+    its number kept in ``bad_lines``. A missing file reads as empty (``exists`` False)."""
+    out = LogRead(Path(path))
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                line = raw.strip()
                 if not line:
                     continue
                 try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+                    rec = json.loads(line)       # bytes: invalid UTF-8 is a ValueError too
+                except (ValueError, RecursionError):
+                    rec = None
                 if isinstance(rec, dict):
-                    out.append(rec)
+                    out.records.append(rec)
+                else:
+                    out.bad_lines.append(number)
     except FileNotFoundError:
-        pass
+        out.exists = False
     return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a raw-metrics file; damaged lines (a torn last line after a crash) skipped."""
+    return read_log(path).records
+
+
+def finite(x) -> bool:
+    """A real number (not bool, NaN or infinity): what a logged metric value must be to count."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def latest_per_step(records: list[dict], kind: str = "train") -> list[dict]:

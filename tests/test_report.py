@@ -1,0 +1,249 @@
+"""`python main.py report`: a run's report from what the stages wrote, checked against those
+files themselves.
+
+One module-scoped set of real runs, each made by the CLI a user types: a tiny pre-training run
+interrupted by SIGINT after step 4 and resumed to step 12 (tests/conftest.py's shard set of
+the real news sample), an SFT run fine-tuned from its best checkpoint, and two benchmark
+result files with the same settings (the base checkpoint in one, the SFT checkpoint in the
+other, so the report must bring them together as scored on the same items). Reports are
+written through main.py as subprocesses.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (SPM_MODEL, paused_env, popen_main, run_main, wait_for_line,
+                            write_config)
+from utils.training.logging_utils import latest_per_step, read_jsonl
+
+TOTAL = 12
+FLAGS = ["--window", "32", "--batch-size", "2", "--eval-batches", "2", "--sample-tokens", "4",
+         "--log-every", "2", "--warmup-steps", "2", "--eval-steps", "4"]
+BENCH = ["--test", "--tasks", "perplexity,lambada", "--limit", "perplexity=2", "--limit", "lambada=2"]
+
+
+def ok(proc, code: int = 0):
+    assert proc.returncode == code, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, train_shards, samples):
+    root = tmp_path_factory.mktemp("report")
+    cfg = write_config(root, {"tokenizer": {"name": str(SPM_MODEL)},
+                              "dataset": {"wikipedia_test_dir": str(train_shards)},
+                              "logging": {"tensorboard": False}})
+    train = ["train", "--test", "--config", cfg, *FLAGS, "--name", "base", "--max-steps", TOTAL]
+    p = popen_main(*train, env=paused_env(4))
+    wait_for_line(p, "paused after step 4")
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 130, f"{out}\n{err}"
+    ok(run_main(*train, "--resume", "auto", timeout=300))
+    ok(run_main("sft", "prepare", "--config", cfg, "--dataset", "samples", "--limit", "24",
+                "--max-length", "96"))
+    base = root / "checkpoints" / "base" / "checkpoint_best.pt"
+    ok(run_main("sft", "train", "--config", cfg, "--checkpoint", base, "--name", "rep",
+                "--batch-size", "4", "--max-steps", "4", "--log-every", "1", "--sample-tokens", "4",
+                timeout=300))
+    sft = next((root / "checkpoints").glob("sft_rep_*"))
+    results = root / "benchmark_results"
+    ok(run_main("benchmark", "--config", cfg, *BENCH, base, "--output-dir", results, timeout=300))
+    ok(run_main("benchmark", "--config", cfg, *BENCH, sft / "checkpoint_best.pt", "--output-dir",
+                results, timeout=300))
+    return {"root": root, "cfg": cfg, "sft": sft.name, "results": sorted(results.glob("*.json"))}
+
+
+def report(work, *args, out="reports"):
+    return run_main("report", "--config", work["cfg"], *map(str, args),
+                    "--out", work["root"] / out, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def written(work):
+    """The reports of the base and the SFT run (with their comparison), written twice."""
+    first = ok(report(work, "base", work["sft"], "--html", out="first"))
+    ok(report(work, "base", work["sft"], "--html", out="second"))
+    return {"out": work["root"] / "first", "stdout": first.stdout,
+            "md": (work["root"] / "first" / "base" / "report.md").read_text(encoding="utf-8")}
+
+
+def cell(md: str, label: str) -> str:
+    """The value column of a two-column table row ``| label | value |``."""
+    m = re.search(rf"^\| {re.escape(label)} \| (.*) \|$", md, re.M)
+    assert m, f"no row {label!r} in:\n{md[:3000]}"
+    return m.group(1)
+
+
+def test_numbers_are_the_logs(work, written):
+    md = written["md"]
+    recs = read_jsonl(work["root"] / "logs" / "raw_metrics" / "base.jsonl")
+    train = latest_per_step(recs, "train")
+    val = latest_per_step(recs, "val")
+    assert cell(md, "steps") == f"{TOTAL} of {TOTAL}"
+    assert train[-1]["step"] == TOTAL
+    assert cell(md, "tokens trained").startswith(f"{train[-1]['tokens_seen']:,} ")
+    assert train[-1]["tokens_seen"] == TOTAL * 2 * 32
+    assert cell(md, "final validation loss") == f"{val[-1]['val_loss']:.4f} (step {TOTAL})"
+    assert cell(md, "best validation loss") == f"{min(r['val_loss'] for r in val):.4f}"
+    assert cell(md, "final validation bits per byte") == f"{val[-1]['bits_per_byte']:.4f}"
+    # The interruption after step 4 and the resume, in the starts table.
+    assert "2 start(s): 1 interrupted" in md and "1 resumed" in md
+    assert re.search(r"^\| 1 \| start \| .* \| 0 \| 4 \| .* \| interrupted \|$", md, re.M), md
+    assert re.search(rf"^\| 2 \| resume \| .* \| 4 \| {TOTAL} \| .* \| done \|$", md, re.M), md
+    # The model's size from its settings, and the resolved device and precision.
+    from model import ModelArgs, create_model
+    from utils.run import load_checkpoint
+    ck = load_checkpoint(work["root"] / "checkpoints" / "base" / "checkpoint_latest.pt")
+    n = create_model(ModelArgs.from_dict(ck["model_args"])).num_params()
+    assert cell(md, "parameters").startswith(f"{n:,} ")
+    assert cell(md, "device") == "cpu, world size 1" and cell(md, "precision") == "float32"
+    # The data: the shard set's own counts.
+    meta = json.loads((work["root"] / "checkpoints" / "base" / "config.json").read_text())
+    shards = json.loads((Path(meta["dataset"]["wikipedia_test_dir"]) / "metadata.json").read_text())
+    assert cell(md, "tokens").startswith(f"{shards['totals']['tokens']:,} ")
+    samples = [r for r in recs if r.get("type") == "sample"]
+    assert samples and samples[-1]["text"] in md
+
+
+def test_pictures_are_valid_pngs(written):
+    from PIL import Image
+    pngs = sorted(written["out"].rglob("*.png"))
+    assert len(pngs) == 4, pngs          # base: curves + its SFT run's; SFT run: curves; comparison
+    for p in pngs:
+        with Image.open(p) as im:
+            im.verify()
+        with Image.open(p) as im:
+            assert im.format == "PNG" and im.width >= 800 and im.height >= 300, (p, im.size)
+            im.load()
+        assert b"Software" not in p.read_bytes()[:4096]        # no version/date text chunks
+    assert "![training curves of base](curves.png)" in written["md"]
+
+
+def test_sft_run_and_benchmarks_are_shown(work, written):
+    md, sft = written["md"], work["sft"]
+    assert "## Fine-tuning (SFT) runs started from this run" in md
+    assert f"| `{sft}` | `checkpoint_best.pt` |" in md
+    assert (written["out"] / "base" / f"{sft}.png").is_file()
+    assert f"![fine-tuning curves of {sft.replace('_', chr(92) + '_')}]({sft}.png)" in md
+    # Both result files were scored on the same items: one table with both checkpoints.
+    from utils.bench.report import fmt_value
+    files = [json.loads(p.read_text()) for p in work["results"]]
+    assert len(files) == 2
+    table = md[md.index("## Benchmarks"):md.index("## Sample generations")]
+    assert table.count("Scored on the same items") == 1
+    for f in files:
+        m = f["models"][0]
+        ppl = m["results"]["perplexity"]["metrics"]["perplexity"]
+        assert fmt_value("perplexity", ppl["value"], ppl["stderr"]) in table
+        assert m["name"].replace("_", "\\_") in table
+    assert "(this run)" in table
+    # The SFT run's own report names what it was fine-tuned from and its data.
+    sft_md = (written["out"] / sft / "report.md").read_text()
+    assert "Supervised fine-tuning (SFT) run" in sft_md
+    assert str(work["root"] / "checkpoints" / "base" / "checkpoint_best.pt") in sft_md
+
+
+def test_same_inputs_give_identical_bytes(work, written):
+    first, second = written["out"], work["root"] / "second"
+    names = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
+    assert len(names) == 10, names   # 3 x (report.md + report.html) + 4 PNGs
+    for n in names:
+        assert (first / n).read_bytes() == (second / n).read_bytes(), n
+    assert re.search(r"20\d\d-\d\d-\d\d", written["md"])          # the run's own start time
+    assert not list(first.rglob(".*.tmp-*"))                      # atomic writes left nothing
+
+
+def test_html_is_self_contained(written):
+    for page in written["out"].rglob("report.html"):
+        text = page.read_text(encoding="utf-8")
+        srcs = re.findall(r'\bsrc="([^"]*)"', text)
+        assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs), page
+        assert "href=" not in text and "<link" not in text and "<script" not in text
+        assert "url(" not in text and "@import" not in text
+        assert text.count("<img") == len(list(page.parent.glob("*.png")))
+
+
+def test_comparison_of_several_runs(work, written):
+    folder = written["out"] / f"compare_base_vs_{work['sft']}"
+    md = (folder / "report.md").read_text()
+    assert md.startswith("# Comparison: base, " + work["sft"].replace("_", "\\_"))
+    assert (folder / "comparison.png").is_file() and "(comparison.png)" in md
+    assert "comparison: wrote" in written["stdout"]
+
+
+def test_environment_is_recorded_for_new_runs(written):
+    md = written["md"]
+    env = md[md.index("## Environment"):]
+    import torch
+    assert f"torch {torch.__version__}" in cell(env, "packages")
+    code = cell(env, "code")
+    assert re.fullmatch(r"`[0-9a-f]{12}` \((clean tree|uncommitted changes)\)", code) or \
+        code.startswith("unknown ("), code
+
+
+def test_damaged_log_and_missing_parts_are_said_not_fatal(work):
+    """A copy of the run whose log has damaged lines (garbage, invalid UTF-8, a JSON array, a
+    torn last line) and records of the wrong shape, whose config records carry no environment
+    (as runs logged before it was recorded), and whose stored config is gone; beside it, an
+    unreadable result file and one whose values are of the wrong type. The report still comes
+    out, says what it skipped and what is missing, and shows what is good."""
+    root = work["root"]
+    logs = root / "logs" / "raw_metrics"
+    shutil.copytree(root / "checkpoints" / "base", root / "checkpoints" / "damaged")
+    (root / "checkpoints" / "damaged" / "config.json").unlink()
+    wrong_shape = [{"type": "config", "hparams": {"total_steps": "many", "model": "x", "device": 5},
+                    "config": "s", "environment": {"packages": [1], "machine": "m"}},
+                   {"type": "train", "step": "x", "loss": "y"},
+                   {"type": "train", "step": 3, "loss": "high", "lr": [1], "tokens_seen": "many"},
+                   {"type": "val", "step": 5, "val_loss": "NaN"}, {"type": "sample", "text": 5},
+                   {"type": "event", "step": 2, "event": ["resume"], "time": "now"}]
+    out = [json.dumps(r).encode() + b"\n" for r in wrong_shape]
+    for i, line in enumerate((logs / "base.jsonl").read_bytes().splitlines(keepends=True)):
+        rec = json.loads(line)
+        rec.pop("environment", None)
+        out.append(json.dumps(rec).encode() + b"\n")
+        if i == 3:
+            out += [b"not json at all\n", b"\xff\xfe\x00 binary\n", b"[1, 2, 3]\n"]
+    out.append(b'{"type": "train", "step": 99, "loss": 1.')          # torn by a crash
+    (logs / "damaged.jsonl").write_bytes(b"".join(out))
+    results = root / "benchmark_results"
+    (results / "benchmark_zz_bad.json").write_text("[1, 2]")
+    (results / "benchmark_zz_weird.json").write_text(json.dumps({
+        "settings": "s", "data": 3, "models": [
+            {"name": "damaged/checkpoint_best", "results": {"perplexity": {"metrics": {
+                "perplexity": {"value": "big", "stderr": None}, "bits_per_byte": [2]}}, "x": 1},
+             "identity": {"kind": "checkpoint", "step": "s",
+                          "path": str(root / "checkpoints" / "damaged" / "checkpoint_best.pt")}},
+            "not a model"]}))
+    r = ok(report(work, "damaged"))
+    assert "4 damaged log line(s) skipped" in r.stdout
+    md = (root / "reports" / "damaged" / "report.md").read_text()
+    first = len(wrong_shape) + 4 + 1                                 # the garbage's line numbers
+    assert re.search(rf"\*\*Damaged log:\*\* 4 line\(s\) of `.*damaged\.jsonl` are not JSON "
+                     rf"records and were skipped \(line {first}, {first + 1}, {first + 2}, \d+\)",
+                     md), md[:2000]
+    assert cell(md, "steps") == f"{TOTAL} of {TOTAL}"                # the good records still count
+    assert "Not available: no readable stored config" in md
+    assert "Not recorded: this run's log predates environment recording" in md
+    assert "1 unreadable result file(s)" in md and "benchmark\\_zz\\_bad.json" in md
+    bench = md[md.index("## Benchmarks"):md.index("## Sample generations")]
+    assert "benchmark\\_zz\\_weird.json" in bench and "hold no metric value" in bench
+    assert "settings changed" not in md          # the stray config record belongs to no start
+
+
+def test_missing_run_and_bad_names(work, tmp_path):
+    r = report(work, "nope")
+    assert r.returncode == 1
+    assert "no run 'nope'" in r.stderr and str(work["root"] / "logs" / "raw_metrics" / "nope.jsonl") in r.stderr
+    assert "Traceback" not in r.stderr
+    r = report(work, "../base")
+    assert r.returncode == 2 and "is not a run name" in r.stderr
+    assert not (work["root"] / "base").exists()

@@ -1,0 +1,489 @@
+"""A run's facts (utils/report/facts.py) as a report: blocks (utils/report/document.py) and the
+pictures they show (utils/report/plots.py). Pure functions of the facts: the same facts give
+the same blocks and the same PNG bytes; the only times shown are the run's own (its log's
+record times, in UTC) and the data's own build stamps."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from typing import Optional
+
+from utils.report import facts as F
+from utils.report.document import (Bold, Bullets, Code, CodeBlock, Details, Heading, Image, Para,
+                                   Table)
+from utils.report.plots import COLORS, Line, Panel, figure_png
+from utils.training.logging_utils import finite
+
+SAMPLES_SHOWN = 5
+SAMPLE_CHARS = 2000       # a sample longer than this is cut (and says so)
+
+
+# ----------------------------------------------------------------------------- formatting
+def num(x, digits: int = 4) -> str:
+    return f"{x:.{digits}f}" if finite(x) else "n/a"
+
+
+def count(x) -> str:
+    return f"{x:,}" if isinstance(x, int) and not isinstance(x, bool) else "n/a"
+
+
+def short(n) -> str:
+    """2171200 -> '2.17M'."""
+    if not finite(n):
+        return "n/a"
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:g}"
+
+
+def duration(s) -> str:
+    if not finite(s):
+        return "n/a"
+    if s < 120:
+        return f"{s:.1f} s"
+    m = int(round(s)) // 60
+    if m < 120:
+        return f"{m} min {int(round(s)) % 60:02d} s"
+    return f"{m // 60} h {m % 60:02d} min"
+
+
+def utc(t) -> str:
+    if not finite(t):
+        return "n/a"
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def rate(x) -> str:
+    return f"{x:,.0f}" if finite(x) else "n/a"
+
+
+def _missing(f: F.RunFacts, section: str) -> list:
+    return [Para(f"Not available: {p}") for p in f.problems.get(section, [])]
+
+
+# ----------------------------------------------------------------------------- curves
+def _series(records: list, key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in records if finite(r.get(key))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _bpb_series(f: F.RunFacts) -> tuple[list, list, str]:
+    xs, ys = _series(f.val, "bits_per_byte")
+    if ys:
+        return xs, ys, "validation"
+    bpt = F.bytes_per_token(f)
+    if bpt:
+        xs, losses = _series(f.val, "val_loss")
+        return xs, [v / math.log(2) / bpt for v in losses], "derived: loss / ln 2 / bytes per token"
+    return [], [], ""
+
+
+def curve_panels(f: F.RunFacts) -> list[Panel]:
+    marks = [(s.step0, "resumed") for s in f.segments if s.kind == "resume"]
+    last = max([r["step"] for r in f.train + f.val] or [0])
+    window = F.smoothing_window(f)
+    smoothed = f"train (mean of last {window} steps)" if window else "train (smoothed)"
+    bx, bpb, bpb_label = _bpb_series(f)
+
+    def panel(title, ylabel, lines):
+        return Panel(title, "step", ylabel, lines, marks=marks, xlim=(0, last))
+    return [
+        panel("Loss", "cross-entropy (nats/token)",
+              [Line("train (logged step)", *_series(f.train, "loss"), COLORS[0], 1.2, 0.5),
+               Line(smoothed, *_series(f.train, "smoothed_loss"), COLORS[0], 2.2),
+               Line("validation", *_series(f.val, "val_loss"), COLORS[1], 2.0, marker="o")]),
+        panel("Validation bits per byte", "bits per UTF-8 byte",
+              [Line(bpb_label, bx, bpb, COLORS[1], 2.0, marker="o")]),
+        panel("Learning rate", "learning rate", [Line("lr", *_series(f.train, "lr"), COLORS[2])]),
+        panel("Gradient norm (before clipping)", "L2 norm",
+              [Line("grad norm", *_series(f.train, "grad_norm"), COLORS[3])]),
+        panel("Throughput", "tokens / s", [Line("tokens/s", *_series(f.train, "tokens_per_s"), COLORS[4])]),
+        panel("Peak memory", "MB", [Line("peak memory", *_series(f.train, "peak_memory_mb"), COLORS[5])]),
+    ]
+
+
+def curves_png(f: F.RunFacts, title: str) -> Optional[bytes]:
+    return figure_png(curve_panels(f), title=title)
+
+
+# ----------------------------------------------------------------------------- sections
+def build_run(f: F.RunFacts) -> list:
+    """The whole report of one run, as blocks (its images inside)."""
+    s = F.summary(f)
+    blocks: list = [Heading(1, f"Run report: {f.name}")]
+    blocks += _intro(f, s)
+    png = curves_png(f, f"{f.name}: training curves")
+    if png:
+        blocks.append(Image("curves.png", f"training curves of {f.name}", png))
+    else:
+        blocks.append(Para("Not available: no curve has a logged point yet."))
+    for section in (_data, _model, _training, _sft, _benchmarks, _samples, _environment, _config):
+        blocks += section(f, s)
+    return blocks
+
+
+def _intro(f: F.RunFacts, s: dict) -> list:
+    what = "Supervised fine-tuning (SFT) run" if f.kind == "sft" else "Pre-training run"
+    out = [Para([what, " ", Code(f.name), f": {s['state']}; started {utc(s['started'])}. "
+                 "Written by ", Code("python main.py report"), " from the run's log, folder, "
+                 "data and benchmark results."])]
+    if f.log.bad_lines:
+        shown = ", ".join(map(str, f.log.bad_lines[:10])) + (" ..." if len(f.log.bad_lines) > 10 else "")
+        out.append(Para([Bold("Damaged log:"), f" {len(f.log.bad_lines)} line(s) of ",
+                         Code(str(f.log.path)), f" are not JSON records and were skipped "
+                         f"(line {shown}); the numbers below come from the other "
+                         f"{len(f.log.records)} records."]))
+    of = f" of {count(s['total_steps'])}" if s["total_steps"] else ""
+    bpb = num(s["final_bpb"]) + (" (derived)" if s["bpb_derived"] else "")
+    params = f.model_numbers["parameters"] if f.model_numbers else None
+    rows = [["steps", f"{count(s['step'])}{of}"],
+            ["tokens trained", f"{count(s['tokens'])} ({short(s['tokens'])})"],
+            ["wall time (training)", duration(s["wall_s"])],
+            ["final validation loss", f"{num(s['final_val_loss'])} (step {count(s['final_val_step'])})"],
+            ["best validation loss", num(s["best_val_loss"])],
+            ["final validation bits per byte", bpb],
+            ["parameters", f"{count(params)} ({short(params)})"]]
+    return out + [Table(["", "value"], rows, "lr")]
+
+
+def _data(f: F.RunFacts, s: dict) -> list:
+    out = [Heading(2, "Data")]
+    if f.kind == "sft":
+        out += _sft_data(f)
+    else:
+        out += _shards(f)
+    out += _tokenizer(f)
+    return out + _missing(f, "data")
+
+
+def _shards(f: F.RunFacts) -> list:
+    m = f.shards
+    if m is None:
+        return []
+    src, tot, st = F.as_dict(m.get("source")), F.as_dict(m.get("totals")), F.as_dict(m.get("stats"))
+    inputs = F.as_list(src.get("inputs"))
+    names = ", ".join(str(x).rsplit("/", 1)[-1] for x in inputs[:3]) + (" ..." if len(inputs) > 3 else "")
+    filters = F.as_dict(src.get("filters"))
+    dropped = F.as_dict(st.get("dropped_by_reason"))
+    rows = [["source", [Code(str(src.get("kind"))), f" ({len(inputs)} input file(s): {names})"
+                        + ("; test mode" if src.get("test") else "")]],
+            ["shard set", [Code(str(f.shards_dir)), f", {count(tot.get('shards'))} shard(s), "
+                           f"{m.get('dtype')}, built {m.get('created', 'n/a')}"]],
+            ["documents", f"{count(tot.get('documents'))} kept of {count(st.get('documents_read'))} read"],
+            ["tokens", f"{count(tot.get('tokens'))} ({short(tot.get('tokens'))})"],
+            ["characters", count(tot.get("characters"))],
+            ["filters", ", ".join(f"{k} = {v}" for k, v in sorted(filters.items())) or "none"],
+            ["documents dropped", f"{count(st.get('documents_dropped'))}"
+             + (" (" + ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())) + ")" if dropped else "")]]
+    if f.cfg is not None:
+        d = f.cfg.dataset
+        rows.append(["training windows", f"{d.window} tokens, stride {f.cfg.stride}; "
+                                         f"{d.val_split:.0%} of the tokens held out for validation"])
+    return [Table(["", "value"], rows)]
+
+
+def _sft_data(f: F.RunFacts) -> list:
+    sc = F.as_dict(f.sft_config)
+    if not sc:
+        return []
+    data, m = F.as_dict(sc.get("data")), F.as_dict(f.sft_data)
+    src = F.as_dict(data.get("source"))
+    rows = [["fine-tuned from", [Code(str(sc.get("base_checkpoint")))]],
+            ["data", [Code(str(data.get("dir"))), f" ({src.get('kind')}: {src.get('name')})"]],
+            ["examples", f"{count(data.get('train_examples'))} training, "
+                         f"{count(data.get('val_examples'))} validation"]]
+    if src.get("label"):
+        rows.append(["note", str(src["label"])])
+    if m:
+        c, ln = F.as_dict(m.get("counts")), F.as_dict(m.get("lengths"))
+        rows += [["records", f"{count(c.get('kept'))} kept of {count(c.get('considered'))} considered; "
+                             f"{count(c.get('too_long'))} too long, {count(c.get('skipped_total'))} malformed"],
+                 ["lengths (tokens)", f"mean {ln.get('mean')}, median {ln.get('median')}, max {ln.get('max')}; "
+                                      f"{count(ln.get('total_tokens'))} in all, {count(m.get('loss_tokens'))} in the loss"],
+                 ["chat template", [Code(str(F.as_dict(m.get("template")).get("name")))]]]
+    return [Table(["", "value"], rows)]
+
+
+def _tokenizer(f: F.RunFacts) -> list:
+    tok = F.as_dict(f.tokenizer_copy) or (f.ckpt.tokenizer if f.ckpt else {})
+    if not tok:
+        return [Para("Not available: the tokenizer (no copy in the run folder, no checkpoint record).")]
+    cpt = F.as_dict(F.as_dict(f.shards).get("stats")).get("chars_per_token")
+    bpt = F.bytes_per_token(f)
+    specials = F.as_dict(tok.get("special_tokens"))
+    rows = [["tokenizer", [Code(str(tok.get("name"))), f" ({tok.get('class', 'n/a')})"]],
+            ["vocabulary", f"{count(tok.get('vocab_size'))} tokens; BOS {tok.get('bos_id')}, "
+                           f"EOS {tok.get('eos_id')}"
+                           + (f" ({specials.get('bos')} / {specials.get('eos')})" if specials else "")],
+            ["fingerprint", [Code(str(tok.get("fingerprint", ""))[:16])]],
+            ["characters per token", (f"{num(cpt, 3)} (the shard set's text)" if finite(cpt) else "n/a")],
+            ["UTF-8 bytes per token", (f"{num(bpt, 3)} (measured on the validation windows)"
+                                       if bpt else "n/a (not recorded)")]]
+    return [Heading(3, "Tokenizer"), Table(["", "value"], rows)]
+
+
+def _model(f: F.RunFacts, s: dict) -> list:
+    out = [Heading(2, "Model")]
+    n = f.model_numbers
+    if n:
+        args = n["args"]
+        preset = f.cfg.model.preset if (f.cfg is not None and f.kind == "pretrain") else None
+        rows = [["parameters", f"{count(n['parameters'])} ({short(n['parameters'])})"],
+                ["non-embedding parameters", f"{count(n['non_embedding'])} ({short(n['non_embedding'])})"],
+                ["training FLOPs per token", f"{short(n['flops_per_token'])} (6 x matmul parameters "
+                 f"+ 12 x layers x d_model x {n['seq_len']} tokens of context)"]]
+        if preset:
+            rows.append(["preset", [Code(preset)]])
+        out.append(Table(["", "value"], rows))
+        out.append(Table(["setting", "value"], [[Code(k), json.dumps(v)] for k, v in sorted(args.items())]))
+    if f.checkpoint_files:
+        rows = [[Code(name), f"{size / 1e6:,.1f} MB"] for name, size in f.checkpoint_files]
+        out += [Heading(3, "Checkpoints"),
+                Para(["In ", Code(str(f.run_dir)), ":"]), Table(["file", "size"], rows, "lr")]
+        if f.ckpt:
+            c = f.ckpt
+            out.append(Para([Code(c.path.name), f": step {count(c.step)}, {count(c.tokens_seen)} "
+                             f"tokens seen, best validation loss {num(c.best_val_loss)}."]))
+    return out + _missing(f, "model")
+
+
+def _training(f: F.RunFacts, s: dict) -> list:
+    out = [Heading(2, "Training")]
+    hp = f.hparams
+    if not f.segments:
+        return out + [Para("Not available: the log records no training start.")] + _missing(f, "training")
+    mfu = (f"{s['mfu_median']:.1%} (median of the logged values)" if s["mfu_median"] is not None
+           else "n/a: " + _mfu_reason(f))
+    eff = hp.get("effective_batch")
+    rows = [["state", s["state"]],
+            ["steps", f"{count(s['step'])}" + (f" of {count(s['total_steps'])}" if s["total_steps"] else "")],
+            ["tokens", f"{count(s['tokens'])}" + (f" (at step {s['tokens_at_step']})"
+                                                  if s["tokens_at_step"] != s["step"] else "")],
+            ["wall time", f"{duration(s['wall_s'])} training (evaluation and checkpoints included), "
+                          f"{duration(s['elapsed_s'])} from first start to last record"],
+            ["tokens/s", f"{rate(s['tokens_per_s_median'])} (median of the logged intervals); "
+                         f"{rate(s['tokens_per_s_mean'])} over the wall time"],
+            ["MFU", mfu],
+            ["device", f"{hp.get('device', 'n/a')}, world size {hp.get('world_size', 1)}"],
+            ["precision", str(hp.get("dtype", "n/a")).replace("torch.", "")],
+            ["peak memory", f"{s['peak_memory_mb']:,.0f} MB" if s["peak_memory_mb"] else "n/a"]]
+    if isinstance(eff, int):
+        rows.insert(3, ["batch", f"{eff} windows of {hp.get('window')} tokens per step "
+                                 f"({hp.get('batch_size')} x {hp.get('grad_accum')} accumulation "
+                                 f"x {hp.get('world_size', 1)} process(es))"])
+    keys = ("optimizer", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "betas",
+            "epochs", "seed", "compile", "activation_checkpointing")
+    settings = ", ".join(f"{k} {_plain(hp[k])}" for k in keys if k in hp)
+    out += [Table(["", "value"], rows), Para(["Settings: ", settings, "."])]
+    out += _starts(f)
+    return out + _missing(f, "training")
+
+
+def _plain(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def _mfu_reason(f: F.RunFacts) -> str:
+    for e in f.events:
+        if e.get("event") in ("start", "resume") and isinstance(e.get("mfu_unavailable"), str):
+            return e["mfu_unavailable"]
+    return "not logged"
+
+
+def _starts(f: F.RunFacts) -> list:
+    """Each start and resume: where it began, how it ended; settings changed between them."""
+    rows = []
+    for i, seg in enumerate(f.segments):
+        end = seg.end or "no final event (killed, crashed or still running)"
+        rows.append([str(i + 1), seg.kind, utc(seg.t0), count(seg.step0), count(seg.step1),
+                     duration(seg.t1 - seg.t0), end])
+    interrupted = sum(1 for s in f.segments if s.end == "interrupted")
+    resumes = sum(1 for s in f.segments if s.kind == "resume")
+    lost = [f"start {i + 2} resumed at step {b.step0} after start {i + 1} had reached step "
+            f"{a.step1}: steps {b.step0 + 1}-{a.step1} were trained again"
+            for i, (a, b) in enumerate(zip(f.segments, f.segments[1:]))
+            if b.kind == "resume" and b.step0 < a.step1]
+    out = [Heading(3, "Starts, interruptions and resumes"),
+           Para(f"{len(f.segments)} start(s): {interrupted} interrupted (Ctrl-C or SIGTERM, "
+                f"state saved), {resumes} resumed."),
+           Table(["#", "kind", "began", "from step", "to step", "wall time", "ended"], rows,
+                 "lllrrrl")]
+    changes = _setting_changes(f)
+    if lost or changes:
+        out.append(Bullets(lost + changes))
+    return out
+
+
+def _setting_changes(f: F.RunFacts) -> list:
+    out = []
+    for i, (a, b) in enumerate(zip(f.segments, f.segments[1:])):
+        if not (a.config and b.config):
+            continue
+        ha, hb = a.config["hparams"], b.config["hparams"]
+        diff = [f"{k} {json.dumps(ha.get(k))} -> {json.dumps(hb.get(k))}" for k in sorted(set(ha) | set(hb))
+                if ha.get(k) != hb.get(k) and k != "run"]
+        if diff:
+            out.append(f"settings changed at start {i + 2}: " + "; ".join(diff))
+    return out
+
+
+def _sft(f: F.RunFacts, s: dict) -> list:
+    if f.kind == "sft":
+        return []
+    out = [Heading(2, "Fine-tuning (SFT) runs started from this run")]
+    if not f.children:
+        return out + [Para("None: no SFT run names a checkpoint of this run as its base "
+                           "(sft_config.json).")]
+    rows = []
+    for c in f.children:
+        cs = F.summary(c)
+        base = str(F.as_dict(c.sft_config).get("base_checkpoint", "")).rsplit("/", 1)[-1]
+        data = F.as_dict(F.as_dict(c.sft_config).get("data"))
+        rows.append([Code(c.name), Code(base), f"{count(data.get('train_examples'))} / "
+                     f"{count(data.get('val_examples'))}", count(cs["step"]), count(cs["tokens"]),
+                     num(cs["final_val_loss"]), num(cs["best_val_loss"]), duration(cs["wall_s"]),
+                     cs["state"]])
+    out.append(Table(["run", "from", "examples (train / val)", "steps", "tokens",
+                      "final val loss", "best val loss", "wall time", "state"], rows, "lllrrrrrl"))
+    for c in f.children:
+        png = curves_png(c, f"{c.name}: fine-tuning curves")
+        out.append(Heading(3, c.name))
+        if png:
+            out.append(Image(f"{c.name}.png", f"fine-tuning curves of {c.name}", png))
+        out += [Para(f"Not available ({c.name}): {p}") for ps in c.problems.values() for p in ps]
+        if c.log.bad_lines:
+            out.append(Para(f"{c.name}: {len(c.log.bad_lines)} damaged log line(s) skipped."))
+    return out
+
+
+def _benchmarks(f: F.RunFacts, s: dict) -> list:
+    from utils.bench.report import fmt_value, metric_rows
+    out = [Heading(2, "Benchmarks")]
+    for g in f.benchmarks:
+        rows = metric_rows(g.models)
+        header = ["metric"] + [m["name"] + (" (this run)" if m["ours"] else "") for m in g.models]
+        table = [[r["label"]] + [fmt_value(r["metric"], v, e) + (" *" if i in r["best"] else "")
+                                 for i, (v, e) in enumerate(zip(r["values"], r["stderrs"]))]
+                 for r in rows]
+        st = g.settings
+        limits = ", ".join(f"{k} {v if v is not None else 'all'}"
+                           for k, v in sorted(F.as_dict(st.get("limits")).items()))
+        how = [f"preset {st['preset']}" if st.get("preset") else "",
+               f"seed {st['seed']}" if st.get("seed") is not None else "",
+               f"items per task: {limits}" if limits else ""]
+        out.append(Para(["Scored on the same items (", "; ".join([", ".join(g.files)]
+                                                                  + [h for h in how if h]), "):"]))
+        out.append(Table(header, table, "l" + "r" * len(g.models)) if table else
+                   Para("Not available: these result files hold no metric value this report reads."))
+    if f.benchmarks:
+        out.append(Para("* best value of the row; ↑ higher is better, ↓ lower is better; ± standard "
+                        "error. Columns are every model scored on the same items, from any result "
+                        "file (docs/report.md)."))
+    return out + _missing(f, "benchmarks")
+
+
+def _samples(f: F.RunFacts, s: dict) -> list:
+    out = [Heading(2, "Sample generations")]
+    if not f.samples:
+        return out + [Para("None logged (training.sample_tokens is 0, or no validation ran).")]
+    n = len(f.samples)
+    pick = sorted({round(i * (n - 1) / max(1, SAMPLES_SHOWN - 1)) for i in range(min(n, SAMPLES_SHOWN))})
+    out.append(Para(f"{len(pick)} of the {n} samples the run logged at its validations "
+                    "(seeded, temperature 0.8, top-k 50):"))
+    for i in pick:
+        r = f.samples[i]
+        text = r["text"] if len(r["text"]) <= SAMPLE_CHARS else r["text"][:SAMPLE_CHARS] + " [...]"
+        out += [Para([Bold(f"step {r.get('step')}"), " — prompt ", Code(str(r.get("prompt", "")))]),
+                CodeBlock(text)]
+    return out
+
+
+def _environment(f: F.RunFacts, s: dict) -> list:
+    out = [Heading(2, "Environment")]
+    envs = [e for e in map(F.environment, f.segments) if e]
+    if not envs:
+        return out + [Para("Not recorded: this run's log predates environment recording (git "
+                           "commit, packages, machine; runs started since the report stage record "
+                           "it once per start in their log).")]
+    e = envs[-1]
+    git, pk, mc = F.as_dict(e.get("git")), F.as_dict(e.get("packages")), F.as_dict(e.get("machine"))
+    commit = git.get("commit")
+    code = ([Code(str(commit)[:12]), " (uncommitted changes)" if git.get("dirty") else " (clean tree)"]
+            if commit else f"unknown ({git.get('reason', 'not recorded')})")
+    gpus = ", ".join(map(str, F.as_list(mc.get("gpus")))) or "none"
+    parts = [f"{mc['cpu']}" if mc.get("cpu") else "", f"{mc['cpus']} CPUs" if mc.get("cpus") else "",
+             f"{mc['memory_gb']} GB RAM" if mc.get("memory_gb") else "",
+             f"GPUs: {gpus}" + (f" (CUDA {mc['cuda']})" if mc.get("cuda") else "")]
+    rows = [["code", code],
+            ["machine", f"{mc.get('hostname', 'n/a')}: " + ", ".join(p for p in parts if p)],
+            ["system", str(mc.get("os", "n/a"))],
+            ["packages", ", ".join(f"{k} {v}" for k, v in pk.items() if v) or "n/a"]]
+    out.append(Table(["", "value"], rows))
+    if len(envs) < len(f.segments):
+        out.append(Para(f"{len(f.segments) - len(envs)} of the {len(f.segments)} starts did not "
+                        "record it."))
+    commits = {str(F.as_dict(x.get("git")).get("commit"))[:12] for x in envs}
+    hosts = {str(F.as_dict(x.get("machine")).get("hostname")) for x in envs}
+    if len(commits) > 1 or len(hosts) > 1:
+        out.append(Para(f"The starts ran on different code or machines (commits "
+                        f"{', '.join(sorted(commits))}; hosts {', '.join(sorted(hosts))}); "
+                        "the table shows the last start's."))
+    return out
+
+
+def _config(f: F.RunFacts, s: dict) -> list:
+    if not f.config:
+        return []
+    return [Heading(2, "Configuration"),
+            Details("The resolved configuration of the last start (from the log)",
+                    [CodeBlock(json.dumps(f.config, indent=2, ensure_ascii=False), "json")])]
+
+
+# ----------------------------------------------------------------------------- comparison
+def _tokens_at(f: F.RunFacts, steps: list) -> list:
+    """Tokens seen at each step, interpolated from the train records (0 at step 0; NaN past
+    the last record)."""
+    import numpy as np
+    pts = [(0, 0)] + [(r["step"], r["tokens_seen"]) for r in f.train
+                      if r["step"] > 0 and finite(r.get("tokens_seen"))]
+    return np.interp(steps, [p[0] for p in pts], [p[1] for p in pts], right=math.nan).tolist()
+
+
+def build_comparison(runs: list) -> list:
+    """Several runs side by side: key numbers and their curves against tokens seen."""
+    names = [r.name for r in runs]
+    sums = [F.summary(r) for r in runs]
+    blocks: list = [Heading(1, "Comparison: " + ", ".join(names)),
+                    Para("Each run's own report is in its folder beside this one.")]
+    def row(label, fn):
+        return [label] + [fn(r, s) for r, s in zip(runs, sums)]
+    rows = [row("kind", lambda r, s: r.kind), row("state", lambda r, s: s["state"]),
+            row("parameters", lambda r, s: short((r.model_numbers or {}).get("parameters"))),
+            row("non-embedding parameters", lambda r, s: short((r.model_numbers or {}).get("non_embedding"))),
+            row("steps", lambda r, s: count(s["step"])),
+            row("tokens", lambda r, s: f"{count(s['tokens'])}"),
+            row("wall time", lambda r, s: duration(s["wall_s"])),
+            row("tokens/s (median)", lambda r, s: rate(s["tokens_per_s_median"])),
+            row("final validation loss", lambda r, s: num(s["final_val_loss"])),
+            row("best validation loss", lambda r, s: num(s["best_val_loss"])),
+            row("final bits per byte", lambda r, s: num(s["final_bpb"])),
+            row("device", lambda r, s: str(r.hparams.get("device", "n/a"))),
+            row("precision", lambda r, s: str(r.hparams.get("dtype", "n/a")).replace("torch.", "")),
+            row("data", lambda r, s: str(r.shards_dir.name if r.shards_dir else
+                                         F.as_dict(F.as_dict(r.sft_config).get("data")).get("dir", "n/a")))]
+    blocks.append(Table(["", *names], rows, "l" + "r" * len(runs)))
+    val, train = [], []
+    for i, r in enumerate(runs):
+        c = COLORS[i % len(COLORS)]
+        vx, vy = _series(r.val, "val_loss")
+        tx, ty = _series(r.train, "smoothed_loss")
+        val.append(Line(r.name, _tokens_at(r, vx), vy, c, 1.8, marker="o"))
+        train.append(Line(r.name, _tokens_at(r, tx), ty, c, 1.8))
+    png = figure_png([Panel("Validation loss", "tokens seen", "cross-entropy (nats/token)", val),
+                      Panel("Training loss (smoothed)", "tokens seen", "cross-entropy (nats/token)",
+                            train)], title="Runs compared", cols=2, panel_size=(5.5, 3.6))
+    if png:
+        blocks.append(Image("comparison.png", "validation and training loss of the runs", png))
+    return blocks
