@@ -122,10 +122,24 @@ def check_exportable(loaded: Loaded) -> None:
         print(f"export: note: {n}.", file=sys.stderr)
 
 
+def chat_template_of(loaded: Loaded) -> Optional[dict]:
+    """An SFT checkpoint's chat template (None for other kinds); one of template v1 (trained on
+    SFT data format 1) is exported with a note: its text, not its token ids."""
+    from utils.data import sft
+    template = loaded.ckpt.get("chat_template") if loaded.kind == "sft" else None
+    if template and sft.template_version(template) == sft.TEMPLATE_V1:
+        print(f"export: note: {loaded.path} was trained with chat template '{sft.TEMPLATE_V1}' "
+              "(each prompt and answer encoded apart): the exported chat template renders its "
+              "conversation text, but transformers and llama.cpp tokenize that text into other "
+              "ids than it was trained on. Re-run `python main.py sft prepare` and `sft train` "
+              "for a template they reproduce token for token.", file=sys.stderr)
+    return template
+
+
 def write_export(cfg, args, loaded: Loaded, folder: Path, dtype: Optional[str]) -> list[Path]:
     from utils.hf.card import model_card
     from utils.hf.chat import jinja_template
-    template = jinja_template(loaded.ckpt.get("chat_template")) if loaded.kind == "sft" else None
+    template = jinja_template(chat_template_of(loaded))
     card = model_card(cfg, loaded.path, loaded.ckpt, loaded.model, loaded.tok_info,
                       fmt=args.format, dtype=dtype, license=args.license)
     if args.format == "hf":
@@ -135,7 +149,7 @@ def write_export(cfg, args, loaded: Loaded, folder: Path, dtype: Optional[str]) 
                       "top_k": inf.top_k, "top_p": inf.top_p, "max_new_tokens": inf.max_new_tokens}
         return write_hf(folder, loaded.model, loaded.tok, card=card,
                         dtype=DTYPES[dtype] if dtype else None, generation=generation,
-                        chat_template=template)
+                        chat_template=template, tok_name=loaded.tok_info.get("name") or "")
     from utils.hf.to_gguf import write_gguf
     path = write_gguf(folder / f"{loaded.run}-{dtype}.gguf", loaded.model, loaded.tok, dtype=dtype,
                       name=loaded.run, chat_template=template)

@@ -201,7 +201,9 @@ class Session:
     def generate(self, m: Loaded, text: str, p: Params, on_text: Optional[Callable[[str], None]],
                  note: Callable[[str], None] = lambda s: None) -> tuple[str, Stats]:
         """Stream one completion; Ctrl-C stops it (the partial text is kept)."""
+        from utils.data import sft
         from utils.generation.engine import TextDecoder
+        continues, lead = sft.answer_decoding(m.template) if m.chat else (False, "")
         text_out = TextDecoder(m.tok)
         t0 = time.perf_counter()
         ttft = None
@@ -210,6 +212,7 @@ class Session:
         ids: list[int] = []
         try:
             ids = self.prompt_ids(m, text, p.max_new_tokens, note)
+            text_out = TextDecoder(m.tok, ids[-1:] if continues else (), lead)
             stream = m.engine.stream(ids, max_new_tokens=p.max_new_tokens,
                                      temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                      eos_id=m.tok.eos_token_id, seed=p.seed)

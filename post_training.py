@@ -201,14 +201,22 @@ class Encoded:
 
 def encode_records(tok, template, src: Records, max_len: int, batch_size: int, bos, eos) -> Encoded:
     """Token ids and loss masks of every record (``batch_size`` conversations per tokenizer
-    call); longer than ``max_len`` dropped and counted; none left is an error (nothing written)."""
+    call); longer than ``max_len`` dropped and counted, as are conversations whose answer
+    merges into its prompt's last token (skip reason ``answer_joins_prompt``); none left is an
+    error (nothing written)."""
     from utils.data import sft
     enc = Encoded([], [], [], [], 0, max_len)
     records = src.records
     for s in range(0, len(records), batch_size):
         batch = records[s:s + batch_size]
         encoded = sft.encode_conversations(tok, template, [r["conversations"] for r in batch], bos, eos)
-        for rec, (ids, mask) in zip(batch, encoded):
+        for j, (rec, pair) in enumerate(zip(batch, encoded)):
+            if pair is None:
+                src.skips.skip("answer_joins_prompt", f"record {s + j + 1}",
+                               "an answer's first characters join the assistant prefix's last "
+                               "token; end sft.assistant_prefix with a space")
+                continue
+            ids, mask = pair
             if len(ids) > max_len:
                 enc.too_long += 1
                 continue
@@ -405,6 +413,12 @@ def open_sft_run(cfg, args, meta: dict) -> Start:
         model_args = model_lib.ModelArgs.from_dict(dict(resume["model_args"]))
         check_compatible(resume, rpath, meta, data_dir, model_args)
         base = Path((resume.get("sft") or {}).get("base_checkpoint") or rpath)
+        was, now = (resume.get("chat_template") or {}).get("name"), meta["template"].get("name")
+        if was != now:
+            raise PipelineError(f"--resume {rpath}: that run trains on chat template '{was}' but "
+                                f"the SFT data in {data_dir} uses '{now}'; a run cannot change its "
+                                f"template midway. Start a new run: python main.py sft train "
+                                f"--checkpoint {base}")
         return Start(rpath.parent, base, model_args, None, resume, rpath)
     imported = None
     if args.init_from_hf:
@@ -514,12 +528,16 @@ def sft_spec(cfg, args, model, start: Start, data: Data, optimizer, settings, to
     from utils.training.trainer import resolve_dtype
     meta, spe, seed = data.examples.meta, data.steps_per_epoch, cfg.training.seed
     q_ids = sft.encode_prompt(tok, meta["template"], [], SAMPLE_QUESTION, tok.bos_token_id, eos)
+    continues, lead = sft.answer_decoding(meta["template"])
 
     def sample_fn(m):
-        from utils.generation.engine import generate
+        from utils.generation.engine import TextDecoder, generate
         out = generate(m, [q_ids], max_new_tokens=args.sample_tokens, temperature=0.8, top_k=50,
                        eos_id=eos, seed=seed)
-        return [(SAMPLE_QUESTION, tok.decode(out[0], skip_special_tokens=True))]
+        reply = TextDecoder(tok, q_ids[-1:] if continues else (), lead=lead)
+        for t in out[0]:
+            reply.push(t)
+        return [(SAMPLE_QUESTION, reply.text())]
 
     print(f"sft train: {len(data.train_idx)} training / {len(data.val_idx)} validation examples "
           f"({meta['source'].get('label')}); {data.total_steps} steps ({spe}/epoch) of "

@@ -22,9 +22,11 @@ def main() -> int:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         tok = AutoTokenizer.from_pretrained(a.hf, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(a.hf, local_files_only=True)
-        text = (tok.apply_chat_template([{"role": "user", "content": a.prompt}], tokenize=False)
-                if a.chat else tok.bos_token + a.prompt)
-        ids = tok(text, add_special_tokens=False, split_special_tokens=False, return_tensors="pt")
+        if a.chat:      # the export's chat template: exactly the ids the model was trained on
+            ids = tok.apply_chat_template([{"role": "user", "content": a.prompt}],
+                                          add_generation_prompt=True, return_tensors="pt")
+        else:           # BOS + the text, as the model saw documents
+            ids = tok(a.prompt, return_tensors="pt")
         out = model.generate(**ids, max_new_tokens=a.max_new_tokens, do_sample=False)
         print(f"transformers ({a.hf}): {tok.decode(out[0, ids['input_ids'].shape[1]:], skip_special_tokens=True)!r}")
     if a.gguf:

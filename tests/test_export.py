@@ -144,6 +144,8 @@ def test_hf_export_is_our_model_in_transformers(work, which):
     corpora = news_docs() + TRICKY + (wiki_docs() + sft_prompts() if spm else [])
     bad = [t for t in corpora if ht(t)["input_ids"] != _ours(tok, t)]
     assert not bad, f"{len(bad)} of {len(corpora)} texts differ, e.g. {bad[0][:80]!r}"
+    from utils.data.tok import fingerprint, load_tokenizer_from   # the pipeline knows it again
+    assert fingerprint(load_tokenizer_from(str(out))) == fingerprint(tok)
     x = torch.tensor([_ours(tok, news_docs()[0])[:200]])
     with torch.no_grad():
         assert torch.allclose(hf(x).logits, ours(x)[0], atol=1e-4, rtol=0)
@@ -154,25 +156,152 @@ def test_hf_export_is_our_model_in_transformers(work, which):
     assert got == want
 
 
-def test_hf_export_dtype_and_sft_chat_template(work):
-    """--dtype bf16 writes bf16 tensors; an SFT checkpoint carries its chat template, which
-    renders our conversation text for multi-turn conversations."""
+def _messages(turns: list[str]) -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+
+def test_hf_export_dtype_and_an_old_sft_checkpoints_chat_template(work):
+    """--dtype bf16 writes bf16 tensors; an SFT checkpoint of template v1 (trained on SFT data
+    format 1) carries its chat template, which renders its conversation text, and the export
+    says that the ids are not the ones it was trained on."""
     from safetensors import safe_open
     from transformers import AutoTokenizer
-    from utils.hf.chat import render
     out = work["root"] / "exports" / "sft-hf"
-    export(work["cfg_spm"], work["sft"], "hf", out, "--dtype", "bf16")
+    r = export(work["cfg_spm"], work["sft"], "hf", out, "--dtype", "bf16")
+    assert "user-assistant-v1" in r.stderr and "token for token" in r.stderr
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     ht = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    convs = [["Why is the sky blue?", "Rayleigh scattering.", "And at sunset?"],
-             ["Hi </s> there", "Hello!", "Name three colors.", "Red, green, blue.", "Thanks"]]
-    for turns in convs:
-        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-        assert ht.apply_chat_template(msgs, tokenize=False) == render(TEMPLATE, turns, "<s>", "</s>")
+    turns = ["Why is the sky blue?", "Rayleigh scattering.", "And at sunset?"]
+    assert ht.apply_chat_template(_messages(turns), tokenize=False) == (
+        "<s>User: Why is the sky blue?\nAssistant: Rayleigh scattering.</s>"
+        "<s>User: And at sunset?\nAssistant: ")
     with pytest.raises(Exception, match="alternate"):
         ht.apply_chat_template([{"role": "system", "content": "x"}], tokenize=False)
+
+
+# Conversations of 1, 2 and 3 exchanges; questions ending in whitespace, answers starting with
+# punctuation, digits, non-ASCII characters and spaces.
+CHATS = [["Why is the sky blue?", "Rayleigh scattering."],
+         ["What is 2+2?  ", "!? It is 4.", "And 3+3?\t", "6, i.e. 3+3."],
+         ["Ünïcödé?\n", "日本語 and é first", "Spaces?", "  two leading spaces", "Ok ", "42"]]
+
+
+def _chat_run(work, kind: str) -> dict:
+    """An SFT run made as a user makes one (`sft prepare` of CHATS as JSONL, `sft train` from
+    the kind's pre-trained checkpoint) and exported as a Hugging Face folder and an f32 GGUF;
+    built once per tokenizer kind."""
+    from utils.run import load_checkpoint
+    runs = work.setdefault("chat_runs", {})
+    if kind in runs:
+        return runs[kind]
+    root, cfg = work["root"], work[f"cfg_{kind}"]
+    data = root / "data" / f"chat-{kind}"
+    src = root / f"chats-{kind}.jsonl"
+    src.write_text("".join(json.dumps({"conversations": c}, ensure_ascii=False) + "\n" for c in CHATS),
+                   encoding="utf-8")
+    r = run_main("sft", "prepare", "--config", cfg, "--test", "--dataset", str(src), "--output-dir", str(data))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_main("sft", "train", "--config", cfg, "--test", "--checkpoint",
+                 str(work["pre" if kind == "spm" else "bpe_ck"]), "--data-dir", str(data),
+                 "--max-steps", "2", "--batch-size", "2", "--sample-tokens", "0", "--name",
+                 f"chat-{kind}", timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ckpt = next((root / "checkpoints").glob(f"sft_chat-{kind}_*")) / "checkpoint_latest.pt"
+    hf, gg = root / "exports" / f"chat-{kind}-hf", root / "exports" / f"chat-{kind}-gguf"
+    export(cfg, ckpt, "hf", hf)
+    export(cfg, ckpt, "gguf", gg, "--dtype", "f32")
+    runs[kind] = {"cfg": cfg, "data": data, "ckpt": ckpt, "hf": hf, "gguf": next(gg.glob("*.gguf")),
+                  "template": load_checkpoint(ckpt)["chat_template"], "tok": work[kind]}
+    return runs[kind]
+
+
+def _pending(turns: list[str]):
+    """Every prefix of ``turns`` that ends with a user question: (messages, history, question)."""
+    for i in range(0, len(turns), 2):
+        yield _messages(turns[:i + 1]), list(zip(turns[:i:2], turns[1:i:2])), turns[i]
+
+
+@pytest.mark.parametrize("kind", ["spm", "bpe"])
+def test_sft_export_chat_template_gives_our_ids_in_transformers(work, kind):
+    """A new SFT run's export: `apply_chat_template(messages)` with transformers' defaults gives
+    exactly the ids the run trained on (1, 2 and 3 exchanges), and with add_generation_prompt
+    exactly the prompt infer and serve send (a system message as serve folds it in); the
+    model prompted that way in transformers answers what `infer` answers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from types import SimpleNamespace
+    from utils.data import sft
+    from utils.generation.engine import TextDecoder
+    from utils.serve.app import ServedModel
+    from utils.serve.protocol import Chat
+    run = _chat_run(work, kind)
+    tok, template = run["tok"], run["template"]
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    assert template["name"] == sft.TEMPLATE_V2
+    conf = json.loads((run["hf"] / "tokenizer_config.json").read_text())
+    assert "chat_template" in conf and conf["split_special_tokens"] is False
+    ht = AutoTokenizer.from_pretrained(run["hf"], local_files_only=True)
+    trained = sft.load_examples(run["data"])
+    assert len(trained) == len(CHATS)
+    for i, turns in enumerate(CHATS):
+        assert ht.apply_chat_template(_messages(turns))["input_ids"] == trained.example(i)[0].tolist()
+        for msgs, history, q in _pending(turns):
+            assert (ht.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
+                    == sft.encode_prompt(tok, template, history, q, bos, eos))
+    served = SimpleNamespace(template=template, tok=tok, id="m", kind="sft")
+    msgs = [{"role": "system", "content": "Be brief."}] + _messages(CHATS[1][:3])
+    assert (ht.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
+            == ServedModel.chat_ids(served, Chat("Be brief.", [tuple(CHATS[1][:2])], CHATS[1][2])))
+    # plain text: ours with split_special_tokens=True; by default a literal "<s>" is BOS (HF's way)
+    for t in news_docs(20) + TRICKY:
+        assert ht(t, split_special_tokens=True)["input_ids"] == _ours(tok, t)
+    assert bos in ht("a <s> b")["input_ids"][1:]
+    q = "Why is the sky blue?"
+    r = run_main("infer", "--config", run["cfg"], "--checkpoint", str(run["ckpt"]), "--prompt", q,
+                 "--max-new-tokens", "8", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    said = json.loads(r.stdout)
+    ids = ht.apply_chat_template(_messages([q]), add_generation_prompt=True)["input_ids"]
+    assert said["prompt_tokens"] == len(ids)
+    hf = AutoModelForCausalLM.from_pretrained(run["hf"], local_files_only=True).eval()
+    new = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                      pad_token_id=eos)[0, len(ids):].tolist()
+    continues, lead = sft.answer_decoding(template)
+    reply = TextDecoder(tok, ids[-1:] if continues else (), lead)
+    for t in new:
+        reply.push(t)
+    assert reply.text() == said["text"]
+
+
+@pytest.mark.parametrize("kind", ["spm", "bpe"])
+def test_sft_gguf_chat_template_gives_our_ids_in_llama_cpp(work, kind):
+    """The GGUF's `tokenizer.chat_template`, rendered by llama-cpp-python's chat formatter and
+    tokenized by llama.cpp with special tokens parsed (as its chat completion does), gives
+    exactly the ids the run trained on, and the prompts infer and serve send."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    from utils.data import sft
+    from utils.hf.chat import jinja_template
+    run = _chat_run(work, kind)
+    tok, template = run["tok"], run["template"]
+    trained = sft.load_examples(run["data"])
+    L = _llama(run["gguf"])
+    try:
+        chat = L.metadata["tokenizer.chat_template"]
+        assert chat == jinja_template(template)
+        whole = Jinja2ChatFormatter(chat, eos_token="</s>", bos_token="<s>", add_generation_prompt=False)
+        prompt = Jinja2ChatFormatter(chat, eos_token="</s>", bos_token="<s>")
+
+        def ids(formatter, msgs):
+            return L.tokenize(formatter(messages=msgs).prompt.encode(), add_bos=False, special=True)
+
+        for i, turns in enumerate(CHATS):
+            assert ids(whole, _messages(turns)) == trained.example(i)[0].tolist()
+            for msgs, history, q in _pending(turns):
+                assert ids(prompt, msgs) == sft.encode_prompt(tok, template, history, q,
+                                                              tok.bos_token_id, tok.eos_token_id)
+    finally:
+        L.close()
 
 
 # --------------------------------------------------------------------------- GGUF in llama.cpp
@@ -277,15 +406,23 @@ def test_gguf_bpe_and_chat_template_in_llama_cpp(work):
 
 # --------------------------------------------------------------------------- import
 def test_import_hf_round_trip_and_fine_tune(work, tmp_path):
-    """An exported folder imported back has our logits exactly; `infer` runs it; `sft train
-    --init-from-hf` fine-tunes it on data prepared with its tokenizer, and `train
-    --init-from-hf` continues pre-training it on shards of that tokenizer."""
+    """An exported folder imported back has our logits exactly and is recognised as the
+    original tokenizer (same fingerprint; not once its tokenizer was edited); `infer` runs it;
+    `sft train --init-from-hf` fine-tunes it on SFT data, and `train --init-from-hf` continues
+    pre-training it on shards, both prepared with the ORIGINAL tokenizer."""
+    from utils.data.tok import fingerprint, load_tokenizer_from
     from utils.hf.import_hf import load_hf_llama
     from utils.run import load_checkpoint, load_model
     hf_dir = work["root"] / "exports" / "pre-hf"
     if not hf_dir.exists():
         export(work["cfg_spm"], work["pre"], "hf", hf_dir)
     imp = load_hf_llama(hf_dir)
+    assert imp.tok_info["fingerprint"] == fingerprint(work["spm"])   # the original's shards and data fit
+    edited = tmp_path / "edited-hf"                 # an export whose tokenizer changed since: its own
+    shutil.copytree(hf_dir, edited)
+    info = json.loads((edited / "pipeline_tokenizer.json").read_text())
+    (edited / "pipeline_tokenizer.json").write_text(json.dumps(dict(info, fingerprint="0" * 64)))
+    assert fingerprint(load_tokenizer_from(str(edited))) != fingerprint(work["spm"])
     ours, _ = load_model(work["pre"])
     x = torch.tensor([_ours(work["spm"], news_docs()[2])[:100]])
     with torch.no_grad():
@@ -296,7 +433,7 @@ def test_import_hf_round_trip_and_fine_tune(work, tmp_path):
     want = work["spm"].decode(Engine(ours).generate([_ours(work["spm"], "The history of")], 6,
                                                      temperature=0)[0], skip_special_tokens=True)
     assert json.loads(r.stdout)["text"] == want
-    cfg = write_config(tmp_path, {"tokenizer": {"name": str(hf_dir)},
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)},
                                   "logging": {"tensorboard": False, "log_every": 1},
                                   "dataset": {"wikipedia_test_dir": str(tmp_path / "shards"),
                                               "window": 32},
@@ -310,7 +447,7 @@ def test_import_hf_round_trip_and_fine_tune(work, tmp_path):
     ck = load_checkpoint(next((tmp_path / "checkpoints").glob("sft_imp_*")) / "checkpoint_latest.pt",
                          "resume")
     assert ck["kind"] == "sft" and ck["step"] == 2 and ck["sft"]["base_checkpoint"] == str(hf_dir)
-    write_train_shards(tmp_path / "shards", 60, tokenizer=str(hf_dir))
+    write_train_shards(tmp_path / "shards", 60)
     r = run_main("train", "--config", cfg, "--test", "--init-from-hf", str(hf_dir), "--name", "cont",
                  "--max-steps", "2", "--window", "32", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -62,28 +62,105 @@ def work(tmp_path_factory, samples):
     return {"root": root, "cfg": cfg, "base": base, "prepare_out": r.stdout}
 
 
+def bpe_tokenizer():
+    """A byte-level BPE trained here on the news sample (the project's own tokenizer kind)."""
+    if "bpe" not in _TOK:
+        from tests.conftest import NEWS
+        from tokenizer import train_bpe
+        lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines() if x.strip()]
+        _TOK["bpe"] = train_bpe(lines[:300], 700)
+    return _TOK["bpe"]
+
+
+# Questions ending in whitespace; answers starting with punctuation, digits, non-ASCII, spaces.
+TRICKY_TURNS = ["What is 2+2?  ", "!? It is 4.", "And 3+3?\t", "6, i.e. 3+3.", "Ünïcödé?\n",
+                "日本語 and é first", "Spaces?", "  two leading spaces", "Ok ", "42"]
+
+
 # --------------------------------------------------------------------------- template and mask
-def test_template_bos_eos_and_mask_cover_exactly_the_assistant_tokens():
+@pytest.mark.parametrize("kind", ["spm", "bpe"])
+def test_each_exchange_is_one_text_and_the_mask_is_exactly_its_answer(kind):
+    """Template v2: BOS + one text per exchange + EOS; every exchange's ids begin with exactly
+    the prompt infer/serve send for it (encode_prompt), the mask is 0 there and 1 on the rest
+    and the EOS, and the masked tokens decode (as the reply is decoded) to exactly the answer."""
     from utils.data import sft
-    tok = tokenizer()
+    from utils.generation.engine import TextDecoder
+    tok = tokenizer() if kind == "spm" else bpe_tokenizer()
     tpl = sft.default_template()
+    assert tpl["name"] == sft.TEMPLATE_V2
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    turns = TRICKY_TURNS
+    ids, mask = sft.encode_conversation(tok, tpl, turns, bos, eos)
+    texts = [f"User: {turns[i]}\nAssistant: {turns[i + 1]}" for i in range(0, len(turns), 2)]
+    assert ids == [t for e in sft.encode_plain(tok, texts) for t in [bos, *e, eos]]
+    continues, lead = sft.answer_decoding(tpl)
+    assert continues and lead == " "
+    pos = 0
+    for i in range(0, len(turns), 2):
+        history = list(zip(turns[:i:2], turns[1:i:2]))
+        prompt = sft.encode_prompt(tok, tpl, history, turns[i], bos, eos)
+        assert ids[:len(prompt)] == prompt and ids[pos] == bos
+        end = ids.index(eos, len(prompt))
+        assert mask[pos:len(prompt)] == [0] * (len(prompt) - pos)
+        assert mask[len(prompt):end + 1] == [1] * (end + 1 - len(prompt))
+        reply = TextDecoder(tok, prompt[-1:], lead)
+        for t in ids[len(prompt):end]:
+            reply.push(t)
+        assert reply.text() == turns[i + 1]
+        pos = end + 1
+    assert pos == len(ids) == len(mask)
+
+
+def test_template_v1_of_old_checkpoints_encodes_as_before():
+    """Checkpoints trained on format-1 data keep their encoding in infer and serve: the prompt
+    (ending with the assistant prefix's space) and the answer as two pieces."""
+    from utils.data import sft
+    tok = bpe_tokenizer()
+    tpl = dict(sft.default_template(), name=sft.TEMPLATE_V1)
     bos, eos = tok.bos_token_id, tok.eos_token_id
     turns = ["What is 2+2?", "It is 4.", "And 3+3?", "It is 6."]
     ids, mask = sft.encode_conversation(tok, tpl, turns, bos, eos)
-    assert len(ids) == len(mask)
-    # two exchanges, each BOS ... EOS
-    assert ids[0] == bos and ids[-1] == eos
-    assert ids.count(bos) == 2 and ids.count(eos) == 2
-    second = ids.index(bos, 1)
-    assert ids[second - 1] == eos
-    enc = sft.encode_plain(tok, [sft.prompt_text(tpl, turns[0]), turns[1],
-                                 sft.prompt_text(tpl, turns[2]), turns[3]])
-    expected_ids = [bos] + enc[0] + enc[1] + [eos] + [bos] + enc[2] + enc[3] + [eos]
-    expected_mask = ([0] * (1 + len(enc[0])) + [1] * (len(enc[1]) + 1)
-                     + [0] * (1 + len(enc[2])) + [1] * (len(enc[3]) + 1))
-    assert ids == expected_ids and mask == expected_mask
-    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "It is 4.</s> It is 6.</s>"
-    assert tok.decode(ids[:1 + len(enc[0])], skip_special_tokens=True).startswith("User: What is 2+2?\nAssistant:")
+    enc = sft.encode_plain(tok, ["User: What is 2+2?\nAssistant: ", "It is 4.",
+                                 "User: And 3+3?\nAssistant: ", "It is 6."])
+    assert ids == [bos] + enc[0] + enc[1] + [eos] + [bos] + enc[2] + enc[3] + [eos]
+    assert mask == ([0] * (1 + len(enc[0])) + [1] * (len(enc[1]) + 1)
+                    + [0] * (1 + len(enc[2])) + [1] * (len(enc[3]) + 1))
+    assert sft.encode_prompt(tok, tpl, [tuple(turns[:2])], "And 3+3?", bos, eos) == ids[:len(ids) - len(enc[3]) - 1]
+    assert sft.answer_decoding(tpl) == (False, "")
+    assert ids != sft.encode_conversation(tok, sft.default_template(), turns, bos, eos)[0]
+    from utils.cli import PipelineError
+    with pytest.raises(PipelineError, match="not one this version"):
+        sft.encode_prompt(tok, dict(tpl, name="user-assistant-v9"), [], "q", bos, eos)
+
+
+@pytest.mark.parametrize("kind", ["spm", "bpe"])
+def test_an_answer_that_merges_into_the_prompt_is_not_trained_on(kind):
+    """With an assistant prefix that ends inside a word, the answer's first characters merge
+    into the prompt's last token: no exact prompt/answer boundary, so training skips the
+    conversation (encode_conversation gives None); prompts still encode (infer)."""
+    from utils.data import sft
+    tok = tokenizer() if kind == "spm" else bpe_tokenizer()
+    tpl = dict(sft.default_template(), assistant_prefix="Assistant: th")
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    assert sft.encode_conversation(tok, tpl, ["q", "e cat"], bos, eos) is None
+    assert sft.encode_conversation(tok, tpl, ["q", " fine", "q2", "e cat"], bos, eos) is None
+    assert sft.encode_conversation(tok, tpl, ["q", " fine"], bos, eos) is not None
+    assert sft.encode_prompt(tok, tpl, [("q", "e cat")], "q2", bos, eos)[-1] != eos
+
+
+def test_prepare_counts_answers_that_merge_into_the_prompt(tmp_path):
+    cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME},
+                                  "sft": {"assistant_prefix": "Assistant: th"}})
+    src = tmp_path / "th.jsonl"
+    src.write_text(json.dumps({"conversations": ["q", " fine"]}) + "\n"
+                   + json.dumps({"conversations": ["q", "e cat"]}) + "\n")
+    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src))
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "data" / "post-training" / "metadata.json").read_text())
+    c = meta["counts"]
+    assert c["kept"] == 1 and c["skipped"] == {"answer_joins_prompt": 1}
+    assert c["skipped_examples"][0].startswith("record 2: answer_joins_prompt")
+    assert "answer_joins_prompt 1" in r.stdout and meta["format_version"] == 2
 
 
 def test_literal_special_token_strings_in_turns_stay_text():
@@ -351,6 +428,22 @@ def test_train_refuses_tokenizer_and_architecture_mismatch(work):
     assert not list((root / "checkpoints").glob("sft_lima_*"))
 
 
+def test_format_1_data_is_refused_with_the_command_that_rebuilds_it(work, tmp_path):
+    """SFT data prepared before format 2 (template v1) is not trained on: the message names
+    the command that rebuilds it; nothing starts."""
+    import shutil
+    old = tmp_path / "old"
+    shutil.copytree(work["root"] / "data" / "post-training", old)
+    meta = json.loads((old / "metadata.json").read_text())
+    meta.update(format_version=1, template=dict(meta["template"], name="user-assistant-v1"))
+    (old / "metadata.json").write_text(json.dumps(meta))
+    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", work["base"],
+                 "--data-dir", str(old), "--name", "old")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "SFT data format 1" in r.stderr and "`python main.py sft prepare`" in r.stderr
+    assert not list((work["root"] / "checkpoints").glob("sft_old_*"))
+
+
 def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(work):
     root = work["root"]
     common = ["--config", work["cfg"], "--checkpoint", work["base"], "--epochs", "4",
@@ -367,9 +460,17 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(work):
     assert cmd.startswith("python main.py sft train ") and "--resume" in cmd
     import shlex
     args = shlex.split(cmd)[2:]
+    # a run cannot change its chat template midway: this one as if trained on format-1 data
+    from utils.run import load_checkpoint
+    from utils.training.checkpoint import save_checkpoint
+    cut = load_checkpoint(next((root / "checkpoints").glob("sft_cut_*")) / "checkpoint_latest.pt",
+                          "resume")
+    v1 = root / "checkpoints" / "sft_v1_2020_01_01_00_00_00" / "checkpoint_latest.pt"
+    save_checkpoint(v1, dict(cut, chat_template=dict(cut["chat_template"], name="user-assistant-v1")))
+    r = run_main("sft", "train", "--config", work["cfg"], "--resume", str(v1))
+    assert r.returncode == 1 and "cannot change its template midway" in r.stderr, r.stderr
     r = run_main(*args, timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
-    from utils.run import load_checkpoint
     a = load_checkpoint(next((root / "checkpoints").glob("sft_ref_*")) / "checkpoint_latest.pt")
     b = load_checkpoint(next((root / "checkpoints").glob("sft_cut_*")) / "checkpoint_latest.pt")
     assert a["step"] == b["step"]

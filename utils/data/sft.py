@@ -9,14 +9,26 @@ Contract (docs/DESIGN.md sections 3 and 7; docs/sft_inference.md):
   repairs (UTF-8 BOM, CRLF line ends, ShareGPT-style ``{"from"/"role", "value"/"content"}``
   turns, a JSON array saved as ``.jsonl``) are applied and counted as notes.
 - The chat template is data (:func:`default_template` from the ``sft`` config section),
-  stored in ``metadata.json`` and in SFT checkpoints. Each exchange is
-  ``BOS + "User: {q}\\nAssistant: " + answer + EOS``; a conversation is its exchanges
-  back to back. :func:`encode_conversation` is the only encoder: training data and
-  inference prompts (:func:`encode_prompt`) go through it, so inference renders exactly
-  what training saw. Text is encoded with ``utils.data.tok.encode_plain`` semantics: a literal
-  ``<s>`` / ``</s>`` typed in a turn is ordinary text, never a control id.
-- The loss mask is 1 exactly on the assistant answer tokens and each exchange's closing
-  EOS (0 on BOS, the user turn and the role markers).
+  stored in ``metadata.json`` and in SFT checkpoints. Each exchange is ONE text,
+  ``BOS + "User: {q}\\nAssistant: {answer}" + EOS``, encoded in one piece; a conversation is
+  its exchanges back to back. A prompt (:func:`prompt_text`) ends at the assistant prefix
+  without its trailing whitespace (``"...\\nAssistant:"``); that whitespace (the *lead*,
+  :func:`answer_lead`) is the start of the answer, which the model generates and the reply
+  text drops again (:func:`answer_decoding`). :func:`encode_conversations` (training) and
+  :func:`encode_prompt` (infer, serve, SFT's sample) frame the same texts the same way, and
+  training keeps only exchanges whose ids begin with exactly the prompt's own ids, so
+  inference prompts are exactly what training saw (that check encodes each prompt a second
+  time: about 1.3x the tokenizer time of template v1, 1.2 s -> 1.6 s median for the 1,869
+  offline QA records on 2 shared CPU cores). One-text exchanges are what a Hugging
+  Face / llama.cpp chat template renders and tokenizes (utils/hf/chat.py), so exports give
+  these ids token for token. Text is encoded with ``utils.data.tok.encode_plain``
+  semantics: a literal ``<s>`` / ``</s>`` typed in a turn is ordinary text, never a control id.
+- Template ``user-assistant-v1`` (SFT data format 1; checkpoints trained before format 2)
+  encoded the prompt (ending with the assistant prefix's space) and the answer as two
+  pieces; checkpoints that carry it still encode exactly that way in infer and serve.
+  Format-1 data is refused by :func:`load_examples` (rebuild it with ``sft prepare``).
+- The loss mask is 1 exactly on the assistant answer tokens (the lead included) and each
+  exchange's closing EOS (0 on BOS, the user turn and the role markers).
 - On disk (``data/post-training/``): ``tokenized_examples.npy`` (all examples' ids
   concatenated, uint16/uint32), ``loss_mask.npy`` (uint8, same length), ``offsets.npy``
   (int64, n+1 boundaries), ``metadata.json`` (written last, atomically; ``complete: true``,
@@ -41,7 +53,7 @@ from utils.cli import PipelineError
 from utils.data.tok import encode_plain  # the one plain-text encoder (also used as sft.encode_plain)
 
 FORMAT_NAME = "sft-examples"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                 # 1: template user-assistant-v1 (refused: rebuild)
 TOKENS_FILE = "tokenized_examples.npy"
 MASK_FILE = "loss_mask.npy"
 OFFSETS_FILE = "offsets.npy"
@@ -53,32 +65,116 @@ SKIP_EXAMPLES_KEPT = 50            # file:line reasons kept in metadata (all are
 
 
 # --------------------------------------------------------------------------- template
+TEMPLATE_V1 = "user-assistant-v1"     # prompt and answer encoded apart (old checkpoints)
+TEMPLATE_V2 = "user-assistant-v2"     # each exchange one text (format 2)
+
+
 def default_template(sft_cfg=None) -> dict:
     """The chat template as data (stored in metadata and checkpoints)."""
     user = getattr(sft_cfg, "user_prefix", "User: ")
     assistant = getattr(sft_cfg, "assistant_prefix", "Assistant: ")
-    return {"name": "user-assistant-v1", "user_prefix": user, "assistant_prefix": assistant,
+    return {"name": TEMPLATE_V2, "user_prefix": user, "assistant_prefix": assistant,
             "separator": "\n", "bos": True, "eos": True,
             "exchange": "<s>{user_prefix}{question}{separator}{assistant_prefix}{answer}</s>",
+            "encoding": "each exchange is one text; a prompt ends at the assistant prefix "
+                        "without its trailing whitespace",
             "loss": "assistant answer tokens and each closing EOS"}
 
 
+def template_version(template: dict) -> str:
+    """The template's name, if this version knows it (PipelineError otherwise)."""
+    name = template.get("name") if isinstance(template, dict) else None
+    if name not in (TEMPLATE_V1, TEMPLATE_V2):
+        raise PipelineError(f"chat template {name!r} is not one this version of the pipeline "
+                            f"knows ({TEMPLATE_V1}, {TEMPLATE_V2}); update the pipeline (git pull).")
+    return name
+
+
 def prompt_text(template: dict, question: str) -> str:
-    return f"{template['user_prefix']}{question}{template['separator']}{template['assistant_prefix']}"
+    """The text of a prompt: the user turn and the assistant prefix (v2: without its trailing
+    whitespace, which starts the answer)."""
+    assistant = template["assistant_prefix"]
+    if template_version(template) == TEMPLATE_V2:
+        assistant = assistant.rstrip()
+    return f"{template['user_prefix']}{question}{template['separator']}{assistant}"
+
+
+def answer_lead(template: dict) -> str:
+    """What an answer's text starts with after the prompt (v2: the assistant prefix's trailing
+    whitespace; v1: nothing, the prompt ends with it)."""
+    if template_version(template) == TEMPLATE_V1:
+        return ""
+    prefix = template["assistant_prefix"]
+    return prefix[len(prefix.rstrip()):]
+
+
+def exchange_text(template: dict, question: str, answer: str) -> str:
+    """The one text of a finished v2 exchange (BOS and EOS go around its ids)."""
+    return prompt_text(template, question) + answer_lead(template) + answer
+
+
+def answer_decoding(template: dict) -> tuple[bool, str]:
+    """How generated answer ids become reply text: ``(continues, lead)``. v2: decoded as a
+    continuation of the prompt's last token (a SentencePiece word-start piece keeps its space)
+    with the lead dropped, so the reply is the answer as the conversation stores it; v1: the
+    ids decoded on their own, as before."""
+    if template_version(template) == TEMPLATE_V1:
+        return False, ""
+    return True, answer_lead(template)
 
 
 def encode_conversation(tok, template: dict, turns: Sequence[str], bos_id: int, eos_id: int
-                        ) -> tuple[list[int], list[int]]:
-    """``(ids, mask)`` of a conversation (even number of turns: user, assistant, ...).
-    An odd final turn (a pending user question) is encoded as a prompt with no answer."""
+                        ) -> Optional[tuple[list[int], list[int]]]:
+    """``(ids, mask)`` of a conversation (even number of turns: user, assistant, ...), or None
+    (see :func:`encode_conversations`). An odd final turn (a pending user question) is encoded
+    as a prompt with no answer."""
     return encode_conversations(tok, template, [turns], bos_id, eos_id)[0]
 
 
 def encode_conversations(tok, template: dict, conversations: Sequence[Sequence[str]], bos_id: int,
-                         eos_id: int) -> list[tuple[list[int], list[int]]]:
-    """``encode_conversation`` of each conversation, with every turn of them all in one
-    tokenizer call (the fast tokenizer encodes a batch on all cores; the ids are the same as
-    one conversation at a time)."""
+                         eos_id: int) -> list[Optional[tuple[list[int], list[int]]]]:
+    """``(ids, mask)`` of each conversation, with every text of them all in one tokenizer call
+    (the fast tokenizer encodes a batch on all cores; the ids are the same as one conversation
+    at a time). v2: None for a conversation with an exchange whose ids do not begin with
+    exactly its prompt's ids (the answer's first characters merge into the prompt's last
+    token, e.g. an assistant prefix without a trailing space): a model trained on it would
+    never be prompted the way it was trained."""
+    if template_version(template) == TEMPLATE_V1:
+        return _encode_v1(tok, template, conversations, bos_id, eos_id)
+    texts: list[str] = []
+    plans = []
+    for turns in conversations:
+        plan = []                  # per exchange: (index of its full text or None, of its prompt)
+        for i in range(0, len(turns), 2):
+            prompt = prompt_text(template, turns[i])
+            if i + 1 < len(turns):
+                plan.append((len(texts), len(texts) + 1))
+                texts += [exchange_text(template, turns[i], turns[i + 1]), prompt]
+            else:
+                plan.append((None, len(texts)))
+                texts.append(prompt)
+        plans.append(plan)
+    enc = encode_plain(tok, texts)
+    out: list[Optional[tuple[list[int], list[int]]]] = []
+    for plan in plans:
+        ids: list[int] = []
+        mask: list[int] = []
+        exact = True
+        for full, prompt in plan:
+            p = enc[prompt]
+            e = p if full is None else enc[full] + [eos_id]
+            if e[:len(p)] != p:
+                exact = False
+                break
+            ids += [bos_id] + e
+            mask += [0] * (1 + len(p)) + [1] * (len(e) - len(p))
+        out.append((ids, mask) if exact else None)
+    return out
+
+
+def _encode_v1(tok, template: dict, conversations: Sequence[Sequence[str]], bos_id: int,
+               eos_id: int) -> list[tuple[list[int], list[int]]]:
+    """Template v1: the prompt and the answer of each exchange encoded as two pieces."""
     texts: list[str] = []
     shapes = []
     for turns in conversations:
@@ -105,9 +201,17 @@ def encode_conversations(tok, template: dict, conversations: Sequence[Sequence[s
 def encode_prompt(tok, template: dict, history: Sequence[tuple[str, str]], question: str,
                   bos_id: int, eos_id: int) -> list[int]:
     """Ids of a chat prompt: past (user, assistant) exchanges, then the new question up to
-    the assistant marker, exactly as training framed them."""
-    turns = [t for pair in history for t in pair] + [question]
-    return encode_conversation(tok, template, turns, bos_id, eos_id)[0]
+    the assistant marker, exactly as training framed them (the ids a trained conversation
+    begins with)."""
+    if template_version(template) == TEMPLATE_V1:
+        turns = [t for pair in history for t in pair] + [question]
+        return _encode_v1(tok, template, [turns], bos_id, eos_id)[0][0]
+    enc = encode_plain(tok, [exchange_text(template, q, a) for q, a in history]
+                       + [prompt_text(template, question)])
+    ids: list[int] = []
+    for e in enc[:-1]:
+        ids += [bos_id] + e + [eos_id]
+    return ids + [bos_id] + enc[-1]
 
 
 # --------------------------------------------------------------------------- reading records
@@ -341,18 +445,28 @@ def read_metadata(directory: Path, rebuild: str = "python main.py sft prepare") 
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or not meta.get("complete"):
         raise PipelineError(f"{meta_path} does not describe a complete SFT example set (format "
                             f"{FORMAT_NAME}); rebuild with `{rebuild}`.")
-    version = meta.get("format_version", 0)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise PipelineError(f"{meta_path}: format version {meta.get('format_version')!r} is not "
-                            f"one this program reads (up to {FORMAT_VERSION}); update the "
-                            f"pipeline, or rebuild with `{rebuild}`.")
+    version = meta.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version > FORMAT_VERSION:
+        raise PipelineError(f"{meta_path}: format version {version!r} is not one this program "
+                            "reads (newer, or damaged); update the pipeline or rebuild with "
+                            f"`{rebuild}`.")
     return meta
 
 
 def load_examples(directory: Path, rebuild: str = "python main.py sft prepare") -> Examples:
-    """The prepared SFT examples, validated; PipelineError naming the file otherwise."""
+    """The prepared SFT examples, validated; PipelineError naming the file otherwise. Data of
+    an older format (readable by :func:`read_metadata`) is refused for training."""
     d = Path(directory)
     meta = read_metadata(d, rebuild)
+    version = meta["format_version"]
+    if version < FORMAT_VERSION:
+        old = meta.get("template")
+        raise PipelineError(
+            f"{d / METADATA_FILE}: SFT data format {version} (chat template "
+            f"'{old.get('name') if isinstance(old, dict) else old}': each prompt and answer encoded apart, "
+            "which no exported chat template reproduces token for token) is no longer trained "
+            f"on. Rebuild it with `{rebuild}` (with the --config and --dataset you used); "
+            "checkpoints already trained on it keep working in infer, serve and export.")
     arrays = []
     for name in (TOKENS_FILE, MASK_FILE, OFFSETS_FILE):
         p = d / name

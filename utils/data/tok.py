@@ -21,6 +21,9 @@ Contracts (docs/tokenizer.md):
   different library behaviour) changes the fingerprint and marks shards built before as stale.
 - A saved copy under tokenizers/ of a SentencePiece model converted by an older, inexact
   conversion is refused with the command that re-saves it.
+- A Hugging Face export's tokenizer folder (``export --format hf``) loads as the tokenizer it
+  was exported from (:func:`as_exported_from`): same fingerprint, so the original's shards,
+  SFT data and checkpoints accept it.
 """
 from __future__ import annotations
 
@@ -179,9 +182,8 @@ def conversion_of(tok) -> Optional[str]:
     return getattr(tok, "pipeline_conversion", None)
 
 
-def _check_saved_copy(d: Path) -> Optional[str]:
-    """The recorded conversion of a saved copy; refuses one of a SentencePiece tokenizer saved
-    before conversions were recorded (the old, inexact conversion)."""
+def _read_info(d: Path) -> Optional[dict]:
+    """INFO_FILE of a tokenizer folder (None when it has none)."""
     info_file = d / INFO_FILE
     if not info_file.is_file():
         return None
@@ -193,6 +195,15 @@ def _check_saved_copy(d: Path) -> Optional[str]:
         raise PipelineError(f"cannot read {info_file} ({type(e).__name__}: {e}); re-save the "
                             "tokenizer with `python main.py tokenize` (add the --config you "
                             "use).") from e
+    return info
+
+
+def _check_saved_copy(d: Path) -> Optional[str]:
+    """The recorded conversion of a saved copy; refuses one of a SentencePiece tokenizer saved
+    before conversions were recorded (the old, inexact conversion)."""
+    info = _read_info(d)
+    if info is None:
+        return None
     if "conversion" in info:
         return info["conversion"]
     kind, source = str(info.get("kind", "")), str(info.get("source", ""))
@@ -232,7 +243,8 @@ def _load(name: str, cfg: Optional[Config]):
                     from transformers import AutoTokenizer
                     conversion = _check_saved_copy(p)
                     model = p / "tokenizer.model"
-                    return _mark(AutoTokenizer.from_pretrained(str(p)), conversion,
+                    tok = as_exported_from(AutoTokenizer.from_pretrained(str(p)), p)
+                    return _mark(tok, conversion,
                                  model if conversion == SPM_CONVERSION and model.is_file() else None)
                 if (p / "tokenizer.model").exists():
                     return _spm_tokenizer(p / "tokenizer.model")
@@ -344,7 +356,51 @@ def require_bos_eos(tok, name: str) -> tuple[int, int]:
     return bos, eos
 
 
+# --------------------------------------------------------------------------- exports
+def export_info(tok, source: str) -> dict:
+    """INFO_FILE of a Hugging Face export (utils/hf/export.py): the tokenizer's description
+    (its fingerprint) and its own post-processor, which the export replaces by one that puts
+    BOS in front of each text, as transformers users expect."""
+    own = json.loads(backend_of(tok).to_str()).get("post_processor")
+    return {**_info(tok, source), "exported": {"post_processor": own}}
+
+
+def as_exported_from(tok, folder: Path):
+    """A tokenizer folder written by ``export --format hf`` as the tokenizer it was exported
+    from: the post-processor INFO_FILE records is put back when that gives exactly the recorded
+    fingerprint (the folder's tokenizer is the original plus the export's BOS post-processor,
+    which :func:`encode_plain` never applies), so shards, SFT data and checkpoints of the
+    original accept it. Otherwise (edited since, or not an export) ``tok`` as it is. Returns tok."""
+    info = _read_info(Path(folder))
+    record = (info or {}).get("exported")
+    if not isinstance(record, dict):
+        return tok
+    from tokenizers import Tokenizer
+    backend = backend_of(tok)
+    data = json.loads(backend.to_str())
+    data["post_processor"] = record.get("post_processor")
+    try:
+        original = Tokenizer.from_str(json.dumps(data))
+    except Exception as e:  # tokenizers raises a plain Exception for a malformed component
+        original, why = None, f"its recorded post-processor does not load ({e})"
+    else:
+        why = "its tokenizer changed since the export"
+    if original is None or fingerprint(original) != info.get("fingerprint"):
+        print(f"notice: {folder} was exported from tokenizer {str(info.get('fingerprint'))[:12]} "
+              f"but {why}; it is used as it is, with its own fingerprint.", file=sys.stderr)
+        return tok
+    backend.post_processor = original.post_processor
+    return tok
+
+
 # --------------------------------------------------------------------------- saved copies
+def _info(tok, source: str) -> dict:
+    return {"format": INFO_FORMAT[0], "version": INFO_FORMAT[1], "source": source,
+            "class": type(tok).__name__, "conversion": conversion_of(tok), **describe(tok, source),
+            "special_tokens": special_tokens(tok),
+            "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 def save_tokenizer(tok, directory: Path, source: str, extra: Optional[dict] = None) -> dict:
     """save_pretrained into ``directory`` plus pipeline_tokenizer.json; returns that info.
 
@@ -360,10 +416,7 @@ def save_tokenizer(tok, directory: Path, source: str, extra: Optional[dict] = No
     model = spm_model_of(tok)
     if model is not None:          # the SentencePiece pieces and scores (the GGUF export writes them)
         shutil.copyfile(model, tmp / "tokenizer.model")
-    info = {"format": INFO_FORMAT[0], "version": INFO_FORMAT[1], "source": source,
-            "class": type(tok).__name__, "conversion": conversion_of(tok), **describe(tok, source),
-            "special_tokens": special_tokens(tok),
-            "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    info = _info(tok, source)
     if extra:
         info.update(extra)
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n",

@@ -161,12 +161,13 @@ class Sequence:
     "cancelled")."""
 
     def __init__(self, prompt: Sequence_[int], params: SamplingParams, tok=None, sink=None, tag=None,
-                 continues: bool = False):
+                 continues: bool = False, lead: str = ""):
         self.prompt = [int(t) for t in prompt]
         self.params = params
         self.tokens: list[int] = []
-        # continues: the text continues the prompt's (a completion), see TextDecoder's prefix
-        self.text = TextStream(tok, params.stop, self.prompt[-1:] if continues else ()) \
+        # continues: the text continues the prompt's (a completion, a v2 chat answer); lead: text
+        # left out at its start (see TextDecoder)
+        self.text = TextStream(tok, params.stop, self.prompt[-1:] if continues else (), lead) \
             if tok is not None else None
         if params.stop and tok is None:
             raise ValueError("stop strings need a tokenizer on the sequence")
@@ -552,19 +553,26 @@ class TextDecoder:
 
     ``prefix``: token ids the new ones continue (e.g. the prompt's last token): the text is
     then what the new ids add after the prefix's text, so a SentencePiece word-start piece
-    keeps its leading space (a completion that continues a prompt mid-sentence)."""
+    keeps its leading space (a completion that continues a prompt mid-sentence).
+    ``lead``: text the new ids are expected to start with, left out of the text (a chat
+    answer's space after the assistant prefix, utils/data/sft.py ``answer_decoding``)."""
 
-    def __init__(self, tok, prefix: Sequence_[int] = ()):
+    def __init__(self, tok, prefix: Sequence_[int] = (), lead: str = ""):
         self.tok = tok
         self.prefix = [int(t) for t in prefix]
         self.skip = len(tok.decode(self.prefix, skip_special_tokens=True)) if self.prefix else 0
+        self.lead = lead
         self.ids: list[int] = []
         self.shown = ""
 
     def _decode(self) -> str:
         if not self.prefix:
-            return self.tok.decode(self.ids, skip_special_tokens=True)
-        return self.tok.decode(self.prefix + self.ids, skip_special_tokens=True)[self.skip:]
+            text = self.tok.decode(self.ids, skip_special_tokens=True)
+        else:
+            text = self.tok.decode(self.prefix + self.ids, skip_special_tokens=True)[self.skip:]
+        if self.lead and self.lead.startswith(text):
+            return ""                           # the lead, or the start of it: nothing to show yet
+        return text[len(self.lead):] if self.lead and text.startswith(self.lead) else text
 
     def push(self, token: int) -> str:
         self.ids.append(int(token))
@@ -592,8 +600,8 @@ class TextStream:
     stop string never reaches the caller, even split across tokens; once one appears, the text
     before it is returned with ``stopped`` True. ``finish()`` returns what was held back."""
 
-    def __init__(self, tok, stop: Sequence_[str] = (), prefix: Sequence_[int] = ()):
-        self.decoder = TextDecoder(tok, prefix)
+    def __init__(self, tok, stop: Sequence_[str] = (), prefix: Sequence_[int] = (), lead: str = ""):
+        self.decoder = TextDecoder(tok, prefix, lead)
         self.stop = [s for s in stop if s]
         self.pending = ""
 

@@ -12,9 +12,16 @@ The folder holds what ``AutoModelForCausalLM.from_pretrained`` and
 - ``generation_config.json``: the ``inference`` section's sampling defaults, bos/eos;
 - the tokenizer: our ``tokenizer.json`` (for a SentencePiece model, the exact conversion of
   utils/data/spm.py: the ids sentencepiece gives) with a post-processor that puts BOS in front
-  of a text, as our documents and prompts start; ``tokenizer_config.json`` keeps special-token
-  strings inside text as text (``split_special_tokens``), like every stage here; an SFT
-  checkpoint's chat template as ``chat_template.jinja``;
+  of a text, as our documents and prompts start; ``tokenizer_config.json``. A pre-trained
+  model's keeps special-token strings inside text as text (``split_special_tokens`` true),
+  like every stage here. An SFT model's carries the chat template (utils/hf/chat.py) as
+  ``chat_template`` and reads special-token strings (``split_special_tokens`` false, as Hugging
+  Face chat models do): transformers encodes a rendered chat with that one flag, and the
+  template writes BOS and EOS as ``<s>`` / ``</s>``, so this is what makes
+  ``apply_chat_template`` give our ids (docs/export.md says what it costs);
+  ``pipeline_tokenizer.json``: the tokenizer's fingerprint and own post-processor, with which
+  the pipeline recognises the folder's tokenizer as the original (utils/data/tok.py
+  ``as_exported_from``);
 - ``README.md``: the model card the caller wrote.
 
 The writer works in the folder it is given; the stage (export.py) gives it a temporary one
@@ -22,6 +29,7 @@ and renames it into place, so a failure never leaves a half-written export.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -56,7 +64,8 @@ def notes(args) -> list[str]:
 
 def hf_tokenizer(tok, chat_template: Optional[str] = None):
     """A ``PreTrainedTokenizerFast`` of ``tok``'s exact backend: BOS put in front of each text
-    by the post-processor, special-token strings in text kept as text, ``chat_template``."""
+    by the post-processor; without a chat template special-token strings in text stay text,
+    with one (SFT) they are read as the special tokens the template writes."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
     from utils.data.tok import backend_of
@@ -68,7 +77,7 @@ def hf_tokenizer(tok, chat_template: Optional[str] = None):
             special_tokens=[(bos, tok.bos_token_id)])
     kw = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
           if getattr(tok, k, None) is not None}
-    out = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
+    out = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=not chat_template,
                                   clean_up_tokenization_spaces=False,
                                   model_max_length=getattr(tok, "model_max_length", None) or 10 ** 30,
                                   **kw)
@@ -78,9 +87,11 @@ def hf_tokenizer(tok, chat_template: Optional[str] = None):
 
 
 def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype] = None,
-             generation: Optional[dict] = None, chat_template: Optional[str] = None) -> list[Path]:
+             generation: Optional[dict] = None, chat_template: Optional[str] = None,
+             tok_name: str = "") -> list[Path]:
     """Write the model folder into ``folder`` (which exists and is empty); return the files."""
     from transformers import GenerationConfig, LlamaForCausalLM
+    from utils.data.tok import INFO_FILE, export_info
     args = model.args
     problems = llama_problems(args)
     if problems:
@@ -103,6 +114,8 @@ def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype
                                             eos_token_id=tok.eos_token_id,
                                             pad_token_id=tok.pad_token_id, **gen)
     hf.save_pretrained(folder, max_shard_size="2GB", safe_serialization=True)
-    hf_tokenizer(tok, chat_template).save_pretrained(folder)
+    hf_tokenizer(tok, chat_template).save_pretrained(folder, save_jinja_files=False)
+    (folder / INFO_FILE).write_text(json.dumps(export_info(tok, tok_name), indent=2,
+                                               ensure_ascii=False) + "\n", encoding="utf-8")
     (folder / "README.md").write_text(card, encoding="utf-8")
     return sorted(p for p in folder.iterdir() if p.is_file())

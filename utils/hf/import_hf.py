@@ -81,14 +81,15 @@ def load_hf_llama(path) -> Imported:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from model import create_model
-    from utils.data.tok import describe, plain
+    from utils.data.tok import as_exported_from, describe, plain
     from utils.hf.mapping import from_hf_state_dict, model_args_from_hf_config
     folder, gguf = _split(Path(path))
     kw = {"gguf_file": gguf} if gguf else {}
     where = str(folder / gguf) if gguf else str(folder)
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **kw)
-        tok = plain(AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw))
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
+        tok = plain(tok if gguf else as_exported_from(tok, folder))
     except (OSError, ValueError, KeyError) as e:
         raise PipelineError(f"cannot read the Hugging Face model in {where}: {type(e).__name__}: "
                             f"{str(e).splitlines()[0][:300]}") from None

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from utils.data import sft
 from utils.generation.engine import Event, SamplingParams, Sequence
 from utils.generation.loop import EngineLoop
 from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, error_body, new_id, now,
@@ -57,7 +58,6 @@ class ServedModel:
     def chat_ids(self, chat: Chat) -> list[int]:
         """The conversation through the checkpoint's own chat template (utils/data/sft.py);
         a system message's text opens the first user turn, followed by a blank line."""
-        from utils.data import sft
         if self.template is None:
             raise ApiError(400, f"model '{self.id}' is a pre-trained ({self.kind}) model without a chat "
                            "template: use POST /v1/completions with a plain prompt, or serve an SFT "
@@ -105,6 +105,7 @@ class Job:
             except RuntimeError:          # the event loop closed (shutdown): nobody is waiting
                 pass
         self.seqs: list[Sequence] = []
+        continues, lead = sft.answer_decoding(m.template) if chat else (True, "")
         for p, ids in enumerate(prompts):
             max_tokens = s.max_tokens or min(m.default_max_tokens, m.context - len(ids))
             for i in range(s.n):
@@ -112,7 +113,7 @@ class Job:
                                         None if s.seed is None else s.seed + i,
                                         frozenset({m.tok.eos_token_id}), s.stop, s.logprobs)
                 self.seqs.append(Sequence(ids, params, tok=m.tok, sink=sink, tag=p * s.n + i,
-                                           continues=not chat))
+                                           continues=continues, lead=lead))
         self.text = [""] * len(self.seqs)
         self.finish: list[Optional[str]] = [None] * len(self.seqs)
         self.logprobs: list[list] = [[] for _ in self.seqs]
