@@ -8,32 +8,48 @@
 
 Input: any checkpoint the one loader reads (pre-trained or SFT), or a run folder (its best
 checkpoint, as ``benchmark`` picks), opened with the tokenizer it was trained with
-(utils/run.py). Output, written into a temporary folder next to ``--out`` and renamed into
-place at the end (a failure or Ctrl-C leaves ``--out`` as it was; an existing ``--out`` is
-replaced only with ``--force``):
+(utils/run.py); or a Hugging Face Llama folder or .gguf file (imported as ``--init-from-hf``
+does, with its own tokenizer files and chat template: an import exported again, HF -> GGUF,
+GGUF -> HF). Output, written into a temporary folder next to ``--out`` and renamed into place
+at the end (a failure, Ctrl-C or SIGTERM leaves ``--out`` as it was and no temporary folder;
+an existing ``--out`` is replaced only with ``--force``, and only when it is an earlier
+export: never a file, a folder of other files, or one that holds the model being exported):
 
 - ``--format hf`` (``--dtype fp32|bf16|fp16``, default the weights' own): config.json,
-  model.safetensors, generation_config.json, the tokenizer files, README.md (the model card):
+  model.safetensors (shards of at most ``--max-shard-size``, default 2GB, with
+  model.safetensors.index.json), generation_config.json, the tokenizer files, README.md (the
+  model card, ``--license``):
   ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(DIR)`` load it with no custom
   code (utils/hf/export.py).
 - ``--format gguf`` (``--dtype f32|f16|bf16|q8_0``, default f16): ``<run>-<dtype>.gguf`` and
   README.md; llama.cpp (llama-cli, llama-server, llama-cpp-python, Ollama, LM Studio) loads it
   (utils/hf/to_gguf.py).
 
-What Llama cannot express (LayerNorm models) is refused before anything is written (exit 1,
-naming the option). Details and measured tolerances: docs/export.md.
+What Llama cannot express (LayerNorm models; for GGUF also GeGLU/ReGLU, which llama.cpp's
+llama graph cannot compute) is refused before anything is written (exit 1, naming the
+option). Details and measured tolerances: docs/export.md.
+
+``$LLM_PIPELINE_PAUSE_EXPORT=1``: once the export is complete in its temporary folder, wait
+for a stop signal before renaming it into place (a deterministic point for tests to
+interrupt at, as ``LLM_PIPELINE_PAUSE_AT_STEP`` is for training).
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 
 FORMATS = ("hf", "gguf")
+PAUSE_ENV = "LLM_PIPELINE_PAUSE_EXPORT"
+SHARD_DEFAULT = "2GB"
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+              "GIB": 2**30}
 
 
 def build_parser() -> StageParser:
@@ -48,8 +64,12 @@ def build_parser() -> StageParser:
     p.add_argument("--dtype", default=None,
                    help="hf: fp32, bf16 or fp16 (default: the weights' own); "
                         "gguf: f32, f16 (default), bf16 or q8_0")
-    p.add_argument("--license", default="other",
-                   help="the license field of the model card (default: other)")
+    p.add_argument("--license", default="other", type=license_id,
+                   help="the license field of the model card: a Hugging Face license id such "
+                        "as apache-2.0, mit, cc-by-4.0 (default: other)")
+    p.add_argument("--max-shard-size", default=SHARD_DEFAULT, type=shard_size, metavar="SIZE",
+                   help="hf: largest safetensors file (e.g. 500MB, 5GB); a larger model is "
+                        "written in shards with model.safetensors.index.json")
     p.add_argument("--force", action="store_true",
                    help="replace an existing --out (once the new export is complete)")
     return p
@@ -60,24 +80,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dtype = check_dtype(args.format, args.dtype)
     loaded = open_checkpoint(cfg, args.checkpoint)
     out = Path(args.out) if args.out else cfg.root / "exports" / f"{loaded.run}-{args.format}"
-    if out.exists() and not args.force:
-        raise PipelineError(f"{out} already exists; pass --force to replace it (the old export "
-                            "stays until the new one is complete) or choose another --out.")
-    check_exportable(loaded)
+    check_out(out, loaded.path, args.force)
+    check_exportable(loaded, args.format)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    unchanged = f"; {out} is unchanged." if out.exists() else "."
     try:
         tmp.mkdir(parents=True)
-        try:
-            files = write_export(cfg, args, loaded, tmp, dtype)
-        except ValueError as e:     # what the format cannot hold (the writers say which tensor)
-            raise PipelineError(f"cannot export {loaded.path} as {args.format}: {e}. Nothing "
-                                "was written" + (f"; {out} is unchanged." if out.exists() else ".")) from None
+        files = write_export(cfg, args, loaded, tmp, dtype)
+        pause_if_asked()
         replace_dir(tmp, out)
+    except ValueError as e:     # what the format cannot hold (the writers say which tensor)
+        raise PipelineError(f"cannot export {loaded.path} as {args.format}: {e}. Nothing was "
+                            "written" + unchanged) from None
+    except OSError as e:        # a parent that is a file, no permission, a full disk ...
+        where = e.filename if e.filename and str(tmp) not in str(e.filename) else out.parent
+        raise PipelineError(f"cannot write the export to {out}: {e.strerror or e} ({where}). "
+                            "Nothing was written" + unchanged) from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     report(out, files, loaded, args.format, dtype)
     return 0
+
+
+# --------------------------------------------------------------------------- flags
+def shard_size(value: str) -> int:
+    """argparse type of --max-shard-size: bytes, or a number with KB/MB/GB (powers of 10) or
+    KiB/MiB/GiB."""
+    import argparse
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", value, re.IGNORECASE)
+    size = int(float(m.group(1)) * SIZE_UNITS[(m.group(2) or "").upper()]) if m else 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a size such as 500MB, 2GB or 1048576")
+    return size
+
+
+def license_id(value: str) -> str:
+    """argparse type of --license: one Hugging Face license id (it goes into the card's YAML
+    header, so nothing that could break out of it)."""
+    import argparse
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.+_-]{0,63}", value):
+        raise argparse.ArgumentTypeError(f"{value!r}: give one license id in lower case, such "
+                                         "as apache-2.0, mit, cc-by-4.0 or other")
+    return value
 
 
 # --------------------------------------------------------------------------- steps of main
@@ -93,11 +138,13 @@ def check_dtype(fmt: str, dtype: Optional[str]) -> Optional[str]:
 
 
 class Loaded:
-    """The checkpoint, its model and tokenizer, and what the model card says of them."""
+    """The checkpoint, its model and tokenizer, and what the model card says of them
+    (``hf_tok``: an imported model's own transformers tokenizer, exported as it is)."""
 
-    def __init__(self, path: Path, model, ckpt: dict, tok, tok_info: dict):
+    def __init__(self, path: Path, model, ckpt: dict, tok, tok_info: dict, hf_tok=None):
         self.path, self.model, self.ckpt, self.tok, self.tok_info = path, model, ckpt, tok, tok_info
-        self.run = path.parent.name or path.stem
+        self.hf_tok = hf_tok
+        self.run = path.stem if hf_tok is not None else (path.parent.name or path.stem)
 
     @property
     def kind(self) -> str:
@@ -105,21 +152,68 @@ class Loaded:
 
 
 def open_checkpoint(cfg, spec: str) -> Loaded:
-    """The checkpoint (a run folder: its best one) with the tokenizer it was trained with."""
+    """The checkpoint (a run folder: its best one) with the tokenizer it was trained with, or
+    an imported Hugging Face Llama folder / .gguf file with its own."""
+    from utils.hf.import_hf import is_hf_model, load_hf_llama, source_tokenizer
     from utils.run import load_model_and_tokenizer, pick_checkpoint
+    if is_hf_model(Path(spec)):
+        imp = load_hf_llama(spec)
+        return Loaded(Path(imp.source), imp.model, {"kind": "imported"}, imp.tok, imp.tok_info,
+                      hf_tok=source_tokenizer(spec))
     path = pick_checkpoint(spec, say=lambda s: print(f"export: {s}", file=sys.stderr))
     model, ckpt, tok, info = load_model_and_tokenizer(path, cfg, say=lambda m: print(m, file=sys.stderr))
     return Loaded(path, model, ckpt, tok, info)
 
 
-def check_exportable(loaded: Loaded) -> None:
+def is_export(folder: Path) -> bool:
+    """An earlier export (or an empty folder): only files, a README.md with a config.json or a
+    .gguf file. What --force may replace."""
+    entries = list(folder.iterdir())
+    names = {p.name for p in entries}
+    return not entries or (all(p.is_file() for p in entries) and "README.md" in names
+                           and ("config.json" in names or any(n.endswith(".gguf") for n in names)))
+
+
+def check_out(out: Path, source: Path, force: bool) -> None:
+    """Refuse an --out that would lose something: the model being exported (or a folder
+    holding it), a file, an existing export without --force, or a folder that is no export."""
+    out, source = out.resolve(), source.resolve()
+    if out == source or out in source.parents:
+        raise PipelineError(f"--out {out} holds the model being exported ({source}); choose "
+                            "another --out.")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise PipelineError(f"--out {out} is a file, not a folder; choose another --out.")
+    if not force:
+        raise PipelineError(f"{out} already exists; pass --force to replace it (the old export "
+                            "stays until the new one is complete) or choose another --out.")
+    if not is_export(out):
+        raise PipelineError(f"--out {out} is not an earlier export (it holds other files or "
+                            "folders); --force replaces only an export. Choose another --out.")
+
+
+def check_exportable(loaded: Loaded, fmt: str) -> None:
     from utils.hf.export import llama_problems, notes
-    problems = llama_problems(loaded.model.args)
+    from utils.hf.to_gguf import gguf_problems
+    problems = (gguf_problems if fmt == "gguf" else llama_problems)(loaded.model.args)
     if problems:
-        raise PipelineError(f"checkpoint {loaded.path} cannot be exported as a Llama model: "
-                            + "; ".join(problems) + ". Nothing was written.")
+        raise PipelineError(f"{loaded.path} cannot be exported as {fmt}: " + "; ".join(problems)
+                            + ". Nothing was written.")
     for n in notes(loaded.model.args):
         print(f"export: note: {n}.", file=sys.stderr)
+
+
+def pause_if_asked() -> None:
+    """With $LLM_PIPELINE_PAUSE_EXPORT set: say so, then wait (at most 10 min) for a stop
+    signal, which run_stage turns into KeyboardInterrupt here."""
+    if os.environ.get(PAUSE_ENV, "") in ("", "0"):
+        return
+    print(f"export: paused before moving the export into place until a stop signal ({PAUSE_ENV}).",
+          flush=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def chat_template_of(loaded: Loaded) -> Optional[dict]:
@@ -139,24 +233,33 @@ def chat_template_of(loaded: Loaded) -> Optional[dict]:
 def write_export(cfg, args, loaded: Loaded, folder: Path, dtype: Optional[str]) -> list[Path]:
     from utils.hf.card import model_card
     from utils.hf.chat import jinja_template
-    template = jinja_template(chat_template_of(loaded))
+    template = (getattr(loaded.hf_tok, "chat_template", None) if loaded.hf_tok is not None
+                else jinja_template(chat_template_of(loaded)))
     card = model_card(cfg, loaded.path, loaded.ckpt, loaded.model, loaded.tok_info,
-                      fmt=args.format, dtype=dtype, license=args.license)
+                      fmt=args.format, dtype=dtype, license=args.license, title=loaded.run)
     if args.format == "hf":
-        from utils.hf.export import DTYPES, write_hf
-        inf = cfg.inference
-        generation = {"do_sample": inf.temperature > 0, "temperature": inf.temperature,
-                      "top_k": inf.top_k, "top_p": inf.top_p, "max_new_tokens": inf.max_new_tokens}
+        from utils.hf.export import DTYPES, generation_defaults, write_hf
         return write_hf(folder, loaded.model, loaded.tok, card=card,
-                        dtype=DTYPES[dtype] if dtype else None, generation=generation,
-                        chat_template=template, tok_name=loaded.tok_info.get("name") or "")
+                        dtype=DTYPES[dtype] if dtype else None,
+                        generation=generation_defaults(cfg.inference), chat_template=template,
+                        tok_name=loaded.tok_info.get("name") or "",
+                        max_shard_size=args.max_shard_size, hf_tok=loaded.hf_tok)
     from utils.hf.to_gguf import write_gguf
     path = write_gguf(folder / f"{loaded.run}-{dtype}.gguf", loaded.model, loaded.tok, dtype=dtype,
-                      name=loaded.run, chat_template=template)
+                      name=loaded.run, chat_template=template, add_bos=adds_bos(loaded.hf_tok))
     if dtype in ("q8_0", "bf16"):
         card += quantization_report(cfg, loaded, dtype, path.stat().st_size)
     (folder / "README.md").write_text(card, encoding="utf-8")
     return [path, folder / "README.md"]
+
+
+def adds_bos(hf_tok) -> Optional[bool]:
+    """Whether an imported model's own tokenizer puts BOS in front of a text (None for ours:
+    every text starts with BOS)."""
+    if hf_tok is None:
+        return None
+    ids = hf_tok("a")["input_ids"]
+    return hf_tok.bos_token_id is not None and bool(ids) and ids[0] == hf_tok.bos_token_id
 
 
 def quantization_report(cfg, loaded: Loaded, dtype: str, size: int, passages: int = 24) -> str:
@@ -176,13 +279,24 @@ def quantization_report(cfg, loaded: Loaded, dtype: str, size: int, passages: in
     for d in ("f16", dtype):
         scratch.load_state_dict(dequantized_state(loaded.model, d))
         ppl[d] = perplexity(scratch, ids)
-    n_params = loaded.model.num_params()
-    f16_mb = (n_params * 2) / 1e6
+    f16_mb = f16_size(loaded.model, dtype, size) / 1e6
     line = (f"perplexity on {len(ids)} held-out Wikipedia passages (our forward pass on the "
             f"de-quantized weights): fp32 {ppl['fp32']:.3f}, f16 {ppl['f16']:.3f}, {dtype} "
-            f"{ppl[dtype]:.3f}; size {size / 1e6:.1f} MB ({dtype}) vs about {f16_mb:.1f} MB (f16)")
+            f"{ppl[dtype]:.3f}; size {size / 1e6:.1f} MB ({dtype}) vs {f16_mb:.1f} MB (f16)")
     print(f"export: {line}.", file=sys.stderr)
     return f"\n## Quantization\n\n{line[0].upper() + line[1:]}.\n"
+
+
+def f16_size(model, dtype: str, size: int) -> int:
+    """The size of the f16 GGUF of ``model``, from that of its ``dtype`` GGUF (``size``): the
+    same file but for the bytes of the 2-D weights (each stored once; a tied head is not)."""
+    per_value = {"bf16": 2.0, "q8_0": 34 / 32}[dtype]       # q8_0: 32 int8 + one f16 scale
+    seen, values = set(), 0
+    for t in model.state_dict().values():
+        if t.dim() >= 2 and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            values += t.numel()
+    return int(size + values * (2 - per_value))
 
 
 def replace_dir(tmp: Path, out: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import llama_cpp  # a test requirement (requirements-test.txt): missing is a failure, not a skip
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ENWIKI_XML, NEWS, SAMPLES, SPM_MODEL, run_main, write_config, write_train_shards
+from tests.conftest import (ENWIKI_XML, NEWS, SAMPLES, SPM_MODEL, offline_env, popen_main, run_main,
+                            wait_for_line, write_config, write_train_shards)
 from utils.generation.engine import Engine
 
 HEAD_SCALE = 8.0
@@ -86,19 +88,27 @@ def work(tmp_path_factory, samples):
     bpe = load_tokenizer_from(str(bpe_dir))
     cfg_spm = write_config(root, {"tokenizer": {"name": str(SPM_MODEL)}}, "spm.json")
     cfg_bpe = write_config(root, {"tokenizer": {"name": str(bpe_dir)}}, "bpe.json")
+    cfg_greedy = write_config(root, {"tokenizer": {"name": str(SPM_MODEL)},
+                                     "inference": {"temperature": 0.0, "max_new_tokens": 77}},
+                              "greedy.json")
     ck = root / "checkpoints"
     # the head x HEAD_SCALE: greedy argmax margins wider than fp16/q8_0 rounding (module docstring)
     pre = _checkpoint(ck / "pre" / "checkpoint_best.pt", spm, str(SPM_MODEL), seed=1,
                       tie_embeddings=False, head_scale=HEAD_SCALE)
     sft = _checkpoint(ck / "sft_chat" / "checkpoint_best.pt", spm, str(SPM_MODEL), seed=2,
                       kind="sft", chat_template=TEMPLATE)
+    # RoPE base and RMS epsilon off their defaults: a reader that fell back to them would differ
     bpe_ck = _checkpoint(ck / "bpe" / "checkpoint_best.pt", bpe, str(bpe_dir), seed=3,
-                         tie_embeddings=True, vocab_size=len(bpe) + 4)
+                         tie_embeddings=True, vocab_size=len(bpe) + 4, rope_theta=50_000.0,
+                         norm_eps=1e-6)
     ln = _checkpoint(ck / "ln" / "checkpoint_best.pt", spm, str(SPM_MODEL), seed=4, norm="layernorm")
     odd = _checkpoint(ck / "odd" / "checkpoint_best.pt", spm, str(SPM_MODEL), seed=5, d_model=48,
                       n_heads=4, n_kv_heads=2)
-    return {"root": root, "cfg_spm": cfg_spm, "cfg_bpe": cfg_bpe, "spm": spm, "bpe": bpe,
-            "bpe_dir": bpe_dir, "pre": pre, "sft": sft, "bpe_ck": bpe_ck, "ln": ln, "odd": odd}
+    geglu = _checkpoint(ck / "geglu" / "checkpoint_best.pt", spm, str(SPM_MODEL), seed=7,
+                        activation="geglu")
+    return {"root": root, "cfg_spm": cfg_spm, "cfg_bpe": cfg_bpe, "cfg_greedy": cfg_greedy,
+            "spm": spm, "bpe": bpe, "bpe_dir": bpe_dir, "pre": pre, "sft": sft, "bpe_ck": bpe_ck,
+            "ln": ln, "odd": odd, "geglu": geglu}
 
 
 def export(cfg, ckpt, fmt, out, *extra):
@@ -130,13 +140,17 @@ def test_hf_export_is_our_model_in_transformers(work, which):
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json", "README.md"} <= names
     assert not list(out.parent.glob(".*tmp*"))
+    assert len({p.stat().st_mode for p in out.iterdir()}) == 1     # the weights readable as the rest
     conf = json.loads((out / "config.json").read_text())
     ours, ckpt = load_model(work[which])
     assert conf["tie_word_embeddings"] == ours.args.tie_embeddings
     assert conf["num_key_value_heads"] == 2 and conf["eos_token_id"] == tok.eos_token_id
-    assert conf["dtype"] == "float32"
+    assert conf["dtype"] == conf["torch_dtype"] == "float32"       # new and older transformers
+    assert conf["rope_theta"] == conf["rope_parameters"]["rope_theta"] == ours.args.rope_theta
+    assert conf["rms_norm_eps"] == ours.args.norm_eps
     gen = json.loads((out / "generation_config.json").read_text())
-    assert gen["temperature"] == 0.8 and gen["top_k"] == 50 and gen["max_new_tokens"] == 200
+    assert gen["do_sample"] is True and gen["temperature"] == 0.8 and gen["top_k"] == 50
+    assert gen["top_p"] == 0.95 and gen["max_new_tokens"] == 200
     card = (out / "README.md").read_text()
     assert "license: other" in card and "optimizer steps: 7" in card and "5.2500" in card
     hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
@@ -166,12 +180,18 @@ def test_hf_export_dtype_and_an_old_sft_checkpoints_chat_template(work):
     says that the ids are not the ones it was trained on."""
     from safetensors import safe_open
     from transformers import AutoTokenizer
+    from transformers import GenerationConfig
     out = work["root"] / "exports" / "sft-hf"
-    r = export(work["cfg_spm"], work["sft"], "hf", out, "--dtype", "bf16")
+    r = export(work["cfg_greedy"], work["sft"], "hf", out, "--dtype", "bf16")
     assert "user-assistant-v1" in r.stderr and "token for token" in r.stderr
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # inference.temperature 0 (greedy): greedy defaults, no sampling settings transformers refuses
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["do_sample"] is False and gen["max_new_tokens"] == 77
+    assert not {"temperature", "top_k", "top_p"} & set(gen)
+    assert GenerationConfig.from_pretrained(out).do_sample is False
     ht = AutoTokenizer.from_pretrained(out, local_files_only=True)
     turns = ["Why is the sky blue?", "Rayleigh scattering.", "And at sunset?"]
     assert ht.apply_chat_template(_messages(turns), tokenize=False) == (
@@ -241,6 +261,10 @@ def test_sft_export_chat_template_gives_our_ids_in_transformers(work, kind):
     assert template["name"] == sft.TEMPLATE_V2
     conf = json.loads((run["hf"] / "tokenizer_config.json").read_text())
     assert "chat_template" in conf and conf["split_special_tokens"] is False
+    import re       # the card names the instruction data the run read (its sft_config.json)
+    assert re.search(rf"fine-tuned from `{re.escape(str(work['pre' if kind == 'spm' else 'bpe_ck']))}` "
+                     r"on instruction data: .+, \d training conversations",
+                     (run["hf"] / "README.md").read_text()), (run["hf"] / "README.md").read_text()
     ht = AutoTokenizer.from_pretrained(run["hf"], local_files_only=True)
     trained = sft.load_examples(run["data"])
     assert len(trained) == len(CHATS)
@@ -325,10 +349,13 @@ def _llama_greedy(L, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def test_gguf_spm_in_llama_cpp_f32_f16_q8(work, capsys):
+def test_gguf_spm_in_llama_cpp_f32_f16_bf16_q8(work, capsys):
     """llama.cpp loads each GGUF, tokenizes the samples to our ids, and its logits match ours
-    (f32: atol 1e-3); f16 and q8_0 report their max/mean difference and greedy agreement over
-    64 tokens; f32 and f16 give the same greedy continuation."""
+    (f32: atol 1e-3); f16, bf16 and q8_0 report their max/mean difference and greedy agreement
+    over 64 tokens; f32 and f16 give the same greedy continuation; bf16 and q8_0 state their
+    size and held-out perplexity next to f16's. The f32 file imported back (transformers' GGUF
+    loader, as `--init-from-hf F.gguf` and `infer --checkpoint F.gguf` read it) is our model."""
+    from utils.hf.import_hf import load_hf_llama
     from utils.run import load_model
     ours, _ = load_model(work["pre"])
     tok = work["spm"]
@@ -337,8 +364,8 @@ def test_gguf_spm_in_llama_cpp_f32_f16_q8(work, capsys):
     x = _ours(tok, news_docs()[3])[:120]
     with torch.no_grad():
         ref = ours(torch.tensor([x]))[0][0].numpy()
-    seen = {}
-    for dtype in ("f32", "f16", "q8_0"):
+    seen, sizes = {}, {}
+    for dtype in ("f32", "f16", "bf16", "q8_0"):
         out = work["root"] / "exports" / f"pre-gguf-{dtype}"
         export(work["cfg_spm"], work["pre"], "gguf", out, "--dtype", dtype)
         L = _llama(out / f"pre-{dtype}.gguf")
@@ -353,26 +380,35 @@ def test_gguf_spm_in_llama_cpp_f32_f16_q8(work, capsys):
             L.close()
         agree = sum(a == b for a, b in zip(greedy, want)) / len(want)
         seen[dtype] = greedy
+        sizes[dtype] = (out / f"pre-{dtype}.gguf").stat().st_size
         print(f"gguf {dtype}: logits max diff {diff.max():.2e}, mean {diff.mean():.2e}; greedy "
               f"agreement with ours over 64 tokens {agree:.0%}; size "
               f"{(out / f'pre-{dtype}.gguf').stat().st_size / 1e6:.1f} MB")
-        if dtype == "q8_0":  # the card states the size and the perplexity next to f16's
+        if dtype in ("bf16", "q8_0"):  # the card states the size and the perplexity next to f16's
             import re
             card = (out / "README.md").read_text()
-            m = re.search(r"fp32 ([\d.]+), f16 ([\d.]+), q8_0 ([\d.]+); size ([\d.]+) MB \(q8_0\) "
-                          r"vs about ([\d.]+) MB \(f16\)", card)
+            m = re.search(rf"fp32 ([\d.]+), f16 ([\d.]+), {dtype} ([\d.]+); size ([\d.]+) MB "
+                          rf"\({dtype}\) vs ([\d.]+) MB \(f16\)", card)
             assert m, card
-            fp32, f16, q8, size_q8, size_f16 = map(float, m.groups())
-            assert abs(f16 - fp32) / fp32 < 1e-3 and abs(q8 - fp32) / fp32 < 0.05 and size_q8 < size_f16
+            fp32, f16, low, size_low, size_f16 = map(float, m.groups())
+            assert abs(f16 - fp32) / fp32 < 1e-3 and abs(low - fp32) / fp32 < 0.05
+            assert abs(size_f16 - sizes["f16"] / 1e6) < 0.05              # the f16 file written above
+            assert size_low < size_f16 if dtype == "q8_0" else abs(size_low - size_f16) < 0.05
+        if dtype == "bf16":  # 8 mantissa bits: one early argmax flips on this random model's
+            assert diff.max() < 0.05            # small margins, so its agreement is reported only
+        if dtype == "q8_0":
+            assert agree > 0.9
         if dtype == "f32":   # 1e-3 at unit scale (the BPE test); this head is HEAD_SCALE x larger
             assert diff.max() < 1e-3 * HEAD_SCALE and greedy == want
             from transformers import AutoModelForCausalLM     # its GGUF loader (benchmark --gguf-file)
             hf = AutoModelForCausalLM.from_pretrained(out, gguf_file="pre-f32.gguf").eval()
+            imp = load_hf_llama(out / "pre-f32.gguf")
             with torch.no_grad():
                 assert torch.allclose(hf(torch.tensor([x])).logits[0], torch.from_numpy(ref), atol=1e-4, rtol=0)
+                assert torch.allclose(imp.model(torch.tensor([x]))[0][0], torch.from_numpy(ref), atol=1e-4, rtol=0)
     assert seen["f16"] == seen["f32"]
     report = capsys.readouterr().out
-    assert report.count("greedy agreement") == 3
+    assert report.count("greedy agreement") == 4
     with capsys.disabled():          # the measured numbers, in the test log (docs/export.md quotes them)
         print("\n" + report, end="")
 
@@ -409,7 +445,8 @@ def test_import_hf_round_trip_and_fine_tune(work, tmp_path):
     """An exported folder imported back has our logits exactly and is recognised as the
     original tokenizer (same fingerprint; not once its tokenizer was edited); `infer` runs it;
     `sft train --init-from-hf` fine-tunes it on SFT data, and `train --init-from-hf` continues
-    pre-training it on shards, both prepared with the ORIGINAL tokenizer."""
+    pre-training it on shards, both prepared with the ORIGINAL tokenizer (each run's weights
+    are the imported ones moved by two small steps); shards of another tokenizer are refused."""
     from utils.data.tok import fingerprint, load_tokenizer_from
     from utils.hf.import_hf import load_hf_llama
     from utils.run import load_checkpoint, load_model
@@ -447,14 +484,24 @@ def test_import_hf_round_trip_and_fine_tune(work, tmp_path):
     ck = load_checkpoint(next((tmp_path / "checkpoints").glob("sft_imp_*")) / "checkpoint_latest.pt",
                          "resume")
     assert ck["kind"] == "sft" and ck["step"] == 2 and ck["sft"]["base_checkpoint"] == str(hf_dir)
+
+    def moved(state: dict) -> float:     # the largest change from the imported weights
+        return max(float((state[k] - v).abs().max()) for k, v in ours.state_dict().items())
+    assert 0 < moved(ck["model"]) < 0.01           # fine-tuned from them, not a fresh init (~0.1)
     write_train_shards(tmp_path / "shards", 60)
     r = run_main("train", "--config", cfg, "--test", "--init-from-hf", str(hf_dir), "--name", "cont",
                  "--max-steps", "2", "--window", "32", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "starting from" in r.stdout
-    first = [json.loads(line) for line in (tmp_path / "logs" / "raw_metrics" / "cont.jsonl").read_text().splitlines()]
-    val0 = next(rec["val_loss"] for rec in first if rec.get("type") == "val")
-    assert val0 < 20                               # the imported weights, not a fresh init
+    cont = load_checkpoint(tmp_path / "checkpoints" / "cont" / "checkpoint_latest.pt", "resume")
+    assert cont["step"] == 2 and 0 < moved(cont["model"]) < 0.01
+    other = work["root"] / "exports" / "bpe_ck-hf"             # another tokenizer's model
+    if not other.exists():
+        export(work["cfg_bpe"], work["bpe_ck"], "hf", other)
+    r = run_main("train", "--config", cfg, "--test", "--init-from-hf", str(other), "--name", "mix",
+                 "--max-steps", "2", "--window", "32", timeout=400)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "stale shard set: tokenizer.fingerprint" in r.stderr and str(other) in r.stderr
 
 
 def test_import_refuses_what_it_cannot_represent(tmp_path, work):
@@ -599,3 +646,284 @@ def test_model_card_carries_the_benchmark_of_exactly_these_weights(work):
     other = work["root"] / "exports" / "sft-card"
     export(work["cfg_spm"], work["sft"], "hf", other)
     assert "No benchmark result names these weights" in (other / "README.md").read_text()
+
+
+# ----------------------------- shards, GeGLU, re-exported imports, damage, --out, signals, demo
+def test_hf_export_fp16_in_shards_loads_and_imports(work):
+    """--dtype fp16 with --max-shard-size 3MB writes the weights in shards with the index file
+    (the 2 GB default shards the same way, only later); transformers loads the folder with our
+    fp16-rounded weights' logits, the import reads the shards back, and --license sets the
+    card's license."""
+    from transformers import AutoModelForCausalLM
+    from utils.hf.import_hf import load_hf_llama
+    from utils.run import load_model
+    out = work["root"] / "exports" / "pre-fp16-shards"
+    export(work["cfg_spm"], work["pre"], "hf", out, "--dtype", "fp16", "--max-shard-size", "3MB",
+           "--license", "apache-2.0")
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 3 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    ours, _ = load_model(work["pre"])
+    assert set(index["weight_map"].values()) == {p.name for p in shards}
+    per_shard = {p.name: sum(f == p.name for f in index["weight_map"].values()) for p in shards}
+    # a shard holds several tensors within the limit, or one tensor larger than it (4 MB embeddings)
+    assert all(p.stat().st_size <= 3_000_000 + 4096 or per_shard[p.name] == 1 for p in shards)
+    assert set(index["weight_map"]) == set(AutoModelForCausalLM.from_pretrained(
+        out, local_files_only=True).state_dict())
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["dtype"] == conf["torch_dtype"] == "float16"
+    assert (out / "README.md").read_text().startswith("---\nlicense: apache-2.0\n")
+    rounded = {k: v.half().float() for k, v in ours.state_dict().items()}
+    ours.load_state_dict(rounded)
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
+    x = torch.tensor([_ours(work["spm"], news_docs()[4])[:100]])
+    with torch.no_grad():
+        assert torch.allclose(hf(x).logits, ours(x)[0], atol=1e-4, rtol=0)
+        assert torch.equal(load_hf_llama(out).model(x)[0], ours(x)[0])
+
+
+def test_geglu_exports_to_hf_and_is_refused_for_gguf(work):
+    """GeGLU is Llama's gated MLP with hidden_act gelu (exact erf), which transformers applies
+    as we do; llama.cpp's llama graph applies SiLU whatever the file says, so GGUF refuses."""
+    from transformers import AutoModelForCausalLM
+    from utils.run import load_model
+    out = work["root"] / "exports" / "geglu-hf"
+    export(work["cfg_spm"], work["geglu"], "hf", out)
+    assert json.loads((out / "config.json").read_text())["hidden_act"] == "gelu"
+    ours, _ = load_model(work["geglu"])
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    x = torch.tensor([_ours(work["spm"], news_docs()[5])[:100]])
+    with torch.no_grad():
+        assert torch.allclose(hf(x).logits, ours(x)[0], atol=1e-4, rtol=0)
+    gg = work["root"] / "exports" / "geglu-gguf"
+    r = run_main("export", "--config", work["cfg_spm"], "--checkpoint", str(work["geglu"]),
+                 "--format", "gguf", "--out", str(gg))
+    assert r.returncode == 1 and "model.activation is 'geglu'" in r.stderr and "SiLU" in r.stderr
+    assert not gg.exists() and not list(gg.parent.glob(".geglu-gguf*"))
+
+
+FOREIGN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def foreign(work):
+    """A Llama folder written by transformers itself, not by this project: a random
+    LlamaForCausalLM (RoPE base 123456, RMS eps 1e-6, untied head) and a fast tokenizer with no
+    BOS post-processor and a chat template of its own (the project's BPE vocabulary)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from utils.data.tok import backend_of
+    bpe = work["bpe"]
+    d = work["root"] / "foreign"
+    config = LlamaConfig(vocab_size=len(bpe), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 123456.0},
+                         bos_token_id=bpe.bos_token_id, eos_token_id=bpe.eos_token_id)
+    torch.manual_seed(11)
+    LlamaForCausalLM(config).save_pretrained(d)
+    backend = backend_of(bpe).__class__.from_str(backend_of(bpe).to_str())
+    ht = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bpe.bos_token,
+                                 eos_token=bpe.eos_token, unk_token=bpe.unk_token)
+    ht.chat_template = FOREIGN_TEMPLATE
+    ht.save_pretrained(d)
+    return d
+
+
+def test_export_of_an_imported_folder_round_trips(work, foreign):
+    """import -> export: `export --checkpoint HFDIR --format hf` gives a folder whose logits
+    equal the original's in transformers, with its tokenizer (ids, chat template) as it was;
+    `--format gguf` gives llama.cpp the same logits and ids (GPT-2 byte-level BPE; no BOS
+    added, as the original adds none)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out, gg = work["root"] / "exports" / "foreign-hf", work["root"] / "exports" / "foreign-gguf"
+    r = export(work["cfg_bpe"], foreign, "hf", out)
+    assert "(imported)" in r.stdout and "not trained by it" in (out / "README.md").read_text()
+    export(work["cfg_bpe"], foreign, "gguf", gg, "--dtype", "f32")
+    orig = AutoModelForCausalLM.from_pretrained(foreign, local_files_only=True).eval()
+    again = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    t0, t1 = (AutoTokenizer.from_pretrained(d, local_files_only=True) for d in (foreign, out))
+    assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_theta"] == 123456.0
+    assert t1.chat_template == FOREIGN_TEMPLATE
+    texts = news_docs(30) + TRICKY
+    assert [t1(t)["input_ids"] for t in texts] == [t0(t)["input_ids"] for t in texts]
+    x = t0(news_docs()[6])["input_ids"][:100]
+    with torch.no_grad():
+        ref = orig(torch.tensor([x])).logits[0]
+        assert torch.equal(again(torch.tensor([x])).logits[0], ref)
+    L = _llama(gg / "foreign-f32.gguf")
+    try:
+        assert L.metadata["tokenizer.ggml.add_bos_token"] == "false"
+        assert L.metadata["tokenizer.chat_template"] == FOREIGN_TEMPLATE
+        assert [L.tokenize(t.encode(), add_bos=False, special=False) for t in texts[:-1]] == \
+               [t0(t, split_special_tokens=True)["input_ids"] for t in texts[:-1]]   # "<s>" as text
+        assert np.abs(_llama_logits(L, x) - ref.numpy()).max() < 1e-3
+    finally:
+        L.close()
+
+
+def _damage_config(**change):
+    def damage(d: Path):
+        conf = json.loads((d / "config.json").read_text())
+        conf.update(change)
+        (d / "config.json").write_text(json.dumps(conf))
+    return damage
+
+
+def _damage_weights(fn):
+    def damage(d: Path):
+        from safetensors.torch import load_file, save_file
+        sd = load_file(str(d / "model.safetensors"))
+        fn(sd)
+        save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return damage
+
+
+Q = "model.layers.0.self_attn.q_proj"
+DAMAGED = {   # name: (damage, words the message must hold besides the file's path)
+    "config_not_json": (lambda d: (d / "config.json").write_text("{not json"), ["config.json", "JSON"]),
+    "config_a_list": (lambda d: (d / "config.json").write_text("[1, 2]"), ["config.json", "model_type"]),
+    "hidden_size_text": (_damage_config(hidden_size="64"), ["config.json", "hidden_size"]),
+    "layers_negative": (_damage_config(num_hidden_layers=-1), ["config.json", "num_hidden_layers"]),
+    "heads_not_dividing": (_damage_config(num_attention_heads=3), ["config.json", "attention heads"]),
+    "rope_theta_text": (_damage_config(rope_parameters={"rope_type": "default", "rope_theta": "big"}),
+                        ["config.json", "rope_theta"]),
+    "no_tokenizer": (lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
+                     ["tokenizer"]),
+    "tokenizer_not_json": (lambda d: (d / "tokenizer.json").write_text("{oops"), ["tokenizer", "JSON"]),
+    "tensor_shape": (_damage_weights(lambda sd: sd.__setitem__(f"{Q}.weight", torch.zeros(32, 64))),
+                     ["model.safetensors", f"{Q}.weight", "(32, 64)"]),
+    "tensor_int": (_damage_weights(lambda sd: sd.__setitem__(f"{Q}.weight", torch.zeros(64, 64, dtype=torch.int32))),
+                   ["model.safetensors", f"{Q}.weight", "I32"]),
+    "tensor_missing": (_damage_weights(lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight")),
+                       ["model.layers.1.mlp.up_proj.weight", "missing"]),
+    "bias_tensor": (_damage_weights(lambda sd: sd.__setitem__(f"{Q}.bias", torch.zeros(64))),
+                    [f"{Q}.bias", "bias"]),
+    "nan_weight": (_damage_weights(lambda sd: sd["model.norm.weight"].fill_(float("nan"))),
+                   ["non-finite", "norm.weight"]),
+    "weights_garbage": (lambda d: (d / "model.safetensors").write_bytes(b"\0" * 100), ["model.safetensors"]),
+    "gguf_truncated": (None, [".gguf"]),
+    "gguf_empty": (None, [".gguf", "empty"]),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_import_names_what_is_damaged(work, foreign, tmp_path, case):
+    """Each kind of damaged Hugging Face folder or GGUF file is one PipelineError naming the
+    file and the field or tensor (transformers alone would load a missing tensor as random
+    values, drop a bias, and take integer or NaN weights)."""
+    from utils.cli import PipelineError
+    from utils.hf.import_hf import load_hf_llama
+    from utils.hf.to_gguf import write_gguf
+    from utils.run import load_model
+    damage, words = DAMAGED[case]
+    if damage is None:
+        target = tmp_path / "m.gguf"
+        ours, _ = load_model(work["bpe_ck"])
+        write_gguf(target, ours, work["bpe"], dtype="f32")
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2] if "trunc" in case else b"")
+    else:
+        target = tmp_path / "m"
+        shutil.copytree(foreign, target)
+        damage(target)
+    with pytest.raises(PipelineError) as e:
+        load_hf_llama(target)
+    assert str(target) in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_damaged_folders_through_each_entry_point(foreign, work, tmp_path):
+    """infer, train --init-from-hf and export on a damaged folder: exit 1, the message, no
+    traceback, no 'unexpected error', nothing written."""
+    bad = tmp_path / "bad"
+    shutil.copytree(foreign, bad)
+    DAMAGED["tensor_missing"][0](bad)
+    out = tmp_path / "out"
+    for stage, args in (("infer", ["--checkpoint", bad, "--prompt", "x"]),
+                        ("train", ["--init-from-hf", bad, "--name", "no"]),
+                        ("export", ["--checkpoint", bad, "--format", "hf", "--out", out])):
+        r = run_main(stage, "--config", work["cfg_bpe"], *args)
+        assert r.returncode == 1, (stage, r.stderr)
+        assert "up_proj.weight" in r.stderr and "Traceback" not in r.stderr
+        assert "unexpected error" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+    assert not (work["root"] / "checkpoints" / "no").exists()
+
+
+def test_export_never_replaces_what_is_not_an_export(work, tmp_path):
+    """--out checks (exit 1, or 2 for a malformed flag; nothing written, nothing lost): a file,
+    the run folder or a folder above it (even with --force), a folder of other files with
+    --force, a parent that is a file; a malformed --license or --max-shard-size; a folder given
+    as the checkpoint file. An export into the run folder itself is allowed and leaves the run
+    as it was."""
+    ck = work["bpe_ck"]
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "data.csv").write_text("1,2")
+    before = ck.read_bytes()
+    cases = [(["--out", a_file, "--force"], 1, "is a file"),
+             (["--out", ck.parent, "--force"], 1, "holds the model being exported"),
+             (["--out", work["root"], "--force"], 1, "holds the model being exported"),
+             (["--out", other, "--force"], 1, "not an earlier export"),
+             (["--out", a_file / "sub"], 1, "Not a directory"),
+             (["--out", tmp_path / "x", "--license", "mit\nevil: yes"], 2, "--license"),
+             (["--out", tmp_path / "x", "--max-shard-size", "2 parsecs"], 2, "--max-shard-size")]
+    for extra, code, needle in cases:
+        r = run_main("export", "--config", work["cfg_bpe"], "--checkpoint", ck, "--format", "hf", *extra)
+        assert r.returncode == code and needle in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr)
+    fake = tmp_path / "checkpoint_best.pt"                  # a folder where a file belongs
+    fake.mkdir()
+    r = run_main("export", "--config", work["cfg_bpe"], "--checkpoint", fake, "--format", "hf",
+                 "--out", tmp_path / "x")
+    assert r.returncode == 1 and "folder without checkpoint files" in r.stderr, r.stderr
+    fake.rmdir()
+    assert a_file.read_text() == "mine" and [p.name for p in other.iterdir()] == ["data.csv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "notes.txt"]
+    assert ck.read_bytes() == before
+    inside = ck.parent / "hf"
+    export(work["cfg_bpe"], ck, "hf", inside)
+    try:
+        from utils.run import pick_checkpoint
+        assert pick_checkpoint(ck.parent) == ck and (inside / "config.json").is_file()
+    finally:
+        shutil.rmtree(inside)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_during_export_leaves_nothing_behind(work, tmp_path, sig):
+    """Ctrl-C or SIGTERM with the new export complete in its temporary folder but not yet in
+    place (LLM_PIPELINE_PAUSE_EXPORT): exit 130, the old --out byte for byte, no temp folder."""
+    out = tmp_path / "out"
+    export(work["cfg_bpe"], work["bpe_ck"], "gguf", out, "--dtype", "f32")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    p = popen_main("export", "--config", work["cfg_bpe"], "--checkpoint", work["bpe_ck"], "--format",
+                   "hf", "--out", out, "--force", env=offline_env(LLM_PIPELINE_PAUSE_EXPORT="1"))
+    wait_for_line(p, "paused before moving the export into place")
+    assert [x.name for x in tmp_path.iterdir() if x.name.startswith(".out.tmp-")]   # written, not moved
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert {x.name: x.read_bytes() for x in out.iterdir()} == before
+    assert [x.name for x in tmp_path.iterdir()] == ["out"]
+
+
+def test_the_demo_example_runs_both_exports_as_infer_answers(work):
+    """examples/try_exports.py (the demo's last step) prompts the SFT export through its chat
+    template in transformers and in llama.cpp: both answer what `infer` answers."""
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    run = _chat_run(work, "spm")
+    q = "Why is the sky blue?"
+    r = run_main("infer", "--config", run["cfg"], "--checkpoint", str(run["ckpt"]), "--prompt", q,
+                 "--max-new-tokens", "8", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    said = json.loads(r.stdout)["text"]
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "try_exports.py"), "--hf", str(run["hf"]),
+                        "--gguf", str(run["gguf"]), "--prompt", q, "--chat", "--max-new-tokens", "8"],
+                       capture_output=True, text=True, timeout=300, env=offline_env())
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"transformers ({run['hf']}): {said!r}", (lines, said)
+    assert lines[1] == f"llama.cpp ({run['gguf']}): {said!r}", (lines, said)

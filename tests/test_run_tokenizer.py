@@ -101,8 +101,9 @@ def test_interactive_infer_opens_a_run_without_its_config(run):
 
 def test_a_run_folder_copied_elsewhere_opens_with_its_own_tokenizer_copy(run, tmp_path):
     """Each run folder keeps <run>/tokenizer/ (train and sft write it): copied to another
-    place without the tokenizer it was trained with, infer and export still open it, through
-    that copy (checked by fingerprint)."""
+    place without the tokenizer it was trained with, infer, benchmark, sft train and export
+    still open it, through that copy (checked by fingerprint). The export's model card says
+    what the run was trained on, how far, and its best validation loss."""
     from utils.run import RUN_TOKENIZER_DIR, load_checkpoint
     from utils.data.tok import fingerprint, load_tokenizer_from
     base = run["root"] / "checkpoints" / "base"
@@ -118,12 +119,23 @@ def test_a_run_folder_copied_elsewhere_opens_with_its_own_tokenizer_copy(run, tm
                      "--prompt", "The history of", "--max-new-tokens", "4", "--seed", "1")
         e = run_main("export", "--config", cfg, "--checkpoint", str(elsewhere / "base"),
                      "--format", "hf", "--out", str(elsewhere / "hf"))
+        b = run_main("benchmark", "--config", cfg, "--test", "--tasks", "perplexity",
+                     str(elsewhere / "base"), timeout=600)
+        s = run_main("sft", "train", "--config", cfg, "--test", "--checkpoint",
+                     str(elsewhere / "base" / "checkpoint_best.pt"),
+                     "--data-dir", str(run["root"] / "data" / "post-training"), "--name", "away",
+                     "--max-steps", "1", "--sample-tokens", "0", timeout=600)
     finally:
         moved.rename(run["tok_dir"])
-    out = _ok(p)
-    assert str(elsewhere / "base" / RUN_TOKENIZER_DIR) in out
-    _ok(e)
+    for r in (p, e, b, s):
+        assert str(elsewhere / "base" / RUN_TOKENIZER_DIR) in _ok(r)
     assert (elsewhere / "hf" / "tokenizer.json").is_file()
+    assert list((elsewhere / "checkpoints").glob("sft_away_*/checkpoint_latest.pt"))
+    ckpt = load_checkpoint(run["ckpt"])
+    card = (elsewhere / "hf" / "README.md").read_text()
+    assert "- data: wikipedia shards (`" in card and "--test), windows of 32 tokens" in card
+    assert "- optimizer steps: 4" in card and f"- tokens seen: {ckpt['tokens_seen']:,}" in card
+    assert f"- best validation loss: {ckpt['best_val_loss']:.4f}" in card
 
 
 def test_a_missing_tokenizer_is_named_with_where_it_looked(run):
@@ -136,14 +148,18 @@ def test_a_missing_tokenizer_is_named_with_where_it_looked(run):
     try:
         p = run_main("infer", "--config", run["plain"], "--checkpoint", run["ckpt"],
                      "--prompt", "x", "--max-new-tokens", "2")
+        e = run_main("export", "--config", run["plain"], "--checkpoint", run["ckpt"], "--format",
+                     "gguf", "--out", run["root"] / "exports" / "nowhere")
     finally:
         moved.rename(run["tok_dir"])
         hidden.rename(copy)
-    out = p.stdout + p.stderr
-    assert p.returncode == 1, out
-    assert "cannot find the tokenizer this checkpoint was trained with" in out
-    assert str(run["tok_dir"] / "tokenizer.model") in out          # where it looked
-    assert HUB_DEFAULT in out and "Traceback" not in out
+    for r in (p, e):
+        out = r.stdout + r.stderr
+        assert r.returncode == 1, out
+        assert "cannot find the tokenizer this checkpoint was trained with" in out
+        assert str(run["tok_dir"] / "tokenizer.model") in out          # where it looked
+        assert HUB_DEFAULT in out and "Traceback" not in out
+    assert not (run["root"] / "exports" / "nowhere").exists()
 
 
 def test_offline_config_selects_the_offline_sft_samples(tmp_path):

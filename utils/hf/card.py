@@ -18,35 +18,56 @@ def benchmark_rows(bench_dir: Path, weights_fp: str) -> tuple[list[str], Optiona
     for f in files:
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue                       # a damaged result file: the next one may do
-        for m in data.get("models") or []:
-            ident = m.get("identity") or {}
-            if ident.get("fingerprint") != weights_fp or ident.get("quantize"):   # int8: other weights
-                continue
+        models = data.get("models") if isinstance(data, dict) else None
+        for m in models if isinstance(models, list) else []:
+            ident = (m.get("identity") if isinstance(m, dict) else None) or {}
+            if not isinstance(ident, dict) or ident.get("fingerprint") != weights_fp or ident.get("quantize"):
+                continue                   # other weights (int8 too), or a malformed record
             rows = []
-            for task, res in sorted((m.get("results") or {}).items()):
-                for metric, v in (res.get("metrics") or {}).items():
+            results = m.get("results") if isinstance(m.get("results"), dict) else {}
+            for task, res in sorted(results.items()):
+                metrics = res.get("metrics") if isinstance(res, dict) else None
+                for metric, v in (metrics if isinstance(metrics, dict) else {}).items():
                     if isinstance(v, dict) and v.get("value") is not None:
                         rows.append(f"| {task} | {metric} | {fmt_value(metric, v['value'], v.get('stderr'))} |")
             return rows, f.name
     return [], None
 
 
+def trained_on(data: dict, test: Optional[bool], a) -> str:
+    """What a pre-training run read, from its config's dataset section (``test``: whether it
+    ran with --test, None when unknown): the shard set (or the streamed source) and the
+    window length."""
+    window = data.get("window", a.max_seq_len)
+    if data.get("mode") == "on_the_fly":
+        return (f"- data: {data.get('on_the_fly_source', 'unknown')} (tokenized on the fly), "
+                f"windows of {window} tokens")
+    source = data.get("source")
+    if not source:
+        return "- data: not recorded in the checkpoint"
+    where = None if test is None else data.get(f"{source}_{'test' if test else 'full'}_dir")
+    return (f"- data: {source} shards" + (f" (`{Path(where).name}`{', --test' if test else ''})"
+                                          if where else "") + f", windows of {window} tokens")
+
+
 def model_card(cfg, path: Path, ckpt: dict, model, tok_info: dict, *, fmt: str,
-               dtype: Optional[str], license: str) -> str:
+               dtype: Optional[str], license: str, title: Optional[str] = None) -> str:
     from utils.bench.adapters import weights_fingerprint
+    from utils.run import read_sft_config, stored_config
     a = model.args
-    conf = ckpt.get("config") or {}
-    data = conf.get("dataset") or {}
+    conf = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
     kind = ckpt.get("kind", "pretrain")
     best = ckpt.get("best_val_loss")
+    what = {"sft": "trained with this project's pipeline (supervised fine-tuning)",
+            "imported": "imported into this project's pipeline (not trained by it)"}.get(
+                kind, "trained with this project's pipeline (pre-training)")
     lines = ["---", f"license: {license}", "library_name: transformers" if fmt == "hf" else
              "library_name: gguf", "pipeline_tag: text-generation",
              "tags: [llama, text-generation, llm-pipeline]", "---", "",
-             f"# {path.parent.name or path.stem}", "",
-             f"A Llama-architecture language model trained with this project's pipeline "
-             f"({'supervised fine-tuning' if kind == 'sft' else 'pre-training'}), exported from "
+             f"# {title or path.parent.name or path.stem}", "",
+             f"A Llama-architecture language model {what}, exported from "
              f"`{path.name}` as {'a Hugging Face model folder' if fmt == 'hf' else 'GGUF for llama.cpp'}"
              + (f" ({dtype})" if dtype else "") + ".", "", "## Model", "",
              f"- parameters: {model.num_params():,} ({model.num_params(non_embedding=True):,} "
@@ -55,21 +76,32 @@ def model_card(cfg, path: Path, ckpt: dict, model, tok_info: dict, *, fmt: str,
              f"key/value heads), MLP {a.ffn_hidden} ({a.activation}), context {a.max_seq_len}, "
              f"RoPE base {a.rope_theta:g}, {'tied' if a.tie_embeddings else 'untied'} embeddings",
              f"- tokenizer: {tok_info.get('name')} ({tok_info.get('vocab_size')} tokens, "
-             f"fingerprint {str(tok_info.get('fingerprint'))[:12]}); texts start with BOS", "",
+             f"fingerprint {str(tok_info.get('fingerprint'))[:12]})"
+             + ("" if kind == "imported" else "; texts start with BOS"), "",
              "## Training", ""]
-    if kind == "sft":
+    if kind == "imported":
+        lines.append("- not trained here: see the card of the model it was imported from")
+    elif kind == "sft":
         sft = ckpt.get("sft") or {}
-        lines.append(f"- fine-tuned from `{sft.get('base_checkpoint')}` on instruction data "
-                     f"(data fingerprint {str(sft.get('data_fingerprint'))[:12]}), loss on the "
-                     "assistant's tokens only; chat template in the tokenizer")
-    else:
-        lines.append(f"- data: {data.get('source', 'unknown')} shards, windows of "
-                     f"{data.get('window', a.max_seq_len)} tokens")
-    lines += [f"- optimizer steps: {ckpt.get('step', 'unknown')}",
-              f"- tokens seen: {ckpt['tokens_seen']:,}" if isinstance(ckpt.get("tokens_seen"), int)
-              else "- tokens seen: unknown",
-              f"- best validation loss: {best:.4f}" if isinstance(best, float) else
-              "- best validation loss: not recorded"]
+        data = (read_sft_config(path.parent) or {}).get("data") or {}
+        source = data.get("source") if isinstance(data.get("source"), dict) else {}
+        lines.append(f"- fine-tuned from `{sft.get('base_checkpoint')}` on instruction data"
+                     + (f": {source['label']}" if source.get("label") else "")
+                     + (f", {data['train_examples']:,} training conversations"
+                        if isinstance(data.get("train_examples"), int) else "")
+                     + f" (data fingerprint {str(sft.get('data_fingerprint'))[:12]}), loss on "
+                     "the assistant's tokens only; chat template in the tokenizer")
+    else:       # the run folder's stored config knows --test; the checkpoint's alone does not
+        run_cfg = stored_config(path.parent)
+        data = run_cfg.to_dict()["dataset"] if run_cfg is not None else conf.get("dataset")
+        lines.append(trained_on(data if isinstance(data, dict) else {},
+                                run_cfg.test if run_cfg is not None else None, a))
+    if kind != "imported":
+        lines += [f"- optimizer steps: {ckpt.get('step', 'unknown')}",
+                  f"- tokens seen: {ckpt['tokens_seen']:,}" if isinstance(ckpt.get("tokens_seen"), int)
+                  else "- tokens seen: unknown",
+                  f"- best validation loss: {best:.4f}" if isinstance(best, float) else
+                  "- best validation loss: not recorded"]
     rows, source = benchmark_rows(cfg.path("paths.benchmark_dir"), weights_fingerprint(model.state_dict()))
     lines += ["", "## Benchmarks", ""]
     if rows:

@@ -1,15 +1,20 @@
 """Export a checkpoint as a Hugging Face model folder (library; no side effects).
 
     problems = llama_problems(args)                 what LlamaForCausalLM cannot express
-    files = write_hf(folder, model, tok, card=..., dtype=..., generation=..., chat_template=...)
+    files = write_hf(folder, model, tok, card=..., dtype=..., generation=..., chat_template=...,
+                     max_shard_size=2 * 10**9, hf_tok=None)
 
 The folder holds what ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` read with no custom code and no network:
 
 - ``config.json``: ``LlamaConfig`` from utils/hf/mapping.py (sizes, GQA, rope_theta, RMS eps,
-  tie_word_embeddings, bos/eos ids, max_position_embeddings) and ``dtype``;
-- ``model.safetensors`` (transformers shards it above 2 GB and writes the index file);
-- ``generation_config.json``: the ``inference`` section's sampling defaults, bos/eos;
+  tie_word_embeddings, bos/eos ids, max_position_embeddings) and ``dtype``; also the older
+  top-level ``rope_theta`` and ``torch_dtype``, which transformers 4.x and other readers of
+  config.json (llama.cpp's converter, vLLM) take instead of ``rope_parameters`` / ``dtype``;
+- ``model.safetensors``, or shards of at most ``max_shard_size`` bytes
+  (``model-00001-of-0000N.safetensors``) with ``model.safetensors.index.json``;
+- ``generation_config.json``: the ``inference`` section's defaults (:func:`generation_defaults`:
+  sampling settings only when it samples), bos/eos;
 - the tokenizer: our ``tokenizer.json`` (for a SentencePiece model, the exact conversion of
   utils/data/spm.py: the ids sentencepiece gives) with a post-processor that puts BOS in front
   of a text, as our documents and prompts start; ``tokenizer_config.json``. A pre-trained
@@ -23,6 +28,10 @@ The folder holds what ``AutoModelForCausalLM.from_pretrained`` and
   the pipeline recognises the folder's tokenizer as the original (utils/data/tok.py
   ``as_exported_from``);
 - ``README.md``: the model card the caller wrote.
+
+``hf_tok``: a transformers tokenizer saved as it is, instead of the one built from ``tok``
+(an imported model's own, with its own chat template and settings). Every file gets the mode
+of the files written here (transformers writes the weights 0600).
 
 The writer works in the folder it is given; the stage (export.py) gives it a temporary one
 and renames it into place, so a failure never leaves a half-written export.
@@ -62,6 +71,16 @@ def notes(args) -> list[str]:
     return out
 
 
+def generation_defaults(inference) -> dict:
+    """generation_config.json's settings of the ``inference`` config section: its sampling
+    settings when it samples (temperature > 0), greedy decoding otherwise (transformers
+    refuses sampling settings without sampling)."""
+    if inference.temperature > 0:
+        return {"do_sample": True, "temperature": inference.temperature, "top_k": inference.top_k,
+                "top_p": inference.top_p, "max_new_tokens": inference.max_new_tokens}
+    return {"do_sample": False, "max_new_tokens": inference.max_new_tokens}
+
+
 def hf_tokenizer(tok, chat_template: Optional[str] = None):
     """A ``PreTrainedTokenizerFast`` of ``tok``'s exact backend: BOS put in front of each text
     by the post-processor; without a chat template special-token strings in text stay text,
@@ -88,7 +107,7 @@ def hf_tokenizer(tok, chat_template: Optional[str] = None):
 
 def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype] = None,
              generation: Optional[dict] = None, chat_template: Optional[str] = None,
-             tok_name: str = "") -> list[Path]:
+             tok_name: str = "", max_shard_size: int = 2 * 10**9, hf_tok=None) -> list[Path]:
     """Write the model folder into ``folder`` (which exists and is empty); return the files."""
     from transformers import GenerationConfig, LlamaForCausalLM
     from utils.data.tok import INFO_FILE, export_info
@@ -113,9 +132,22 @@ def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype
     hf.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id,
                                             eos_token_id=tok.eos_token_id,
                                             pad_token_id=tok.pad_token_id, **gen)
-    hf.save_pretrained(folder, max_shard_size="2GB", safe_serialization=True)
-    hf_tokenizer(tok, chat_template).save_pretrained(folder, save_jinja_files=False)
+    hf.save_pretrained(folder, max_shard_size=max_shard_size, safe_serialization=True)
+    conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    conf.update(rope_theta=float(args.rope_theta), torch_dtype=str(dtype).removeprefix("torch."))
+    (folder / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n",
+                                        encoding="utf-8")
+    (hf_tok or hf_tokenizer(tok, chat_template)).save_pretrained(folder, save_jinja_files=False)
+    tconf = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    for key in ("is_local", "local_files_only"):   # how a loaded tokenizer was read, not what it is
+        tconf.pop(key, None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tconf, indent=2, ensure_ascii=False)
+                                                  + "\n", encoding="utf-8")
     (folder / INFO_FILE).write_text(json.dumps(export_info(tok, tok_name), indent=2,
                                                ensure_ascii=False) + "\n", encoding="utf-8")
     (folder / "README.md").write_text(card, encoding="utf-8")
-    return sorted(p for p in folder.iterdir() if p.is_file())
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    mode = (folder / "README.md").stat().st_mode & 0o777      # what the umask gives a new file
+    for f in files:
+        f.chmod(mode)
+    return files

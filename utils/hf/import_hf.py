@@ -3,6 +3,7 @@ transformers reads) as this project's model and tokenizer (library; no side effe
 files only, never the network).
 
     imported = load_hf_llama(path)       # .model, .tok, .tok_info, .config, .source
+    source_tokenizer(path)               # its tokenizer as transformers has it (to export again)
 
 Accepted: ``LlamaForCausalLM`` checkpoints (``model_type`` "llama") with no bias terms, RMSNorm,
 a gated MLP whose activation we have (SiLU, GELU, ReLU), default RoPE (no scaling). Refused
@@ -11,9 +12,17 @@ with a message naming the setting: other architectures (Mistral's sliding window
 embedding. The weights are loaded by transformers (so sharded safetensors and GGUF
 de-quantization work as there) and renamed by utils/hf/mapping.py; the logits equal
 transformers' on the same input (tests/test_export.py).
+
+Damaged or inconsistent input is a PipelineError naming the file and the field or tensor:
+a config.json that is not JSON or has values of the wrong type or range, unreadable
+tokenizer files, weights that are missing, left over (a bias tensor in a bias-free model),
+of another shape than the config gives, not floating point, or not finite, a truncated file.
+transformers itself would fill a missing tensor with random values and drop an unexpected
+one with a warning; an import never does.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -54,6 +63,16 @@ def _split(path: Path) -> tuple[Path, Optional[str]]:
     raise PipelineError(f"{path} does not exist (pass a Hugging Face model folder or a .gguf file).")
 
 
+def source_tokenizer(path):
+    """The transformers tokenizer of a Hugging Face folder or .gguf file as transformers loads
+    it (its own settings and chat template; what an export of the import writes again)."""
+    from transformers import AutoTokenizer
+    folder, gguf = _split(Path(path))
+    kw = {"gguf_file": gguf} if gguf else {}
+    return _read(lambda: AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw),
+                 f"the tokenizer of {folder / gguf if gguf else folder}")
+
+
 def llama_config_problems(c) -> list[str]:
     """What of a transformers config this project's model cannot represent."""
     from utils.activations import HF_ACT_NAMES
@@ -82,32 +101,34 @@ def load_hf_llama(path) -> Imported:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from model import create_model
     from utils.data.tok import as_exported_from, describe, plain
-    from utils.hf.mapping import from_hf_state_dict, model_args_from_hf_config
+    from utils.hf.mapping import from_hf_state_dict
     folder, gguf = _split(Path(path))
     kw = {"gguf_file": gguf} if gguf else {}
     where = str(folder / gguf) if gguf else str(folder)
-    try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True, **kw)
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
-        tok = plain(tok if gguf else as_exported_from(tok, folder))
-    except (OSError, ValueError, KeyError) as e:
-        raise PipelineError(f"cannot read the Hugging Face model in {where}: {type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:300]}") from None
+    config = _read(lambda: AutoConfig.from_pretrained(folder, local_files_only=True, **kw),
+                   where if gguf else str(folder / "config.json"))
     problems = llama_config_problems(config)
-    if len(tok) > config.vocab_size:
-        problems.append(f"its tokenizer has {len(tok)} tokens but the model {config.vocab_size} "
-                        "embedding rows")
     if problems:
         raise PipelineError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
-    args = model_args_from_hf_config(config, bos_id=tok.bos_token_id)
-    from safetensors import SafetensorError
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kw)
-    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:   # missing, truncated, foreign
-        raise PipelineError(f"cannot read the weights in {where}: {type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:300]}") from None
+    tok = _read(lambda: AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw),
+                where if gguf else f"the tokenizer files in {folder} (tokenizer.json, "
+                "tokenizer_config.json ...)")
+    tok = plain(tok if gguf else as_exported_from(tok, folder))
+    if len(tok) > config.vocab_size:
+        raise PipelineError(f"{where} cannot be imported: its tokenizer has {len(tok)} tokens but "
+                            f"the model {config.vocab_size} embedding rows.")
+    args = _model_args(config, tok.bos_token_id, where if gguf else str(folder / "config.json"))
+    if not gguf:
+        check_weight_files(folder, config)
+    hf, info = _read(lambda: AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, dtype=torch.float32, output_loading_info=True, **kw),
+        f"the weights in {where}")
+    _check_loading(info, where)
     sd = from_hf_state_dict(hf.state_dict(), args)
     del hf
+    bad = [k for k, v in sd.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise PipelineError(f"{where}: non-finite weights (NaN or inf) in {', '.join(bad[:4])}.")
     model = create_model(args)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
@@ -115,3 +136,78 @@ def load_hf_llama(path) -> Imported:
                             f"(missing {missing[:4]}, unexpected {unexpected[:4]}).")
     model.eval()
     return Imported(model, tok, describe(tok, where), config, where)
+
+
+def _read(load, what: str):
+    """``load()``, its failures on damaged input (not JSON, wrong types, truncated, missing)
+    as one PipelineError naming ``what``."""
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+    try:
+        return load()
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError,
+            StrictDataclassError) as e:
+        text = " ".join(str(e).split())[:400]
+        raise PipelineError(f"cannot read {what}: {type(e).__name__}: {text}") from None
+
+
+def _model_args(config, bos_id: Optional[int], what: str):
+    """ModelArgs of the config, its values out of range or of the wrong type named by their
+    config.json keys."""
+    from utils.config import ConfigError
+    from utils.hf.mapping import HF_CONFIG_NAMES, model_args_from_hf_config
+    try:
+        return model_args_from_hf_config(config, bos_id=bos_id)
+    except ConfigError as e:
+        problems = [re.sub(r"model\.(\w+)", lambda m: HF_CONFIG_NAMES.get(m.group(1), m.group(1)), p)
+                    for p in e.problems]
+        raise PipelineError(f"{what}: " + "; ".join(problems) + ".") from None
+    except (ValueError, TypeError) as e:
+        raise PipelineError(f"{what}: {e}.") from None
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")   # safetensors' names of what a weight can be
+
+
+def check_weight_files(folder: Path, config) -> None:
+    """Each of the folder's safetensors files is readable, and each tensor in it floating point
+    (an integer tensor would be cast into nonsense weights) of the shape ``config`` gives it
+    (read from the headers: no weights are loaded)."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+    from transformers import LlamaForCausalLM
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                tensors = [(k, st.get_slice(k).get_dtype(), tuple(st.get_slice(k).get_shape()))
+                           for k in st.keys()]
+        except (OSError, SafetensorError) as e:
+            raise PipelineError(f"cannot read the weights in {f}: {type(e).__name__}: "
+                                f"{' '.join(str(e).split())[:300]}") from None
+        for k, dtype, shape in tensors:
+            if dtype not in FLOAT_DTYPES:
+                raise PipelineError(f"{f}: tensor {k} is {dtype}, not floating point (weights "
+                                    f"are {', '.join(FLOAT_DTYPES)}).")
+            if k in shapes and shape != shapes[k]:
+                raise PipelineError(f"{f}: tensor {k} has shape {shape}, but config.json gives "
+                                    f"{shapes[k]}.")
+
+
+def _check_loading(info: dict, where: str) -> None:
+    """Refuse what transformers would paper over: missing tensors (it initializes them at
+    random) and unexpected ones (it drops them). A shape that differs from the config's it
+    refuses itself (and check_weight_files names it first for safetensors)."""
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.endswith("rotary_emb.inv_freq"))
+    unexpected = sorted(info.get("unexpected_keys", ()))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the config needs are missing ({', '.join(missing[:4])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensor(s) a Llama of this config has no place for "
+                        f"({', '.join(unexpected[:4])}: bias terms, another architecture?)")
+    problems += [" ".join(str(m).split())[:300] for m in info.get("error_msgs") or []]
+    problems += [f"{k}: {v}" for k, v in (info.get("conversion_errors") or {}).items()]
+    if problems:
+        raise PipelineError(f"{where}: the weights do not match its config: " + "; ".join(problems) + ".")

@@ -128,6 +128,8 @@ def model_args_from_hf_config(c, bos_id: Optional[int] = None) -> ModelArgs:
     theta = rope.get("rope_theta", getattr(c, "rope_theta", 10_000.0))
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"rope_theta {theta!r} is not a number")
     values = {ours: getattr(c, hf) for ours, hf in HF_CONFIG_NAMES.items()}
     values["n_kv_heads"] = values["n_kv_heads"] or c.num_attention_heads
     values["tie_embeddings"] = bool(values["tie_embeddings"])

@@ -19,8 +19,12 @@ What goes in (the ``llama`` architecture of llama.cpp):
   tokenizer's vocabulary become unused ``[PAD<i>]`` tokens; an SFT checkpoint's Jinja chat
   template as ``tokenizer.chat_template``.
 
-Refused (ValueError naming the option): what Llama cannot express (utils/hf/export.py), a
-q8_0 export whose rows are not a multiple of 32 values, a tokenizer of another kind.
+Refused (ValueError naming the option): what Llama cannot express (utils/hf/export.py);
+GeGLU and ReGLU models (:func:`gguf_problems`: llama.cpp's ``llama`` graph applies SiLU to the
+gate, whatever the file says, so it would compute another function; the Hugging Face export
+expresses them); a q8_0 export whose rows are not a multiple of 32 values; a tokenizer whose
+ids llama.cpp's tokenizers cannot reproduce (neither a SentencePiece model nor a byte-level
+BPE with GPT-2's pre-tokenizer exactly).
 """
 from __future__ import annotations
 
@@ -49,6 +53,18 @@ _NAMES = [  # Hugging Face Llama -> llama.cpp ({i}: block index)
     ("model.norm.weight", "output_norm.weight"),
     ("lm_head.weight", "output.weight"),
 ]
+
+
+def gguf_problems(args) -> list[str]:
+    """What of ``args`` the GGUF ``llama`` architecture cannot express (empty: exportable): what
+    Llama lacks (utils/hf/export.py) and a gate activation other than SiLU."""
+    from utils.hf.export import llama_problems
+    out = llama_problems(args)
+    if args.activation != "swiglu":
+        out.append(f"model.activation is '{args.activation}': llama.cpp's llama architecture "
+                   "applies SiLU (SwiGLU) to the gate, so it would compute another function "
+                   "(export --format hf: transformers' Llama expresses it)")
+    return out
 
 
 def rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -82,14 +98,15 @@ def _file_type(dtype: str):
 
 
 def write_gguf(path: Path, model, tok, dtype: str = "f16", name: str = "model",
-               chat_template: Optional[str] = None) -> Path:
-    """Write ``model`` and ``tok`` as one GGUF file at ``path``."""
+               chat_template: Optional[str] = None, add_bos: Optional[bool] = None) -> Path:
+    """Write ``model`` and ``tok`` as one GGUF file at ``path``. ``add_bos``: whether llama.cpp
+    puts BOS in front of a text (None: when the tokenizer has one, as this project's models
+    read every text)."""
     import gguf
-    from utils.hf.export import llama_problems
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"GGUF dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
     a = model.args
-    problems = llama_problems(a)
+    problems = gguf_problems(a)
     if problems:
         raise ValueError("; ".join(problems))
     w = gguf.GGUFWriter(str(path), "llama")
@@ -107,7 +124,7 @@ def write_gguf(path: Path, model, tok, dtype: str = "f16", name: str = "model",
     w.add_file_type(_file_type(dtype))
     if dtype == "q8_0":
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_tokenizer(w, tok, a.vocab_size)
+    _add_tokenizer(w, tok, a.vocab_size, tok.bos_token_id is not None if add_bos is None else add_bos)
     if chat_template:
         w.add_chat_template(chat_template)
     sd = to_hf_state_dict(model)
@@ -129,7 +146,7 @@ def write_gguf(path: Path, model, tok, dtype: str = "f16", name: str = "model",
 
 
 # --------------------------------------------------------------------------- tokenizers
-def _add_tokenizer(w, tok, vocab_size: int) -> None:
+def _add_tokenizer(w, tok, vocab_size: int, add_bos: bool) -> None:
     from utils.data.tok import SPM_CONVERSION, backend_of, conversion_of, spm_model_of
     backend = backend_of(tok)
     data = json.loads(backend.to_str())
@@ -144,13 +161,14 @@ def _add_tokenizer(w, tok, vocab_size: int) -> None:
                          ".model file is not at hand (a saved copy from before copies kept it): "
                          "re-save it with `python main.py tokenize`, or export --format hf")
     else:
-        raise ValueError("the tokenizer is neither a SentencePiece model nor a byte-level BPE; "
-                         "llama.cpp's GGUF tokenizers cannot reproduce its ids (export --format hf)")
+        raise ValueError("the tokenizer is neither a SentencePiece model of this project nor a "
+                         "byte-level BPE with GPT-2's pre-tokenizer; llama.cpp's GGUF tokenizers "
+                         "would give other ids (export --format hf)")
     for key, tid in (("bos", tok.bos_token_id), ("eos", tok.eos_token_id), ("unk", tok.unk_token_id),
                      ("pad", tok.pad_token_id)):
         if tid is not None:
             getattr(w, f"add_{key}_token_id")(int(tid))
-    w.add_add_bos_token(tok.bos_token_id is not None)
+    w.add_add_bos_token(add_bos)
     w.add_add_eos_token(False)
 
 
@@ -174,9 +192,12 @@ def _add_spm(w, source, vocab_size: int) -> None:
 
 
 def _is_byte_level(data: dict) -> bool:
+    """GPT-2's byte-level BPE exactly (llama.cpp's ``gpt-2`` pre-tokenizer): one ByteLevel
+    pre-tokenizer with GPT-2's split pattern and no prefix space, no normalizer. A sequence
+    (digits split apart, another pattern: SmolLM2, Llama 3 ...) splits text otherwise."""
     pre = data.get("pre_tokenizer") or {}
-    kinds = [pre.get("type")] + [p.get("type") for p in pre.get("pretokenizers", [])]
-    return "ByteLevel" in kinds and not data.get("normalizer")
+    return (pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space") and not data.get("normalizer"))
 
 
 def _add_byte_bpe(w, data: dict, tok, vocab_size: int) -> None:
