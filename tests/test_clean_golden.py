@@ -50,7 +50,7 @@ def clean_sample(tmp: Path, name: str) -> dict:
     totals = json.loads((out / "cleaning_summary.json").read_text())["totals"]
     totals.pop("seconds")
     return {"sha256": hashlib.sha256(data).hexdigest(),
-            "articles": [[hashlib.sha256(line).hexdigest()[:16], line[:48].decode("utf-8", "replace")]
+            "articles": [[hashlib.sha256(line).hexdigest()[:16], line.decode("utf-8")[:48]]
                          for line in data.splitlines()],
             "totals": totals}
 
