@@ -130,6 +130,22 @@ def test_tidy_up_cleans_what_markup_removal_left(source, expected):
     assert text_of(source) == expected
 
 
+def test_tidy_up_on_runs_equals_tidy_up_on_the_whole_paragraph():
+    """The tidy patterns run on each run of whitespace, punctuation and MARKs holding a MARK;
+    applied one after another to the whole paragraph, they give the same text."""
+    def whole(text: str) -> str:
+        for pattern, repl in (*wt._TIDY, wt._TIDY_START):
+            text = pattern.sub(repl, text)
+        return text
+
+    rng = random.Random(7)
+    alphabet = ["word", "x", " ", "  ", ",", ";", ":", ".", "!", "?", "(", ")", wt.MARK, wt.MARK]
+    for _ in range(20000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 16)))
+        runs = wt._TIDY_RUN.sub(lambda m: wt._tidy_run(m.group(0), m.start() == 0), text)
+        assert runs == whole(text), repr(text)
+
+
 def test_sentinel_in_input_is_not_markup():
     assert wt.MARK not in text_of(f"a{wt.MARK} (b) c{wt.MARK}.")
     assert text_of(f"printf(){wt.MARK} x") == "printf() x"
