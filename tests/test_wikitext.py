@@ -125,6 +125,8 @@ def test_tidy_up_never_rewrites_real_text(real_text):
     ("text {{citation needed}} , more", "text, more"),
     ("word, {{foo}}, more", "word, more"),
     ("See [[File:x.png|thumb|c]] above.", "See above."),
+    ("<math>x</math>, which means y.", "which means y."),        # the start was removed
+    ("{{foo}}. Then more.", "Then more."),
 ])
 def test_tidy_up_cleans_what_markup_removal_left(source, expected):
     assert text_of(source) == expected
@@ -134,7 +136,7 @@ def test_tidy_up_on_runs_equals_tidy_up_on_the_whole_paragraph():
     """The tidy patterns run on each run of whitespace, punctuation and MARKs holding a MARK;
     applied one after another to the whole paragraph, they give the same text."""
     def whole(text: str) -> str:
-        for pattern, repl in (*wt._TIDY, wt._TIDY_START):
+        for pattern, repl in (wt._TIDY_START, *wt._TIDY):
             text = pattern.sub(repl, text)
         return text
 

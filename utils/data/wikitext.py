@@ -73,7 +73,8 @@ _TIDY = [
     # "text MARK." / "text MARK ," -> "text." (space left before punctuation by a removal)
     (re.compile(rf"\s*{_M}[\s{_M}]*([,.;:!?])"), r"\1"),
 ]
-# a paragraph that starts with punctuation only because its start was removed (applied last)
+# a paragraph that starts with punctuation only because its start was removed (applied
+# first: after "text MARK." -> "text." nothing of the kind is left to match)
 _TIDY_START = (re.compile(rf"^[\s{_M}]*{_M}[\s{_M}]*[,.;:]+\s*"), "")
 # Every tidy match is a run of whitespace, ",;:.!?()" and MARKs holding a MARK, so the
 # patterns run on each such run alone (cached: a few hundred distinct runs make up a whole
@@ -83,7 +84,7 @@ _TIDY_RUN = re.compile(rf"[\s,;:.!?(){_M}]*{_M}[\s,;:.!?(){_M}]*")
 
 @lru_cache(maxsize=4096)
 def _tidy_run(run: str, at_start: bool) -> str:
-    for pattern, repl in (*_TIDY, _TIDY_START) if at_start else _TIDY:
+    for pattern, repl in (_TIDY_START, *_TIDY) if at_start else _TIDY:
         run = pattern.sub(repl, run)
     return run
 
