@@ -22,9 +22,12 @@ model is trained on:
 - :func:`sanitize` replaces lone surrogates (from JSON ``\\ud800`` escapes) with U+FFFD and
   removes control characters, counting both.
 
-Costs: <ref>s are cut out first (:func:`cut_references`, as MediaWiki takes extension tags
-out before parsing; a third of the tokenizer's time). mwparserfromhell's C tokenizer makes a
-flat token list; :func:`render_tokens` renders
+Costs: what is dropped anyway is cut out before parsing, as MediaWiki's preprocessor takes
+it out before its parser runs: <ref>s (:func:`cut_references`), then templates that carry
+no text and tables (:func:`cut_dropped_blocks`), found by brace and line matching that skips
+comments and tags whose content is not wikitext; that is about half of an article's
+wikitext and of the tokenizer's time. mwparserfromhell's C tokenizer then makes a flat
+token list; :func:`render_tokens` renders
 straight from it, skipping dropped constructs (references, citations, infoboxes, tables)
 without ever building their nodes, and builds a node tree only for a template that carries
 text (rendered by :func:`render_nodes`, the reference semantics; a token sequence it does
@@ -865,10 +868,94 @@ def cut_references(wikitext: str) -> str:
     return _REF_OR_COMMENT.sub(lambda m: m.group(1) or MARK, wikitext)
 
 
+# Where templates and tables start and end, found as MediaWiki's preprocessor finds them:
+# comments and the extension tags whose content is not wikitext (mwparserfromhell's
+# PARSER_BLACKLIST) are skipped whole; "{{" and "}}" pair up; "{|" and "|}" count at the
+# start of a line (or after one space there), as in the tokenizer.
+_OPAQUE_TAGS = ("categorytree", "ce", "chem", "gallery", "graph", "hiero", "imagemap",
+                "inputbox", "math", "nowiki", "pre", "score", "section", "source",
+                "syntaxhighlight", "templatedata", "timeline")
+_STRUCTURE = re.compile(rf"<!--|<(?:{'|'.join(_OPAQUE_TAGS)})(?=[\s/>])|\{{\{{+|\}}\}}+"
+                        r"|\n[^\S\n]?(?:\{\||\|\})", re.I)
+_NAME_STOP = re.compile(r"[{}\[\]<>]")
+
+
+def cut_dropped_blocks(wikitext: str) -> str:
+    """Replace each dropped template (:func:`template_renderer` is None for its name) and
+    each table outside templates with a MARK before parsing, as the node path renders them;
+    the tokenizer never sees them (infoboxes, navboxes and tables cost it half its time).
+    Only what is certain is cut: a template whose name holds markup stays, and a "{{{"
+    argument, an unclosed comment or tag, or a table that does not close at the template
+    depth it opened at stop the cutting there: the parser takes the rest as it is."""
+    text = "\n" + wikitext                    # a table may open on the first line
+    cuts: list[tuple[int, int]] = []          # [start, end) spans, in order, outermost only
+    opens: list[int] = []                     # start of each "{{" not yet closed
+    tables: list[tuple[int, int]] = []        # (start, len(opens) then) of each open table
+    m = _STRUCTURE.search(text)
+    while m:
+        token, pos, resume = m.group(0), m.start(), m.end()
+        if token[0] == "<":
+            resume = _opaque_end(text, m)
+            if resume < 0:
+                break
+        elif token[0] == "\n":
+            if token.endswith("{|"):
+                tables.append((resume - 2, len(opens)))
+            elif tables:
+                begin, depth = tables.pop()
+                if depth != len(opens):
+                    break
+                if depth == 0:
+                    _add_cut(cuts, begin, resume)
+        elif len(token) % 2:
+            break                              # "{{{" or "}}}": a template argument
+        elif token[0] == "{":
+            opens += range(pos, resume, 2)
+        else:
+            for end in range(pos + 2, resume + 1, 2):
+                if not opens:
+                    break
+                begin = opens.pop()
+                bar = text.find("|", begin + 2, end - 2)
+                name = text[begin + 2:end - 2 if bar < 0 else bar]
+                if name.strip() and not _NAME_STOP.search(name) and template_renderer(name) is None:
+                    _add_cut(cuts, begin, end)
+        m = _STRUCTURE.search(text, resume)
+    if not cuts:
+        return wikitext
+    out, last = [], 0
+    for begin, end in cuts:
+        out += [text[last:begin], MARK]
+        last = end
+    out.append(text[last:])
+    return "".join(out)[1:]
+
+
+def _add_cut(cuts: list, begin: int, end: int) -> None:
+    while cuts and cuts[-1][0] >= begin:      # spans inside this one
+        cuts.pop()
+    cuts.append((begin, end))
+
+
+def _opaque_end(text: str, m: re.Match) -> int:
+    """Where the comment or opaque tag at ``m`` ends (-1: it never does)."""
+    if m.group(0) == "<!--":
+        end = text.find("-->", m.end())
+        return end + 3 if end >= 0 else -1
+    name = m.group(0)[1:]
+    gt = text.find(">", m.end())
+    if gt < 0:
+        return -1
+    if text[gt - 1] == "/":
+        return gt + 1                          # <nowiki/>
+    close = re.compile(rf"</{name}\s*>", re.I).search(text, gt)
+    return close.end() if close else -1
+
+
 def render(wikitext: str) -> list:
     """Wikitext -> pieces: strings (MARKed text) and HeadingMarks, in document order.
     Constructs the parser left as plain text are removed by :func:`strip_leftover_markup`."""
-    pieces = render_tokens(tokenize(cut_references(wikitext.replace(MARK, ""))))
+    pieces = render_tokens(tokenize(cut_dropped_blocks(cut_references(wikitext.replace(MARK, "")))))
     out: list = []
     run: list[str] = []
     for piece in pieces:
