@@ -853,9 +853,10 @@ def render_tokens(tokens: list) -> list:
     return pieces
 
 
-# A <ref>...</ref> (or <ref .../>) holding no other ref and no comment, or a comment (kept).
-_REF_OR_COMMENT = re.compile(r"(<!--.*?(?:-->|\Z))|<ref(?=[\s/>])[^<>]*/>"
-                             r"|<ref(?=[\s>])[^<>]*>[^<]*(?:<(?!/?ref[\s/>]|!--)[^<]*)*</ref\s*>",
+# A comment (group 1: kept), or a <ref>...</ref> (or <ref .../>) holding no other ref and no
+# comment. Every branch starts with "<", which lets the regex engine skip to the next "<".
+_REF_OR_COMMENT = re.compile(r"<(?:(!--.*?(?:-->|\Z))|ref(?=[\s/>])[^<>]*/>"
+                             r"|ref(?=[\s>])[^<>]*>[^<]*(?:<(?!/?ref[\s/>]|!--)[^<]*)*</ref\s*>)",
                              re.S | re.I)
 
 
@@ -865,7 +866,7 @@ def cut_references(wikitext: str) -> str:
     part of it. References are about a third of an article's wikitext and of the
     tokenizer's time, and are dropped anyway; a ref that nests another ref or holds a
     comment is left to the parser."""
-    return _REF_OR_COMMENT.sub(lambda m: m.group(1) or MARK, wikitext)
+    return _REF_OR_COMMENT.sub(lambda m: m.group(0) if m.group(1) else MARK, wikitext)
 
 
 # Where templates and tables start and end, found as MediaWiki's preprocessor finds them:
@@ -981,7 +982,7 @@ def article_text(wikitext: str, builder: ArticleBuilder) -> str:
 
 # Leftovers of constructs mwparserfromhell could not parse (it keeps them as plain text,
 # e.g. a table with broken quoting or a bold/italic run that never closes).
-_LEFTOVER_HINT = re.compile(r"\[\[|\{\{|\{\||<|''|^\s*\|", re.M)
+_LEFTOVER_HINT = re.compile(r"\[\[|\{\{|\{\||<|''|\n[^\S\n]*\|")     # each starts with a literal
 _LEFTOVER_SUBS = [
     (re.compile(r"<!--.*?(?:-->|$)", re.S), MARK),
     (re.compile(r"<ref[^<>]*/>|<ref[^<>]*>.*?</ref>", re.S | re.I), MARK),
@@ -999,7 +1000,7 @@ def strip_leftover_markup(text: str) -> str:
     """Regex fallback for wikitext that survived parsing as plain text: refs, templates,
     tables, file/category links and tags are dropped (leaving MARKs), [[link|text]]
     becomes text."""
-    if not _LEFTOVER_HINT.search(text):
+    if not _LEFTOVER_HINT.search(text) and not text.lstrip().startswith("|"):
         return text
     for pattern, repl in _LEFTOVER_SUBS:
         text = pattern.sub(repl, text)
