@@ -3,6 +3,7 @@
     python main.py clean                       # every dump in wikipedia.raw_dir
     python main.py clean --test                # first cleaning.test_max_articles per file
     python main.py clean --input-dir data/samples/enwiki --force
+    python main.py clean --shard 2/4           # this machine's quarter of the input files
 
 This file is the stage: it finds and reads dumps, runs the workers and reports. Turning
 wikitext and article text into clean text is the library :mod:`utils.data.wikitext`. What the
@@ -48,9 +49,16 @@ a serial run. Only raw bytes/strings cross to the workers (JSON is parsed there)
 record can fail to pickle. ``--test`` reads only the first ``cleaning.test_max_articles``
 records of each file. Exit 1 if any file failed or no usable article came out at all; 130
 on Ctrl-C (finished outputs kept, unfinished ones never appear).
+
+Across machines (``--shard I/N``): machine I of N cleans the input files at positions I,
+I+N, I+2N, ... of the sorted list, so N machines given the same folder (Wikimedia publishes
+the articles dump in part files) clean every file exactly once; each writes its outputs and
+``cleaning_summary_shardIofN.json``, so they may share one output folder. Costs and a
+full-dump estimate: docs/data_stages.md.
 """
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import queue
 import signal
@@ -481,7 +489,33 @@ def build_parser() -> StageParser:
     p.add_argument("--force", action="store_true",
                    help="redo inputs whose output already exists (it is replaced only when the "
                         "new one is complete)")
+    p.add_argument("--shard", type=shard_spec, default=None, metavar="I/N",
+                   help="clean only shard I of N: the input files (sorted by name) whose position "
+                        "is I, I+N, I+2N, ... (split a dump across N machines, each writing its own "
+                        "cleaned files and cleaning_summary_shardIofN.json)")
     return p
+
+
+def shard_spec(text: str) -> tuple[int, int]:
+    """``--shard I/N`` -> (I, N), 1 <= I <= N."""
+    i, _, n = text.partition("/")
+    if not (i.strip().isdigit() and n.strip().isdigit() and 1 <= int(i) <= int(n)):
+        raise argparse.ArgumentTypeError(f"expected I/N with 1 <= I <= N (e.g. 2/4), got {text!r}")
+    return int(i), int(n)
+
+
+def take_shard(inputs: list, outputs: list, shard: Optional[tuple[int, int]]) -> tuple[list, list]:
+    """The inputs and outputs of shard I/N: every Nth input file by name, from the Ith."""
+    if shard is None:
+        return inputs, outputs
+    i, n = shard
+    print(f"Shard {i}/{n}: {len(inputs[i - 1::n])} of the {len(inputs)} input file(s)", flush=True)
+    return inputs[i - 1::n], outputs[i - 1::n]
+
+
+def summary_file(shard: Optional[tuple[int, int]]) -> str:
+    """cleaning_summary.json, or cleaning_summary_shardIofN.json: shards may share a folder."""
+    return SUMMARY_FILE if shard is None else SUMMARY_FILE.replace(".json", f"_shard{shard[0]}of{shard[1]}.json")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -489,6 +523,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     input_dir = cfg.path("wikipedia.raw_dir")
     output_dir = cfg.resolve(cfg.cleaning.output_dir) or cfg.path("paths.cleaned_dir")
     inputs, outputs, not_files = find_work(input_dir, output_dir)
+    inputs, outputs = take_shard(inputs, outputs, args.shard)
     opts = CleanOptions.from_config(cfg)
     results, tasks = plan_files(inputs, outputs, opts, args.force)
     run = announce(cfg, tasks, inputs, input_dir, output_dir, opts, not_files)
@@ -499,8 +534,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ordered = [results[str(p)] for p in inputs]
     totals = summarize(ordered, time.monotonic() - start)
     print_summary(ordered, totals, not_files)
-    write_summary(cfg, input_dir, output_dir, ordered, totals, not_files)
-    return verdict(ordered, totals, tasks, inputs, output_dir, opts)
+    write_summary(cfg, input_dir, output_dir / summary_file(args.shard), ordered, totals, not_files)
+    return verdict(ordered, totals, tasks, inputs, output_dir / summary_file(args.shard), opts)
 
 
 # --------------------------------------------------------------------------- steps of main
@@ -559,25 +594,29 @@ def announce(cfg, tasks, inputs, input_dir, output_dir, opts: CleanOptions, not_
     return run_workers if per_file else run_in_process
 
 
-def write_summary(cfg, input_dir, output_dir, ordered, totals, not_files) -> None:
-    """resolved_config.json and cleaning_summary.json next to the outputs (atomically)."""
+def write_summary(cfg, input_dir, summary_path: Path, ordered, totals, not_files) -> None:
+    """resolved_config.json and the summary (``summary_path``) next to the outputs (atomically)."""
+    output_dir = summary_path.parent
     cfg.save_resolved(output_dir)
     summary = {"test": cfg.test, "input_dir": str(input_dir), "output_dir": str(output_dir),
                "inputs_skipped": [{"name": n, "reason": why} for n, why in not_files],
                "totals": totals, "files": [asdict(r) for r in ordered]}
-    write_json_atomic(output_dir / SUMMARY_FILE, summary)
+    write_json_atomic(summary_path, summary)
 
 
-def verdict(ordered, totals, tasks, inputs, output_dir, opts: CleanOptions) -> int:
+def verdict(ordered, totals, tasks, inputs, summary_path: Path, opts: CleanOptions) -> int:
     """Exit 1 (raised) when a file failed or nothing usable came out; else say what was written."""
+    output_dir = summary_path.parent
     failed = [r for r in ordered if r.status == "failed"]
     if failed:
         names = "; ".join(f"{Path(r.input).name}: {r.error}" for r in failed)
-        more = (f" The traceback is in {output_dir / SUMMARY_FILE}." if any(r.traceback for r in failed)
-                else "")
+        more = f" The traceback is in {summary_path}." if any(r.traceback for r in failed) else ""
         raise PipelineError(f"{len(failed)} of {len(inputs)} input file(s) failed ({names}). "
                             f"Other files were cleaned and earlier outputs of the failed ones are "
                             f"unchanged; fix or remove the failed ones and re-run.{more}")
+    if not inputs:
+        print("Nothing to do: this shard holds none of the input files.")
+        return 0
     if not tasks:
         print(f"Nothing to do: every output exists in {output_dir} (use --force to redo).")
         return 0

@@ -68,14 +68,14 @@ DEFAULT_VENV = Path.home() / ".cache" / "llm-pipeline" / "perf-tools"
 
 
 # --------------------------------------------------------------------------- the dump
-def build_dump(copies: int, out: Path, compress: bool) -> tuple[Path, int, int]:
+def build_dump(copies: int, out: Path, compress: bool) -> tuple[Path, int, int, int]:
     """The sample's pages repeated ``copies`` times (new page ids and titles from the second
-    copy on) -> (path, pages, articles). Articles: article-namespace pages that are not
-    redirects, counted from the sample the way the cleaner reads it."""
+    copy on) -> (path, pages, articles, characters of article wikitext). Articles:
+    article-namespace pages that are not redirects, counted the way the cleaner reads them."""
     from utils.data.mediawiki import is_redirect_text, iter_xml_pages
     with bz2.open(SAMPLE) as f:
-        articles = sum(p.ns == 0 and not p.redirect and not is_redirect_text(p.text)
-                       for p in iter_xml_pages(f))
+        texts = [p.text for p in iter_xml_pages(f)
+                 if p.ns == 0 and not p.redirect and not is_redirect_text(p.text)]
     text = bz2.decompress(SAMPLE.read_bytes()).decode("utf-8")
     start, end = text.index("  <page>"), text.rindex("</mediawiki>")
     pages = re.findall(r"  <page>.*?</page>\n", text[start:end], re.S)
@@ -96,7 +96,26 @@ def build_dump(copies: int, out: Path, compress: bool) -> tuple[Path, int, int]:
         for k in range(copies):
             f.write("".join(copy(p, k) for p in pages).encode())
         f.write(text[end:].encode())
-    return path, len(pages) * copies, articles * copies
+    return path, len(pages) * copies, len(texts) * copies, sum(map(len, texts)) * copies
+
+
+def reader_rates() -> tuple[float, float]:
+    """MB/s of XML that one core reads into pages (what the stage's own process does before
+    handing pages to converters), from the sample: (from .xml.bz2, from plain .xml)."""
+    from utils.data.mediawiki import iter_xml_pages
+    import io
+    raw = bz2.decompress(SAMPLE.read_bytes())
+    rates = []
+    for opener in (lambda: bz2.open(SAMPLE), lambda: io.BytesIO(raw)):
+        best = min(_cpu_seconds(lambda: sum(1 for _ in iter_xml_pages(opener()))) for _ in range(3))
+        rates.append(len(raw) / 1e6 / best)
+    return rates[0], rates[1]
+
+
+def _cpu_seconds(fn) -> float:
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
 
 
 # --------------------------------------------------------------------------- tools
@@ -271,7 +290,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # temp dir goes
     work = Path(tempfile.mkdtemp(prefix="clean-throughput-"))
     try:
-        dump, pages, articles = build_dump(a.copies, work, a.bz2)
+        dump, pages, articles, article_chars = build_dump(a.copies, work, a.bz2)
         size = dump.stat().st_size / 1e6
         print(f"clean throughput: {dt.datetime.now(dt.timezone.utc):%Y-%m-%dT%H:%M} UTC | {machine()}")
         print(f"dump: the offline sample x {a.copies} = {pages:,} pages, {articles:,} articles, "
@@ -280,12 +299,12 @@ def main() -> int:
         if a.profile:
             profile(py, dump, work, a.processes)
             return 0
-        return compare(a, py, dump, work, articles)
+        return compare(a, py, dump, work, articles, article_chars)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def compare(a, py: Path, dump: Path, work: Path, articles: int) -> int:
+def compare(a, py: Path, dump: Path, work: Path, articles: int, article_chars: int) -> int:
     contenders = {"ours (main.py clean)": lambda out, n: ours_command(dump, out, n),
                   "wikiextractor 3.1.0": lambda out, n: theirs_command(py, dump, out, n)}
     names = list(contenders)
@@ -324,6 +343,11 @@ def compare(a, py: Path, dump: Path, work: Path, articles: int) -> int:
         for name in names:
             one, many = (statistics.median(x["wall"] for x in results[name, n]) for n in counts)
             print(f"  speed-up 1 -> {a.processes} processes, {name:22s} {one / many:4.2f}x")
+    cpu_one = statistics.median(x["cpu"] for x in results[ours, 1])
+    bz2_rate, xml_rate = reader_rates()
+    print(f"for estimates: ours at 1 process, {cpu_one / (article_chars / 1e6):.3f} CPU s per MB of "
+          f"article wikitext ({article_chars / articles / 1e3:.1f} kB per article here); one core "
+          f"reads {bz2_rate:.0f} MB/s of XML into pages from .xml.bz2, {xml_rate:.0f} MB/s from .xml")
     from wikitext_gaps import dump_probes
     probes, raw = dump_probes(SAMPLE_DIR)
     text, same = ours_text(outs[ours], a.copies)

@@ -288,6 +288,33 @@ def test_clean_jsonl_end_to_end_and_rerun(tmp_config, tmp_path):
     assert len(out.read_text(encoding="utf-8").splitlines()) == 3
 
 
+def test_shard_splits_the_input_files_across_machines(tmp_config, tmp_path):
+    """--shard I/N: each "machine" cleans every Nth file by name from the Ith, into one shared
+    folder; together they write every output once, each with its own summary."""
+    raw = tmp_path / "raw"
+    names = [f"part{k}.jsonl" for k in range(1, 6)]
+    for name in names:
+        write_jsonl(raw / name, bad_lines=())
+    cfg = cfg_for(tmp_config, tmp_path, raw)
+    written = {}
+    for i in (1, 2):
+        proc = run_main("clean", "--config", cfg, "--shard", f"{i}/2")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        summary = json.loads((out_dir(tmp_path) / f"cleaning_summary_shard{i}of2.json").read_text())
+        written[i] = [Path(f["input"]).name for f in summary["files"]]
+        assert f"Shard {i}/2: {len(written[i])} of the 5 input file(s)" in proc.stdout
+    assert written == {1: ["part1.jsonl", "part3.jsonl", "part5.jsonl"], 2: ["part2.jsonl", "part4.jsonl"]}
+    assert sorted(p.name for p in out_dir(tmp_path).glob("cleaned_*.txt")) == \
+        [cleaner.output_name(Path(n)) for n in names]
+    assert not (out_dir(tmp_path) / "cleaning_summary.json").exists()
+
+    proc = run_main("clean", "--config", cfg, "--shard", "7/9")     # more machines than files
+    assert proc.returncode == 0 and "this shard holds none of the input files" in proc.stdout
+    for bad in ("0/2", "3/2"):
+        proc = run_main("clean", "--config", cfg, "--shard", bad)
+        assert proc.returncode == 2 and "expected I/N with 1 <= I <= N" in proc.stderr, proc.stderr
+
+
 def test_min_chars_and_test_limit(tmp_config, tmp_path):
     raw = tmp_path / "raw"
     write_jsonl(raw / "a.jsonl", bad_lines=())
