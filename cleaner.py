@@ -41,11 +41,12 @@ repairs). A bad file (truncated, not a dump, unsafe XML, unreadable) fails that 
 An exception inside our own conversion is not bad input: it fails the file naming the page
 (exit 1), with the traceback in the summary file.
 
-Parallelism (``--workers``, 0 = the CPUs this process may use), streaming either way: with
-at least as many input files as workers, one worker process per file; with fewer (a single
-big XML dump is the usual download), files are read one after another here and each
-file's records are converted by all workers, in order, so the output is byte-identical to
-a serial run. Only raw bytes/strings cross to the workers (JSON is parsed there), so no
+Parallelism (``--workers`` W, 0 = the CPUs this process may use), streaming either way: one
+file (a single big XML dump is the usual download) is read here and its records are
+converted by all W workers, in order, so the output is byte-identical to a serial run. F
+files: min(F, W) at once, each read by its own process, with W // F converters of its own
+when F < W (27 part files on 32 cores: 27 readers; 4 files: 4 readers with 8 converters
+each): one reader decompressing .bz2 feeds only a few converters (docs/data_stages.md). Only raw bytes/strings cross to the workers (JSON is parsed there), so no
 record can fail to pickle. ``--test`` reads only the first ``cleaning.test_max_articles``
 records of each file. Exit 1 if any file failed or no usable article came out at all; 130
 on Ctrl-C (finished outputs kept, unfinished ones never appear).
@@ -106,9 +107,13 @@ class FileResult:
 
 
 
-def _ignore_sigint() -> None:
-    """Pool initializer: Ctrl-C is the parent's job (it stops the pool)."""
+def _ignore_stop_signals() -> None:
+    """Pool initializer: Ctrl-C and SIGTERM (a terminal's or a supervisor's, to the whole
+    process group) are the parent's job: it stops the pool, whose workers finish the batch
+    at hand. A converter stopped in the middle of taking a batch off the shared queue would
+    leave its lock held and hang the others."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _convert_batch(job: tuple) -> list[Converted]:
@@ -125,7 +130,7 @@ def _converted_in_parallel(raw: Iterator[tuple[object, str]], fmt: str, opts: Cl
     batches = iter(lambda: [r for _, r in zip(range(batch), raw)], [])
     for chunk, converted in ordered_map(_convert_batch, batches, opts.record_workers,
                                         arg=lambda chunk: (fmt, opts, chunk),
-                                        initializer=_ignore_sigint):
+                                        initializer=_ignore_stop_signals):
         yield from zip(converted, (where for _, where in chunk))
 
 
@@ -328,7 +333,8 @@ def run_in_process(tasks: list[tuple], workers: int) -> list[FileResult]:
 
 
 def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)     # unwinds through atomic_open: the temp file goes
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # once: a second one (the group's, then the
+    raise SystemExit(128 + signum)     # parent's) must not cut the unwinding (temp file, pool)
 
 
 def _worker_main(index: int, task: tuple, messages) -> None:
@@ -348,16 +354,24 @@ def _remove_temp(output: str, pid: Optional[int]) -> None:
         temp_path(Path(output), pid).unlink(missing_ok=True)
 
 
+def _per_file(tasks: list[tuple], workers: int) -> list[tuple[int, tuple]]:
+    """(index, task) per file; with fewer files than ``workers`` each file's process converts
+    its records with ``workers // files`` processes of its own (so it is not daemonic)."""
+    converters = max(1, workers // max(1, len(tasks)))
+    return [(i, (inp, out, replace(opts, record_workers=converters)))
+            for i, (inp, out, opts) in enumerate(tasks)]
+
+
 def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
-    """Clean files in parallel, one worker process per input file, at most ``workers`` at
-    a time, with one tqdm bar (articles/s) for the whole run.
+    """Clean files in parallel, one worker process per input file (:func:`_per_file`), at
+    most ``workers`` at a time, with one tqdm bar (articles/s) for the whole run.
 
     A worker that dies without reporting (killed, out of memory) fails its file only.
     On Ctrl-C every worker is terminated and its temp file removed before re-raising;
     outputs already finished stay."""
     ctx = mp.get_context()
     messages = ctx.Queue()
-    todo = list(enumerate(tasks))
+    todo = _per_file(tasks, workers)
     running: dict[int, mp.process.BaseProcess] = {}
     results: dict[int, FileResult] = {}
     bar = _new_bar()
@@ -374,7 +388,7 @@ def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
             while todo and len(running) < workers:
                 index, task = todo.pop(0)
                 proc = ctx.Process(target=_worker_main, args=(index, task, messages),
-                                   name=f"clean-{Path(task[0]).name}", daemon=True)
+                                   name=f"clean-{Path(task[0]).name}")
                 proc.start()
                 running[index] = proc
             try:
@@ -579,14 +593,19 @@ def plan_files(inputs, outputs, opts: CleanOptions, force: bool) -> tuple[dict, 
 
 
 def announce(cfg, tasks, inputs, input_dir, output_dir, opts: CleanOptions, not_files) -> Callable:
-    """Say what runs how, and return the runner. As many files as cores: one process per
-    file. Fewer (a single big XML dump is the common download): files one after another, each
-    file's records spread over all cores."""
+    """Say what runs how, and return the runner. One file (the common download) on several
+    cores: read here, its records spread over all of them. Several files: one process per
+    file, with converters of its own when there are fewer files than cores."""
     workers = cfg.cleaning.workers or available_cpus()
     mode = f"test mode, first {opts.max_articles:,} articles per file" if cfg.test else "full run"
-    per_file = len(tasks) >= workers or workers == 1
-    how = (f"{min(workers, max(1, len(tasks)))} worker process(es), one file each" if per_file
-           else f"one file at a time, its articles converted by {workers} worker processes")
+    per_file = len(tasks) > 1 or workers == 1
+    if not per_file:
+        how = f"one file at a time, its articles converted by {workers} worker processes"
+    elif len(tasks) >= workers:
+        how = f"{min(workers, max(1, len(tasks)))} worker process(es), one file each"
+    else:
+        how = (f"{len(tasks)} worker processes, one file each, each with {workers // len(tasks)} "
+               f"converter processes")
     print(f"Cleaning {len(tasks)} of {len(inputs)} file(s) from {input_dir} -> {output_dir} "
           f"({how}; {mode})", flush=True)
     for name, why in not_files:
