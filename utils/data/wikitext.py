@@ -22,20 +22,19 @@ model is trained on:
 - :func:`sanitize` replaces lone surrogates (from JSON ``\\ud800`` escapes) with U+FFFD and
   removes control characters, counting both.
 
-Costs: what is dropped anyway is cut out before parsing, as MediaWiki's preprocessor takes
-it out before its parser runs: <ref>s (:func:`cut_references`), then templates that carry
-no text and tables (:func:`cut_dropped_blocks`), found by brace and line matching that skips
-comments and tags whose content is not wikitext; that is about half of an article's
-wikitext and of the tokenizer's time. mwparserfromhell's C tokenizer then makes a flat
-token list; :func:`render_tokens` renders
-straight from it, skipping dropped constructs (references, citations, infoboxes, tables)
-without ever building their nodes, and builds a node tree only for a template that carries
-text (rendered by :func:`render_nodes`, the reference semantics; a token sequence it does
-not model sends the whole article through the node tree). Building the full tree was about
-70% of the conversion; the fast path makes exactly the same pieces (tested against the node
-path on the sample dump and on random broken markup). Nesting is bounded by the parser's own
-limit; deeper structures that still exhaust Python's recursion limit raise RecursionError,
-which callers treat as a bad input record.
+Costs (docs/data_stages.md has the measurements): what is dropped anyway is cut out before
+parsing, as MediaWiki's preprocessor takes it out before its parser runs: <ref>s
+(:func:`cut_references`), then templates that carry no text and tables
+(:func:`cut_dropped_blocks`), found by brace and line matching that skips comments and tags
+whose content is not wikitext; that is about half of an article's wikitext and of the
+tokenizer's time. mwparserfromhell's C tokenizer then makes a flat token list, and
+:func:`render_tokens` renders straight from it, building a node tree only for a template
+that carries text (rendered by :func:`render_nodes`, the reference semantics; a token
+sequence it does not model sends the whole article through the node tree). Building the
+full tree was about 70% of the conversion; the token renderer makes exactly the pieces of
+the node path (tested on the sample dump and on random broken markup). Nesting is bounded by
+the parser's own limit; deeper structures that still exhaust Python's recursion limit raise
+RecursionError, which callers treat as a bad input record.
 """
 from __future__ import annotations
 
@@ -286,9 +285,9 @@ class HeadingMark:
     title: str
 
 
-def template_name(tpl) -> str:
+def template_name(raw_name: str) -> str:
     """Canonical template name: 'Template:Lang_fr ' -> 'lang fr'."""
-    name = " ".join(str(tpl.name).replace("_", " ").split()).lower()
+    name = " ".join(raw_name.replace("_", " ").split()).lower()
     return name[9:].strip() if name.startswith("template:") else name
 
 
@@ -543,8 +542,7 @@ def template_renderer(raw_name: str) -> Optional[Callable]:
     function of the Template node giving its visible text, or None for a template that is
     dropped. Decided by the name alone, so the token renderer skips dropped templates
     without building them."""
-    name = " ".join(raw_name.replace("_", " ").split()).lower()
-    name = name[9:].strip() if name.startswith("template:") else name
+    name = template_name(raw_name)
     fn = TEMPLATES.get(name)
     if fn is None and name.startswith(("lang-", "lang ")):
         fn = _first                          # {{lang-grc|Φοῖβος}}
@@ -956,7 +954,8 @@ def _opaque_end(text: str, m: re.Match) -> int:
 def render(wikitext: str) -> list:
     """Wikitext -> pieces: strings (MARKed text) and HeadingMarks, in document order.
     Constructs the parser left as plain text are removed by :func:`strip_leftover_markup`."""
-    pieces = render_tokens(tokenize(cut_dropped_blocks(cut_references(wikitext.replace(MARK, "")))))
+    wikitext = cut_dropped_blocks(cut_references(wikitext.replace(MARK, "")))
+    pieces = render_tokens(tokenize(wikitext))
     out: list = []
     run: list[str] = []
     for piece in pieces:
