@@ -46,8 +46,9 @@ file (a single big XML dump is the usual download) is read here and its records 
 converted by all W workers, in order, so the output is byte-identical to a serial run. F
 files: min(F, W) at once, each read by its own process, with W // F converters of its own
 when F < W (27 part files on 32 cores: 27 readers; 4 files: 4 readers with 8 converters
-each): one reader decompressing .bz2 feeds only a few converters (docs/data_stages.md). Only raw bytes/strings cross to the workers (JSON is parsed there), so no
-record can fail to pickle. ``--test`` reads only the first ``cleaning.test_max_articles``
+each): one reader decompressing .bz2 feeds only a few converters (docs/data_stages.md).
+Only raw bytes/strings cross to the workers (JSON is parsed there), so no record can fail
+to pickle. ``--test`` reads only the first ``cleaning.test_max_articles``
 records of each file. Exit 1 if any file failed or no usable article came out at all; 130
 on Ctrl-C (finished outputs kept, unfinished ones never appear).
 
@@ -529,7 +530,7 @@ def take_shard(inputs: list, outputs: list, shard: Optional[tuple[int, int]]) ->
 
 def summary_file(shard: Optional[tuple[int, int]]) -> str:
     """cleaning_summary.json, or cleaning_summary_shardIofN.json: shards may share a folder."""
-    return SUMMARY_FILE if shard is None else SUMMARY_FILE.replace(".json", f"_shard{shard[0]}of{shard[1]}.json")
+    return SUMMARY_FILE if shard is None else f"cleaning_summary_shard{shard[0]}of{shard[1]}.json"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -548,8 +549,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ordered = [results[str(p)] for p in inputs]
     totals = summarize(ordered, time.monotonic() - start)
     print_summary(ordered, totals, not_files)
-    write_summary(cfg, input_dir, output_dir / summary_file(args.shard), ordered, totals, not_files)
-    return verdict(ordered, totals, tasks, inputs, output_dir / summary_file(args.shard), opts)
+    summary = output_dir / summary_file(args.shard)
+    write_summary(cfg, input_dir, summary, ordered, totals, not_files)
+    return verdict(ordered, totals, tasks, inputs, summary, opts)
 
 
 # --------------------------------------------------------------------------- steps of main

@@ -19,9 +19,12 @@ contenders alternating (their order flips every repeat), after one untimed warm-
 Printed per contender: wall seconds and CPU seconds (user + sys of the whole process tree,
 from the kernel's rusage of the children) as min / median / max, both per article too;
 peak memory of the whole process tree (the largest sum of the processes' PSS, sampled every
-50 ms, so shared pages are counted once); the ratio wikiextractor wall / ours wall (>= 1.0:
-ours is as fast or faster), per repeat and of the medians; and the speed-up from 1 to N
-processes. Per article means per input article (non-redirect page of the article namespace),
+50 ms, so shared pages are counted once); the ratios wikiextractor / ours of wall time (>=
+1.0: ours is as fast or faster) and of CPU time, per repeat and of the medians; and the
+speed-up from 1 to N processes. Both tools keep N cores busy, so on a quiet machine the wall
+ratio follows the CPU ratio; on a machine other work shares, the wall ratio also reflects how
+many processes each tool runs (wikiextractor runs a reader and a writer besides its N
+extractors, and the scheduler shares the cores by process). Per article means per input article (non-redirect page of the article namespace),
 the same denominator for both.
 
 So that speed is never bought with text, both outputs are scored with the template-probe
@@ -339,6 +342,11 @@ def compare(a, py: Path, dump: Path, work: Path, articles: int, article_chars: i
                / statistics.median(x["wall"] for x in results[ours, n]))
         print(f"  {n} process(es): wikiextractor wall / ours wall = {med:4.2f}   "
               f"[{', '.join(f'{x:.2f}' for x in per)}]   (>= 1.0: ours as fast or faster)")
+        per = [t["cpu"] / o["cpu"] for o, t in zip(results[ours, n], results[theirs, n])]
+        med = (statistics.median(x["cpu"] for x in results[theirs, n])
+               / statistics.median(x["cpu"] for x in results[ours, n]))
+        print(f"  {n} process(es): wikiextractor CPU / ours CPU   = {med:4.2f}   "
+              f"[{', '.join(f'{x:.2f}' for x in per)}]   (what the wall ratio is on a quiet machine)")
     if len(counts) > 1:
         for name in names:
             one, many = (statistics.median(x["wall"] for x in results[name, n]) for n in counts)
