@@ -346,7 +346,7 @@ def compare(a, py: Path, dump: Path, work: Path, articles: int, article_chars: i
         med = (statistics.median(x["cpu"] for x in results[theirs, n])
                / statistics.median(x["cpu"] for x in results[ours, n]))
         print(f"  {n} process(es): wikiextractor CPU / ours CPU   = {med:4.2f}   "
-              f"[{', '.join(f'{x:.2f}' for x in per)}]   (what the wall ratio is on a quiet machine)")
+              f"[{', '.join(f'{x:.2f}' for x in per)}]   (less sensitive to other load)")
     if len(counts) > 1:
         for name in names:
             one, many = (statistics.median(x["wall"] for x in results[name, n]) for n in counts)
