@@ -285,6 +285,7 @@ M = wt.MARK
     ("{{{1}}} {{cn}}", "{{{1}}} {{cn}}"),                       # an argument: stop there
     ("{{cn}} <math>{{x}} {{cn}}", f"{M} <math>{{{{x}}}} {{{{cn}}}}"),   # unclosed tag: stop
     ("{{cite <b>x</b>|y}} {{}}", "{{cite <b>x</b>|y}} {{}}"),    # a name with markup, no name
+    ("{{cite\nweb|y}} {{Infobox\n|a=b}}", f"{{{{cite\nweb|y}}}} {M}"),  # a break inside a name
 ])
 def test_dropped_templates_and_tables_are_cut_before_parsing(source, expected):
     assert wt.cut_dropped_blocks(source) == expected

@@ -917,7 +917,7 @@ def cut_dropped_blocks(wikitext: str) -> str:
                 begin = opens.pop()
                 bar = text.find("|", begin + 2, end - 2)
                 name = text[begin + 2:end - 2 if bar < 0 else bar]
-                if name.strip() and not _NAME_STOP.search(name) and template_renderer(name) is None:
+                if _plain_name(name) and template_renderer(name) is None:
                     _add_cut(cuts, begin, end)
         m = _STRUCTURE.search(text, resume)
     if not cuts:
@@ -928,6 +928,12 @@ def cut_dropped_blocks(wikitext: str) -> str:
         last = end
     out.append(text[last:])
     return "".join(out)[1:]
+
+
+def _plain_name(name: str) -> bool:
+    """A name the tokenizer takes as a template's: some text, no markup characters, no line
+    break inside (only around it); any other "{{" it leaves as text, and so do we."""
+    return bool(name.strip()) and "\n" not in name.strip() and not _NAME_STOP.search(name)
 
 
 def _add_cut(cuts: list, begin: int, end: int) -> None:
