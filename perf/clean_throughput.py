@@ -24,8 +24,10 @@ peak memory of the whole process tree (the largest sum of the processes' PSS, sa
 speed-up from 1 to N processes. Both tools keep N cores busy, so on a quiet machine the wall
 ratio follows the CPU ratio; on a machine other work shares, the wall ratio also reflects how
 many processes each tool runs (wikiextractor runs a reader and a writer besides its N
-extractors, and the scheduler shares the cores by process). Per article means per input article (non-redirect page of the article namespace),
-the same denominator for both.
+extractors, and the scheduler shares the cores by process). Per article means per input
+article (non-redirect page of the article namespace), the same denominator for both. For
+estimates of other dumps it also prints our CPU seconds per MB of article wikitext and how
+fast one core reads XML into pages (from .xml.bz2 and from .xml), the serial part of a run.
 
 So that speed is never bought with text, both outputs are scored with the template-probe
 measure of docs/data_stages.md (perf/wikitext_gaps.py): for each text-carrying template in
@@ -46,7 +48,6 @@ import datetime as dt
 import os
 import platform
 import re
-import resource
 import shutil
 import signal
 import statistics
