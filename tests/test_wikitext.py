@@ -6,6 +6,7 @@ from __future__ import annotations
 import bz2
 import random
 import re
+import time
 from collections import Counter
 
 import mwparserfromhell
@@ -289,6 +290,14 @@ M = wt.MARK
 ])
 def test_dropped_templates_and_tables_are_cut_before_parsing(source, expected):
     assert wt.cut_dropped_blocks(source) == expected
+
+
+def test_cutting_stays_linear_on_hostile_nesting():
+    # no "|" anywhere: each name runs into the next "{{", so only the innermost is cut
+    deep = "{{a " * 20000 + "x" * 1000 + "}}" * 20000
+    start = time.process_time()
+    assert wt.cut_dropped_blocks(deep) == "{{a " * 19999 + wt.MARK + "}}" * 19999
+    assert time.process_time() - start < 2.0
 
 
 def test_a_table_the_parser_cannot_read_no_longer_swallows_the_next_section(sample_articles):

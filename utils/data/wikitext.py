@@ -876,7 +876,9 @@ _OPAQUE_TAGS = ("categorytree", "ce", "chem", "gallery", "graph", "hiero", "imag
                 "syntaxhighlight", "templatedata", "timeline")
 _STRUCTURE = re.compile(rf"<!--|<(?:{'|'.join(_OPAQUE_TAGS)})(?=[\s/>])|\{{\{{+|\}}\}}+"
                         r"|\n[^\S\n]?(?:\{\||\|\})", re.I)
-_NAME_STOP = re.compile(r"[{}\[\]<>]")
+# A template name ends at the first "|"; with markup before it ("{", "[", "<" ...) or a line
+# break inside it, the tokenizer does not take the braces as a template, and neither do we.
+_NAME_END = re.compile(r"[|{}\[\]<>]")
 
 
 def cut_dropped_blocks(wikitext: str) -> str:
@@ -915,9 +917,11 @@ def cut_dropped_blocks(wikitext: str) -> str:
                 if not opens:
                     break
                 begin = opens.pop()
-                bar = text.find("|", begin + 2, end - 2)
-                name = text[begin + 2:end - 2 if bar < 0 else bar]
-                if _plain_name(name) and template_renderer(name) is None:
+                stop = _NAME_END.search(text, begin + 2, end - 2)   # never past a nested "{{"
+                if stop and stop.group() != "|":
+                    continue                   # markup in the name: the tokenizer's call
+                name = text[begin + 2:stop.start() if stop else end - 2]
+                if name.strip() and "\n" not in name.strip() and template_renderer(name) is None:
                     _add_cut(cuts, begin, end)
         m = _STRUCTURE.search(text, resume)
     if not cuts:
@@ -928,12 +932,6 @@ def cut_dropped_blocks(wikitext: str) -> str:
         last = end
     out.append(text[last:])
     return "".join(out)[1:]
-
-
-def _plain_name(name: str) -> bool:
-    """A name the tokenizer takes as a template's: some text, no markup characters, no line
-    break inside (only around it); any other "{{" it leaves as text, and so do we."""
-    return bool(name.strip()) and "\n" not in name.strip() and not _NAME_STOP.search(name)
 
 
 def _add_cut(cuts: list, begin: int, end: int) -> None:
