@@ -3,6 +3,7 @@
     python main.py clean                       # every dump in wikipedia.raw_dir
     python main.py clean --test                # first cleaning.test_max_articles per file
     python main.py clean --input-dir data/samples/enwiki --force
+    python main.py clean --shard 2/4           # this machine's quarter of the input files
 
 This file is the stage: it finds and reads dumps, runs the workers and reports. Turning
 wikitext and article text into clean text is the library :mod:`utils.data.wikitext`. What the
@@ -40,17 +41,26 @@ repairs). A bad file (truncated, not a dump, unsafe XML, unreadable) fails that 
 An exception inside our own conversion is not bad input: it fails the file naming the page
 (exit 1), with the traceback in the summary file.
 
-Parallelism (``--workers``, 0 = the CPUs this process may use), streaming either way: with
-at least as many input files as workers, one worker process per file; with fewer (a single
-big XML dump is the usual download), files are read one after another here and each
-file's records are converted by all workers, in order, so the output is byte-identical to
-a serial run. Only raw bytes/strings cross to the workers (JSON is parsed there), so no
-record can fail to pickle. ``--test`` reads only the first ``cleaning.test_max_articles``
+Parallelism (``--workers`` W, 0 = the CPUs this process may use), streaming either way: one
+file (a single big XML dump is the usual download) is read here and its records are
+converted by all W workers, in order, so the output is byte-identical to a serial run. F
+files: min(F, W) at once, each read by its own process, with W // F converters of its own
+when F < W (27 part files on 32 cores: 27 readers; 4 files: 4 readers with 8 converters
+each): one reader decompressing .bz2 feeds only a few converters (docs/data_stages.md).
+Only raw bytes/strings cross to the workers (JSON is parsed there), so no record can fail
+to pickle. ``--test`` reads only the first ``cleaning.test_max_articles``
 records of each file. Exit 1 if any file failed or no usable article came out at all; 130
 on Ctrl-C (finished outputs kept, unfinished ones never appear).
+
+Across machines (``--shard I/N``): machine I of N cleans the input files at positions I,
+I+N, I+2N, ... of the sorted list, so N machines given the same folder (Wikimedia publishes
+the articles dump in part files) clean every file exactly once; each writes its outputs and
+``cleaning_summary_shardIofN.json``, so they may share one output folder. Costs and a
+full-dump estimate: docs/data_stages.md.
 """
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import queue
 import signal
@@ -98,9 +108,13 @@ class FileResult:
 
 
 
-def _ignore_sigint() -> None:
-    """Pool initializer: Ctrl-C is the parent's job (it stops the pool)."""
+def _ignore_stop_signals() -> None:
+    """Pool initializer: Ctrl-C and SIGTERM (a terminal's or a supervisor's, to the whole
+    process group) are the parent's job: it stops the pool, whose workers finish the batch
+    at hand. A converter stopped in the middle of taking a batch off the shared queue would
+    leave its lock held and hang the others."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _convert_batch(job: tuple) -> list[Converted]:
@@ -117,7 +131,7 @@ def _converted_in_parallel(raw: Iterator[tuple[object, str]], fmt: str, opts: Cl
     batches = iter(lambda: [r for _, r in zip(range(batch), raw)], [])
     for chunk, converted in ordered_map(_convert_batch, batches, opts.record_workers,
                                         arg=lambda chunk: (fmt, opts, chunk),
-                                        initializer=_ignore_sigint):
+                                        initializer=_ignore_stop_signals):
         yield from zip(converted, (where for _, where in chunk))
 
 
@@ -320,7 +334,8 @@ def run_in_process(tasks: list[tuple], workers: int) -> list[FileResult]:
 
 
 def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)     # unwinds through atomic_open: the temp file goes
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # once: a second one (the group's, then the
+    raise SystemExit(128 + signum)     # parent's) must not cut the unwinding (temp file, pool)
 
 
 def _worker_main(index: int, task: tuple, messages) -> None:
@@ -340,16 +355,24 @@ def _remove_temp(output: str, pid: Optional[int]) -> None:
         temp_path(Path(output), pid).unlink(missing_ok=True)
 
 
+def _per_file(tasks: list[tuple], workers: int) -> list[tuple[int, tuple]]:
+    """(index, task) per file; with fewer files than ``workers`` each file's process converts
+    its records with ``workers // files`` processes of its own (so it is not daemonic)."""
+    converters = max(1, workers // max(1, len(tasks)))
+    return [(i, (inp, out, replace(opts, record_workers=converters)))
+            for i, (inp, out, opts) in enumerate(tasks)]
+
+
 def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
-    """Clean files in parallel, one worker process per input file, at most ``workers`` at
-    a time, with one tqdm bar (articles/s) for the whole run.
+    """Clean files in parallel, one worker process per input file (:func:`_per_file`), at
+    most ``workers`` at a time, with one tqdm bar (articles/s) for the whole run.
 
     A worker that dies without reporting (killed, out of memory) fails its file only.
     On Ctrl-C every worker is terminated and its temp file removed before re-raising;
     outputs already finished stay."""
     ctx = mp.get_context()
     messages = ctx.Queue()
-    todo = list(enumerate(tasks))
+    todo = _per_file(tasks, workers)
     running: dict[int, mp.process.BaseProcess] = {}
     results: dict[int, FileResult] = {}
     bar = _new_bar()
@@ -366,7 +389,7 @@ def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
             while todo and len(running) < workers:
                 index, task = todo.pop(0)
                 proc = ctx.Process(target=_worker_main, args=(index, task, messages),
-                                   name=f"clean-{Path(task[0]).name}", daemon=True)
+                                   name=f"clean-{Path(task[0]).name}")
                 proc.start()
                 running[index] = proc
             try:
@@ -481,7 +504,33 @@ def build_parser() -> StageParser:
     p.add_argument("--force", action="store_true",
                    help="redo inputs whose output already exists (it is replaced only when the "
                         "new one is complete)")
+    p.add_argument("--shard", type=shard_spec, default=None, metavar="I/N",
+                   help="clean only shard I of N: the input files (sorted by name) whose position "
+                        "is I, I+N, I+2N, ... (split a dump across N machines, each writing its own "
+                        "cleaned files and cleaning_summary_shardIofN.json)")
     return p
+
+
+def shard_spec(text: str) -> tuple[int, int]:
+    """``--shard I/N`` -> (I, N), 1 <= I <= N."""
+    i, _, n = text.partition("/")
+    if not (i.strip().isdigit() and n.strip().isdigit() and 1 <= int(i) <= int(n)):
+        raise argparse.ArgumentTypeError(f"expected I/N with 1 <= I <= N (e.g. 2/4), got {text!r}")
+    return int(i), int(n)
+
+
+def take_shard(inputs: list, outputs: list, shard: Optional[tuple[int, int]]) -> tuple[list, list]:
+    """The inputs and outputs of shard I/N: every Nth input file by name, from the Ith."""
+    if shard is None:
+        return inputs, outputs
+    i, n = shard
+    print(f"Shard {i}/{n}: {len(inputs[i - 1::n])} of the {len(inputs)} input file(s)", flush=True)
+    return inputs[i - 1::n], outputs[i - 1::n]
+
+
+def summary_file(shard: Optional[tuple[int, int]]) -> str:
+    """cleaning_summary.json, or cleaning_summary_shardIofN.json: shards may share a folder."""
+    return SUMMARY_FILE if shard is None else f"cleaning_summary_shard{shard[0]}of{shard[1]}.json"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -489,6 +538,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     input_dir = cfg.path("wikipedia.raw_dir")
     output_dir = cfg.resolve(cfg.cleaning.output_dir) or cfg.path("paths.cleaned_dir")
     inputs, outputs, not_files = find_work(input_dir, output_dir)
+    inputs, outputs = take_shard(inputs, outputs, args.shard)
     opts = CleanOptions.from_config(cfg)
     results, tasks = plan_files(inputs, outputs, opts, args.force)
     run = announce(cfg, tasks, inputs, input_dir, output_dir, opts, not_files)
@@ -499,8 +549,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ordered = [results[str(p)] for p in inputs]
     totals = summarize(ordered, time.monotonic() - start)
     print_summary(ordered, totals, not_files)
-    write_summary(cfg, input_dir, output_dir, ordered, totals, not_files)
-    return verdict(ordered, totals, tasks, inputs, output_dir, opts)
+    summary = output_dir / summary_file(args.shard)
+    write_summary(cfg, input_dir, summary, ordered, totals, not_files)
+    return verdict(ordered, totals, tasks, inputs, summary, opts)
 
 
 # --------------------------------------------------------------------------- steps of main
@@ -544,14 +595,19 @@ def plan_files(inputs, outputs, opts: CleanOptions, force: bool) -> tuple[dict, 
 
 
 def announce(cfg, tasks, inputs, input_dir, output_dir, opts: CleanOptions, not_files) -> Callable:
-    """Say what runs how, and return the runner. As many files as cores: one process per
-    file. Fewer (a single big XML dump is the common download): files one after another, each
-    file's records spread over all cores."""
+    """Say what runs how, and return the runner. One file (the common download) on several
+    cores: read here, its records spread over all of them. Several files: one process per
+    file, with converters of its own when there are fewer files than cores."""
     workers = cfg.cleaning.workers or available_cpus()
     mode = f"test mode, first {opts.max_articles:,} articles per file" if cfg.test else "full run"
-    per_file = len(tasks) >= workers or workers == 1
-    how = (f"{min(workers, max(1, len(tasks)))} worker process(es), one file each" if per_file
-           else f"one file at a time, its articles converted by {workers} worker processes")
+    per_file = len(tasks) > 1 or workers == 1
+    if not per_file:
+        how = f"one file at a time, its articles converted by {workers} worker processes"
+    elif len(tasks) >= workers:
+        how = f"{min(workers, max(1, len(tasks)))} worker process(es), one file each"
+    else:
+        how = (f"{len(tasks)} worker processes, one file each, each with {workers // len(tasks)} "
+               f"converter processes")
     print(f"Cleaning {len(tasks)} of {len(inputs)} file(s) from {input_dir} -> {output_dir} "
           f"({how}; {mode})", flush=True)
     for name, why in not_files:
@@ -559,25 +615,29 @@ def announce(cfg, tasks, inputs, input_dir, output_dir, opts: CleanOptions, not_
     return run_workers if per_file else run_in_process
 
 
-def write_summary(cfg, input_dir, output_dir, ordered, totals, not_files) -> None:
-    """resolved_config.json and cleaning_summary.json next to the outputs (atomically)."""
+def write_summary(cfg, input_dir, summary_path: Path, ordered, totals, not_files) -> None:
+    """resolved_config.json and the summary (``summary_path``) next to the outputs (atomically)."""
+    output_dir = summary_path.parent
     cfg.save_resolved(output_dir)
     summary = {"test": cfg.test, "input_dir": str(input_dir), "output_dir": str(output_dir),
                "inputs_skipped": [{"name": n, "reason": why} for n, why in not_files],
                "totals": totals, "files": [asdict(r) for r in ordered]}
-    write_json_atomic(output_dir / SUMMARY_FILE, summary)
+    write_json_atomic(summary_path, summary)
 
 
-def verdict(ordered, totals, tasks, inputs, output_dir, opts: CleanOptions) -> int:
+def verdict(ordered, totals, tasks, inputs, summary_path: Path, opts: CleanOptions) -> int:
     """Exit 1 (raised) when a file failed or nothing usable came out; else say what was written."""
+    output_dir = summary_path.parent
     failed = [r for r in ordered if r.status == "failed"]
     if failed:
         names = "; ".join(f"{Path(r.input).name}: {r.error}" for r in failed)
-        more = (f" The traceback is in {output_dir / SUMMARY_FILE}." if any(r.traceback for r in failed)
-                else "")
+        more = f" The traceback is in {summary_path}." if any(r.traceback for r in failed) else ""
         raise PipelineError(f"{len(failed)} of {len(inputs)} input file(s) failed ({names}). "
                             f"Other files were cleaned and earlier outputs of the failed ones are "
                             f"unchanged; fix or remove the failed ones and re-run.{more}")
+    if not inputs:
+        print("Nothing to do: this shard holds none of the input files.")
+        return 0
     if not tasks:
         print(f"Nothing to do: every output exists in {output_dir} (use --force to redo).")
         return 0

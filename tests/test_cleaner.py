@@ -24,7 +24,7 @@ import cleaner
 from utils.data import mediawiki
 from utils.data.mediawiki import CleanOptions
 from utils.data.wikitext import section_key
-from tests.conftest import ENWIKI_XML, ROOT, default_signals, offline_env, run_main
+from tests.conftest import ENWIKI_XML, ROOT, child_pids, default_signals, offline_env, run_main
 from utils.data.textio import iter_articles, unescape_article
 
 DROP = ("References", "External links", "See also", "Further reading", "Notes")
@@ -288,6 +288,48 @@ def test_clean_jsonl_end_to_end_and_rerun(tmp_config, tmp_path):
     assert len(out.read_text(encoding="utf-8").splitlines()) == 3
 
 
+def test_shard_splits_the_input_files_across_machines(tmp_config, tmp_path):
+    """--shard I/N: each "machine" cleans every Nth file by name from the Ith, into one shared
+    folder; together they write every output once, each with its own summary."""
+    raw = tmp_path / "raw"
+    names = [f"part{k}.jsonl" for k in range(1, 6)]
+    for name in names:
+        write_jsonl(raw / name, bad_lines=())
+    cfg = cfg_for(tmp_config, tmp_path, raw)
+    written = {}
+    for i in (1, 2):
+        proc = run_main("clean", "--config", cfg, "--shard", f"{i}/2")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        summary = json.loads((out_dir(tmp_path) / f"cleaning_summary_shard{i}of2.json").read_text())
+        written[i] = [Path(f["input"]).name for f in summary["files"]]
+        assert f"Shard {i}/2: {len(written[i])} of the 5 input file(s)" in proc.stdout
+    assert written == {1: ["part1.jsonl", "part3.jsonl", "part5.jsonl"], 2: ["part2.jsonl", "part4.jsonl"]}
+    assert sorted(p.name for p in out_dir(tmp_path).glob("cleaned_*.txt")) == \
+        [cleaner.output_name(Path(n)) for n in names]
+    assert not (out_dir(tmp_path) / "cleaning_summary.json").exists()
+
+    proc = run_main("clean", "--config", cfg, "--shard", "7/9")     # more machines than files
+    assert proc.returncode == 0 and "this shard holds none of the input files" in proc.stdout
+    for bad in ("0/2", "3/2"):
+        proc = run_main("clean", "--config", cfg, "--shard", bad)
+        assert proc.returncode == 2 and "expected I/N with 1 <= I <= N" in proc.stderr, proc.stderr
+
+
+def test_fewer_files_than_workers_each_get_converters(tmp_config, tmp_path):
+    """Two files, four workers: two file processes, each converting with two processes of its
+    own; every output byte-identical to a serial run."""
+    raw = tmp_path / "raw"
+    for name in ("a.jsonl", "b.jsonl"):
+        write_jsonl(raw / name, bad_lines=())
+    cfg = cfg_for(tmp_config, tmp_path, raw)
+    proc = run_main("clean", "--config", cfg, "--workers", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 worker processes, one file each, each with 2 converter processes" in proc.stdout
+    proc = run_main("clean", "--config", cfg, "--workers", "1", "--output-dir", tmp_path / "serial")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert snapshot(out_dir(tmp_path)) == snapshot(tmp_path / "serial") != {}
+
+
 def test_min_chars_and_test_limit(tmp_config, tmp_path):
     raw = tmp_path / "raw"
     write_jsonl(raw / "a.jsonl", bad_lines=())
@@ -353,25 +395,45 @@ def test_missing_and_empty_input_dir(tmp_config, tmp_path):
     assert proc.returncode == 1 and "no input files found" in proc.stderr and str(empty) in proc.stderr
 
 
-@pytest.mark.parametrize("workers", ["1", "2"], ids=["process-per-file", "records-in-parallel"])
-def test_ctrl_c_exits_130_without_partial_output(samples, tmp_config, tmp_path, workers):
-    cfg = tmp_config({"wikipedia": {"raw_dir": str(ENWIKI_XML.parent)}})
+@pytest.mark.parametrize("workers, files, sig", [
+    ("1", 1, signal.SIGINT), ("2", 1, signal.SIGINT), ("4", 2, signal.SIGINT),
+    ("2", 1, signal.SIGTERM), ("4", 2, signal.SIGTERM)],
+    ids=["process-per-file", "records-in-parallel", "files-with-converters",
+         "records-in-parallel-sigterm", "files-with-converters-sigterm"])
+def test_ctrl_c_exits_130_without_partial_output(samples, tmp_config, tmp_path, workers, files, sig):
+    """Ctrl-C (SIGINT) or a supervisor's SIGTERM, to the whole process group, mid-run: exit 130,
+    no partial output, and no process left hanging (converters included)."""
+    raw = ENWIKI_XML.parent
+    if files > 1:                                        # the sample under several names
+        raw = tmp_path / "raw"
+        raw.mkdir()
+        for k in range(files):
+            (raw / f"{k}-{ENWIKI_XML.name}").symlink_to(ENWIKI_XML)
+    cfg = tmp_config({"wikipedia": {"raw_dir": str(raw)}})
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "clean", "--config", str(cfg),
                              "--workers", workers],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=offline_env(), cwd=ROOT, start_new_session=True,
                             preexec_fn=default_signals)   # as a terminal would, even under nohup
-    assert proc.stdout.readline().startswith("Cleaning 1 of 1")
-    deadline = time.monotonic() + 60                 # wait until the file is being written
-    while not list(out_dir(tmp_path).glob(".*tmp-*")):
+    assert proc.stdout.readline().startswith(f"Cleaning {files} of {files}")
+    # wait until the file is being written and every process is up: stage, file processes,
+    # converters (main.py -> stage -> ...)
+    processes = 1 + {("1", 1): 1, ("2", 1): 2, ("4", 2): 2 + 2 * 2}[workers, files]
+    deadline = time.monotonic() + 60
+    while not list(out_dir(tmp_path).glob(".*tmp-*")) or len(descendants(proc.pid)) < processes:
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGINT)               # what Ctrl-C in a terminal does
+    tree = descendants(proc.pid)
+    os.killpg(proc.pid, sig)                         # what Ctrl-C in a terminal does
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err
     out = out_dir(tmp_path)
     assert not list(out.glob("cleaned_*")) and no_partials(out)
+    deadline = time.monotonic() + 20                 # nothing left behind, even orphaned
+    while (alive := [p for p in tree if Path(f"/proc/{p}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive, f"processes left running: {alive}"
 
 
 @pytest.mark.skipif(cleaner.mp.get_start_method() != "fork", reason="patches the forked worker")
@@ -390,6 +452,11 @@ def test_dead_worker_fails_its_file_only(tmp_path, monkeypatch):
     assert good_result.status == "ok" and good_result.kept == 4
     assert bad_result.status == "failed" and "exit code 3" in bad_result.error
     assert not (tmp_path / "cleaned_bad.txt").exists() and no_partials(tmp_path)
+
+
+def descendants(pid: int) -> list[int]:
+    kids = child_pids(pid)
+    return kids + [d for k in kids for d in descendants(k)]
 
 
 def _die(records):

@@ -22,10 +22,19 @@ model is trained on:
 - :func:`sanitize` replaces lone surrogates (from JSON ``\\ud800`` escapes) with U+FFFD and
   removes control characters, counting both.
 
-Costs: parsing is mwparserfromhell's (C tokenizer when built); rendering is one recursive
-walk over the node tree, bounded by the parser's own nesting limit. Deeper structures that
-still exhaust Python's recursion limit raise RecursionError, which callers treat as a bad
-input record.
+Costs (docs/data_stages.md has the measurements): what is dropped anyway is cut out before
+parsing, as MediaWiki's preprocessor takes it out before its parser runs: <ref>s
+(:func:`cut_references`), then templates that carry no text and tables
+(:func:`cut_dropped_blocks`), found by brace and line matching that skips comments and tags
+whose content is not wikitext; that is about half of an article's wikitext and of the
+tokenizer's time. mwparserfromhell's C tokenizer then makes a flat token list, and
+:func:`render_tokens` renders straight from it, building a node tree only for a template
+that carries text (rendered by :func:`render_nodes`, the reference semantics; a token
+sequence it does not model sends the whole article through the node tree). Building the
+full tree was about 70% of the conversion; the token renderer makes exactly the pieces of
+the node path (tested on the sample dump and on random broken markup). Nesting is bounded by
+the parser's own limit; deeper structures that still exhaust Python's recursion limit raise
+RecursionError, which callers treat as a bad input record.
 """
 from __future__ import annotations
 
@@ -34,15 +43,18 @@ import re
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterable, Optional
 
 import mwparserfromhell
 import mwparserfromhell.nodes as mw
+from mwparserfromhell.parser import Builder, CTokenizer
+from mwparserfromhell.parser import tokens as tk
+from mwparserfromhell.parser.tokenizer import Tokenizer
 
 MARK = "\ufdd0"   # noncharacter: "markup was removed here"; never in input or output
 
 # --------------------------------------------------------------------------- plain text
-_WS = re.compile(r"\s+")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 # C0/C1 controls that are not whitespace (whitespace ones collapse to a space), DEL,
 # and the noncharacters U+FDD0-U+FDEF, U+FFFE, U+FFFF.
@@ -62,9 +74,21 @@ _TIDY = [
     (re.compile(rf"([,;:])\s*{_M}[\s{_M}]*[,;:]"), r"\1"),
     # "text MARK." / "text MARK ," -> "text." (space left before punctuation by a removal)
     (re.compile(rf"\s*{_M}[\s{_M}]*([,.;:!?])"), r"\1"),
-    # a paragraph that starts with punctuation only because its start was removed
-    (re.compile(rf"^[\s{_M}]*{_M}[\s{_M}]*[,.;:]+\s*"), ""),
 ]
+# a paragraph that starts with punctuation only because its start was removed (applied
+# first: after "text MARK." -> "text." nothing of the kind is left to match)
+_TIDY_START = (re.compile(rf"^[\s{_M}]*{_M}[\s{_M}]*[,.;:]+\s*"), "")
+# Every tidy match is a run of whitespace, ",;:.!?()" and MARKs holding a MARK, so the
+# patterns run on each such run alone (cached: a few hundred distinct runs make up a whole
+# article), never over the paragraph's words: the same result at a fifth of the cost.
+_TIDY_RUN = re.compile(rf"[\s,;:.!?(){_M}]*{_M}[\s,;:.!?(){_M}]*")
+
+
+@lru_cache(maxsize=4096)
+def _tidy_run(run: str, at_start: bool) -> str:
+    for pattern, repl in (_TIDY_START, *_TIDY) if at_start else _TIDY:
+        run = pattern.sub(repl, run)
+    return run
 
 
 def normalize_unicode(text: str, form: str) -> str:
@@ -91,12 +115,10 @@ def clean_paragraph(text: str, form: str = "NFC", repairs: Optional[Counter] = N
     whitespace (newlines included) become one space, and punctuation left behind by
     removed markup is tidied at the MARKs only; the MARKs are then removed."""
     text = sanitize(text, repairs, keep_mark=True)
-    text = normalize_unicode(text, form)
-    text = _WS.sub(" ", text).strip()
+    text = " ".join(normalize_unicode(text, form).split())     # str.split: exactly \s
     if MARK in text:
-        for pattern, repl in _TIDY:
-            text = pattern.sub(repl, text)
-        text = _WS.sub(" ", text.replace(MARK, " ")).strip()
+        text = _TIDY_RUN.sub(lambda m: _tidy_run(m.group(0), m.start() == 0), text)
+        text = " ".join(text.replace(MARK, " ").split())
     return text
 
 
@@ -263,9 +285,9 @@ class HeadingMark:
     title: str
 
 
-def template_name(tpl) -> str:
+def template_name(raw_name: str) -> str:
     """Canonical template name: 'Template:Lang_fr ' -> 'lang fr'."""
-    name = " ".join(str(tpl.name).replace("_", " ").split()).lower()
+    name = " ".join(raw_name.replace("_", " ").split()).lower()
     return name[9:].strip() if name.startswith("template:") else name
 
 
@@ -514,41 +536,55 @@ _PARSER_FUNCTIONS = {"formatnum": lambda s: s, "lc": str.lower, "uc": str.upper,
                      "ucfirst": lambda s: s[:1].upper() + s[1:]}
 
 
-def template_text(tpl) -> Optional[str]:
-    """Visible text of a template that carries prose; None for templates that are dropped."""
-    name = template_name(tpl)
+@lru_cache(maxsize=4096)
+def template_renderer(raw_name: str) -> Optional[Callable]:
+    """How a template named ``raw_name`` (its name as written: 'Lang_fr ') renders: a
+    function of the Template node giving its visible text, or None for a template that is
+    dropped. Decided by the name alone, so the token renderer skips dropped templates
+    without building them."""
+    name = template_name(raw_name)
     fn = TEMPLATES.get(name)
     if fn is None and name.startswith(("lang-", "lang ")):
         fn = _first                          # {{lang-grc|Φοῖβος}}
     if fn is None and name.startswith("ipa-"):
         fn = _wrap("[", "]")                 # {{IPA-de|ˈbɛʁlɪn}} -> [ˈbɛʁlɪn]
     if fn is None and ":" in name:           # {{formatnum:1234}}, {{lc:Word}}
-        func, _, rest = str(tpl.name).partition(":")
+        func, _, rest = raw_name.partition(":")
         conv = _PARSER_FUNCTIONS.get(func.strip().lower())
         if conv is not None:
-            inner = mwparserfromhell.parse(rest)
-            return conv(wikicode_text(inner.nodes).strip())
-    if fn is None:
-        return None
-    return fn(_Args(tpl))
+            return lambda tpl: conv(wikicode_text(mwparserfromhell.parse(rest).nodes).strip())
+    return None if fn is None else lambda tpl: fn(_Args(tpl))
 
 
-def _link_text(link) -> Optional[str]:
-    """Visible text of a [[wikilink]]; None for files, categories and interlanguage links."""
-    title = wikicode_text(link.title.nodes).replace(MARK, "").strip()
+def template_text(tpl) -> Optional[str]:
+    """Visible text of a template that carries prose; None for templates that are dropped."""
+    fn = template_renderer(str(tpl.name))
+    return None if fn is None else fn(tpl)
+
+
+def visible_link_text(title: str, text: Optional[Callable[[], str]]) -> Optional[str]:
+    """Visible text of a [[wikilink]] from its rendered title and ``text()``, its rendered
+    text (None: no pipe); None for files, categories and interlanguage links."""
+    title = title.replace(MARK, "").strip()
     colon_prefixed = title.startswith(":")      # [[:Category:X]] links to the page, shows text
     title = title.lstrip(":")
     prefix = title.split(":", 1)[0].strip().lower() if ":" in title else ""
     if not colon_prefixed and prefix in DROP_LINK_NAMESPACES:
         return None
-    if link.text is None:
+    if text is None:
         if not colon_prefixed and prefix and _LANG_PREFIX.match(prefix):
             return None   # [[fr:Anarchisme]]: an interlanguage link, not text
         return title
-    text = wikicode_text(link.text.nodes)
-    if not text.replace(MARK, "").strip():      # pipe trick [[Foo (bar)|]] shows "Foo"
+    shown = text()
+    if not shown.replace(MARK, "").strip():     # pipe trick [[Foo (bar)|]] shows "Foo"
         return re.sub(r"\s*\(.*?\)\s*$", "", title.split(":", 1)[-1])
-    return text
+    return shown
+
+
+def _link_text(link) -> Optional[str]:
+    """Visible text of a Wikilink node (:func:`visible_link_text`)."""
+    return visible_link_text(wikicode_text(link.title.nodes),
+                             None if link.text is None else lambda: wikicode_text(link.text.nodes))
 
 
 def render_nodes(nodes, out: list) -> None:
@@ -601,14 +637,329 @@ def wikicode_text(nodes) -> str:
     """Plain text of mwparserfromhell nodes (a heading inside becomes its own paragraph)."""
     out: list = []
     render_nodes(nodes, out)
-    return "".join(f"\n\n{x.title}\n\n" if isinstance(x, HeadingMark) else x for x in out)
+    return _joined(out)
+
+
+def _joined(pieces: list) -> str:
+    return "".join(f"\n\n{x.title}\n\n" if isinstance(x, HeadingMark) else x for x in pieces)
+
+
+# --------------------------------------------------------------------------- tokens
+# mwparserfromhell parses in two steps: its C tokenizer turns wikitext into a flat list of
+# tokens, then a pure-Python builder turns the list into a node tree. The builder is most of
+# the cost (about 70% of a whole article's conversion), and most of what it builds is then
+# dropped: references, citations, infoboxes, tables. _TokenRenderer renders straight from
+# the tokens by the rules of render_nodes, skipping a dropped construct without building it;
+# only what reads a node (a template that carries text, a <chem> formula's raw text, a tag
+# with an unusual name) is built, from its own tokens, and rendered by render_nodes itself.
+# A token sequence the renderer does not expect raises _Unexpected, and the whole article
+# then takes the node path: the text is the node path's in every case.
+_OPEN_CLOSE = {tk.TemplateOpen: (tk.TemplateClose,), tk.ArgumentOpen: (tk.ArgumentClose,),
+               tk.WikilinkOpen: (tk.WikilinkClose,), tk.ExternalLinkOpen: (tk.ExternalLinkClose,),
+               tk.HeadingStart: (tk.HeadingEnd,), tk.CommentStart: (tk.CommentEnd,),
+               tk.HTMLEntityStart: (tk.HTMLEntityEnd,),
+               tk.TagOpenOpen: (tk.TagCloseSelfclose, tk.TagCloseClose)}
+_TEMPLATE_NAME_END = (tk.TemplateParamSeparator, tk.TemplateClose)
+_TAG_NAME_END = (tk.TagAttrStart, tk.TagCloseOpen, tk.TagCloseSelfclose)
+_TAG_OPENED = (tk.TagCloseOpen, tk.TagCloseSelfclose)
+_TAG_BODY_END = (tk.TagOpenClose, tk.TagCloseClose)
+_LINK_TITLE_END = (tk.WikilinkSeparator, tk.WikilinkClose)
+_EXT_URL_END = (tk.ExternalLinkSeparator, tk.ExternalLinkClose)
+_LIST_MARKUP = ("*", "#", ";", ":", "----")
+
+
+class _Unexpected(Exception):
+    """A token sequence the token renderer does not model (the node path renders it)."""
+
+
+class _TokenRenderer:
+    """Renders a token list into the pieces render_nodes would make of its node tree."""
+
+    def __init__(self, tokens: list):
+        self.tokens = tokens
+
+    def run(self, i: int, out: list, stops: tuple = ()) -> int:
+        """Render from token i up to a token of a type in ``stops`` at this level (whose
+        index is returned), or to the end when ``stops`` is empty."""
+        tokens, n = self.tokens, len(self.tokens)
+        while i < n:
+            token = tokens[i]
+            kind = type(token)
+            if kind is tk.Text:
+                out.append(decode_entities(token["text"]))
+                i += 1
+            elif kind in stops:
+                return i
+            else:
+                handler = _TOKEN_HANDLERS.get(kind)
+                if handler is None:
+                    raise _Unexpected(kind.__name__)
+                i = handler(self, i, out)
+        if stops:
+            raise _Unexpected("ran out of tokens")
+        return i
+
+    def end(self, i: int) -> int:
+        """The index just after the construct that opens at token i."""
+        tokens, opener = self.tokens, type(self.tokens[i])
+        closers, depth = _OPEN_CLOSE[opener], 0
+        for j in range(i, len(tokens)):
+            kind = type(tokens[j])
+            if kind is opener:
+                depth += 1
+            elif kind in closers:
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+        raise _Unexpected(f"{opener.__name__} never closed")
+
+    def skip(self, i: int, stops: tuple) -> int:
+        """The index of the first token of a type in ``stops`` at this level from i on."""
+        tokens, n = self.tokens, len(self.tokens)
+        while i < n:
+            kind = type(tokens[i])
+            if kind in stops:
+                return i
+            i = self.end(i) if kind in _OPEN_CLOSE else i + 1
+        raise _Unexpected("ran out of tokens")
+
+    def name(self, i: int, stops: tuple) -> tuple[Optional[str], int]:
+        """The text of the Text tokens from i up to a token of a type in ``stops``, and that
+        token's index; None when another token comes first."""
+        tokens, parts = self.tokens, []
+        while i < len(tokens):
+            token = tokens[i]
+            if type(token) is tk.Text:
+                parts.append(token["text"])
+                i += 1
+            elif type(token) in stops:
+                return "".join(parts), i
+            else:
+                return None, i
+        raise _Unexpected("ran out of tokens")
+
+    def as_nodes(self, i: int, out: list) -> int:
+        """Build the construct at token i into a node and render it with render_nodes."""
+        j = self.end(i)
+        render_nodes(Builder().build(self.tokens[i:j]).nodes, out)
+        return j
+
+    def template(self, i: int, out: list) -> int:
+        raw, _ = self.name(i + 1, _TEMPLATE_NAME_END)
+        if raw is None or template_renderer(raw) is not None:
+            return self.as_nodes(i, out)
+        out.append(MARK)
+        return self.end(i)
+
+    def tag(self, i: int, out: list) -> int:
+        markup = self.tokens[i].get("wiki_markup")
+        raw, k = self.name(i + 1, _TAG_NAME_END)
+        if raw is None:
+            return self.as_nodes(i, out)
+        tag = raw.strip().lower()
+        if tag in DROP_TAGS:
+            out.append(MARK)
+            return self.end(i)
+        if tag in CHEM_TAGS:
+            return self.as_nodes(i, out)
+        k = self.skip(k, _TAG_OPENED)                       # past the attributes
+        if markup in _LIST_MARKUP:
+            out.append("\n\n")
+        elif tag == "br":
+            out.append(" ")
+        elif tag in BREAK_TAGS:
+            out.append("\n\n")
+        if type(self.tokens[k]) is tk.TagCloseSelfclose:
+            return k + 1
+        contents: list = []
+        k = self.run(k + 1, contents, _TAG_BODY_END)
+        if type(self.tokens[k]) is tk.TagCloseClose:     # no closing tag: no contents
+            return k + 1
+        out += contents
+        if tag in BREAK_TAGS:
+            out.append("\n\n")
+        return self.skip(k + 1, (tk.TagCloseClose,)) + 1
+
+    def wikilink(self, i: int, out: list) -> int:
+        title: list = []
+        k = self.run(i + 1, title, _LINK_TITLE_END)
+        if type(self.tokens[k]) is tk.WikilinkClose:
+            shown, j = visible_link_text(_joined(title), None), k + 1
+        else:
+            def text() -> str:
+                parts: list = []
+                self.run(k + 1, parts, (tk.WikilinkClose,))
+                return _joined(parts)
+            shown, j = visible_link_text(_joined(title), text), self.end(i)
+        out.append(MARK if shown is None else shown)
+        return j
+
+    def external_link(self, i: int, out: list) -> int:
+        k = self.skip(i + 1, _EXT_URL_END)
+        if type(self.tokens[k]) is tk.ExternalLinkClose:
+            out.append(MARK)                                # a bare URL
+            return k + 1
+        return self.run(k + 1, out, (tk.ExternalLinkClose,)) + 1
+
+    def entity(self, i: int, out: list) -> int:
+        kinds = [type(t) for t in self.tokens[i + 1:i + 5]]
+        if kinds[:4] == [tk.HTMLEntityNumeric, tk.HTMLEntityHex, tk.Text, tk.HTMLEntityEnd]:
+            text, j = f"&#{self.tokens[i + 2]['char']}{self.tokens[i + 3]['text']};", i + 5
+        elif kinds[:3] == [tk.HTMLEntityNumeric, tk.Text, tk.HTMLEntityEnd]:
+            text, j = f"&#{self.tokens[i + 2]['text']};", i + 4
+        elif kinds[:2] == [tk.Text, tk.HTMLEntityEnd]:
+            text, j = f"&{self.tokens[i + 1]['text']};", i + 3
+        else:
+            raise _Unexpected("HTML entity")
+        out.append(decode_entities(text))
+        return j
+
+    def heading(self, i: int, out: list) -> int:
+        title: list = []
+        k = self.run(i + 1, title, (tk.HeadingEnd,))
+        out.append(HeadingMark(self.tokens[i]["level"], _joined(title)))
+        return k + 1
+
+    def dropped(self, i: int, out: list) -> int:           # comments, {{{arguments}}}
+        out.append(MARK)
+        return self.end(i)
+
+
+_TOKEN_HANDLERS = {tk.TemplateOpen: _TokenRenderer.template, tk.TagOpenOpen: _TokenRenderer.tag,
+                   tk.WikilinkOpen: _TokenRenderer.wikilink,
+                   tk.ExternalLinkOpen: _TokenRenderer.external_link,
+                   tk.HTMLEntityStart: _TokenRenderer.entity, tk.HeadingStart: _TokenRenderer.heading,
+                   tk.CommentStart: _TokenRenderer.dropped, tk.ArgumentOpen: _TokenRenderer.dropped}
+
+
+def tokenize(wikitext: str) -> list:
+    """mwparserfromhell's tokens of ``wikitext`` (its C tokenizer when built), exactly what
+    ``mwparserfromhell.parse`` builds its tree from."""
+    return (CTokenizer() if CTokenizer is not None else Tokenizer()).tokenize(wikitext, 0, False)
+
+
+def render_tokens(tokens: list) -> list:
+    """Tokens -> what render_nodes makes of their node tree (strings and HeadingMarks), by
+    the token renderer; by the node tree itself when the tokens hold a sequence the token
+    renderer does not model."""
+    pieces: list = []
+    try:
+        _TokenRenderer(tokens).run(0, pieces)
+    except _Unexpected:
+        pieces = []
+        render_nodes(Builder().build(list(tokens)).nodes, pieces)
+    return pieces
+
+
+# A comment (group 1: kept), or a <ref>...</ref> (or <ref .../>) holding no other ref and no
+# comment. Every branch starts with "<", which lets the regex engine skip to the next "<".
+_REF_OR_COMMENT = re.compile(r"<(?:(!--.*?(?:-->|\Z))|ref(?=[\s/>])[^<>]*/>"
+                             r"|ref(?=[\s>])[^<>]*>[^<]*(?:<(?!/?ref[\s/>]|!--)[^<]*)*</ref\s*>)",
+                             re.S | re.I)
+
+
+def cut_references(wikitext: str) -> str:
+    """Replace each <ref> with a MARK before parsing, as MediaWiki itself takes extension
+    tags out before it parses the rest; a comment is skipped whole, so a ref inside one stays
+    part of it. References are about a third of an article's wikitext and of the
+    tokenizer's time, and are dropped anyway; a ref that nests another ref or holds a
+    comment is left to the parser."""
+    return _REF_OR_COMMENT.sub(lambda m: m.group(0) if m.group(1) else MARK, wikitext)
+
+
+# Where templates and tables start and end, found as MediaWiki's preprocessor finds them:
+# comments and the extension tags whose content is not wikitext (mwparserfromhell's
+# PARSER_BLACKLIST) are skipped whole; "{{" and "}}" pair up; "{|" and "|}" count at the
+# start of a line (or after one space there), as in the tokenizer.
+_OPAQUE_TAGS = ("categorytree", "ce", "chem", "gallery", "graph", "hiero", "imagemap",
+                "inputbox", "math", "nowiki", "pre", "score", "section", "source",
+                "syntaxhighlight", "templatedata", "timeline")
+_STRUCTURE = re.compile(rf"<!--|<(?:{'|'.join(_OPAQUE_TAGS)})(?=[\s/>])|\{{\{{+|\}}\}}+"
+                        r"|\n[^\S\n]?(?:\{\||\|\})", re.I)
+# A template name ends at the first "|"; with markup before it ("{", "[", "<" ...) or a line
+# break inside it, the tokenizer does not take the braces as a template, and neither do we.
+_NAME_END = re.compile(r"[|{}\[\]<>]")
+
+
+def cut_dropped_blocks(wikitext: str) -> str:
+    """Replace each dropped template (:func:`template_renderer` is None for its name) and
+    each table outside templates with a MARK before parsing, as the node path renders them;
+    the tokenizer never sees them (infoboxes, navboxes and tables cost it half its time).
+    Only what is certain is cut: a template whose name holds markup stays, and a "{{{"
+    argument, an unclosed comment or tag, or a table that does not close at the template
+    depth it opened at stop the cutting there: the parser takes the rest as it is."""
+    text = "\n" + wikitext                    # a table may open on the first line
+    cuts: list[tuple[int, int]] = []          # [start, end) spans, in order, outermost only
+    opens: list[int] = []                     # start of each "{{" not yet closed
+    tables: list[tuple[int, int]] = []        # (start, len(opens) then) of each open table
+    m = _STRUCTURE.search(text)
+    while m:
+        token, pos, resume = m.group(0), m.start(), m.end()
+        if token[0] == "<":
+            resume = _opaque_end(text, m)
+            if resume < 0:
+                break
+        elif token[0] == "\n":
+            if token.endswith("{|"):
+                tables.append((resume - 2, len(opens)))
+            elif tables:
+                begin, depth = tables.pop()
+                if depth != len(opens):
+                    break
+                if depth == 0:
+                    _add_cut(cuts, begin, resume)
+        elif len(token) % 2:
+            break                              # "{{{" or "}}}": a template argument
+        elif token[0] == "{":
+            opens += range(pos, resume, 2)
+        else:
+            for end in range(pos + 2, resume + 1, 2):
+                if not opens:
+                    break
+                begin = opens.pop()
+                stop = _NAME_END.search(text, begin + 2, end - 2)   # never past a nested "{{"
+                if stop and stop.group() != "|":
+                    continue                   # markup in the name: the tokenizer's call
+                name = text[begin + 2:stop.start() if stop else end - 2]
+                if name.strip() and "\n" not in name.strip() and template_renderer(name) is None:
+                    _add_cut(cuts, begin, end)
+        m = _STRUCTURE.search(text, resume)
+    if not cuts:
+        return wikitext
+    out, last = [], 0
+    for begin, end in cuts:
+        out += [text[last:begin], MARK]
+        last = end
+    out.append(text[last:])
+    return "".join(out)[1:]
+
+
+def _add_cut(cuts: list, begin: int, end: int) -> None:
+    while cuts and cuts[-1][0] >= begin:      # spans inside this one
+        cuts.pop()
+    cuts.append((begin, end))
+
+
+def _opaque_end(text: str, m: re.Match) -> int:
+    """Where the comment or opaque tag at ``m`` ends (-1: it never does)."""
+    if m.group(0) == "<!--":
+        end = text.find("-->", m.end())
+        return end + 3 if end >= 0 else -1
+    name = m.group(0)[1:]
+    gt = text.find(">", m.end())
+    if gt < 0:
+        return -1
+    if text[gt - 1] == "/":
+        return gt + 1                          # <nowiki/>
+    close = re.compile(rf"</{name}\s*>", re.I).search(text, gt)
+    return close.end() if close else -1
 
 
 def render(wikitext: str) -> list:
     """Wikitext -> pieces: strings (MARKed text) and HeadingMarks, in document order.
     Constructs the parser left as plain text are removed by :func:`strip_leftover_markup`."""
-    pieces: list = []
-    render_nodes(mwparserfromhell.parse(wikitext.replace(MARK, "")).nodes, pieces)
+    wikitext = cut_dropped_blocks(cut_references(wikitext.replace(MARK, "")))
+    pieces = render_tokens(tokenize(wikitext))
     out: list = []
     run: list[str] = []
     for piece in pieces:
@@ -634,7 +985,7 @@ def article_text(wikitext: str, builder: ArticleBuilder) -> str:
 
 # Leftovers of constructs mwparserfromhell could not parse (it keeps them as plain text,
 # e.g. a table with broken quoting or a bold/italic run that never closes).
-_LEFTOVER_HINT = re.compile(r"\[\[|\{\{|\{\||<|''|^\s*\|", re.M)
+_LEFTOVER_HINT = re.compile(r"\[\[|\{\{|\{\||<|''|\n[^\S\n]*\|")     # each starts with a literal
 _LEFTOVER_SUBS = [
     (re.compile(r"<!--.*?(?:-->|$)", re.S), MARK),
     (re.compile(r"<ref[^<>]*/>|<ref[^<>]*>.*?</ref>", re.S | re.I), MARK),
@@ -652,7 +1003,7 @@ def strip_leftover_markup(text: str) -> str:
     """Regex fallback for wikitext that survived parsing as plain text: refs, templates,
     tables, file/category links and tags are dropped (leaving MARKs), [[link|text]]
     becomes text."""
-    if not _LEFTOVER_HINT.search(text):
+    if not _LEFTOVER_HINT.search(text) and not text.lstrip().startswith("|"):
         return text
     for pattern, repl in _LEFTOVER_SUBS:
         text = pattern.sub(repl, text)
