@@ -57,7 +57,8 @@ def decode_pack_applies(device_type: str, dtype: torch.dtype, weight_bytes: floa
 
 # --------------------------------------------------------------------------- state of a call
 class PackedLayer(NamedTuple):
-    """One block's weights for CPU decoding, transposed to (in, out) and contiguous."""
+    """One block's weights for CPU decoding, transposed to (in, out) and contiguous (or
+    ``utils.quant.Int8Weight`` of an int8 model: also the right operand of ``x @ w``)."""
     qkv: torch.Tensor      # (d_model, (n_heads + 2 n_kv_heads) * head_dim): wq | wk | wv
     wo: torch.Tensor       # (n_heads * head_dim, d_model)
     gate_up: torch.Tensor  # (d_model, 2 hidden): w_gate | w_up
@@ -485,7 +486,8 @@ class Engine:
 
 
     def decode_pack(self) -> Optional[DecodePack]:
-        """The weights of generation steps, transposed, on CPU in fp32; None elsewhere.
+        """The weights of generation steps, transposed, on CPU in fp32; an int8 model's fused
+        int8 weights (``utils.quant.int8_decode_weights``, no copy); None elsewhere.
 
         ``nn.Linear`` on one or a few rows computes each output as a dot product over the
         input features, which BLAS runs far below memory bandwidth on CPU; ``x @ Wt`` with a
@@ -501,9 +503,12 @@ class Engine:
         logits can differ from the Linear's in the last bits. Not on CUDA (its GEMV has no
         such gap) nor for bf16/fp16 weights (slower transposed on CPU)."""
         model = self.model
-        if getattr(model, "quantized", None):                               # int8 layers: their own kernel
-            self._pack = None
-            return None
+        if getattr(model, "quantized", None):            # int8 (utils/quant.py): its fused int8 weights
+            if self._pack is None or self._pack.key != ("int8",):
+                from utils.quant import int8_decode_weights
+                got = int8_decode_weights(model)
+                self._pack = got and DecodePack(("int8",), [PackedLayer(*w) for w in got[0]], got[1])
+            return self._pack
         w = model.lm_head.weight
         params = list(model.parameters())
         if not decode_pack_applies(w.device.type, w.dtype, sum(p.numel() * p.element_size() for p in params)):
