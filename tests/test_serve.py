@@ -437,6 +437,14 @@ def test_binding_beyond_loopback_without_a_key_warns(capsys):
         assert "WARNING" not in capsys.readouterr().err
 
 
+def test_usage_errors_exit_2_before_loading(work):
+    from tests.conftest import run_main
+    r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--threads", "0")
+    assert r.returncode == 2 and "--threads 0" in r.stderr, r.stderr
+    r = run_main("serve", "--config", work["cfg"], "--port", "0")
+    assert r.returncode == 2 and "--checkpoint" in r.stderr, r.stderr
+
+
 def test_int8_weights_stay_close_to_fp32():
     from tests.test_model import build
     from utils.quant import Int8Linear, quantize_int8
