@@ -326,7 +326,7 @@ class Batcher:
         idx = torch.tensor([seq.prompt], dtype=torch.long, device=model.device)
         caches = [_PrefillCache(k, v, seq.slot) for k, v in self.kv]
         head = self.engine.head()
-        with step_mode(self.engine.step_threads(len(seq.prompt), model.num_params())):
+        with step_mode(self.engine.step_threads(len(seq.prompt), self.engine.n_weights())):
             h = model.trunk(idx, None, AttnSpec("causal"), caches)          # (1, T, d_model)
             logits = head(h[:, -1]).float()                                 # (1, V)
             seq.pos = len(seq.prompt)
@@ -341,7 +341,7 @@ class Batcher:
         pack = self.engine.decode_pack()
         packs = pack.layers if pack is not None else [None] * len(model.layers)
         head = self.engine.head()
-        with step_mode(self.engine.step_threads(n, model.num_params())):
+        with step_mode(self.engine.step_threads(n, self.engine.n_weights())):
             rows = torch.arange(n, device=device)
             key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
             key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
@@ -524,6 +524,13 @@ class Engine:
                   for b in model.layers]
         self._pack = DecodePack(key, layers, t(w))
         return self._pack
+
+    def n_weights(self) -> int:
+        """Weights a token multiplies by: the parameters and an int8 model's int8 buffers."""
+        n = self.model.num_params()
+        if getattr(self.model, "quantized", None):
+            n += sum(b.numel() for b in self.model.buffers() if b.dtype == torch.int8)
+        return n
 
     def step_threads(self, n_tokens: int, n_params: int) -> Optional[int]:
         """Intra-op threads for one generation step over ``n_tokens`` tokens: on CPU, 1 when
