@@ -85,9 +85,6 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_matmul(x, self.weight8)
 
-    def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
-
 
 @dataclass
 class QuantReport:
