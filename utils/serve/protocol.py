@@ -83,7 +83,7 @@ def _stop(body: dict, max_chars: int) -> tuple:
         raise ApiError(400, f"'stop' has {len(items)} strings; at most 4 are allowed.", "stop", "invalid_value")
     if any(len(s) > max_chars for s in items):
         raise ApiError(400, "a 'stop' string is too long.", "stop", "invalid_value")
-    return tuple(s for s in items if s)
+    return tuple(_text(s, "stop") for s in items if s)
 
 
 @dataclass
@@ -92,6 +92,23 @@ class Limits:
     max_prompt_chars: int = 100_000
     max_n: int = 8
     default_max_tokens: int = 256
+
+    @property
+    def max_body_bytes(self) -> int:
+        """Room for the longest allowed prompt written as JSON escapes (``\\uXXXX``, 12 bytes
+        for a character outside the BMP) plus 1 MiB for the rest of a request."""
+        return 12 * self.max_prompt_chars + (1 << 20)
+
+
+def _text(s: str, param: str) -> str:
+    """``s`` if it is valid Unicode text (JSON can carry lone surrogates, which no tokenizer
+    takes)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{param}' holds an unpaired surrogate (\\ud800-\\udfff): send valid "
+                       "Unicode text.", param, "invalid_value") from None
+    return s
 
 
 @dataclass
@@ -153,6 +170,7 @@ def read_completion(body: dict, limits: Limits) -> tuple[Sampling, list[str]]:
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ApiError(400, "'prompt' must be a string or a non-empty list of strings (token-id "
                        "prompts are not supported).", "prompt", "invalid_type")
+    prompts = [_text(p, "prompt") for p in prompts]
     if sum(len(p) for p in prompts) > limits.max_prompt_chars:
         raise ApiError(400, f"the prompt has more than {limits.max_prompt_chars} characters "
                        "(serve.max_prompt_chars).", "prompt", "prompt_too_long")
@@ -178,7 +196,7 @@ class Chat:
 def _content(msg: Any, i: int) -> str:
     c = msg.get("content")
     if isinstance(c, str):
-        return c
+        return _text(c, f"messages[{i}].content")
     if isinstance(c, list):
         parts = []
         for j, part in enumerate(c):
@@ -187,7 +205,7 @@ def _content(msg: Any, i: int) -> str:
                                "({\"type\": \"text\", \"text\": ...}); images and audio are not supported.",
                                f"messages[{i}].content", "invalid_type")
             parts.append(part["text"])
-        return "".join(parts)
+        return _text("".join(parts), f"messages[{i}].content")
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts.",
                    f"messages[{i}].content", "invalid_type")
 

@@ -122,6 +122,7 @@ async function send(text) {
   meta.textContent = [stopped ? "stopped" : reason && "finish: " + reason,
     tokens ? tokens + " tokens" : "", rate, secs.toFixed(2) + " s"].filter(Boolean).join(" · ");
   reply.appendChild(meta);
+  $("log").scrollTop = $("log").scrollHeight;
   $("status").textContent = rate ? "last reply: " + rate : "";
 }
 
@@ -142,6 +143,13 @@ $("clear").addEventListener("click", () => {
   $("log").innerHTML = "";
   $("status").textContent = "conversation cleared";
 });
-$("model").addEventListener("change", () => { state.messages = []; });
+$("model").addEventListener("change", () => {
+  state.messages = [];
+  if (!$("log").children.length) return;
+  const note = document.createElement("p");
+  note.className = "note";
+  note.textContent = "new conversation with " + $("model").value;
+  $("log").appendChild(note);
+});
 $("api-key").addEventListener("change", loadModels);
 loadModels();
