@@ -43,7 +43,7 @@ demo: samples $(VENV)/.installed-test
 	$(PY) dataloader.py $(OFFLINE) --test --window 128 --batch-size 8
 	@echo "== 7. train: tiny model on the Wikipedia shards (test mode); validation loss and a sample"
 	rm -rf checkpoints/demo checkpoints/sft_demo_* logs/tensorboard/demo logs/tensorboard/sft_demo_* logs/raw_metrics/demo.jsonl logs/raw_metrics/sft_demo_*.jsonl
-	$(PY) main.py train $(OFFLINE) --test --name demo
+	$(PY) main.py train $(OFFLINE) --test --name demo --log-every 2
 	@echo "== 8. status: the run's progress, read from its log and folder"
 	$(PY) main.py status $(OFFLINE) demo
 	@echo "== 9. sft: SciQ + ARC in LIMA's format (offline substitute for LIMA), then fine-tune the demo model"

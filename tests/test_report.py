@@ -239,6 +239,27 @@ def test_damaged_log_and_missing_parts_are_said_not_fatal(work):
     assert "settings changed" not in md          # the stray config record belongs to no start
 
 
+def test_a_capped_warm_up_is_reported_as_used(work, written):
+    """The trainer caps warm-up at 20% of a run's steps: the settings line gives the configured
+    value and the one the run used (the same log with warmup_steps 100 in its records)."""
+    root = work["root"]
+    logs = root / "logs" / "raw_metrics"
+    shutil.copytree(root / "checkpoints" / "base", root / "checkpoints" / "capped")
+    out = []
+    for line in (logs / "base.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "config":
+            rec["hparams"]["warmup_steps"] = 100
+        out.append(json.dumps(rec))
+    (logs / "capped.jsonl").write_text("\n".join(out) + "\n")
+    ok(report(work, "capped"))
+    md = (root / "reports" / "capped" / "report.md").read_text()
+    assert (f"warmup\\_steps 100" in md and
+            f"(warm-up used: {TOTAL // 5} steps, capped at 20% of the run's {TOTAL})" in md), md
+    base = written["md"]
+    assert "warmup\\_steps 2," in base and "warm-up used" not in base      # 2 <= 12 // 5: as set
+
+
 def test_missing_run_and_bad_names(work, tmp_path):
     r = report(work, "nope")
     assert r.returncode == 1

@@ -14,6 +14,7 @@ from utils.report.document import (Bold, Bullets, Code, CodeBlock, Details, Head
                                    Table)
 from utils.report.plots import COLORS, Line, Panel, figure_png
 from utils.training.logging_utils import finite
+from utils.training.scheduler import effective_warmup
 
 SAMPLES_SHOWN = 5
 SAMPLE_CHARS = 2000       # a sample longer than this is cut (and says so)
@@ -276,6 +277,10 @@ def _training(f: F.RunFacts, s: dict) -> list:
     keys = ("optimizer", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "betas",
             "epochs", "seed", "compile", "activation_checkpointing")
     settings = ", ".join(f"{k} {_plain(hp[k])}" for k in keys if k in hp)
+    if isinstance(hp.get("warmup_steps"), int) and isinstance(hp.get("total_steps"), int):
+        used = effective_warmup(hp["warmup_steps"], hp["total_steps"])
+        if used != hp["warmup_steps"]:
+            settings += f" (warm-up used: {used} steps, capped at 20% of the run's {hp['total_steps']})"
     out += [Table(["", "value"], rows), Para(["Settings: ", settings, "."])]
     out += _starts(f)
     return out + _missing(f, "training")

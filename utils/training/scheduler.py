@@ -20,6 +20,12 @@ from typing import Iterable, Sequence
 import torch
 
 
+def effective_warmup(warmup_steps: int, total_steps: int) -> int:
+    """The warm-up a run uses: the configured steps, capped at 20% of the run's steps (a short
+    run would otherwise end before its learning rate peaks); 0 for a run of unknown length."""
+    return min(int(warmup_steps), max(0, int(total_steps) // 5)) if total_steps else 0
+
+
 def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     """The multiplier of the peak learning rate at optimizer step ``step`` (0-based)."""
     if warmup > 0 and step < warmup:

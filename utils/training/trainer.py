@@ -73,7 +73,7 @@ from utils.cli import PipelineError
 from utils.training.metrics import (MetricsTracker, Throughput, bits_per_byte, device_peak_flops, mfu,
                            mfu_unavailable_reason,
                            peak_memory_mb, perplexity)
-from utils.training.scheduler import CosineWarmupScheduler
+from utils.training.scheduler import CosineWarmupScheduler, effective_warmup
 
 
 # --------------------------------------------------------------------------- precision
@@ -438,7 +438,7 @@ class Trainer:
         self.dtype = resolve_dtype(st.dtype, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
         self.optimizers = spec.optimizer.build(model, self.device)
-        warmup = min(st.warmup_steps, max(0, self.total_steps // 5)) if self.total_steps else 0
+        warmup = effective_warmup(st.warmup_steps, self.total_steps)
         self.warmup_capped = warmup != st.warmup_steps
         self.scheduler = CosineWarmupScheduler(list(self.optimizers.values()), warmup=warmup,
                                                total=self.total_steps,
