@@ -268,3 +268,9 @@ def test_missing_run_and_bad_names(work, tmp_path):
     r = report(work, "../base")
     assert r.returncode == 2 and "is not a run name" in r.stderr
     assert not (work["root"] / "base").exists()
+    blocker = work["root"] / "a_file"
+    blocker.write_text("keep me")
+    r = report(work, "base", out="a_file")               # --out is a file: one named error
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "unexpected" not in r.stderr
+    assert f"cannot write the report to {blocker / 'base'}" in r.stderr
+    assert blocker.read_text() == "keep me"

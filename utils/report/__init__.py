@@ -19,6 +19,7 @@ import hashlib
 from pathlib import Path
 
 from utils.atomic import atomic_open
+from utils.cli import PipelineError
 from utils.report.build import build_comparison, build_run
 from utils.report.document import Image, to_html, to_markdown
 from utils.report.facts import collect
@@ -43,8 +44,19 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def write_report(folder: Path, blocks: list, title: str, html: bool = False) -> list[Path]:
-    """report.md and its PNGs (and report.html) in ``folder``; returns the paths written."""
+    """report.md and its PNGs (and report.html) in ``folder``; returns the paths written.
+    A folder that cannot be made or written (a file in the way, no permission, a full disk) is
+    one PipelineError naming it."""
     folder = Path(folder)
+    try:
+        return _write_report(folder, blocks, title, html)
+    except OSError as e:
+        raise PipelineError(f"cannot write the report to {folder}: {e.strerror or e} "
+                            f"({e.filename or folder}). Pass another --out (or set "
+                            "paths.reports_dir).") from None
+
+
+def _write_report(folder: Path, blocks: list, title: str, html: bool) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for img in _images(blocks):
