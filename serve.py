@@ -124,7 +124,8 @@ def open_models(args, cfg) -> dict:
         loop = EngineLoop(Engine(o.model, threads=args.threads), cfg.serve.max_batch, context, log=say,
                           name=f"engine-{mid}").start()
         models[mid] = ServedModel(mid, o.model, o.tok, o.kind, o.template, loop, int(time.time()),
-                                  cfg.serve.quantize, cfg.serve.max_queue, cfg.serve.max_tokens)
+                                  cfg.serve.quantize, cfg.serve.max_queue, cfg.serve.max_tokens,
+                                  cfg.serve.stream_interval)
         mb = loop.batcher.bytes_per_slot / 2 ** 20
         say(f"model '{mid}': {o.label} ({o.kind}{', chat' if o.template else ''}), context "
             f"{loop.capacity}, {cfg.serve.max_batch} slots x {mb:.1f} MiB of KV cache")

@@ -392,6 +392,49 @@ def test_concurrent_streams_equal_their_lone_runs_and_memory_stays_flat(server):
     assert server.health()["models"]["base"]["active"] == 0
 
 
+def test_a_stream_sends_its_first_token_at_once_and_groups_the_next_within_its_interval():
+    """A request's wake-ups (utils/serve/app.py Job): the first event from the engine thread
+    wakes the event loop at once; later ones within serve.stream_interval wake nothing and
+    wait in the inbox, to go out together, in order, with the next wake-up, which a finishing
+    event always causes."""
+    import asyncio
+    from types import SimpleNamespace
+    from utils.generation.engine import Event
+    from utils.serve.app import Job, ServedModel
+    from utils.serve.protocol import Sampling
+    m = ServedModel("m", None, tokenizer(), "pretrain", None, SimpleNamespace(capacity=64), 0,
+                    stream_interval=30.0)
+    s = Sampling(None, 8, 0.0, 1.0, 0, 1, None, (), True, False)
+
+    async def drive():
+        job = Job(m, s, [[1, 5]], ["x"], False, "cmpl-1")
+        seq, got = job.seqs[0], []
+        events = [Event(seq, 5, "a"), Event(seq, 6, "b"), Event(seq, 7, "c"), Event(seq, None, finish="length")]
+
+        async def consume():
+            while sum(map(len, got)) < len(events):
+                got.append(await job.arrived())
+
+        async def until(n):
+            for _ in range(400):
+                if len(got) >= n:
+                    return
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(consume())
+        from_engine = lambda *es: asyncio.to_thread(lambda: [seq.sink(e) for e in es])  # noqa: E731
+        await from_engine(events[0])
+        await until(1)
+        await from_engine(*events[1:3])
+        await asyncio.sleep(0.3)
+        assert len(got) == 1                     # no wake-up within the interval
+        await from_engine(events[3])
+        await asyncio.wait_for(task, 5)
+        return got, events
+    got, events = asyncio.run(drive())
+    assert got == [events[:1], events[1:]]
+
+
 def server_pid(server) -> int:
     from tests.conftest import stage_pid
     return stage_pid(server.proc.pid)

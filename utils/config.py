@@ -333,6 +333,8 @@ class ServeConfig:
     shutdown_grace: float = _f(5.0, "seconds running generations get to finish on SIGINT/SIGTERM "
                                "before they are cut", min=0)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
+    stream_interval: float = _f(0.02, "least seconds between two writes of a stream: faster tokens go "
+                                "out together (0: one write per token)", min=0)
 
 
 @dataclass
