@@ -330,3 +330,112 @@ def test_bad_infini_settings_are_config_errors(tmp_path):
     a = M.model_args_from_config(cfg, 100, 1)
     assert (a.attention, a.segment_length, a.infini_gate, a.infini_delta_rule) == ("infini", 64, "hard_sigmoid", True)
     assert M.model_args_from_config(load_config(None, base_file=None), 100, 1).segment is None
+
+
+# --------------------------------------------------------------------------- the CLI
+INFINI = {"model": {"attention": "infini", "segment_length": 16, "max_seq_len": 32},
+          "training": {"gate_lr": 0.05, "gate_weight_decay": 0.0}}
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("infini_root")
+
+
+@pytest.fixture(scope="module")
+def cfg(root, train_shards):
+    from tests.conftest import SPM_MODEL, write_config
+    return write_config(root, {"tokenizer": {"name": str(SPM_MODEL)},
+                               "dataset": {"wikipedia_test_dir": str(train_shards), "window": 32},
+                               **INFINI})
+
+
+@pytest.fixture(scope="module")
+def full_run(cfg):
+    """An infini run of STEPS steps (windows of 32 tokens = two segments), uninterrupted."""
+    from tests.test_train import ok, train
+    return ok(train(cfg, "--name", "full", "--max-steps", STEPS)).stdout
+
+
+def test_train_resumes_an_infini_run_bit_for_bit(root, cfg, full_run):
+    import signal
+    from tests.conftest import paused_env, popen_main, wait_for_line
+    from tests.test_train import FLAGS, log_of, losses, ok, train, weights
+    from utils.run import load_checkpoint
+    ck = load_checkpoint(root / "checkpoints" / "full" / "checkpoint_latest.pt", "resume")
+    assert ck["model_args"]["attention"] == "infini" and ck["model_args"]["segment_length"] == 16
+    gates = [v for k, v in ck["model"].items() if k.endswith("memory.beta")]
+    assert len(gates) == 2 and all(float(g.abs().max()) > 0 for g in gates)    # they trained
+    groups = ck["optimizer"]["adamw"]["param_groups"]
+    assert [g.get("name") for g in groups][-1] == "gates" and groups[-1]["initial_lr"] == 0.05
+    assert "attention: PyTorch SDPA with a block-diagonal causal mask (segments)" in full_run
+
+    p = popen_main("train", "--test", "--config", cfg, *FLAGS, "--name", "cut", "--max-steps",
+                   STEPS, env=paused_env(3))
+    wait_for_line(p, "paused after step 3")
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 130, f"{out}\n{err}"
+    ok(train(cfg, "--name", "cut", "--max-steps", STEPS, "--resume", "auto"))
+    a = weights(root / "checkpoints" / "full" / "checkpoint_latest.pt")
+    b = weights(root / "checkpoints" / "cut" / "checkpoint_latest.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(log_of(root, "full")) == losses(log_of(root, "cut"))
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_export_refuses_an_infini_checkpoint_and_writes_nothing(root, cfg, full_run, fmt):
+    from tests.conftest import run_main
+    out = root / "exports" / f"infini-{fmt}"
+    r = run_main("export", "--config", cfg, "--checkpoint", str(root / "checkpoints" / "full"),
+                 "--format", fmt, "--out", str(out))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "model.attention is 'infini'" in r.stderr and "Nothing was written" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+    assert not (out.parent.exists() and any(out.parent.glob(".*")))       # no temp folder left
+
+
+def test_infer_takes_a_prompt_longer_than_the_window_whole(root, cfg, full_run):
+    """No truncation for an infini model (its context is not limited): a 100-word prompt,
+    several times the 32-token window, is generated from in full."""
+    from tests.conftest import run_main
+    prompt = " ".join(["the history of the city and its river"] * 12)
+    r = run_main("infer", "--config", cfg, "--checkpoint", str(root / "checkpoints" / "full"),
+                 "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "shortened" not in r.stdout + r.stderr and r.stdout.strip()
+
+
+def test_ddp_two_ranks_equal_one_process_with_the_doubled_batch(root, cfg):
+    """2 CPU ranks (gloo, torchrun) x 2 windows == 1 process x 4 windows, step by step (1e-5):
+    DDP averages the gates' gradients like every other parameter's."""
+    import subprocess
+    from tests.conftest import ROOT, default_signals, offline_env
+    from tests.test_ddp import ATOL, max_diff, torchrun_command
+    from tests.test_train import FLAGS, ok, train
+    from utils.run import load_checkpoint
+    every = ["--checkpoint-every", "1", "--keep-checkpoints", "5", "--max-steps", "4"]
+    d = subprocess.run(torchrun_command("--config", cfg, *FLAGS, "--batch-size", "2", "--name", "ddp",
+                                        *every), capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=offline_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals)
+    ok(d)
+    ok(train(cfg, "--batch-size", "4", "--name", "single", *every))
+    for step in range(1, 5):
+        a = load_checkpoint(root / "checkpoints" / "ddp" / f"checkpoint_step_{step}.pt", "resume")
+        b = load_checkpoint(root / "checkpoints" / "single" / f"checkpoint_step_{step}.pt", "resume")
+        assert max_diff(a["model"], b["model"]) < ATOL, step
+    assert max_diff({k: v for k, v in a["model"].items() if "memory" in k},
+                    {k: torch.zeros_like(v) for k, v in a["model"].items() if "memory" in k}) > 0
+
+
+def test_config_files_stack_in_order(tmp_path):
+    """--config A --config B: B's keys over A's over config.json (the offline setup + infini_tiny)."""
+    from tests.conftest import ROOT
+    cfg = load_config([ROOT / "configs" / "offline.json", ROOT / "configs" / "infini_tiny.json"],
+                      base_file=None)
+    assert cfg.tokenizer.name.endswith("mistral-v1/tokenizer.model")       # from offline.json
+    assert (cfg.model.attention, cfg.model.segment_length) == ("infini", 32)  # from infini_tiny
+    assert cfg.sources[-2:] == [str(ROOT / "configs" / "offline.json"),
+                                str(ROOT / "configs" / "infini_tiny.json")]

@@ -668,11 +668,12 @@ def base_config_file() -> Optional[Path]:
     return Path(env)
 
 
-def load_config(config_file: Optional[str | os.PathLike] = None,
+def load_config(config_file: Optional[str | os.PathLike | list] = None,
                 overrides: Optional[dict[str, Any]] = None,
                 test: bool = False,
                 base_file: Any = "env") -> Config:
     """Build the Config: defaults < base_file (config.json) < config_file < overrides.
+    ``config_file`` may be a list of files, layered in order (``--config A --config B``).
 
     ``base_file`` "env" means :func:`base_config_file` (config.json unless
     ``$LLM_PIPELINE_BASE_CONFIG`` says otherwise); None means the dataclass defaults alone.
@@ -686,8 +687,8 @@ def load_config(config_file: Optional[str | os.PathLike] = None,
     layers: list[tuple[str, Any]] = []   # (source, a function giving the parsed layer)
     if base_file is not None and (Path(base_file) != DEFAULT_CONFIG_FILE or Path(base_file).exists()):
         layers.append((str(base_file), lambda p=Path(base_file): read_json_file(p)))
-    if config_file is not None:
-        cf = Path(config_file)
+    files = config_file if isinstance(config_file, (list, tuple)) else [config_file]
+    for cf in (Path(f) for f in files if f is not None):
         if base_file is None or cf.resolve() != Path(base_file).resolve():
             layers.append((str(cf), lambda p=cf: read_json_file(p)))
     if overrides:
