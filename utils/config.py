@@ -328,6 +328,12 @@ class BenchmarkConfig:
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "autocast dtype (auto: bf16 on "
                                                         "CUDA, float32 on CPU)")
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
+    passkey_lengths: list[int] = _f([256, 512, 1024, 2048, 4096], "passkey: context lengths of the "
+                                    "grid, in tokens of the model's tokenizer", min=16)
+    passkey_depths: list[int] = _f([0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100], "passkey: needle "
+                                   "depths in percent (0: after the instructions, 100: before the "
+                                   "question)", min=0, max=100)
+    passkey_digits: int = _f(5, "passkey: digits of each key", min=1, max=18)
 
 
 @dataclass
