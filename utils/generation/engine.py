@@ -280,7 +280,7 @@ class Batcher:
         self.running: list[Sequence] = []
         self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
         # infini: positions kept per slot (one segment) and each layer's (sigma(K), M, z)
-        self.segment = getattr(self.model.args, "segment", None)
+        self.segment = self.model.args.segment
         self.cache_len = min(capacity, self.segment) if self.segment else capacity
         self.mem: Optional[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
 
