@@ -151,9 +151,11 @@ def write_configs(work: Path, tok_dir: Path, shards: Path, a) -> dict[str, Path]
     return files
 
 
-def stage(*args, log: Path) -> float:
-    """``main.py ARGS`` with its output in ``log``; returns the wall time."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", LLM_PIPELINE_BASE_CONFIG="none")
+def stage(*args, log: Path, threads: int) -> float:
+    """``main.py ARGS`` with its output in ``log``, on ``threads`` intra-op threads; returns
+    the wall time."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", LLM_PIPELINE_BASE_CONFIG="none",
+               OMP_NUM_THREADS=str(threads))
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, str(ROOT / "main.py"), *map(str, args)], stdout=f,
@@ -166,7 +168,7 @@ def stage(*args, log: Path) -> float:
 def gates_of(checkpoint: Path) -> list[list[float]]:
     from utils.infini import gate_value
     from utils.run import load_checkpoint
-    ck = load_checkpoint(checkpoint, "inspect")
+    ck = load_checkpoint(checkpoint, "weights")
     kind = ck["model_args"]["infini_gate"]
     return [[round(float(x), 3) for x in gate_value(v.float(), kind)]
             for k, v in ck["model"].items() if k.endswith("memory.beta")]
@@ -180,7 +182,7 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--segment", type=int, default=32)
-    ap.add_argument("--share", type=float, default=0.5, help="fraction of passkey windows")
+    ap.add_argument("--share", type=float, default=0.9, help="fraction of passkey windows")
     ap.add_argument("--gate", default="hard_sigmoid", choices=["hard_sigmoid", "sigmoid", "tanh"])
     ap.add_argument("--gate-lr", type=float, default=0.01)
     ap.add_argument("--gate-weight-decay", type=float, default=0.0)
@@ -188,6 +190,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=5, help="passkey samples per cell")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--models", default="standard,infini")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of each stage (a "
+                    "tiny model on a shared machine runs best on one)")
     ap.add_argument("--images", type=Path, default=None, help="copy the heat maps here")
     a = ap.parse_args()
     import torch
@@ -210,13 +214,14 @@ def main() -> int:
         if run_dir.exists():
             shutil.rmtree(run_dir)
         layers = ["--config", files["base"]] + (["--config", files["infini"]] if name == "infini" else [])
-        times[name] = stage("train", *layers, "--name", name, log=a.work / f"train_{name}.log")
+        times[name] = stage("train", *layers, "--name", name, log=a.work / f"train_{name}.log",
+                            threads=a.threads)
         ckpts[name] = run_dir / "checkpoint_latest.pt"
         print(f"trained {name} in {times[name]:.0f} s", flush=True)
     out = a.work / "results"
     t1 = time.perf_counter()
     stage("benchmark", "--config", files["base"], "--tasks", "passkey", "--limit", f"passkey={a.samples}",
-          "--output-dir", out, *ckpts.values(), log=a.work / "benchmark.log")
+          "--output-dir", out, *ckpts.values(), log=a.work / "benchmark.log", threads=a.threads)
     bench_s = time.perf_counter() - t1
     result = json.loads(sorted(out.glob("benchmark_*[0-9].json"))[-1].read_text())
     summary = {"settings": {k: str(v) for k, v in vars(a).items()}, "train_seconds": times,

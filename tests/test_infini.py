@@ -10,7 +10,8 @@ Muon. Generation: greedy decoding through the engine (one segment of cache, the 
 carried) equals the full forward's argmax, alone and under continuous batching with rows
 joining and leaving; a slot's memory does not grow with the context. Config errors (exit 2).
 The CLI: an infini run resumes bit for bit after a real SIGINT; export refuses an infini
-checkpoint (exit 1, nothing written); DDP (2 CPU ranks, gloo) equals one process.
+checkpoint (exit 1, nothing written); infer and serve take prompts longer than the window
+whole; DDP (2 CPU ranks, gloo) equals one process.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 import model as M
 from model import ModelArgs, create_model
 from utils.config import ConfigError, load_config
-from utils.generation.engine import Engine, SamplingParams, Sequence
+from utils.generation.engine import Engine, SamplingParams, Sequence, TextDecoder
 from utils.infini import InfiniMemory, gate_parameters, gate_value, sigma
 
 V = 61
@@ -406,6 +407,31 @@ def test_infer_takes_a_prompt_longer_than_the_window_whole(root, cfg, full_run):
                  "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "shortened" not in r.stdout + r.stderr and r.stdout.strip()
+
+
+def test_serve_answers_past_the_window_as_the_engine_does(root, cfg, full_run):
+    """serve (main.py, a free local port, the openai client): an infini model's context is
+    unbounded; a prompt of several windows gets the engine's own greedy continuation."""
+    from tests.test_serve import Server
+    from utils.data.tok import encode_plain, load_tokenizer_from
+    from utils.run import load_model
+    from tests.conftest import SPM_MODEL
+    prompt = " ".join(["the history of the city and its river"] * 12)
+    s = Server(root, cfg, "--checkpoint", root / "checkpoints" / "full")
+    try:
+        listed = s.client.models.list().data[0]
+        r = s.client.completions.create(model=listed.id, prompt=prompt, max_tokens=6, temperature=0)
+    finally:
+        assert s.stop() == 130, s.stderr()
+    assert "context unbounded (Infini-attention)" in s.stderr()
+    assert listed.model_extra["context_length"] is None
+    tok = load_tokenizer_from(str(SPM_MODEL))
+    ids = [tok.bos_token_id] + encode_plain(tok, [prompt])[0]
+    assert r.usage.prompt_tokens == len(ids) > 3 * 32
+    m, _ = load_model(root / "checkpoints" / "full" / "checkpoint_latest.pt")
+    want = Engine(m).generate([ids], r.usage.completion_tokens, temperature=0, eos_id=tok.eos_token_id)[0]
+    text = TextDecoder(tok, prefix=ids[-1:])          # a completion continues the prompt's text
+    assert r.choices[0].text == "".join(text.push(t) for t in want) + text.finish()
 
 
 def test_ddp_two_ranks_equal_one_process_with_the_doubled_batch(root, cfg):

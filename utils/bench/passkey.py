@@ -30,7 +30,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
                "memorize them. I will quiz you about the important information there.")
@@ -122,46 +122,37 @@ def run(ad, plan: PasskeyPlan, records: list, progress=None) -> dict:
     context = None if getattr(ad, "long_context", False) else ad.max_length
     acc = [[None] * len(plan.lengths) for _ in plan.depths]
     status, hits_all = {}, []
-    for c, L in enumerate(plan.lengths):
-        if context is not None and L > context:
-            status[str(L)] = "beyond_context"
+    cells = [(c, L, r, d) for c, L in enumerate(plan.lengths) for r, d in enumerate(plan.depths)]
+    for c, L, r, d in cells:
+        if r == 0:                                   # a new length: can it run at all?
+            keys = [key_for(plan.seed, L, dd, i, plan.digits) for dd in plan.depths
+                    for i in range(plan.samples)]
+            status[str(L)] = ("beyond_context" if context is not None and L > context
+                              else "too_short" if any(count(prompt_text(k, 0, 0)) + plan.new_tokens > L
+                                                      for k in keys)
+                              else "ok")
+        if status[str(L)] != "ok":
             if progress is not None:
-                progress.update(len(plan.depths) * plan.samples)
+                progress.update(plan.samples)
             continue
-        status[str(L)] = "ok"
-        for r, d in enumerate(plan.depths):
-            hits = []
-            for i in range(plan.samples):
-                key = key_for(plan.seed, L, d, i, plan.digits)
-                got = fit(count, key, d, L - plan.new_tokens)
-                if got is None:
-                    status[str(L)] = "too_short"
-                    break
-                text, n_filler, n_tokens = got
-                ids = ad._framed(ad.encode([text])[0])
-                new = ad.generate_greedy(ids, plan.new_tokens)
-                answer = ad.tok.decode(new, skip_special_tokens=True)
-                ok = first_integer(answer) == str(key)
-                hits.append(float(ok))
-                records.append({"task": "passkey", "length": L, "depth": d, "sample": i,
-                                "key": key, "prompt_tokens": n_tokens, "filler_sentences": n_filler,
-                                "generated": answer, "correct": ok})
-                if progress is not None:
-                    progress.update(1)
-            if status[str(L)] == "too_short":
-                if progress is not None:
-                    progress.update((len(plan.depths) - r) * plan.samples)
-                break
-            acc[r][c] = S.mean(hits)
-            hits_all += hits
+        hits = []
+        for i in range(plan.samples):
+            key = key_for(plan.seed, L, d, i, plan.digits)
+            text, n_filler, n_tokens = fit(count, key, d, L - plan.new_tokens)
+            new = ad.generate_greedy(ad._framed(ad.encode([text])[0]), plan.new_tokens)
+            answer = ad.tok.decode(new, skip_special_tokens=True)
+            ok = first_integer(answer) == str(key)
+            hits.append(float(ok))
+            records.append({"task": "passkey", "length": L, "depth": d, "sample": i, "key": key,
+                            "prompt_tokens": n_tokens, "filler_sentences": n_filler,
+                            "generated": answer, "correct": ok})
+            if progress is not None:
+                progress.update(1)
+        acc[r][c] = S.mean(hits)
+        hits_all += hits
     return {"metrics": {"acc": {"value": S.mean(hits_all), "stderr": S.mean_stderr(hits_all)}},
             "grid": {"lengths": list(plan.lengths), "depths": list(plan.depths), "acc": acc,
                      "status": status},
             "samples_per_cell": plan.samples, "digits": plan.digits, "new_tokens": plan.new_tokens,
             "context": context, "samples_scored": len(hits_all)}
 
-
-def cells(result: dict) -> Sequence[tuple[int, float, Optional[float]]]:
-    """(length, depth, accuracy or None) for every cell of a task result."""
-    g = result["grid"]
-    return [(L, d, g["acc"][r][c]) for r, d in enumerate(g["depths"]) for c, L in enumerate(g["lengths"])]

@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from utils.generation.engine import Event, SamplingParams, Sequence
+from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence
 from utils.generation.loop import EngineLoop
 from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, error_body, new_id, now,
                                   read_chat, read_completion)
@@ -80,7 +80,8 @@ class ServedModel:
 
     def describe(self) -> dict:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "llm-pipeline",
-                "kind": self.kind, "chat": self.template is not None, "context_length": self.context,
+                "kind": self.kind, "chat": self.template is not None,
+                "context_length": None if self.context >= UNBOUNDED else self.context,  # None: infini
                 "quantize": self.quantize}
 
 
