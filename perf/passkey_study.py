@@ -71,22 +71,49 @@ def wiki_texts(limit_tokens_chars: int) -> list[str]:
     return out
 
 
-def make_tokenizer(work: Path, texts: list[str]) -> Path:
+def make_tokenizer(work: Path, texts: list[str], split_digits: bool) -> Path:
     from tokenizer import train_bpe
     from utils.bench import passkey as P
     from utils.data.tok import save_tokenizer
     d = work / "tokenizer"
     if not d.exists():
-        extra = [P.prompt_text(P.key_for(0, 0, 0, i), 20, 50) for i in range(50)]
-        save_tokenizer(train_bpe(texts + extra, 1000), d, "passkey study: BPE on the enwiki sample")
+        rng = random.Random(0)          # prompts in proportion to their share of the training text
+        extra = [P.prompt_text(rng.randint(10_000, 99_999), rng.randint(0, 20), rng.uniform(0, 100))
+                 for _ in range(len(texts) * 10)]
+        how = "digits split" if split_digits else "digits merged"
+        save_tokenizer(train_bpe(texts + extra, 1000, split_digits=split_digits), d,
+                       f"passkey study: BPE on the enwiki sample ({how})")
     return d
 
 
-def make_shards(work: Path, tok_dir: Path, texts: list[str], window: int, n_windows: int,
-                share: float, seed: int) -> Path:
-    """Documents of exactly ``window`` tokens: passkey documents (``share``) and Wikipedia."""
-    import numpy as np
+def passkey_document(enc, rng: random.Random, window: int, segment: int, earlier: float,
+                     min_fill: float) -> list[int]:
+    """One passkey document (no BOS/EOS): the benchmark's prompt with a random 5-digit key,
+    then its answer " KEY.". The prompt takes a random share (``min_fill`` .. 1) of the
+    window, so the question lands in different segments; with probability ``earlier`` the
+    needle's last token is in an earlier segment than the question's last token (the answer
+    then needs the memory, for an infini model), else the depth is uniform."""
     from utils.bench import passkey as P
+    key = rng.randint(10_000, 99_999)
+    answer = enc(f" {key}.")
+    # BOS + prompt + answer + EOS, then at least BOS + EOS of Wikipedia: within one window
+    budget = rng.randint(int(min_fill * window), window - len(answer) - 3)
+    needle = P.needle(key)
+    must_split = rng.random() < earlier
+    for _ in range(20):
+        depth = rng.uniform(0, 100)
+        text, _, n = (P.fit(lambda t: 1 + len(enc(t)), key, depth, budget)
+                      or P.fit(lambda t: 1 + len(enc(t)), key, depth, window - len(answer) - 3))
+        needle_end = len(enc(text[:text.index(needle) + len(needle)]))    # its position (BOS at 0)
+        if not must_split or needle_end // segment < (n - 1) // segment:
+            break
+    return enc(text) + answer
+
+
+def make_shards(work: Path, tok_dir: Path, texts: list[str], a, n_windows: int) -> Path:
+    """Documents of exactly ``a.window`` tokens: passkey documents (a share ``a.share`` of the
+    windows, each completed by a Wikipedia document) and Wikipedia alone."""
+    import numpy as np
     from utils.data.shards import write_shard_set
     from utils.data.tok import describe, load_tokenizer_from
     out = work / "shards"
@@ -96,8 +123,8 @@ def make_shards(work: Path, tok_dir: Path, texts: list[str], window: int, n_wind
     bos, eos = tok.bos_token_id, tok.eos_token_id
     enc = lambda t: tok.encode(t, add_special_tokens=False)   # noqa: E731
     wiki = np.concatenate([np.asarray(x) for x in tok(texts, add_special_tokens=False)["input_ids"]])
-    rng = random.Random(seed)
-    docs, n_passkey, pos = [], 0, 0
+    rng = random.Random(a.seed)
+    window, docs, n_passkey, pos = a.window, [], 0, 0
 
     def wiki_tokens(n):
         nonlocal pos
@@ -107,13 +134,8 @@ def make_shards(work: Path, tok_dir: Path, texts: list[str], window: int, n_wind
         return [int(x) for x in wiki[pos - n:pos]]
 
     for _ in range(n_windows):
-        if rng.random() < share:
-            key, depth = rng.randint(10_000, 99_999), rng.uniform(0, 100)
-            answer = enc(f" {key}.")
-            # prompt + answer + EOS, then at least BOS + EOS of Wikipedia: exactly one window
-            budget = window - len(answer) - 3 - rng.randint(0, 16)       # lengths vary a little
-            text, _, _ = P.fit(lambda t: 1 + len(enc(t)), key, depth, budget)
-            doc = [bos] + enc(text) + answer + [eos]
+        if rng.random() < a.share:
+            doc = [bos] + passkey_document(enc, rng, window, a.segment, a.earlier, a.min_fill) + [eos]
             docs.append(np.asarray(doc))
             docs.append(np.asarray([bos] + wiki_tokens(window - len(doc) - 2) + [eos]))
             n_passkey += 1
@@ -121,7 +143,7 @@ def make_shards(work: Path, tok_dir: Path, texts: list[str], window: int, n_wind
             docs.append(np.asarray([bos] + wiki_tokens(window - 2) + [eos]))
     assert sum(len(d) for d in docs) == n_windows * window
     write_shard_set(out, docs, describe(tok, str(tok_dir)), shard_tokens=10_000_000,
-                    source={"kind": "passkey_study", "inputs": [str(ENWIKI)], "passkey_share": share,
+                    source={"kind": "passkey_study", "inputs": [str(ENWIKI)], "passkey_share": a.share,
                             "passkey_documents": n_passkey})
     return out
 
@@ -134,9 +156,10 @@ def write_configs(work: Path, tok_dir: Path, shards: Path, a) -> dict[str, Path]
                     "stride": a.window, "val_split": 0.02, "seed": a.seed},
         "model": {**MODEL, "max_seq_len": 8 * a.window},
         "training": {"max_steps": a.steps, "batch_size": a.batch, "lr": a.lr, "min_lr": a.lr / 10,
-                     "warmup_steps": max(1, a.steps // 20), "weight_decay": 0.1, "seed": a.seed,
+                     "warmup_steps": max(1, a.steps // 20), "weight_decay": a.weight_decay, "seed": a.seed,
                      "eval_steps": max(1, a.steps // 5), "eval_batches": 8, "sample_tokens": 0,
-                     "checkpoint_every": a.steps, "keep_checkpoints": 0, "device": "cpu",
+                     "checkpoint_every": a.checkpoint_every or a.steps,
+                     "keep_checkpoints": 1000 if a.checkpoint_every else 0, "device": "cpu",
                      "dtype": "fp32"},
         "logging": {"log_every": 50, "tensorboard": False},
         "benchmark": {"passkey_lengths": [a.window * k for k in (1, 2, 4, 8)],
@@ -174,12 +197,13 @@ def gates_of(checkpoint: Path) -> list[list[float]]:
             for k, v in ck["model"].items() if k.endswith("memory.beta")]
 
 
-def main() -> int:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/passkey_study"))
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.1, help="of both models' matrices")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--segment", type=int, default=32)
     ap.add_argument("--share", type=float, default=0.9, help="fraction of passkey windows")
@@ -187,45 +211,56 @@ def main() -> int:
     ap.add_argument("--gate-lr", type=float, default=0.01)
     ap.add_argument("--gate-weight-decay", type=float, default=0.0)
     ap.add_argument("--no-delta-rule", action="store_true")
+    ap.add_argument("--split-digits", action=argparse.BooleanOptionalAction, default=True,
+                    help="the study's BPE makes every digit a token (a key is always 5 tokens)")
+    ap.add_argument("--earlier", type=float, default=0.9, help="fraction of passkey documents "
+                    "whose needle ends in an earlier segment than the question")
+    ap.add_argument("--min-fill", type=float, default=0.5, help="shortest passkey prompt, as a "
+                    "fraction of the window (lengths are uniform up to the whole window)")
+    ap.add_argument("--checkpoint-every", type=int, default=None, help="also keep a numbered "
+                    "checkpoint every N steps (learning curves)")
     ap.add_argument("--samples", type=int, default=5, help="passkey samples per cell")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--models", default="standard,infini")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of each stage (a "
                     "tiny model on a shared machine runs best on one)")
     ap.add_argument("--images", type=Path, default=None, help="copy the heat maps here")
-    a = ap.parse_args()
-    import torch
-    from perf.machine import cpu_model
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
-          f"torch {torch.__version__}; date {datetime.datetime.now().isoformat(timespec='seconds')}")
-    print(f"settings: {json.dumps({k: str(v) for k, v in vars(a).items()})}", flush=True)
-    a.work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    texts = wiki_texts(12_000_000)
-    tok_dir = make_tokenizer(a.work, texts)
-    windows = int(a.steps * a.batch * 1.1 / 0.98) + 64
-    shards = make_shards(a.work, tok_dir, texts, a.window, windows, a.share, a.seed)
-    files = write_configs(a.work, tok_dir, shards, a)
-    print(f"data: {windows} windows of {a.window} tokens ({a.share:.0%} passkey) in "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
-    times, ckpts = {}, {}
-    for name in a.models.split(","):
+    return ap.parse_args()
+
+
+def train_models(a, files: dict[str, Path]) -> tuple[dict[str, float], dict[str, Path]]:
+    """Both trainings at once (each on ``a.threads`` threads: a 2-core machine runs two
+    one-thread trainings in about the time of one): wall seconds and checkpoint per model."""
+    from concurrent.futures import ThreadPoolExecutor
+    names = a.models.split(",")
+    ckpts = {}
+    for name in names:
         run_dir = a.work / "checkpoints" / name
         if run_dir.exists():
             shutil.rmtree(run_dir)
-        layers = ["--config", files["base"]] + (["--config", files["infini"]] if name == "infini" else [])
-        times[name] = stage("train", *layers, "--name", name, log=a.work / f"train_{name}.log",
-                            threads=a.threads)
         ckpts[name] = run_dir / "checkpoint_latest.pt"
-        print(f"trained {name} in {times[name]:.0f} s", flush=True)
+
+    def train(name):
+        layers = ["--config", files["base"]] + (["--config", files["infini"]] if name == "infini" else [])
+        seconds = stage("train", *layers, "--name", name, log=a.work / f"train_{name}.log",
+                        threads=a.threads)
+        print(f"trained {name} in {seconds:.0f} s", flush=True)
+        return seconds
+    with ThreadPoolExecutor(len(names)) as pool:
+        times = dict(zip(names, pool.map(train, names)))
+    return times, ckpts
+
+
+def evaluate(a, files: dict[str, Path], ckpts: dict[str, Path], times: dict[str, float]) -> dict:
+    """The passkey grid on every model: the summary (accuracy per length, grids, heat maps,
+    gates), written to ``summary.json``; heat maps copied to ``a.images``."""
     out = a.work / "results"
     t1 = time.perf_counter()
     stage("benchmark", "--config", files["base"], "--tasks", "passkey", "--limit", f"passkey={a.samples}",
           "--output-dir", out, *ckpts.values(), log=a.work / "benchmark.log", threads=a.threads)
-    bench_s = time.perf_counter() - t1
     result = json.loads(sorted(out.glob("benchmark_*[0-9].json"))[-1].read_text())
     summary = {"settings": {k: str(v) for k, v in vars(a).items()}, "train_seconds": times,
-               "benchmark_seconds": bench_s, "models": {}}
+               "benchmark_seconds": time.perf_counter() - t1, "models": {}}
     for m, name in zip(result["models"], ckpts):
         r = m["results"]["passkey"]
         g = r["grid"]
@@ -240,7 +275,13 @@ def main() -> int:
             a.images.mkdir(parents=True, exist_ok=True)
             shutil.copy(r["heatmap"], a.images / f"passkey_{name}.png")
     (a.work / "summary.json").write_text(json.dumps(summary, indent=2))
-    lengths = result["models"][0]["results"]["passkey"]["grid"]["lengths"]
+    return summary
+
+
+def print_summary(a, summary: dict) -> None:
+    """The markdown table (accuracy per length) and each infini layer's gates."""
+    times = summary["train_seconds"]
+    lengths = next(iter(summary["models"].values()))["grid"]["lengths"]
     print("\n| model | parameters | train time | " + " | ".join(f"{L} tokens" for L in lengths) + " |")
     print("|---|---|---|" + "---|" * len(lengths))
     for name, s in summary["models"].items():
@@ -250,7 +291,27 @@ def main() -> int:
         print("\ngates g per head, by layer (infini):")
         for i, row in enumerate(summary["models"]["infini"]["gates"]):
             print(f"  layer {i}: {row}")
-    print(f"\nbenchmark {bench_s:.0f} s; summary in {a.work / 'summary.json'}")
+    print(f"\nbenchmark {summary['benchmark_seconds']:.0f} s; summary in {a.work / 'summary.json'}")
+
+
+def main() -> int:
+    a = parse_args()
+    import torch
+    from perf.machine import cpu_model
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
+          f"torch {torch.__version__}; date {datetime.datetime.now().isoformat(timespec='seconds')}")
+    print(f"settings: {json.dumps({k: str(v) for k, v in vars(a).items()})}", flush=True)
+    a.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    texts = wiki_texts(12_000_000)
+    tok_dir = make_tokenizer(a.work, texts, a.split_digits)
+    windows = int(a.steps * a.batch * 1.1 / 0.98) + 64
+    shards = make_shards(a.work, tok_dir, texts, a, windows)
+    files = write_configs(a.work, tok_dir, shards, a)
+    print(f"data: {windows} windows of {a.window} tokens ({a.share:.0%} passkey) in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    times, ckpts = train_models(a, files)
+    print_summary(a, evaluate(a, files, ckpts, times))
     return 0
 
 

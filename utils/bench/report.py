@@ -176,14 +176,18 @@ def render_passkey(models: Sequence[dict]) -> str:
 
 
 def passkey_heatmap(result: dict, title: str, path: Path) -> Path:
-    """The grid as a PNG heat map (x: context length, y: needle depth; grey: not run),
-    written atomically. matplotlib's object API (no pyplot: no global figure state)."""
+    """The grid as a PNG heat map (x: context length, y: needle depth; grey: not run, labelled
+    why; each cell's accuracy written in it), written atomically. matplotlib's object API (no
+    pyplot: no global figure state)."""
+    import textwrap
+
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     g = result["grid"]
     acc = np.array([[np.nan if a is None else 100 * a for a in row] for row in g["acc"]], dtype=float)
-    fig = Figure(figsize=(1.2 + 0.9 * len(g["lengths"]), 1.2 + 0.38 * len(g["depths"])), dpi=100)
+    fig = Figure(figsize=(max(4.8, 1.8 + 0.9 * len(g["lengths"])), 1.6 + 0.38 * len(g["depths"])),
+                 dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.set_facecolor("#d9d9d9")                                    # cells not run
@@ -195,9 +199,14 @@ def passkey_heatmap(result: dict, title: str, path: Path) -> Path:
     gone = {"beyond_context": "beyond\ncontext", "too_short": "too\nshort"}
     for r in range(acc.shape[0]):
         for c, L in enumerate(g["lengths"]):
-            text = gone.get(g["status"].get(str(L)), "n/a") if np.isnan(acc[r, c]) else f"{acc[r, c]:.0f}"
-            ax.text(c, r, text, ha="center", va="center", fontsize=7)
-    ax.set_title(title, fontsize=9)
+            a = acc[r, c]
+            text = gone.get(g["status"].get(str(L)), "n/a") if np.isnan(a) else f"{a:.0f}"
+            dark = not np.isnan(a) and (a < 20 or a > 80)               # the colour map's dark ends
+            ax.text(c, r, text, ha="center", va="center", fontsize=8,
+                    color="white" if dark else "black")
+    samples = result.get("samples_per_cell")
+    lines = textwrap.wrap(title, 48) + ([f"{samples} samples per cell"] if samples else [])
+    ax.set_title("\n".join(lines), fontsize=9)
     fig.colorbar(im, ax=ax, label="accuracy (%)")
     fig.tight_layout()
     with atomic_open(Path(path)) as f:
