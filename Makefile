@@ -9,7 +9,7 @@ OFFLINE := --config configs/offline.json
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: venv samples demo test perf browser
+.PHONY: venv samples demo demo-long test perf browser
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,18 @@ demo: samples $(VENV)/.installed-test
 	@echo "== 14. report: the demo run's report card (data, model, training, curves, its SFT run, benchmarks) as Markdown + PNG and one HTML page"
 	$(PY) main.py report $(OFFLINE) demo --html
 	@echo "== demo done: outputs in data/, tokenizers/, checkpoints/, logs/, benchmark_results/, exports/, reports/ (all git-ignored)"
+
+# Long context (docs/long_context.md): a tiny Infini-attention model trained on the demo's
+# Wikipedia shards (the offline setup layered with configs/infini_tiny.json), then the passkey
+# benchmark's quick grid on it (a heat map in benchmark_results/). Runs alone or after `make demo`
+# (clean and prepare then find their outputs up to date)
+demo-long: samples
+	@echo "== long context: a tiny Infini-attention model (segments of 32 tokens + compressive memory), then passkey retrieval"
+	$(PY) main.py clean $(OFFLINE) --test
+	$(PY) main.py prepare $(OFFLINE) --test
+	rm -rf checkpoints/infini_demo logs/tensorboard/infini_demo logs/raw_metrics/infini_demo.jsonl
+	$(PY) main.py train $(OFFLINE) --config configs/infini_tiny.json --test --name infini_demo
+	$(PY) main.py benchmark $(OFFLINE) --tasks passkey --test checkpoints/infini_demo
 
 # Debian's chromium + chromium-driver for the chat page's browser test (root or sudo; skipped
 # with a note elsewhere: the test then says it was skipped and why)

@@ -28,20 +28,24 @@ from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stag
 from utils.config import Config
 
 # Items per task for each preset (the seed's quick / standard / comprehensive sizes for
-# perplexity, LAMBADA and HellaSwag; ARC follows HellaSwag; None = the whole set).
+# perplexity, LAMBADA and HellaSwag; ARC follows HellaSwag; None = the whole set). passkey:
+# samples per cell of its grid (synthetic, no whole set: None takes PASSKEY_FULL).
 PRESETS: dict[str, dict[str, Optional[int]]] = {
     "quick": {"perplexity": 50, "lambada": 20, "hellaswag": 10, "arc_easy": 10,
-              "arc_challenge": 10, "completion": 10},
+              "arc_challenge": 10, "completion": 10, "passkey": 3},
     "standard": {"perplexity": 100, "lambada": 50, "hellaswag": 20, "arc_easy": 20,
-                 "arc_challenge": 20, "completion": 20},
+                 "arc_challenge": 20, "completion": 20, "passkey": 5},
     "comprehensive": {"perplexity": 200, "lambada": 100, "hellaswag": 50, "arc_easy": 50,
-                      "arc_challenge": 50, "completion": 50},
+                      "arc_challenge": 50, "completion": 50, "passkey": 10},
     "full": {t: None for t in ("perplexity", "lambada", "hellaswag", "arc_easy",
-                               "arc_challenge", "completion")},
+                               "arc_challenge", "completion", "passkey")},
 }
+PASSKEY_FULL = 20
 TEST_CAP = 6          # --test: at most this many items per task
+# --test: passkey's quick grid (the configured lengths and depths are for real runs)
+PASSKEY_TEST = {"lengths": (128, 256), "depths": (0, 50, 100), "samples": 1}
 TASKS = ("perplexity", "next_token", "lambada", "hellaswag", "arc_easy", "arc_challenge",
-         "completion")
+         "completion", "passkey")
 
 
 def build_parser() -> StageParser:
@@ -172,6 +176,7 @@ def plan(args, cfg) -> tuple[list[str], dict]:
     limits = dict(PRESETS[b.preset])
     if cfg.test:
         limits = {t: (TEST_CAP if n is None else min(n, TEST_CAP)) for t, n in limits.items()}
+        limits["passkey"] = PASSKEY_TEST["samples"]
     limits.update(parse_limits(args.limit))
     if args.gguf_file and not args.hf_model:
         raise UsageError("--gguf-file needs --hf-model (the folder holding the .gguf file).")
@@ -207,6 +212,11 @@ def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
     selected: dict = {}
     shown_notes: set = set()
     for t in tasks:
+        if t == "passkey":
+            loaded[t] = passkey_data(cfg, limits[t])
+            selected[t] = loaded[t].items
+            print(f"  passkey: {selected[t][0].describe()}", flush=True)
+            continue
         if t == "completion":
             loaded[t] = completion_data(loaded[t])
         data = loaded[t]
@@ -217,6 +227,17 @@ def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
               f"{f' ({sum(data.skipped.values())} rows skipped)' if data.skipped else ''}{note}",
               flush=True)
     return loaded, selected
+
+
+def passkey_data(cfg, samples: Optional[int]):
+    """The passkey grid to run (``benchmark.passkey_*``; --test: PASSKEY_TEST's small grid)."""
+    from utils.bench import data as D, passkey as P
+    b = cfg.benchmark
+    grid = PASSKEY_TEST if cfg.test else {"lengths": b.passkey_lengths, "depths": b.passkey_depths}
+    plan = P.PasskeyPlan(tuple(grid["lengths"]), tuple(grid["depths"]), samples or PASSKEY_FULL,
+                         b.passkey_digits, b.seed)
+    return D.TaskData(task="passkey", items=[plan], source="synthetic (landmark-attention passkey "
+                      "prompts, utils/bench/passkey.py)")
 
 
 def completion_data(data):
@@ -257,8 +278,9 @@ def score_models(cfg, args, specs, device, selected: dict, loaded: dict) -> tupl
         names_seen[ad.name] = n + 1
         if n:
             ad.name = f"{ad.name}#{n + 1}"
+        context = "unbounded (Infini-attention)" if ad.long_context else ad.max_length
         print(f"Model {ad.name}: {ad.identity.get('parameters', 0):,} parameters, context "
-              f"{ad.max_length}, BOS-prefixed contexts: {ad.add_bos}", flush=True)
+              f"{context}, BOS-prefixed contexts: {ad.add_bos}", flush=True)
         results, records = runner.run_all(ad, selected, loaded, b.batch_size)
         models.append({"name": ad.name, "identity": ad.identity, "results": results,
                        "add_bos": ad.add_bos, "max_length": ad.max_length,
@@ -274,9 +296,10 @@ def write_report(cfg, args, tasks, limits, device, models, records, loaded) -> N
     b = cfg.benchmark
     table = report.render_table(models, color=report.use_color(sys.stdout) and not args.no_color)
     plain = report.render_table(models, color=False)
-    counts = report.render_counts(models)
     out_dir = Path(args.output_dir) if args.output_dir else cfg.path("paths.benchmark_dir")
     paths = report.output_paths(Path(out_dir))
+    heatmaps = passkey_heatmaps(models, paths["json"])
+    counts = "\n\n".join(x for x in (report.render_passkey(models), report.render_counts(models)) if x)
     settings = {"preset": b.preset, "test": cfg.test, "tasks": tasks, "limits": limits,
                 "seed": b.seed, "batch_size": b.batch_size, "device": str(device),
                 "dtype": b.dtype, "per_item": args.per_item,
@@ -291,13 +314,29 @@ def write_report(cfg, args, tasks, limits, device, models, records, loaded) -> N
     }
     header = (f"Benchmark {payload['created']}  preset {b.preset}  seed {b.seed}  device {device}"
               f"  dtype {b.dtype}")
-    written = report.write_results(paths, payload, f"{header}\n\n{plain}\n\n{counts}",
-                                   records if args.per_item else None)
+    written = heatmaps + report.write_results(paths, payload, f"{header}\n\n{plain}\n\n{counts}",
+                                              records if args.per_item else None)
     print()
     print(table)
     print()
     print(counts)
     print("\nWrote " + ", ".join(str(p) for p in written))
+
+
+def passkey_heatmaps(models: list, json_path: Path) -> list[Path]:
+    """A heat map per model that ran passkey, next to the results (its path recorded in them)."""
+    from utils.bench import report
+    out = []
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    for i, m in enumerate(models):
+        r = m["results"].get("passkey")
+        if r is None:
+            continue
+        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in m["name"])[:60]
+        path = json_path.with_name(f"{json_path.stem}_passkey_{i + 1}_{slug}.png")
+        out.append(report.passkey_heatmap(r, f"passkey retrieval: {m['name']}", path))
+        r["heatmap"] = str(path)
+    return out
 
 
 if __name__ == "__main__":

@@ -104,13 +104,13 @@ def tokenizer_info(cfg: Config, tokenizer: Any = None) -> dict:
 
 # --------------------------------------------------------------------------- shard set
 def _rebuild(cfg: Config, directory: Optional[Path] = None) -> str:
-    """The pasteable prep command for this config (its --config file, and --output-dir when
+    """The pasteable prep command for this config (its --config files, and --output-dir when
     the set is not in the configured folder)."""
     from utils.config import DEFAULT_CONFIG_FILE
     files = [s for s in cfg.sources if s != "command-line flags"
              and Path(s).resolve() != Path(DEFAULT_CONFIG_FILE).resolve()]
     custom = directory is not None and Path(directory).resolve() != cfg.shard_dir().resolve()
-    return rebuild_command(cfg.dataset.source, cfg.test, config_file=files[-1] if files else None,
+    return rebuild_command(cfg.dataset.source, cfg.test, config_file=files or None,
                            output_dir=str(directory) if custom else None)
 
 

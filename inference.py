@@ -181,18 +181,18 @@ class Session:
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
         from utils.data import sft
         tok = m.tok
-        limit = m.model.args.max_seq_len
+        limit = m.model.args.context            # None: Infini-attention, no limit
         if m.chat:
             while True:
                 ids = sft.encode_prompt(tok, m.template, m.history, text, tok.bos_token_id,
                                         tok.eos_token_id)
-                if len(ids) + max_new <= limit or not m.history:
+                if limit is None or len(ids) + max_new <= limit or not m.history:
                     break
                 m.history.pop(0)
                 note(f"(context full: dropped the oldest exchange; {len(m.history)} kept)")
         else:
             ids = [tok.bos_token_id] + sft.encode_plain(tok, [text])[0]
-        if len(ids) > limit:
+        if limit is not None and len(ids) > limit:
             note(f"(prompt of {len(ids)} tokens shortened to its last {limit}: the model was "
                  f"trained on {limit}-token sequences)")
             ids = ids[-limit:]

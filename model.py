@@ -22,6 +22,9 @@ Contract (docs/DESIGN.md section 7; details and presets in docs/model.md):
 Building blocks: pre-norm blocks (RMSNorm, or bias-free LayerNorm), rotary embeddings as
 pure functions over cached fp32 tables, grouped-query attention, gated MLP
 (utils/activations.py), no biases, optional dropout, optional tied embeddings.
+``attention="infini"``: Infini-attention (docs/long_context.md) — attention causal within
+segments of ``segment_length`` tokens (RoPE positions restart at each segment) plus a
+compressive memory of the earlier segments mixed in by a gate per head (utils/infini.py).
 
 Attention backends, picked per call by utils/attention.py: flash-attn when importable, on
 CUDA, in fp16/bf16; else a flex-attention block mask for document masks on CUDA; else
@@ -41,7 +44,8 @@ import torch.nn.functional as F
 from utils import attention
 from utils.activations import HF_ACT_NAMES, GatedMLP, llama_ffn_hidden
 from utils.attention import AttnSpec
-from utils.config import ConfigError, attention_shape_problems
+from utils.config import ConfigError, attention_shape_problems, infini_problems
+from utils.infini import GATES, InfiniMemory
 
 IGNORE_INDEX = -100
 
@@ -64,10 +68,17 @@ class ModelArgs:
     document_mask: bool = False
     bos_id: Optional[int] = None
     init_std: float = 0.02
+    attention: str = "standard"            # "standard" | "infini"
+    segment_length: Optional[int] = None   # infini: tokens per segment
+    infini_gate: Optional[str] = None      # infini: hard_sigmoid (default), sigmoid, tanh
+    infini_delta_rule: Optional[bool] = None   # infini: delta-rule memory update (default true)
 
     def __post_init__(self):
         if self.ffn_hidden is None and isinstance(self.d_model, int) and self.d_model > 0:
             self.ffn_hidden = llama_ffn_hidden(self.d_model)
+        if self.attention == "infini":
+            self.infini_gate = self.infini_gate or "hard_sigmoid"
+            self.infini_delta_rule = True if self.infini_delta_rule is None else self.infini_delta_rule
         problems = self.problems()
         if problems:
             raise ConfigError(problems, "the model arguments")
@@ -94,11 +105,32 @@ class ModelArgs:
             p.append(f"model.bos_id: {self.bos_id} is outside the vocabulary (0..{self.vocab_size - 1})")
         if self.document_mask and self.bos_id is None:
             p.append("model.document_mask: needs the tokenizer's BOS id (documents start at BOS)")
+        if self.attention not in ("standard", "infini"):
+            p.append(f"model.attention: {self.attention!r} is not one of 'standard', 'infini'")
+        elif self.attention == "infini" and self.segment_length is not None and (
+                isinstance(self.segment_length, bool) or not isinstance(self.segment_length, int)
+                or self.segment_length < 1):
+            p.append(f"model.segment_length: expected a positive integer, got {self.segment_length!r}")
+        elif self.attention == "infini" and self.infini_gate not in GATES:
+            p.append(f"model.infini_gate: {self.infini_gate!r} is not one of {', '.join(GATES)}")
+        p += infini_problems(self.attention, self.segment_length, self.infini_gate,
+                             self.infini_delta_rule, self.document_mask)
         return p
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def segment(self) -> Optional[int]:
+        """Infini-attention's segment length; None for standard attention."""
+        return self.segment_length if self.attention == "infini" else None
+
+    @property
+    def context(self) -> Optional[int]:
+        """The longest input the model attends over: ``max_seq_len``, or None (no limit) for
+        Infini-attention, whose memory carries any number of earlier segments."""
+        return None if self.attention == "infini" else self.max_seq_len
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -193,14 +225,19 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.d_model, bias=False)
         self.dropout = args.dropout
         self.resid_dropout = nn.Dropout(args.dropout) if args.dropout > 0 else nn.Identity()
+        self.memory = (InfiniMemory(args.n_heads, args.n_kv_heads, self.head_dim, args.segment_length,
+                                    args.infini_gate, args.infini_delta_rule)
+                       if args.attention == "infini" else None)
 
     def forward(self, x, cos, sin, spec: AttnSpec, cache: Any = None):
         """x (B, T, d_model). ``cache``: generation's per-layer KV cache (anything with
-        ``update(k, v) -> (keys, values)``, utils/generation/engine.py), None in training."""
+        ``update(k, v) -> (keys, values)``, and ``infini`` for infini layers,
+        utils/generation/engine.py), None in training."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)       # (B, T, n_heads, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)    # (B, T, n_kv_heads, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q_pre, k_pre, v_new = q, k, v                                # the memory reads them before RoPE
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
         gqa = self.n_kv_heads != self.n_heads
@@ -223,6 +260,8 @@ class Attention(nn.Module):
                     q, k, v, attn_mask=spec.mask if spec.kind == "mask" else None, dropout_p=p,
                     is_causal=spec.kind == "causal", enable_gqa=gqa)
             y = y.transpose(1, 2)                                             # (B, T, H, hd)
+        if self.memory is not None:                                           # local y + memory
+            y = self.memory(y, q_pre, k_pre, v_new, cache.infini if cache is not None else None)
         return self.resid_dropout(self.wo(y.reshape(B, T, self.n_heads * self.head_dim)))
 
     def decode(self, x, cos, sin, cache: Any, key_bias: Optional[torch.Tensor],
@@ -238,8 +277,9 @@ class Attention(nn.Module):
             q, k, v = (x @ packed.qkv).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = apply_rope(q.view(B, 1, H, hd), cos, sin)                       # (B, 1, H, hd)
-        k = apply_rope(k.view(B, 1, Hkv, hd), cos, sin)
+        q_pre, k_pre = q.view(B, 1, H, hd), k.view(B, 1, Hkv, hd)          # before RoPE (the memory's)
+        q = apply_rope(q_pre, cos, sin)                                     # (B, 1, H, hd)
+        k = apply_rope(k_pre, cos, sin)
         v = v.view(B, 1, Hkv, hd)
         keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2))    # (B, Hkv, L, hd)
         L = keys.shape[2]
@@ -248,7 +288,9 @@ class Attention(nn.Module):
         if key_bias is not None:
             att.add_(key_bias[:, None, None, :L])
         y = torch.matmul(att.softmax(dim=-1, dtype=torch.float32).to(values.dtype), values)  # (B, Hkv, G, hd)
-        y = y.view(B, 1, H * hd)
+        if self.memory is not None:                                         # local y + memory
+            y = self.memory(y.view(B, 1, H, hd), q_pre, k_pre, v, cache.infini)
+        y = y.reshape(B, 1, H * hd)
         return y @ packed.wo if packed is not None else self.wo(y)
 
 
@@ -362,12 +404,15 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ init and sizes
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) matrices; residual output projections scaled by 1/sqrt(2L)."""
+        """Normal(0, init_std) matrices; residual output projections scaled by 1/sqrt(2L); norm
+        weights 1; infini gate parameters 0."""
         std = self.args.init_std
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 s = std / math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w_down.weight")) else std
                 nn.init.normal_(p, mean=0.0, std=s)
+            elif name.endswith("memory.beta"):
+                nn.init.zeros_(p)                   # infini gates start at g(0): both paths mixed
             else:
                 nn.init.ones_(p)
 
@@ -387,6 +432,8 @@ class Transformer(nn.Module):
         attention scores (PaLM appendix B). For MFU."""
         a = self.args
         T = seq_len or a.max_seq_len
+        if a.segment is not None:                 # infini: local attention spans one segment
+            T = min(T, a.segment)
         n_matmul = self.num_params(non_embedding=True) + a.vocab_size * a.d_model
         return 6.0 * n_matmul + 12.0 * a.n_layers * a.d_model * T
 
@@ -398,7 +445,7 @@ class Transformer(nn.Module):
     def attention_path(self, device_type: str, dtype: torch.dtype) -> str:
         """Which attention kernel training runs with, and why not a faster one (utils/attention.py)."""
         return attention.attention_path(self.args.document_mask, self.tok_embeddings.weight.dtype,
-                                        device_type, dtype)
+                                        device_type, dtype, segmented=self.args.segment is not None)
 
     def rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached (cos, sin) tables covering at least ``n`` positions on ``device``."""
@@ -433,7 +480,8 @@ class Transformer(nn.Module):
         """(B, T) token ids -> (logits (B, T, vocab) or None, loss or None)."""
         B, T = idx.shape
         positions, spec = attention.forward_spec(idx, self.tok_embeddings.weight.dtype,
-                                                 self.args.document_mask, self.args.bos_id)
+                                                 self.args.document_mask, self.args.bos_id,
+                                                 self.args.segment)
         h = self.trunk(idx, positions, spec)
         if targets is None:
             return self.lm_head(h), None

@@ -119,16 +119,17 @@ def open_models(args, cfg) -> dict:
         o = open_for_generation(path, cfg, device, say=say, cache=cache)
         if cfg.serve.quantize == "int8":
             say(quantize_int8(o.model).line())
-        own = o.model.args.max_seq_len
-        context = min(cfg.serve.context, own) if cfg.serve.context else own
+        own = o.model.args.context           # None: Infini-attention, no limit (docs/long_context.md)
+        context = min(cfg.serve.context, own or cfg.serve.context) if cfg.serve.context else own
         loop = EngineLoop(Engine(o.model, threads=args.threads), cfg.serve.max_batch, context, log=say,
                           name=f"engine-{mid}").start()
         models[mid] = ServedModel(mid, o.model, o.tok, o.kind, o.template, loop, int(time.time()),
                                   cfg.serve.quantize, cfg.serve.max_queue, cfg.serve.max_tokens,
                                   cfg.serve.stream_interval)
         mb = loop.batcher.bytes_per_slot / 2 ** 20
+        shown = "unbounded (Infini-attention)" if context is None else loop.capacity
         say(f"model '{mid}': {o.label} ({o.kind}{', chat' if o.template else ''}), context "
-            f"{loop.capacity}, {cfg.serve.max_batch} slots x {mb:.1f} MiB of KV cache")
+            f"{shown}, {cfg.serve.max_batch} slots x {mb:.1f} MiB of KV cache")
     return models
 
 

@@ -222,12 +222,14 @@ def check_vocab_size(vocab_size: int) -> None:
 
 
 def train_bpe(documents: Iterable[str], vocab_size: int, min_frequency: int = 2,
-              show_progress: bool = False):
+              show_progress: bool = False, split_digits: bool = False):
     """Train a byte-level BPE tokenizer; returns a transformers PreTrainedTokenizerFast.
 
     Byte-level pre-tokenization (no normalizer, no prefix space) makes decode(encode(x)) == x
     for every Unicode string. Special tokens: <unk>=0, <s>=1, </s>=2, <pad>=3. Training is
     deterministic: the same documents and settings give the same fingerprint.
+    ``split_digits``: every digit is a token of its own (as Llama's tokenizer does), so an
+    n-digit number is always n tokens.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -235,6 +237,9 @@ def train_bpe(documents: Iterable[str], vocab_size: int, min_frequency: int = 2,
     check_vocab_size(vocab_size)
     backend = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk"]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), backend.pre_tokenizer])
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=TRAIN_SPECIALS, show_progress=show_progress,

@@ -136,6 +136,23 @@ def test_bpe_training_is_deterministic(bpe_tok):
     assert fingerprint(other) != fingerprint(bpe_tok)
 
 
+def test_bpe_with_split_digits_makes_every_digit_a_token(tmp_path, bpe_tok):
+    """``split_digits`` (the passkey study's tokenizer): a number is one token per digit, even
+    when the plain BPE merges it, and text still round-trips, after a save and load too."""
+    from utils.data.tok import save_tokenizer
+    text = "In 1999 the 71432 key cost $2,500.75 (about 10 %)."
+    merged = bpe_tok.encode(text, add_special_tokens=False)
+    assert any(sum(c.isdigit() for c in bpe_tok.decode([i])) > 1 for i in merged)
+    split = stage.train_bpe(news_docs(), vocab_size=BPE_VOCAB, split_digits=True)
+    save_tokenizer(split, tmp_path / "split", "test")
+    for tok in (split, load_tokenizer_from(str(tmp_path / "split"))):
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = [tok.decode([i]) for i in ids]
+        assert all(sum(c.isdigit() for c in p) <= 1 for p in pieces)
+        assert sum(p.isdigit() for p in pieces) == sum(c.isdigit() for c in text)
+        assert tok.decode(ids) == text
+
+
 def test_vocab_size_too_small_is_usage_error():
     with pytest.raises(UsageError, match="at least 260"):
         stage.train_bpe(["some text"], vocab_size=100)

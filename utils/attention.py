@@ -8,6 +8,10 @@ imported on first use, once).
   flex-attention block mask for document masks on CUDA; else PyTorch SDPA (``is_causal`` for
   plain windows, a boolean block-diagonal causal mask for document masks). With document
   masks, positions restart at each BOS (RoPE sees each document from 0).
+- Infini-attention's local attention (``segment``: model.segment_length) is the same block
+  structure with blocks of fixed length: causal within each segment of the window, positions
+  restarting at each segment (:func:`segment_spec`); the compressive memory across segments
+  is utils/infini.py.
 - ``attention_path(...)``: that rule as one line for people, with why the faster kernels are
   not used (the trainer prints it at start).
 - ``AttnSpec``: what every layer of one call needs to attend.
@@ -67,9 +71,13 @@ class AttnSpec:
 
 
 def forward_spec(idx: torch.Tensor, weight_dtype: torch.dtype, document_mask: bool,
-                 bos_id: Optional[int]) -> tuple[Optional[torch.Tensor], AttnSpec]:
-    """(positions (B, T) or None, AttnSpec) for a training/eval forward over ``idx`` (B, T)."""
+                 bos_id: Optional[int], segment: Optional[int] = None
+                 ) -> tuple[Optional[torch.Tensor], AttnSpec]:
+    """(positions (B, T) or None, AttnSpec) for a training/eval forward over ``idx`` (B, T);
+    ``segment``: Infini-attention's segment length (attention within segments)."""
     half = idx.is_cuda and (torch.is_autocast_enabled("cuda") or weight_dtype in HALF)
+    if segment is not None:
+        return segment_spec(idx, segment, half)
     if document_mask:
         return document_spec(idx, bos_id, half)
     if half and flash_attn():
@@ -85,37 +93,57 @@ def document_spec(idx: torch.Tensor, bos_id: Optional[int], half: bool
     is_bos = idx == bos_id
     if T < 2 or not bool(is_bos[:, 1:].any()):
         return None, AttnSpec("causal")
-    ar = torch.arange(T, device=idx.device)
     start = is_bos.clone()
     start[:, 0] = True
+    return block_spec(start, half)
+
+
+def segment_spec(idx: torch.Tensor, segment: int, half: bool
+                 ) -> tuple[Optional[torch.Tensor], AttnSpec]:
+    """Positions (B, T) restarting every ``segment`` tokens and attention causal within each
+    segment (Infini-attention's local attention); (None, causal, or flash) for one segment."""
+    B, T = idx.shape
+    if T <= segment:
+        return None, AttnSpec("flash" if half and flash_attn() else "causal")
+    start = (torch.arange(T, device=idx.device) % segment == 0).expand(B, T)
+    return block_spec(start, half)
+
+
+def block_spec(start: torch.Tensor, half: bool) -> tuple[torch.Tensor, AttnSpec]:
+    """Positions (B, T) restarting where ``start`` (B, T) is True (column 0 always is) and the
+    attention that keeps each token causal inside its block (documents, or segments)."""
+    B, T = start.shape
+    ar = torch.arange(T, device=start.device)
     last_start = torch.where(start, ar, 0).cummax(dim=1).values
     positions = ar - last_start                                          # (B, T)
     doc = start.cumsum(dim=1)                                            # (B, T) document ids
     if half and flash_attn():
         starts = (start.reshape(-1)).nonzero().squeeze(1).to(torch.int32)
-        cu = torch.cat([starts, torch.tensor([B * T], dtype=torch.int32, device=idx.device)])
+        cu = torch.cat([starts, torch.tensor([B * T], dtype=torch.int32, device=start.device)])
         return positions, AttnSpec("varlen", cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))
-    if idx.is_cuda and flex_attn():
+    if start.is_cuda and flex_attn():
         create_block_mask = flex_attn()[1]
 
         def mask_mod(b, h, q, k):
             return (k <= q) & (doc[b, q] == doc[b, k])
         return positions, AttnSpec("flex", block_mask=create_block_mask(mask_mod, B, None, T, T,
-                                                                         device=idx.device))
-    causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+                                                                         device=start.device))
+    causal = torch.ones(T, T, dtype=torch.bool, device=start.device).tril()
     mask = causal & (doc[:, :, None] == doc[:, None, :])                 # (B, T, T)
     return positions, AttnSpec("mask", mask=mask[:, None])
 
 
 def attention_path(document_mask: bool, weight_dtype: torch.dtype, device_type: str,
-                   dtype: torch.dtype) -> str:
+                   dtype: torch.dtype, segmented: bool = False) -> str:
     """Which attention kernel training runs with on ``device_type`` under autocast ``dtype``
-    (the rule ``forward_spec`` applies), and why the faster ones are not used, in one line."""
+    (the rule ``forward_spec`` applies), and why the faster ones are not used, in one line.
+    ``segmented``: Infini-attention's local attention (blocks are segments)."""
     half = dtype in HALF or weight_dtype in HALF
-    doc = document_mask
+    doc = document_mask or segmented
+    blocks = "segments" if segmented else "document masks"
     cuda = device_type == "cuda"
     if cuda and half and flash_attn():
-        return "flash-attn" + (" varlen (document masks)" if doc else "")
+        return "flash-attn" + (f" varlen ({blocks})" if doc else "")
     why = []
     if not cuda:
         why.append(f"flash-attn and flex attention run on CUDA only, this is {device_type}")
@@ -125,7 +153,8 @@ def attention_path(document_mask: bool, weight_dtype: torch.dtype, device_type: 
         why.append(f"flash-attn is not importable ({flash_backend()[1]})")
     if doc and cuda:
         if flex_attn():
-            return "flex attention with a document block mask (" + "; ".join(why) + ")"
+            return (f"flex attention with a {'segment' if segmented else 'document'} block mask ("
+                    + "; ".join(why) + ")")
         why.append(f"flex attention is unavailable ({flex_backend()[1]})")
-    kind = "a block-diagonal causal mask (document masks)" if doc else "is_causal"
+    kind = f"a block-diagonal causal mask ({blocks})" if doc else "is_causal"
     return f"PyTorch SDPA with {kind} (" + "; ".join(why) + ")"

@@ -90,9 +90,10 @@ class StageParser(argparse.ArgumentParser):
         super().__init__(prog=prog, description=description,
                          formatter_class=_HelpFormatter, **kw)
         self._config_keys: dict[str, str] = {}
-        self.add_argument("--config", type=cli_path, default=None, metavar="FILE",
-                          help="JSON file layered over config.json (precedence: defaults < "
-                               "config.json < --config < flags)")
+        self.add_argument("--config", type=cli_path, action="append", default=None, metavar="FILE",
+                          help="JSON file layered over config.json; repeatable, later files over "
+                               "earlier ones (precedence: defaults < config.json < --config "
+                               "files in order < flags)")
         self.add_argument("--test", action="store_true",
                           help="quick mode: small inputs, small model, few steps")
         self.add_argument("--debug", action="store_true",

@@ -205,6 +205,16 @@ class ModelConfig:
                              "(documents start at BOS; positions restart per document)")
     init_std: float = _f(0.02, "std of the normal weight init (residual projections scaled by "
                          "1/sqrt(2*n_layers))", min=0, min_exclusive=True)
+    attention: Literal["standard", "infini"] = _f(
+        "standard", "standard: causal attention over the window; infini: Infini-attention "
+        "(docs/long_context.md): attention within segments of model.segment_length tokens plus "
+        "a compressive memory of the earlier segments, mixed in by a gate per head")
+    segment_length: Optional[int] = _f(None, "infini: tokens per segment; must divide "
+                                       "dataset.window (null on standard models)", min=1)
+    infini_gate: Optional[Literal["hard_sigmoid", "sigmoid", "tanh"]] = _f(
+        None, "infini: gate g of each head's parameter b (null: hard_sigmoid = clamp(0.2 b + 0.5, "
+        "0, 1); sigmoid; tanh = (1 + tanh b) / 2)")
+    infini_delta_rule: Optional[bool] = _f(None, "infini: delta-rule memory update (null: true)")
 
     def resolve_preset(self) -> list[str]:
         """Fill null shape keys from the preset (idempotent); return problems."""
@@ -261,6 +271,10 @@ class TrainingConfig:
     sample_prompt: str = _f("The history of", "prompt of the sample generated at each validation")
     sample_tokens: int = _f(32, "tokens of that sample (0 = no sample)", min=0)
     test_max_steps: int = _f(200, "--test: at most this many steps (one short epoch)", min=1)
+    gate_lr: Optional[float] = _f(None, "infini: peak learning rate of the memory gates, their own "
+                                  "parameter group (null: training.lr)", min=0, min_exclusive=True)
+    gate_weight_decay: Optional[float] = _f(None, "infini: weight decay of the memory gates "
+                                            "(null: 0, as for the other 1-D parameters)", min=0)
 
 
 @dataclass
@@ -315,6 +329,12 @@ class BenchmarkConfig:
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "autocast dtype (auto: bf16 on "
                                                         "CUDA, float32 on CPU)")
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
+    passkey_lengths: list[int] = _f([256, 512, 1024, 2048, 4096], "passkey: context lengths of the "
+                                    "grid, in tokens of the model's tokenizer", min=16)
+    passkey_depths: list[int] = _f([0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100], "passkey: needle "
+                                   "depths in percent (0: after the instructions, 100: before the "
+                                   "question)", min=0, max=100)
+    passkey_digits: int = _f(5, "passkey: digits of each key", min=1, max=18)
 
 
 @dataclass
@@ -657,11 +677,12 @@ def base_config_file() -> Optional[Path]:
     return Path(env)
 
 
-def load_config(config_file: Optional[str | os.PathLike] = None,
+def load_config(config_file: Optional[str | os.PathLike | list] = None,
                 overrides: Optional[dict[str, Any]] = None,
                 test: bool = False,
                 base_file: Any = "env") -> Config:
     """Build the Config: defaults < base_file (config.json) < config_file < overrides.
+    ``config_file`` may be a list of files, layered in order (``--config A --config B``).
 
     ``base_file`` "env" means :func:`base_config_file` (config.json unless
     ``$LLM_PIPELINE_BASE_CONFIG`` says otherwise); None means the dataclass defaults alone.
@@ -675,8 +696,8 @@ def load_config(config_file: Optional[str | os.PathLike] = None,
     layers: list[tuple[str, Any]] = []   # (source, a function giving the parsed layer)
     if base_file is not None and (Path(base_file) != DEFAULT_CONFIG_FILE or Path(base_file).exists()):
         layers.append((str(base_file), lambda p=Path(base_file): read_json_file(p)))
-    if config_file is not None:
-        cf = Path(config_file)
+    files = config_file if isinstance(config_file, (list, tuple)) else [config_file]
+    for cf in (Path(f) for f in files if f is not None):
         if base_file is None or cf.resolve() != Path(base_file).resolve():
             layers.append((str(cf), lambda p=cf: read_json_file(p)))
     if overrides:
@@ -731,6 +752,34 @@ def attention_shape_problems(d_model: int, n_heads: int, n_kv_heads: int) -> lis
     return p
 
 
+INFINI_MODEL_KEYS = ("segment_length", "infini_gate", "infini_delta_rule")
+INFINI_TRAINING_KEYS = ("gate_lr", "gate_weight_decay")
+
+
+def infini_problems(attention: str, segment_length: Optional[int], gate: Optional[str],
+                    delta_rule: Optional[bool], document_mask: bool,
+                    window: Optional[int] = None) -> list[str]:
+    """Infini-attention's settings, shared by the config check and model.ModelArgs."""
+    p = []
+    if attention != "infini":
+        given = {"segment_length": segment_length, "infini_gate": gate, "infini_delta_rule": delta_rule}
+        p += [f"model.{k}: is an Infini-attention setting, but model.attention is '{attention}' "
+              "(set model.attention to 'infini', or leave the key null)"
+              for k, v in given.items() if v is not None]
+        return p
+    if segment_length is None:
+        p.append("model.segment_length: must be set when model.attention is 'infini' (tokens per "
+                 "segment; it must divide dataset.window)")
+    elif window is not None and (segment_length > window or window % segment_length):
+        p.append(f"model.segment_length: {segment_length} must divide dataset.window ({window}) "
+                 "(the window is a whole number of segments)")
+    if document_mask:
+        p.append("model.document_mask: not available with model.attention 'infini' (the memory "
+                 "would have to restart inside a segment at each document); train on packed "
+                 "windows without it")
+    return p
+
+
 def cross_checks(cfg: Config) -> list[str]:
     """Checks that involve more than one key."""
     p = []
@@ -738,6 +787,12 @@ def cross_checks(cfg: Config) -> list[str]:
     p += m.resolve_preset()
     if not p:  # shape keys complete
         p += attention_shape_problems(m.d_model, m.n_heads, m.n_kv_heads)
+    p += infini_problems(m.attention, m.segment_length, m.infini_gate, m.infini_delta_rule,
+                         m.document_mask, cfg.dataset.window)
+    if m.attention != "infini":
+        p += [f"training.{k}: is an Infini-attention setting (the memory gates' own parameter "
+              f"group), but model.attention is '{m.attention}' (leave it null)"
+              for k in INFINI_TRAINING_KEYS if getattr(cfg.training, k) is not None]
     if cfg.dataset.window > m.max_seq_len:
         p.append(f"dataset.window: {cfg.dataset.window} exceeds model.max_seq_len ({m.max_seq_len}); "
                  f"raise model.max_seq_len or lower dataset.window")

@@ -65,6 +65,7 @@ class Adapter:
     tok = None
     device: torch.device = torch.device("cpu")
     max_length: int = 2048
+    long_context: bool = False      # no context limit (Infini-attention): never truncated
     add_bos: bool = False
     identity: dict = {}
     amp: Optional[torch.dtype] = None
@@ -173,11 +174,12 @@ class Adapter:
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation through the generation engine (stops at EOS, which is not
         returned); the prompt keeps its last ``max_length - max_new_tokens`` tokens, so prompt
-        and continuation fit the model's context. Runs in the weights' dtype (no autocast)."""
+        and continuation fit the model's context (the whole prompt for ``long_context``
+        models). Runs in the weights' dtype (no autocast)."""
         from utils.generation.engine import Engine
         if getattr(self, "_engine", None) is None:
             self._engine = Engine(self.model)
-        keep = max(1, self.max_length - max_new_tokens)
+        keep = len(prompt_ids) if self.long_context else max(1, self.max_length - max_new_tokens)
         return self._engine.generate([list(prompt_ids)[-keep:]], max_new_tokens, temperature=0,
                                      eos_id=self.eos_id)[0]
 
@@ -195,6 +197,7 @@ class CheckpointAdapter(Adapter):
         self.device, self.amp = device, autocast_dtype(dtype, device)
         args = ckpt["model_args"]
         self.max_length = int(args.get("max_seq_len", 2048))
+        self.long_context = self.model.args.context is None
         self.tok, tok_info = tokenizer_for_checkpoint(   # ``tokenizers``: the caller's cache
             ckpt, cfg, self.path, say=lambda m: print(m, file=sys.stderr), cache=tokenizers)
         self.add_bos = self.tok.bos_token_id is not None

@@ -8,7 +8,8 @@ better rank); the number of rows each model wins is shown next to it.
 
 Files (all written atomically): ``benchmark_<time>.json`` (results, settings, versions),
 ``benchmark_<time>.txt`` (the same table, no colour codes), and with ``--per-item``
-``benchmark_<time>_items.jsonl`` (one JSON object per scored item and model).
+``benchmark_<time>_items.jsonl`` (one JSON object per scored item and model). The passkey
+task adds its grid to both and a heat map per model, ``benchmark_<time>_passkey_<model>.png``.
 """
 from __future__ import annotations
 
@@ -144,6 +145,73 @@ def render_counts(models: Sequence[dict]) -> str:
     out.append("Sources:")
     out += [f"  {t}: {n}" for t, n in notes.items()]
     return "\n".join(out)
+
+
+def render_passkey(models: Sequence[dict]) -> str:
+    """Each model's passkey grid: accuracy (%) per needle depth (rows) and context length
+    (columns); lengths not run say why (beyond the model's context, too short)."""
+    out = []
+    for m in models:
+        r = m["results"].get("passkey")
+        if r is None:
+            continue
+        g = r["grid"]
+        head = [str(L) for L in g["lengths"]]
+        rows = [[f"{d}%"] + [("n/a" if a is None else f"{100 * a:.0f}") for a in acc]
+                for d, acc in zip(g["depths"], g["acc"])]
+        w = [max(len(x) for x in col) for col in zip(["depth \\ length", *head], *rows)]
+        line = lambda cells: "  ".join(f"{c:>{k}}" for c, k in zip(cells, w))   # noqa: E731
+        out += [f"Passkey retrieval, {m['name']}: accuracy (%) by needle depth and context length "
+                f"in tokens ({r['samples_per_cell']} samples per cell, {r['digits']}-digit keys)",
+                line(["depth \\ length", *head])]
+        out += [line(row) for row in rows]
+        why = {"beyond_context": f"beyond the model's context ({r['context']} tokens): not run, "
+                                 "never truncated",
+               "too_short": "too short for the instructions, needle and question"}
+        out += [f"  {L}: {why[st]}" for L, st in g["status"].items() if st in why]
+        if r.get("heatmap"):
+            out.append(f"  heat map: {r['heatmap']}")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def passkey_heatmap(result: dict, title: str, path: Path) -> Path:
+    """The grid as a PNG heat map (x: context length, y: needle depth; grey: not run, labelled
+    why; each cell's accuracy written in it), written atomically. matplotlib's object API (no
+    pyplot: no global figure state)."""
+    import textwrap
+
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    g = result["grid"]
+    acc = np.array([[np.nan if a is None else 100 * a for a in row] for row in g["acc"]], dtype=float)
+    fig = Figure(figsize=(max(4.8, 1.8 + 0.9 * len(g["lengths"])), 1.6 + 0.38 * len(g["depths"])),
+                 dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_facecolor("#d9d9d9")                                    # cells not run
+    im = ax.imshow(np.ma.masked_invalid(acc), cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+    ax.set_xticks(range(len(g["lengths"])), [str(L) for L in g["lengths"]])
+    ax.set_yticks(range(len(g["depths"])), [f"{d}%" for d in g["depths"]])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    gone = {"beyond_context": "beyond\ncontext", "too_short": "too\nshort"}
+    for r in range(acc.shape[0]):
+        for c, L in enumerate(g["lengths"]):
+            a = acc[r, c]
+            text = gone.get(g["status"].get(str(L)), "n/a") if np.isnan(a) else f"{a:.0f}"
+            dark = not np.isnan(a) and (a < 20 or a > 80)               # the colour map's dark ends
+            ax.text(c, r, text, ha="center", va="center", fontsize=8,
+                    color="white" if dark else "black")
+    samples = result.get("samples_per_cell")
+    lines = textwrap.wrap(title, 48) + ([f"{samples} samples per cell"] if samples else [])
+    ax.set_title("\n".join(lines), fontsize=9)
+    fig.colorbar(im, ax=ax, label="accuracy (%)")
+    fig.tight_layout()
+    with atomic_open(Path(path)) as f:
+        fig.savefig(f, format="png")
+    return Path(path)
 
 
 def timestamp() -> str:

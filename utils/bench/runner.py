@@ -13,6 +13,8 @@ arc_easy       acc, acc_norm
 arc_challenge  acc, acc_norm
 completion     bleu (sacrebleu corpus BLEU), rouge1 / rouge2 / rougeL (rouge-score F1, x100):
                greedy continuations of held-out passages against the passages' next words
+passkey        acc over the grid's samples, and the accuracy of each (context length, needle
+               depth) cell: the key of a synthetic long prompt repeated (utils/bench/passkey.py)
 =============  ==========================================================================
 
 Every task reports, per metric, its value and standard error, and its item counts: selected,
@@ -26,13 +28,14 @@ from typing import Callable, Optional
 
 from tqdm import tqdm
 
+from utils.bench import passkey as P
 from utils.bench import scoring as S
 from utils.bench import tasks as T
 from utils.bench.adapters import TOPK, Adapter
 
 MC_TASKS = ("hellaswag", "arc_easy", "arc_challenge")
 ALL_TASKS = ("perplexity", "next_token", "lambada", "hellaswag", "arc_easy", "arc_challenge",
-             "completion")
+             "completion", "passkey")
 # Metrics per task, and whether higher is better.
 METRICS: dict[str, list[tuple[str, bool]]] = {
     "perplexity": [("perplexity", False), ("bits_per_byte", False)],
@@ -42,6 +45,7 @@ METRICS: dict[str, list[tuple[str, bool]]] = {
     "arc_easy": [("acc", True), ("acc_norm", True)],
     "arc_challenge": [("acc", True), ("acc_norm", True)],
     "completion": [("bleu", True), ("rouge1", True), ("rouge2", True), ("rougeL", True)],
+    "passkey": [("acc", True)],
 }
 COMPLETION_MAX_NEW_TOKENS = 64
 
@@ -193,6 +197,17 @@ def run_completion(ad: Adapter, items: list, desc: str, records: list):
     return result, skipped, len(kept)
 
 
+def run_passkey(ad: Adapter, plan: P.PasskeyPlan, desc: str, records: list):
+    """The passkey grid (``selected["passkey"]`` is ``[plan]``); skipped: the samples of
+    lengths beyond the model's context or too short for the prompt."""
+    with _bar(plan.size, desc) as bar:
+        res = P.run(ad, plan, records, bar)
+    per_length = len(plan.depths) * plan.samples
+    skipped = Counter({why: per_length * list(res["grid"]["status"].values()).count(why)
+                       for why in ("beyond_context", "too_short")})
+    return res, +skipped, res["samples_scored"]
+
+
 def run_all(ad: Adapter, selected: dict, loaded: dict, batch_size: int,
             log: Callable[[str], None] = print) -> tuple[dict, list]:
     """Run every selected task on one adapter. ``selected[task]`` is the list of items,
@@ -214,9 +229,12 @@ def run_all(ad: Adapter, selected: dict, loaded: dict, batch_size: int,
             continue
         if task == "completion":
             res, skipped, scored = run_completion(ad, items, desc, records)
+        elif task == "passkey":
+            res, skipped, scored = run_passkey(ad, items[0], desc, records)
         else:
             res, skipped, scored = run_loglikelihood_task(task, ad, items, batch_size, desc, records)
-        res["items"] = _counts(len(items), scored, skipped, data.skipped)
+        planned = items[0].size if task == "passkey" else len(items)
+        res["items"] = _counts(planned, scored, skipped, data.skipped)
         res["source"], res["note"] = data.source, data.note
         results[task] = res
         shown = ", ".join(f"{k} {_fmt(v['value'])}" for k, v in res["metrics"].items())

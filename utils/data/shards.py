@@ -83,16 +83,17 @@ def save_npy_atomic(path: Path, arr: np.ndarray) -> None:
         np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
 
 
-def rebuild_command(source: Optional[str], test: bool, *, config_file: Optional[str] = None,
+def rebuild_command(source: Optional[str], test: bool, *, config_file: Optional[str | list] = None,
                     output_dir: Optional[str] = None) -> str:
     """The command that (re)builds a shard set, ready to paste (quoted). Add ``--force`` to
-    start over; without it the prep stage resumes an unfinished set."""
+    start over; without it the prep stage resumes an unfinished set. ``config_file``: one
+    file, or the list of ``--config`` files in their order."""
     stage = "fineweb" if source == "fineweb" else "prepare"
     parts = ["python", "main.py", stage]
     if test:
         parts.append("--test")
-    if config_file:
-        parts += ["--config", str(config_file)]
+    for f in (config_file if isinstance(config_file, list) else [config_file] if config_file else []):
+        parts += ["--config", str(f)]
     if output_dir:
         parts += ["--output-dir", str(output_dir)]
     return " ".join(shlex.quote(p) for p in parts)

@@ -25,6 +25,11 @@ yield between steps and torch's global thread count is never left changed.
 Memory: a batcher's KV cache is slots x (layers x 2 x n_kv_heads x capacity x head_dim)
 values in the weights' dtype, allocated once (``generate``: one slot per prompt, capacity
 longest prompt + max_new_tokens; serve: ``serve.max_batch`` slots of the model's context).
+Infini-attention models (``model.attention`` "infini", utils/infini.py) keep per slot only the
+current segment: its keys, values and sigma(K) (3 x n_kv_heads x segment x head_dim per
+layer) and the float32 memory (n_kv_heads x (head_dim + 1) x head_dim per layer), so a slot's
+size is fixed by the segment length, whatever the context: prompts are prefilled one segment
+at a time, and the positions of a sequence are unbounded (``capacity`` only caps its length).
 With fp32 weights on CPU the engine also keeps a transposed, contiguous copy of the weights
 (``decode_pack``: ~2.2x faster tokens at batch 1, at the cost of a second copy of the weights
 while the engine lives, bounded by ``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights
@@ -45,8 +50,10 @@ from typing import Sequence as Sequence_
 import torch
 
 from utils.attention import AttnSpec
+from utils.infini import InfiniCache
 
 DECODE_PACK_MAX_BYTES = 1 << 30   # models with more weights generate without a transposed copy
+UNBOUNDED = 1 << 62               # positions per sequence of an Infini-attention batcher by default
 
 
 def decode_pack_applies(device_type: str, dtype: torch.dtype, weight_bytes: float) -> bool:
@@ -201,10 +208,19 @@ class Event:
 
 
 class _PrefillCache:
-    """One layer's cache view for a prompt prefill into one slot (the model's ``update``)."""
+    """One layer's cache view for a prompt prefill into one slot (the model's ``update``);
+    ``mem``: the layer's (sigma(K), M, z) buffers of an infini model (``infini``)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, slot: int):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slot: int, mem: Optional[tuple] = None):
         self.k, self.v, self.slot, self.pos = k, v, slot, 0
+        self.mem = mem
+
+    @property
+    def infini(self) -> InfiniCache:
+        """The slot's segment and memory (utils/infini.py), new tokens from position 0."""
+        i = slice(self.slot, self.slot + 1)
+        sk, M, z = self.mem
+        return InfiniCache(sk[i], self.v[i], M[i], z[i], torch.zeros(1, dtype=torch.long, device=M.device))
 
     def update(self, k, v):                                   # (1, Hkv, T, hd)
         end = self.pos + k.shape[2]
@@ -215,10 +231,19 @@ class _PrefillCache:
 
 
 class _DecodeCache:
-    """One layer's cache view for a decode step of rows 0..n-1, each at its own position."""
+    """One layer's cache view for a decode step of rows 0..n-1, each at its own position
+    (infini: its position in the current segment); ``mem`` as for :class:`_PrefillCache`."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, length: int):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, length: int,
+                 mem: Optional[tuple] = None):
         self.k, self.v, self.rows, self.pos, self.length = k, v, rows, pos, length
+        self.mem = mem
+
+    @property
+    def infini(self) -> InfiniCache:
+        n = self.rows.shape[0]
+        sk, M, z = self.mem
+        return InfiniCache(sk[:n], self.v[:n], M[:n], z[:n], self.pos)
 
     def update(self, k, v):                                   # (n, Hkv, 1, hd)
         n = k.shape[0]
@@ -257,11 +282,18 @@ class Batcher:
         self.running: list[Sequence] = []
         self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
         self._weights: Optional[tuple] = None      # see weights()
+        # infini: positions kept per slot (one segment) and each layer's (sigma(K), M, z)
+        self.segment = self.model.args.segment
+        self.cache_len = min(capacity, self.segment) if self.segment else capacity
+        self.mem: Optional[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
 
     @property
     def bytes_per_slot(self) -> int:
         a = self.model.args
         size = self.model.tok_embeddings.weight.element_size()
+        if self.segment:                        # k, v, sigma(K) of one segment + fp32 M and z
+            return a.n_layers * a.n_kv_heads * a.head_dim * (3 * self.cache_len * size
+                                                             + (a.head_dim + 1) * 4)
         return a.n_layers * 2 * a.n_kv_heads * self.capacity * a.head_dim * size
 
     def has_work(self) -> bool:
@@ -325,8 +357,12 @@ class Batcher:
 
     def _alloc(self) -> None:
         a, w = self.model.args, self.model.tok_embeddings.weight
-        shape = (self.slots, a.n_kv_heads, self.capacity, a.head_dim)
+        shape = (self.slots, a.n_kv_heads, self.cache_len, a.head_dim)
         self.kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(a.n_layers)]
+        if self.segment:
+            mem = (self.slots, a.n_kv_heads, a.head_dim)
+            self.mem = [(w.new_zeros(shape), torch.zeros(*mem, a.head_dim, device=w.device),
+                         torch.zeros(mem, device=w.device)) for _ in range(a.n_layers)]
 
     def _prefill(self, seq: Sequence) -> list[Event]:
         if self.kv is None:
@@ -335,10 +371,18 @@ class Batcher:
         seq.slot = len(self.running)
         self.running.append(seq)
         idx = torch.tensor([seq.prompt], dtype=torch.long, device=model.device)
-        caches = [_PrefillCache(k, v, seq.slot) for k, v in self.kv]
         _, head, n_weights = self.weights()
         with step_mode(self.engine.step_threads(len(seq.prompt), n_weights)):
-            h = model.trunk(idx, None, AttnSpec("causal"), caches)          # (1, T, d_model)
+            if self.segment:                     # infini: a fresh memory, one segment at a time
+                for _, M, z in self.mem:
+                    M[seq.slot].zero_()
+                    z[seq.slot].zero_()
+                for s in range(0, idx.shape[1], self.segment):
+                    caches = [_PrefillCache(k, v, seq.slot, m) for (k, v), m in zip(self.kv, self.mem)]
+                    h = model.trunk(idx[:, s:s + self.segment], None, AttnSpec("causal"), caches)
+            else:
+                caches = [_PrefillCache(k, v, seq.slot) for k, v in self.kv]
+                h = model.trunk(idx, None, AttnSpec("causal"), caches)      # (1, T, d_model)
             logits = head(h[:, -1]).float()                                 # (1, V)
             seq.pos = len(seq.prompt)
             return self._sample([seq], logits)
@@ -347,6 +391,8 @@ class Batcher:
         model, run = self.model, self.running
         n, device = len(run), model.device
         pos = torch.tensor([s.pos for s in run], device=device)            # (n,) the new tokens' positions
+        if self.segment:                                                    # infini: within the segment
+            pos = pos % self.segment
         length = int(pos.max()) + 1
         cos_all, sin_all = model.rope(length, device)                       # outside inference mode: kept
         pack, head, n_weights = self.weights()
@@ -358,8 +404,9 @@ class Batcher:
             cos, sin = cos_all[pos][:, None], sin_all[pos][:, None]         # (n, 1, hd)
             toks = torch.tensor([[s.tokens[-1]] for s in run], device=device)
             h = model.tok_embeddings(toks)                                  # (n, 1, d_model)
-            for layer, (k, v), packed in zip(model.layers, self.kv, packs):
-                h = layer.decode(h, cos, sin, _DecodeCache(k, v, rows, pos, length), key_bias, packed)
+            mems = self.mem or [None] * len(model.layers)
+            for layer, (k, v), m, packed in zip(model.layers, self.kv, mems, packs):
+                h = layer.decode(h, cos, sin, _DecodeCache(k, v, rows, pos, length, m), key_bias, packed)
             logits = head(model.norm(h[:, 0])).float()                      # (n, V)
             for s in run:
                 s.pos += 1
@@ -413,6 +460,8 @@ class Batcher:
             for k, v in self.kv:
                 k[i, :, :last.pos] = k[last.slot, :, :last.pos]
                 v[i, :, :last.pos] = v[last.slot, :, :last.pos]
+            for t in (x for m in self.mem or () for x in m):               # infini: sigma(K), M, z
+                t[i] = t[last.slot]
             last.slot = i
             self.running[i] = last
         seq.slot = None
@@ -430,8 +479,9 @@ class Engine:
 
     def batcher(self, slots: int, capacity: Optional[int] = None) -> Batcher:
         """A continuous-batching :class:`Batcher` with ``slots`` cache slots of ``capacity``
-        positions (default: the model's context, ``max_seq_len``)."""
-        return Batcher(self, slots, capacity or self.model.args.max_seq_len)
+        positions (default: the model's context, ``max_seq_len``; for Infini-attention, whose
+        slots hold one segment whatever the length, ``UNBOUNDED`` positions)."""
+        return Batcher(self, slots, capacity or self.model.args.context or UNBOUNDED)
 
     def run(self, batcher: Batcher) -> Iterator[list[Event]]:
         """Step ``batcher`` until it has no work, yielding each step's events; the model is in

@@ -56,6 +56,11 @@ def llama_problems(args) -> list[str]:
     if args.norm != "rmsnorm":
         out.append(f"model.norm is '{args.norm}': Llama has RMSNorm only (train with "
                    "model.norm 'rmsnorm' to export)")
+    if getattr(args, "attention", "standard") != "standard":
+        out.append(f"model.attention is '{args.attention}': Llama (and llama.cpp's llama "
+                   "architecture) has no compressive memory nor its gates, and attends over the "
+                   "whole input rather than within segments, so no Llama model computes what this "
+                   "one does (use it with infer, benchmark and serve here)")
     return out
 
 

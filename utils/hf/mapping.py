@@ -59,6 +59,9 @@ def rename(sd: dict, pairs: list[tuple[str, str]]) -> dict:
 def _check_hf_compatible(args: ModelArgs) -> None:
     if args.norm != "rmsnorm":
         raise ValueError("LlamaForCausalLM has no LayerNorm: only norm 'rmsnorm' models convert")
+    if args.attention != "standard":
+        raise ValueError("LlamaForCausalLM has no Infini-attention (segments, compressive memory, "
+                         "gates): only attention 'standard' models convert")
 
 
 def to_hf_state_dict(model: nn.Module | dict, args: Optional[ModelArgs] = None) -> dict:
@@ -105,6 +108,10 @@ SPECIAL_FIELDS = {
     "rope_theta": "rope_parameters['rope_theta'] (rope_type 'default')",
     "norm": "rmsnorm only (LayerNorm is refused)",
     "document_mask": "a training-time attention mask: not part of the architecture; never set on import",
+    "attention": "standard only (Infini-attention is refused)",
+    "segment_length": "Infini-attention only (refused)",
+    "infini_gate": "Infini-attention only (refused)",
+    "infini_delta_rule": "Infini-attention only (refused)",
 }
 
 

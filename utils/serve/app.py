@@ -29,7 +29,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from utils.data import sft
-from utils.generation.engine import Event, SamplingParams, Sequence
+from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence
 from utils.generation.loop import EngineLoop
 from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, error_body, new_id, now,
                                   read_chat, read_completion)
@@ -84,7 +84,8 @@ class ServedModel:
 
     def describe(self) -> dict:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "llm-pipeline",
-                "kind": self.kind, "chat": self.template is not None, "context_length": self.context,
+                "kind": self.kind, "chat": self.template is not None,
+                "context_length": None if self.context >= UNBOUNDED else self.context,  # None: infini
                 "quantize": self.quantize}
 
 

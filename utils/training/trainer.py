@@ -74,6 +74,7 @@ from utils.training.metrics import (MetricsTracker, Throughput, bits_per_byte, d
                            mfu_unavailable_reason,
                            peak_memory_mb, perplexity)
 from utils.training.scheduler import CosineWarmupScheduler, effective_warmup
+from utils.infini import gate_parameters
 
 
 # --------------------------------------------------------------------------- precision
@@ -113,10 +114,15 @@ def build_optimizers(model: nn.Module, hp, device: torch.device, lr: Optional[fl
     AdamW: weight decay on 2-D weights (matrices, embeddings), none on norms/biases; fused on
     CUDA and CPU. Muon (torch.optim.Muon, ``adjust_lr_fn="match_rms_adamw"`` so it shares AdamW's
     learning rate and weight decay): the 2-D hidden matrices; AdamW keeps embeddings, norms
-    and an untied head. Parameter order follows ``model.named_parameters()`` (deterministic).
+    and an untied head. Infini-attention's gates (utils/infini.py, found by role) are AdamW's
+    last group with their own peak rate ``hp.gate_lr`` (default: the others') and weight
+    decay ``hp.gate_weight_decay`` (default 0), under either optimizer; the schedule scales
+    every group alike. Parameter order follows ``model.named_parameters()`` (deterministic).
     """
     lr = hp.lr if lr is None else lr
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    gates = gate_parameters(model)
+    gate_ids = {id(p) for p in gates}
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in gate_ids]
     special = _embedding_and_head_params(model)
     # torch's fused AdamW (one kernel over all tensors) on CUDA and on CPU, where it takes a
     # third of the time of the foreach form (3.8 vs 11.1 ms per step for a 7.7M model here,
@@ -141,6 +147,11 @@ def build_optimizers(model: nn.Module, hp, device: torch.device, lr: Optional[fl
         no_decay = [p for n, p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": hp.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if gates:
+        gate_lr = getattr(hp, "gate_lr", None)
+        groups.append({"params": [p for p in gates if p.requires_grad], "name": "gates",
+                       "lr": lr if gate_lr is None else gate_lr,
+                       "weight_decay": getattr(hp, "gate_weight_decay", None) or 0.0})
     opts["adamw"] = torch.optim.AdamW([g for g in groups if g["params"]], **kw)
     return opts
 
@@ -156,6 +167,8 @@ class OptimizerSpec:
     beta2: float = 0.95
     weight_decay: float = 0.1
     muon_momentum: float = 0.95
+    gate_lr: Optional[float] = None     # infini gates: their own peak rate (None: lr)
+    gate_weight_decay: Optional[float] = None   # and weight decay (None: 0)
 
     @classmethod
     def from_config(cls, section, **override) -> "OptimizerSpec":
