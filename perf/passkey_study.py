@@ -3,23 +3,25 @@
 Infini-attention model of the same size, trained the same way on CPU with passkey prompts
 mixed into Wikipedia text, evaluated on the passkey grid up to 8x the training window.
 
-    python perf/passkey_study.py [--work /tmp/passkey_study] [--steps 1500] [--window 128]
-                                 [--segment 32] [--share 0.5] [--gate-lr 0.01]
+    python perf/passkey_study.py [--work /tmp/passkey_study] [--steps 3000] [--window 128]
+                                 [--segment 32] [--share 0.9] [--gate-lr 0.01]
                                  [--gate-weight-decay 0] [--no-delta-rule] [--samples 5]
                                  [--images docs/images]
 
 One command, every step through the pipeline as a user runs it (``main.py train`` and
 ``main.py benchmark`` as subprocesses), in ``--work``:
 
-1. a byte-level BPE tokenizer (``tokenizer.train_bpe``, 1,000 entries) trained on the
-   offline Wikipedia sample (gensim's enwiki dump, read by utils/data/mediawiki) and a few
-   passkey prompts, so both kinds of text tokenize compactly;
-2. one shard set (utils/data/shards) of documents exactly one window long, so every training
-   window is one document: a ``--share`` fraction are passkey documents — the benchmark's own
-   prompt (utils/bench/passkey.py: instructions, filler, the needle at a uniformly random
-   depth, the question) filling the window, a random 5-digit key, followed by its answer
-   " KEY." and EOS (short ones end with a few tokens of Wikipedia) — the rest consecutive
-   Wikipedia tokens;
+1. a byte-level BPE tokenizer (``tokenizer.train_bpe``, 1,000 entries, every digit a token
+   of its own unless ``--no-split-digits``) trained on the offline Wikipedia sample (gensim's
+   enwiki dump, read by utils/data/mediawiki) and passkey prompts, so both kinds of text
+   tokenize compactly;
+2. one shard set (utils/data/shards) of windows exactly ``--window`` tokens long: a ``--share``
+   fraction hold a passkey document — the benchmark's own prompt (utils/bench/passkey.py:
+   instructions, filler, the needle, the question) with a random 5-digit key, taking a
+   random ``--min-fill``..1 share of the window, followed by its answer " KEY." and EOS;
+   in an ``--earlier`` fraction of them the needle ends in an earlier segment than the
+   question (the key must come through the memory), else its depth is uniform — completed
+   by a Wikipedia document; the rest consecutive Wikipedia tokens;
 3. ``main.py train`` twice with the same data, seed, optimizer, schedule and steps: model
    ``standard`` (context ``8 x window``: RoPE reaches every evaluated length, the model only
    ever trained on ``window``) and model ``infini`` (segments of ``--segment`` tokens, gates
@@ -200,7 +202,7 @@ def gates_of(checkpoint: Path) -> list[list[float]]:
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/passkey_study"))
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1, help="of both models' matrices")
