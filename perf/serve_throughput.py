@@ -15,7 +15,11 @@ and is driven with the official ``openai`` client, one thread per concurrent str
 tokens/s (tokens from the server's usage / wall time of the round; EOS can end a stream early
 on either side, so tokens are counted, not assumed). ``direct`` is in-process
 ``Engine.generate`` on one prompt at a time, the same prompts back to back: what a script
-without a server gets. Contenders alternate within each repeat; min / median / max over
+without a server gets. ``ours raw`` is our server read by a lean client (the standard
+library's ``http.client``: SSE lines scanned, only the usage chunk parsed), alternating with
+the ``openai`` client's round: the client runs on the same cores, and the ``openai`` client's
+per-chunk parsing is part of the 1-stream gap, so the two show the server's own overhead
+apart from the client's. Contenders alternate within each repeat; min / median / max over
 repeats. Targets (issue 18): at 8 streams >= 3x the 1-stream aggregate; at 1 stream the
 HTTP + SSE overhead <= 10% of direct generation (ours/direct >= 0.90); the ratio against
 llama.cpp's server at each concurrency is reported.
@@ -214,6 +218,45 @@ def round_http(base: str, model: str, prompts: list[str], new_tokens: int) -> tu
     return n / wall, [t for t, _ in got], n
 
 
+def round_raw(base: str, model: str, prompts: list[str], new_tokens: int) -> tuple[float, list[float], int]:
+    """As :func:`round_http`, the same streaming requests read with the standard library's
+    ``http.client``: SSE lines are only scanned, and only the usage chunk is parsed (the
+    ``openai`` client builds a pydantic object per chunk, on the same cores as the server)."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlparse(base)
+    body = {"model": model, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def one(prompt):
+        t0 = time.perf_counter()
+        ttft, n = None, 0
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+        try:
+            conn.request("POST", f"{u.path}/completions", json.dumps({**body, "prompt": prompt}),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"{base}: HTTP {resp.status}: {resp.read()[:300]!r}")
+            for line in resp:
+                if not line.startswith(b"data: {"):
+                    continue
+                if ttft is None and any(c.get("text") for c in json.loads(line[6:]).get("choices", [])):
+                    ttft = time.perf_counter() - t0                 # parsed until the first text
+                if b'"completion_tokens"' in line:
+                    n = json.loads(line[6:])["usage"]["completion_tokens"]
+        finally:
+            conn.close()
+        return ttft if ttft is not None else float("nan"), n
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        got = list(ex.map(one, prompts))
+    wall = time.perf_counter() - t0
+    n = sum(k for _, k in got)
+    return n / wall, [t for t, _ in got], n
+
+
 def round_direct(engine, tok, prompts: list[str], new_tokens: int) -> tuple[float, list[float], int]:
     from utils.data.tok import encode_plain
     ids = [[tok.bos_token_id] + encode_plain(tok, [p])[0] for p in prompts]
@@ -249,15 +292,22 @@ def header(what: str, a) -> None:
           f"{a.our_threads or 'the engine rule (1 per small step)'}")
 
 
-def measure(servers: dict, prompts: list[str], a, direct=None) -> tuple[dict, dict]:
-    """``a.repeats`` rounds of every contender (alternating): rates and TTFTs per contender."""
+def measure(servers: dict, prompts: list[str], a, direct=None, raw: str = "") -> tuple[dict, dict]:
+    """``a.repeats`` rounds of every contender (alternating): rates and TTFTs per contender;
+    ``raw``: that server also read with :func:`round_raw` (as "<raw> raw")."""
     rates = {k: [] for k in ([*servers, "direct"] if direct else servers)}
+    if raw:
+        rates[f"{raw} raw"] = []
     ttfts = {k: [] for k in rates}
     for _ in range(a.repeats):
         for name, (url, model) in servers.items():
             r, t, _ = round_http(url, model, prompts, a.new_tokens)
             rates[name].append(r)
             ttfts[name] += t
+            if name == raw:
+                r, t, _ = round_raw(url, model, prompts, a.new_tokens)
+                rates[f"{raw} raw"].append(r)
+                ttfts[f"{raw} raw"] += t
         if direct:
             r, t, _ = round_direct(*direct, prompts, a.new_tokens)
             rates["direct"].append(r)
@@ -298,11 +348,13 @@ def small_model(a, streams: list[int]) -> None:
         single = None
         for c in streams:
             prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(c)]
-            rates, ttfts = measure(srv.urls, prompts, a, direct=(engine, tok))
+            rates, ttfts = measure(srv.urls, prompts, a, direct=(engine, tok), raw="ours")
             show(c, rates, ttfts)
             ours = rates["ours"]
             ratio("ours/direct", ours, rates["direct"],
                   "   (1 stream: HTTP+SSE overhead target ours/direct >= 0.90)" if c == 1 else "")
+            ratio("ours raw/direct", rates["ours raw"], rates["direct"],
+                  "   (the same, read without the openai client)" if c == 1 else "")
             if "llama.cpp" in rates:
                 ratio("ours/llama.cpp", ours, rates["llama.cpp"])
             single = ours if c == 1 else single
