@@ -192,6 +192,17 @@ class Servers:
                            str(threads)], "/v1/models", str(gguf))
 
 
+def concurrently(one, prompts: list[str]) -> tuple[float, list[float], int]:
+    """``one(prompt) -> (ttft, tokens)`` on every prompt at once, one thread each:
+    (aggregate tokens/s, TTFTs, tokens)."""
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        got = list(ex.map(one, prompts))
+    wall = time.perf_counter() - t0
+    n = sum(k for _, k in got)
+    return n / wall, [t for t, _ in got], n
+
+
 def round_http(base: str, model: str, prompts: list[str], new_tokens: int) -> tuple[float, list[float], int]:
     """All prompts at once, one streaming request each: (aggregate tokens/s, TTFTs, tokens)."""
     from openai import OpenAI
@@ -210,12 +221,7 @@ def round_http(base: str, model: str, prompts: list[str], new_tokens: int) -> tu
         n = usage.completion_tokens if usage is not None else chunks   # chunks: a server without usage
         return ttft if ttft is not None else float("nan"), n
 
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        got = list(ex.map(one, prompts))
-    wall = time.perf_counter() - t0
-    n = sum(k for _, k in got)
-    return n / wall, [t for t, _ in got], n
+    return concurrently(one, prompts)
 
 
 def round_raw(base: str, model: str, prompts: list[str], new_tokens: int) -> tuple[float, list[float], int]:
@@ -249,12 +255,7 @@ def round_raw(base: str, model: str, prompts: list[str], new_tokens: int) -> tup
             conn.close()
         return ttft if ttft is not None else float("nan"), n
 
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        got = list(ex.map(one, prompts))
-    wall = time.perf_counter() - t0
-    n = sum(k for _, k in got)
-    return n / wall, [t for t, _ in got], n
+    return concurrently(one, prompts)
 
 
 def round_direct(engine, tok, prompts: list[str], new_tokens: int) -> tuple[float, list[float], int]:
