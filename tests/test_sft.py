@@ -104,9 +104,9 @@ def test_each_exchange_is_one_text_and_the_mask_is_exactly_its_answer(kind):
         assert mask[pos:len(prompt)] == [0] * (len(prompt) - pos)
         assert mask[len(prompt):end + 1] == [1] * (end + 1 - len(prompt))
         reply = TextDecoder(tok, prompt[-1:], lead)
-        for t in ids[len(prompt):end]:
-            reply.push(t)
+        streamed = "".join(reply.push(t) for t in ids[len(prompt):end])
         assert reply.text() == turns[i + 1]
+        assert streamed + reply.finish() == turns[i + 1]        # as infer and serve stream it
         pos = end + 1
     assert pos == len(ids) == len(mask)
 

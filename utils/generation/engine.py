@@ -639,6 +639,7 @@ class TextDecoder:
         self.prefix = [int(t) for t in prefix]
         self.skip = len(tok.decode(self.prefix, skip_special_tokens=True)) if self.prefix else 0
         self.lead = lead
+        self._held: Optional[str] = "" if lead else None   # raw text while it may still be the lead
         self.ids: list[int] = []
         self.shown = ""
         self._all = list(self.prefix)                  # prefix + ids
@@ -649,8 +650,13 @@ class TextDecoder:
             text = self.tok.decode(self.ids, skip_special_tokens=True)
         else:
             text = self.tok.decode(self.prefix + self.ids, skip_special_tokens=True)[self.skip:]
+        return self._without_lead(text)
+
+    def _without_lead(self, text: str) -> str:
+        """``text`` without the lead: "" while it is the lead or the start of it; whole when it
+        does not start with the lead."""
         if self.lead and self.lead.startswith(text):
-            return ""                           # the lead, or the start of it: nothing to show yet
+            return ""
         return text[len(self.lead):] if self.lead and text.startswith(self.lead) else text
 
     def push(self, token: int) -> str:
@@ -663,6 +669,10 @@ class TextDecoder:
             return ""
         piece = now[len(before):]
         self._start, self._read = self._read, len(self._all)
+        if self._held is not None:                      # the lead is not settled yet
+            held = self._held + piece
+            self._held = held if self.lead.startswith(held) else None
+            piece = self._without_lead(held)
         self.shown += piece
         return piece
 
