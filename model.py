@@ -194,6 +194,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with rotate-half's sign folded in (its first half negated): the table of
+    :func:`apply_rope_rolled`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` bit for bit, in fewer operations (generation's decode steps): x (B,
+    heads, hd), ``cos`` and ``sin_signed`` (:func:`signed_sin`) (B, 1, hd) in x's dtype.
+    ``rotate_half(x) * sin`` is ``x.roll(hd / 2) * sin_signed``: the same products, the sign
+    moved from x to the table."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
 def make_norm(args: ModelArgs) -> nn.Module:
     if args.norm == "rmsnorm":
         return RMSNorm(args.d_model, args.norm_eps)
@@ -210,6 +225,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:                         # no conversions (a decode step's norms)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -264,34 +281,37 @@ class Attention(nn.Module):
             y = self.memory(y, q_pre, k_pre, v_new, cache.infini if cache is not None else None)
         return self.resid_dropout(self.wo(y.reshape(B, T, self.n_heads * self.head_dim)))
 
-    def decode(self, x, cos, sin, cache: Any, key_bias: Optional[torch.Tensor],
-               packed: Any = None):
-        """One new token per row over the cache: x (B, 1, d_model). Plain matmul attention
-        (softmax(q k^T / sqrt(hd) + key_bias) v, the query heads of one KV head batched
-        together) instead of SDPA, whose CPU kernel pays a parallel region per call for a
-        single query. ``key_bias`` (B, capacity): 0 for keys to attend, -inf for padding.
-        ``packed``: this layer's transposed decode weights (``utils.generation.engine``)."""
+    def decode(self, x, cos, sin_signed, cache: Any, key_bias: Optional[torch.Tensor], packed: Any = None):
+        """One new token per row over the cache: x (B, d_model) -> (B, d_model). ``cos`` and
+        ``sin_signed`` (B, 1, hd): each row's RoPE angle (:func:`apply_rope_rolled`); ``cache``:
+        ``update(k, v)`` with (B, n_kv_heads, hd) -> (keys, values) (B, n_kv_heads, L, hd).
+        Plain matmul attention (softmax(q k^T / sqrt(hd) + key_bias) v, the query heads of one
+        KV head batched together) instead of SDPA, whose CPU kernel pays a parallel region per
+        call for a single query. ``key_bias`` (B, L): 0 for keys to attend, -inf for padding;
+        None when every row attends over all L keys. ``packed``: this layer's decode weights
+        (``utils.generation.engine.PackedLayer``: fused q|k|v and products by ``packed.mm``);
+        None: the Linear layers. A decode step pays per operation (~2-3 us of dispatch each on
+        CPU), so q and k are rotated together and the projections are fused."""
         B = x.shape[0]
         H, Hkv, G, hd = self.n_heads, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
         if packed is not None:
-            q, k, v = (x @ packed.qkv).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+            qkv = packed.mm(x, packed.qkv)                                  # (B, (H + 2 Hkv) hd)
         else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q_pre, k_pre = q.view(B, 1, H, hd), k.view(B, 1, Hkv, hd)          # before RoPE (the memory's)
-        q = apply_rope(q_pre, cos, sin)                                     # (B, 1, H, hd)
-        k = apply_rope(k_pre, cos, sin)
-        v = v.view(B, 1, Hkv, hd)
-        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2))    # (B, Hkv, L, hd)
-        L = keys.shape[2]
-        att = torch.matmul(q.view(B, Hkv, G, hd), keys.transpose(-1, -2))    # (B, Hkv, G, L)
+            qkv = torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1)
+        qkv = qkv.view(B, H + 2 * Hkv, hd)
+        qk = apply_rope_rolled(qkv[:, :H + Hkv], cos, sin_signed)          # (B, H + Hkv, hd)
+        v = qkv[:, H + Hkv:]                                                # (B, Hkv, hd)
+        keys, values = cache.update(qk[:, H:], v)                           # (B, Hkv, L, hd)
+        att = torch.matmul(qk[:, :H].view(B, Hkv, G, hd), keys.transpose(-1, -2))   # (B, Hkv, G, L)
         att.mul_(1.0 / math.sqrt(hd))
         if key_bias is not None:
-            att.add_(key_bias[:, None, None, :L])
+            att.add_(key_bias[:, None, None, :keys.shape[2]])
         y = torch.matmul(att.softmax(dim=-1, dtype=torch.float32).to(values.dtype), values)  # (B, Hkv, G, hd)
-        if self.memory is not None:                                         # local y + memory
-            y = self.memory(y.view(B, 1, H, hd), q_pre, k_pre, v, cache.infini)
-        y = y.reshape(B, 1, H * hd)
-        return y @ packed.wo if packed is not None else self.wo(y)
+        if self.memory is not None:                                         # local y + memory (pre-RoPE q, k)
+            y = self.memory(y.view(B, 1, H, hd), qkv[:, None, :H], qkv[:, None, H:H + Hkv], v[:, None],
+                            cache.infini)
+        y = y.reshape(B, H * hd)
+        return packed.mm(y, packed.wo) if packed is not None else self.wo(y)
 
 
 class Block(nn.Module):
@@ -306,11 +326,12 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, spec, cache)
         return x + self.mlp(self.mlp_norm(x))
 
-    def decode(self, x, cos, sin, cache: Any, key_bias: Optional[torch.Tensor],
-               packed: Any = None):
-        x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache, key_bias, packed)
-        h = self.mlp_norm(x)
-        return x + (self.mlp(h) if packed is None else self.mlp.packed(h, packed.gate_up, packed.down))
+    def decode(self, x, cos, sin_signed, cache: Any, key_bias: Optional[torch.Tensor], packed: Any = None):
+        """One new token per row: x (B, d_model), see :meth:`Attention.decode`. The norms'
+        ``forward`` is called directly (a decode step runs 2 x n_layers of them; no hooks)."""
+        x = x + self.attn.decode(self.attn_norm.forward(x), cos, sin_signed, cache, key_bias, packed)
+        h = self.mlp_norm.forward(x)
+        return x + (self.mlp(h) if packed is None else self.mlp.packed(h, packed.gate_up, packed.down, packed.mm))
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -456,6 +477,13 @@ class Transformer(nn.Module):
             tab = rope_tables(self.args.head_dim, size, self.args.rope_theta, device)
             self._rope[key] = tab
         return tab
+
+    def decode_rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) of a decode step's rows at positions ``pos`` (B,), each (B, 1, hd)
+        in the weights' dtype (:meth:`Block.decode`, :func:`apply_rope_rolled`)."""
+        cos, sin = self.rope(int(pos.max()) + 1, pos.device)
+        dtype = self.tok_embeddings.weight.dtype
+        return cos[pos][:, None].to(dtype), signed_sin(sin[pos][:, None]).to(dtype)
 
     def trunk(self, idx, positions, spec: AttnSpec, caches=None) -> torch.Tensor:
         """Embeddings -> blocks -> final norm: (B, T) -> (B, T, d_model)."""

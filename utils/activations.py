@@ -52,8 +52,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model) -> (B, T, d_model)
         return self.dropout(self.w_down(self.act(self.w_gate(x)) * self.w_up(x)))
 
-    def packed(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """The same function (no dropout: inference) with transposed weights, ``gate_up`` =
-        (w_gate | w_up)^T (d_model, 2 hidden) and ``down`` = w_down^T (hidden, d_model)."""
-        gate, up = (x @ gate_up).chunk(2, dim=-1)
-        return (self.act(gate) * up) @ down
+    def packed(self, x: torch.Tensor, gate_up, down, mm=torch.mm) -> torch.Tensor:
+        """The same function (no dropout: inference) for x (B, d_model) with fused weights and
+        their product ``mm(x, w)``: ``gate_up`` = (w_gate | w_up) (d_model -> 2 hidden) and
+        ``down`` = w_down (hidden -> d_model), e.g. transposed fp32 tensors with ``torch.mm``."""
+        gate, up = mm(x, gate_up).chunk(2, dim=-1)
+        return mm(self.act(gate) * up, down)

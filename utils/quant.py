@@ -67,6 +67,14 @@ def int8_matmul(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return y.to(x.dtype).view(*shape, w.qweight.shape[0])
 
 
+def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """:func:`int8_matmul` for x (B, in) on CPU, in as few operations as it takes (the product
+    of generation's decode steps, ``PackedLayer.mm``: four of them per block per token)."""
+    if x.device.type != "cpu":
+        return int8_matmul(x, w)
+    return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.qweight, w.scales_bf16).to(x.dtype)
+
+
 class Int8Linear(nn.Module):
     """A bias-free Linear with :class:`Int8Weight` weights (its buffers may be row views of a
     fused matrix, see the module docstring)."""

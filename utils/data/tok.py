@@ -266,6 +266,17 @@ def backend_of(tok):
     return getattr(tok, "backend_tokenizer", tok)
 
 
+def decode_fn(tok):
+    """``ids -> tok.decode(ids, skip_special_tokens=True)``, calling the ``tokenizers`` backend
+    directly where transformers' decode would add nothing (no ``clean_up_tokenization_spaces``):
+    a third of the cost per call (1 against 2.7 us here), which generation's incremental
+    detokenization pays twice per token."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and not getattr(tok, "clean_up_tokenization_spaces", False):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tok.decode(ids, skip_special_tokens=True)
+
+
 def plain(tok):
     """Turn special-token matching off: text such as ``"<s>"`` encodes as ordinary pieces.
 

@@ -31,10 +31,16 @@ layer) and the float32 memory (n_kv_heads x (head_dim + 1) x head_dim per layer)
 size is fixed by the segment length, whatever the context: prompts are prefilled one segment
 at a time, and the positions of a sequence are unbounded (``capacity`` only caps its length).
 With fp32 weights on CPU the engine also keeps a transposed, contiguous copy of the weights
-(``decode_pack``: ~2.2x faster tokens at batch 1, at the cost of a second copy of the weights
-while the engine lives, bounded by ``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights
-change (storage or ``_version``: an optimizer step or ``load_state_dict``) and freed with the
-engine.
+(``decode_pack``: ~2.2x faster tokens at batch 1, in column panels where steps run on several
+threads, and a oneDNN copy of the output head for steps of several rows: the weights' bytes
+once more plus the head's, bounded by ``DECODE_PACK_MAX_BYTES``); it is rebuilt when the
+weights change (storage or ``_version``: an optimizer step or ``load_state_dict``) and freed
+with the engine.
+
+Decode steps (``Block.decode`` over the pack) pay ~2-3 us of dispatch per tensor operation on
+CPU, which is most of a small model's token: the step fuses projections, rotates q and k
+together, writes the cache with one ``index_copy_`` per tensor, skips the key mask when every
+row is at the same position and takes the greedy token with NumPy (utils/generation/cpu.py).
 
 :class:`TextDecoder` turns the stream of ids into text pieces without ever cutting a UTF-8
 character (or a multi-token grapheme the tokenizer has not finished) in two.
@@ -44,12 +50,14 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple, Optional
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 from typing import Sequence as Sequence_
 
 import torch
 
 from utils.attention import AttnSpec
+from utils.data.tok import decode_fn
+from utils.generation.cpu import RowsProduct, greedy, panel_mm, panels, rows_product
 from utils.infini import InfiniCache
 
 DECODE_PACK_MAX_BYTES = 1 << 30   # models with more weights generate without a transposed copy
@@ -64,19 +72,23 @@ def decode_pack_applies(device_type: str, dtype: torch.dtype, weight_bytes: floa
 
 # --------------------------------------------------------------------------- state of a call
 class PackedLayer(NamedTuple):
-    """One block's weights for CPU decoding, transposed to (in, out) and contiguous (or
-    ``utils.quant.Int8Weight`` of an int8 model: also the right operand of ``x @ w``)."""
+    """One block's weights for CPU decoding and their product ``mm(x, w)`` (x (B, in)):
+    transposed to (in, out) and contiguous with ``torch.mm``, or an int8 model's
+    ``utils.quant.Int8Weight`` with ``utils.quant.int8_mm``."""
     qkv: torch.Tensor      # (d_model, (n_heads + 2 n_kv_heads) * head_dim): wq | wk | wv
     wo: torch.Tensor       # (n_heads * head_dim, d_model)
     gate_up: torch.Tensor  # (d_model, 2 hidden): w_gate | w_up
     down: torch.Tensor     # (hidden, d_model)
+    mm: Callable = torch.mm
 
 
 class DecodePack(NamedTuple):
-    """The weights generation steps multiply by on CPU in fp32, see ``Engine.decode_pack``."""
+    """The weights generation steps multiply by on CPU, see ``Engine.decode_pack``."""
     key: tuple
     layers: list
-    head: torch.Tensor     # (d_model, vocab)
+    head: torch.Tensor     # (d_model, vocab), multiplied by ``mm``
+    head_rows: Optional[RowsProduct] = None   # the head for 2 or more rows (utils/generation/cpu.py)
+    mm: Callable = torch.mm
 
 
 # --------------------------------------------------------------------------- sampling
@@ -232,23 +244,25 @@ class _PrefillCache:
 
 class _DecodeCache:
     """One layer's cache view for a decode step of rows 0..n-1, each at its own position
-    (infini: its position in the current segment); ``mem`` as for :class:`_PrefillCache`."""
+    (infini: its position in the current segment): ``at`` (n * Hkv,) are the rows of the new
+    keys in the cache seen as (slots * Hkv * positions, hd) (``flat``: k and v so viewed), one
+    ``index_copy_`` each; ``mem`` as for :class:`_PrefillCache`."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, length: int,
-                 mem: Optional[tuple] = None):
-        self.k, self.v, self.rows, self.pos, self.length = k, v, rows, pos, length
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, flat: tuple, at: torch.Tensor, pos: torch.Tensor,
+                 length: int, mem: Optional[tuple] = None):
+        self.k, self.v, self.flat, self.at, self.pos, self.length = k, v, flat, at, pos, length
         self.mem = mem
 
     @property
     def infini(self) -> InfiniCache:
-        n = self.rows.shape[0]
+        n = self.pos.shape[0]
         sk, M, z = self.mem
         return InfiniCache(sk[:n], self.v[:n], M[:n], z[:n], self.pos)
 
-    def update(self, k, v):                                   # (n, Hkv, 1, hd)
-        n = k.shape[0]
-        self.k[self.rows, :, self.pos] = k[:, :, 0]
-        self.v[self.rows, :, self.pos] = v[:, :, 0]
+    def update(self, k, v):                                   # (n, Hkv, hd)
+        n, hd = k.shape[0], k.shape[-1]
+        self.flat[0].index_copy_(0, self.at, k.reshape(-1, hd))
+        self.flat[1].index_copy_(0, self.at, v.reshape(-1, hd))
         return self.k[:n, :, :self.length], self.v[:n, :, :self.length]
 
 
@@ -281,6 +295,7 @@ class Batcher:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+        self.kv_flat: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None   # the same, (-1, hd) views
         self._weights: Optional[tuple] = None      # see weights()
         # infini: positions kept per slot (one segment) and each layer's (sigma(K), M, z)
         self.segment = self.model.args.segment
@@ -359,6 +374,7 @@ class Batcher:
         a, w = self.model.args, self.model.tok_embeddings.weight
         shape = (self.slots, a.n_kv_heads, self.cache_len, a.head_dim)
         self.kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(a.n_layers)]
+        self.kv_flat = [(k.view(-1, a.head_dim), v.view(-1, a.head_dim)) for k, v in self.kv]
         if self.segment:
             mem = (self.slots, a.n_kv_heads, a.head_dim)
             self.mem = [(w.new_zeros(shape), torch.zeros(*mem, a.head_dim, device=w.device),
@@ -390,31 +406,34 @@ class Batcher:
     def _decode(self) -> list[Event]:
         model, run = self.model, self.running
         n, device = len(run), model.device
-        pos = torch.tensor([s.pos for s in run], device=device)            # (n,) the new tokens' positions
-        if self.segment:                                                    # infini: within the segment
-            pos = pos % self.segment
-        length = int(pos.max()) + 1
-        cos_all, sin_all = model.rope(length, device)                       # outside inference mode: kept
+        at = [s.pos % self.segment if self.segment else s.pos for s in run]   # infini: within the segment
+        length = max(at) + 1
+        model.rope(length, device)                                          # tables grown outside inference mode
         pack, head, n_weights = self.weights()
         packs = pack.layers if pack is not None else [None] * len(model.layers)
+        Hkv = model.args.n_kv_heads
         with step_mode(self.engine.step_threads(n, n_weights)):
+            pos = torch.tensor(at, device=device)                           # (n,) the new tokens' positions
+            cos, sin = model.decode_rope(pos)                               # (n, 1, hd)
+            key_bias = None                                                 # rows at one position see all keys
+            if min(at) != length - 1:
+                key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
+                key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
             rows = torch.arange(n, device=device)
-            key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
-            key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
-            cos, sin = cos_all[pos][:, None], sin_all[pos][:, None]         # (n, 1, hd)
-            toks = torch.tensor([[s.tokens[-1]] for s in run], device=device)
-            h = model.tok_embeddings(toks)                                  # (n, 1, d_model)
+            cells = ((rows[:, None] * Hkv + torch.arange(Hkv, device=device)) * self.cache_len
+                     + pos[:, None]).view(-1)                               # (n * Hkv,) in the flat caches
+            h = model.tok_embeddings(torch.tensor([s.tokens[-1] for s in run], device=device))   # (n, d_model)
             mems = self.mem or [None] * len(model.layers)
-            for layer, (k, v), m, packed in zip(model.layers, self.kv, mems, packs):
-                h = layer.decode(h, cos, sin, _DecodeCache(k, v, rows, pos, length, m), key_bias, packed)
-            logits = head(model.norm(h[:, 0])).float()                      # (n, V)
+            for layer, (k, v), flat, m, packed in zip(model.layers, self.kv, self.kv_flat, mems, packs):
+                h = layer.decode(h, cos, sin, _DecodeCache(k, v, flat, cells, pos, length, m), key_bias, packed)
+            logits = head(model.norm(h)).float()                            # (n, V)
             for s in run:
                 s.pos += 1
             return self._sample(list(run), logits)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
         if all(s.params.greedy for s in seqs):
-            toks = logits.argmax(dim=-1).tolist()
+            toks = greedy(logits)
         else:
             toks = [int(sample_next(logits[r:r + 1], s.params.temperature, s.params.top_k,
                                     s.params.top_p, s.generator)) for r, s in enumerate(seqs)]
@@ -540,9 +559,15 @@ class Engine:
         yield from self.run(b)
 
     def head(self):
-        """The output projection of generation steps: the decode pack's or the model's."""
+        """The output projection of generation steps, x (n, d_model) -> (n, vocab): the decode
+        pack's (its oneDNN copy for 2 or more rows, where it has one) or the model's."""
         pack = self.decode_pack()
-        return (lambda x: x @ pack.head) if pack is not None else self.model.lm_head
+        if pack is None:
+            return self.model.lm_head
+        mm, w, rows = pack.mm, pack.head, pack.head_rows
+        if rows is None:
+            return lambda x: mm(x, w)
+        return lambda x: mm(x, w) if x.shape[0] == 1 else rows(x)
 
 
     def decode_pack(self) -> Optional[DecodePack]:
@@ -558,16 +583,21 @@ class Engine:
         call and kept while the weights stay the same (same storage, no in-place update
         since: an optimizer step or ``load_state_dict`` invalidates it), so interactive
         prompts pay it once; a call made on a model in training mode drops it on return.
-        Cost: a second copy of the weights while the engine holds it, so models above
-        ``DECODE_PACK_MAX_BYTES`` of weights are not packed. Sums run in another order, so
-        logits can differ from the Linear's in the last bits. Not on CUDA (its GEMV has no
-        such gap) nor for bf16/fp16 weights (slower transposed on CPU)."""
+        Where a one-token step runs on several threads (``pack_panels``), each matrix is
+        stored as that many column panels, so a product of a few rows uses every thread
+        (utils/generation/cpu.py); and the head is also packed by oneDNN for steps of 2 or
+        more rows (``RowsProduct``: 2-3x faster than MKL there).
+        Cost: a second copy of the weights (and a third of the head) while the engine holds
+        it, so models above ``DECODE_PACK_MAX_BYTES`` of weights are not packed. Sums run in
+        another order, so logits can differ from the Linear's in the last bits. Not on CUDA
+        (its GEMV has no such gap) nor for bf16/fp16 weights (slower transposed on CPU)."""
         model = self.model
         if getattr(model, "quantized", None):            # int8 (utils/quant.py): its fused int8 weights
             if self._pack is None or self._pack.key != ("int8",):
-                from utils.quant import int8_decode_weights
+                from utils.quant import int8_decode_weights, int8_mm
                 got = int8_decode_weights(model)
-                self._pack = got and DecodePack(("int8",), [PackedLayer(*w) for w in got[0]], got[1])
+                self._pack = got and DecodePack(("int8",), [PackedLayer(*w, mm=int8_mm) for w in got[0]], got[1],
+                                                mm=int8_mm)
             return self._pack
         w = model.lm_head.weight
         params = list(model.parameters())
@@ -578,11 +608,12 @@ class Engine:
         if self._pack is not None and self._pack.key == key:
             return self._pack
         self._pack = None                                                    # free the old copy first
-        t = lambda *ws: torch.cat([x.detach() for x in ws]).t().contiguous()  # noqa: E731
+        p = self.pack_panels()
+        t = lambda *ws: panels(torch.cat([x.detach() for x in ws]).t().contiguous(), p)  # noqa: E731
         layers = [PackedLayer(t(b.attn.wq.weight, b.attn.wk.weight, b.attn.wv.weight), t(b.attn.wo.weight),
-                              t(b.mlp.w_gate.weight, b.mlp.w_up.weight), t(b.mlp.w_down.weight))
+                              t(b.mlp.w_gate.weight, b.mlp.w_up.weight), t(b.mlp.w_down.weight), panel_mm)
                   for b in model.layers]
-        self._pack = DecodePack(key, layers, t(w))
+        self._pack = DecodePack(key, layers, t(w), rows_product(w), panel_mm)
         return self._pack
 
     def n_weights(self) -> int:
@@ -592,20 +623,32 @@ class Engine:
             n += sum(b.numel() for b in self.model.buffers() if b.dtype == torch.int8)
         return n
 
-    def step_threads(self, n_tokens: int, n_params: int) -> Optional[int]:
-        """Intra-op threads for one generation step over ``n_tokens`` tokens: on CPU, 1 when
-        the step is small (at most 2^28 multiply-adds, roughly 25 ms on one core: a 32-token
-        prompt or 8 decode rows of a 7M model, one decode row of a 250M one), else unchanged
-        (None). On an idle second core such a step saves a few ms at best (batch-1 decoding is
-        bound by reading the weights, not by arithmetic), while every op's parallel region
-        waits a scheduler time slice whenever a worker thread is descheduled on a busy machine
-        (measured on 2 shared cores: 2 threads 5-8x slower than 1 per decode step, 5-50x per
-        32-token prefill). ``threads`` given to the engine overrides the rule."""
+    def step_threads(self, n_tokens: int, n_weights: int) -> Optional[int]:
+        """Intra-op threads for one generation step over ``n_tokens`` tokens of a model that
+        multiplies by ``n_weights`` weights per token: on CPU, 1 for a small model's small step
+        (fewer than 2^26 weights and at most 2^28 multiply-adds: up to 8 decode rows or a
+        32-token prompt of a 7M model), else unchanged (None: all of torch's threads).
+        ``threads`` given to the engine overrides the rule.
+
+        Small steps: a few ms of work, of which a second thread saves little, while every
+        op's parallel region waits for its worker, a scheduler time slice whenever that worker
+        was descheduled: on 2 cores shared with the server's event loop and a client, the
+        tiny (2.2M) model served 0.54x as many tokens/s with 2 threads as with 1 (5-8x slower
+        decode steps on cores shared with other work). Large models: a batch-1 step reads
+        >= 64 MB of weights, which one core cannot stream (MKL's fp32 products run one thread;
+        the decode pack's column panels and the int8 kernel spread over all): SmolLM2-135M
+        decodes 27 -> 37 tokens/s in fp32 and 41 -> 64 in int8 with a second core here."""
         if self.threads is not None:
             return self.threads
         if self.model.device.type != "cpu":
             return None
-        return 1 if n_tokens * n_params <= 1 << 28 else None
+        return 1 if n_weights < 1 << 26 and n_tokens * n_weights <= 1 << 28 else None
+
+    def pack_panels(self) -> int:
+        """Column panels of the fp32 decode pack (utils/generation/cpu.py ``panels``): the
+        threads of a one-token step (the product of a few rows then uses them all), 1 when such
+        a step runs on one thread."""
+        return self.step_threads(1, self.n_weights()) or torch.get_num_threads()
 
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
@@ -636,8 +679,9 @@ class TextDecoder:
 
     def __init__(self, tok, prefix: Sequence_[int] = (), lead: str = ""):
         self.tok = tok
+        self.dec = decode_fn(tok)                      # tok.decode(ids, skip_special_tokens=True)
         self.prefix = [int(t) for t in prefix]
-        self.skip = len(tok.decode(self.prefix, skip_special_tokens=True)) if self.prefix else 0
+        self.skip = len(self.dec(self.prefix)) if self.prefix else 0
         self.lead = lead
         self._held: Optional[str] = "" if lead else None   # raw text while it may still be the lead
         self.ids: list[int] = []
@@ -646,10 +690,7 @@ class TextDecoder:
         self._start, self._read = 0, len(self._all)    # the window, see push
 
     def _decode(self) -> str:
-        if not self.prefix:
-            text = self.tok.decode(self.ids, skip_special_tokens=True)
-        else:
-            text = self.tok.decode(self.prefix + self.ids, skip_special_tokens=True)[self.skip:]
+        text = self.dec(self.prefix + self.ids)[self.skip:] if self.prefix else self.dec(self.ids)
         return self._without_lead(text)
 
     def _without_lead(self, text: str) -> str:
@@ -663,8 +704,8 @@ class TextDecoder:
         self.ids.append(int(token))
         self._all.append(int(token))
         window = self._all[self._start:]                # _all[_start:_read] is already shown
-        before = self.tok.decode(window[:self._read - self._start], skip_special_tokens=True)
-        now = self.tok.decode(window, skip_special_tokens=True)
+        before = self.dec(window[:self._read - self._start])
+        now = self.dec(window)
         if now.endswith("\ufffd") or len(now) <= len(before) or not now.startswith(before):
             return ""
         piece = now[len(before):]
@@ -724,11 +765,12 @@ class TextStream:
 
 def estimated_weight_bytes(checkpoint_bytes: float, device_type: str) -> float:
     """Memory a checkpoint's model takes to generate: its fp32 weights (about a third of a
-    training checkpoint, which also holds AdamW's two moments), twice that where the engine
-    keeps a transposed copy (``decode_pack_applies``)."""
+    training checkpoint, which also holds AdamW's two moments), 2.5 times that where the
+    engine keeps a transposed copy and a second copy of the head (``decode_pack_applies``;
+    the head is up to half the weights of a small model with a 32k vocabulary)."""
     weights = checkpoint_bytes / 3
     if decode_pack_applies(device_type, torch.float32, weights):
-        weights *= 2
+        weights *= 2.5
     return weights
 
 
