@@ -11,8 +11,9 @@ for SFT checkpoints, ``POST /v1/completions`` for any model, ``GET /v1/models``,
 /health``) or open ``http://127.0.0.1:8000/`` in a browser. ``--port 0`` takes a free port;
 the first line on stdout is always ``serve: listening on http://HOST:PORT``.
 
-Each model runs its own continuous-batching engine (utils/generation/engine.py,
-``serve.max_batch`` sequences decoded together; more wait for a slot). SIGINT / SIGTERM: stop
+Each model has its own continuous-batching engine (utils/generation/engine.py,
+``serve.max_batch`` sequences decoded together; more wait for a slot); one engine thread
+opens the models and steps them all (utils/generation/loop.py). SIGINT / SIGTERM: stop
 accepting, give running streams ``serve.shutdown_grace`` seconds to finish, cut the rest with an error
 event, exit 130. Fields, limits, batching and security: docs/serve.md.
 """
@@ -61,15 +62,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise UsageError(f"--threads {args.threads}: give 1 or more (or leave it out for the engine's rule).")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     sock = bind(cfg.serve.host, cfg.serve.port)
-    models = open_models(args, cfg)
-    app = make_app(models, cfg, api_key)
-    announce(sock, cfg.serve.host, models, api_key)
+    from utils.generation.loop import EngineLoop
+    loop = EngineLoop(log=say, name="engine").start()
     try:
-        run_server(app, sock, models, cfg.serve.shutdown_grace)
+        models = open_models(args, cfg, loop)
+        app = make_app(models, cfg, api_key)
+        announce(sock, cfg.serve.host, models, api_key)
+        run_server(app, sock, loop, models, cfg.serve.shutdown_grace)
     finally:
-        for m in models.values():
-            m.loop.stop()
+        loop.stop()
     return 0
+
+
+def say(msg: str) -> None:
+    print(f"serve: {msg}", file=sys.stderr, flush=True)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -98,39 +104,47 @@ def model_ids(paths: list[Path]) -> list[str]:
     return [f"{i}/{p.name}" if ids.count(i) > 1 else i for i, p in zip(ids, paths)]
 
 
-def open_models(args, cfg) -> dict:
+def open_models(args, cfg, loop) -> dict:
+    """Each model opened on the engine thread (``loop.call``: see utils/generation/loop.py), with
+    its engine and decode weights, as a lane of ``loop``."""
     from utils.device import resolve_device
-    from utils.generation.engine import Engine
-    from utils.generation.loop import EngineLoop
-    from utils.quant import quantize_int8
-    from utils.run import open_for_generation
     from utils.serve.app import ServedModel
     paths = [Path(p) for p in list(args.checkpoint) + list(args.hf_model)]
     if not paths:
         raise UsageError("give at least one --checkpoint PATH (or --hf-model DIR) to serve.")
     device = resolve_device(cfg.serve.device, "serve.device")
-    say = lambda s: print(f"serve: {s}", file=sys.stderr, flush=True)  # noqa: E731
     ids, models, cache = model_ids(paths), {}, {}
     if len(set(ids)) < len(ids):
         raise UsageError(f"two models would have the same id ({', '.join(ids)}): serve distinct files.")
     for mid, path in zip(ids, paths):
         if not path.exists():
             raise PipelineError(f"{path} does not exist (a checkpoint file, run folder, HF folder or .gguf).")
-        o = open_for_generation(path, cfg, device, say=say, cache=cache)
-        if cfg.serve.quantize == "int8":
-            say(quantize_int8(o.model).line())
+        o, engine = loop.call(open_engine, path, cfg, device, args.threads, cache)
         own = o.model.args.context           # None: Infini-attention, no limit (docs/long_context.md)
         context = min(cfg.serve.context, own or cfg.serve.context) if cfg.serve.context else own
-        loop = EngineLoop(Engine(o.model, threads=args.threads), cfg.serve.max_batch, context, log=say,
-                          name=f"engine-{mid}").start()
-        models[mid] = ServedModel(mid, o.model, o.tok, o.kind, o.template, loop, int(time.time()),
+        lane = loop.add(engine, cfg.serve.max_batch, context)
+        models[mid] = ServedModel(mid, o.model, o.tok, o.kind, o.template, lane, int(time.time()),
                                   cfg.serve.quantize, cfg.serve.max_queue, cfg.serve.max_tokens,
                                   cfg.serve.stream_interval)
-        mb = loop.batcher.bytes_per_slot / 2 ** 20
-        shown = "unbounded (Infini-attention)" if context is None else loop.capacity
+        mb = lane.batcher.bytes_per_slot / 2 ** 20
+        shown = "unbounded (Infini-attention)" if context is None else lane.capacity
         say(f"model '{mid}': {o.label} ({o.kind}{', chat' if o.template else ''}), context "
             f"{shown}, {cfg.serve.max_batch} slots x {mb:.1f} MiB of KV cache")
     return models
+
+
+def open_engine(path: Path, cfg, device, threads: Optional[int], cache: dict):
+    """One model opened for generation (int8 if configured) and its Engine with the CPU decode
+    weights made now, not in the first request (run on the engine thread)."""
+    from utils.generation.engine import Engine
+    from utils.quant import quantize_int8
+    from utils.run import open_for_generation
+    o = open_for_generation(path, cfg, device, say=say, cache=cache)
+    if cfg.serve.quantize == "int8":
+        say(quantize_int8(o.model).line())
+    engine = Engine(o.model, threads=threads)
+    engine.decode_pack()
+    return o, engine
 
 
 def make_app(models: dict, cfg, api_key: Optional[str]):
@@ -163,7 +177,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def run_server(app, sock: socket.socket, models: dict, grace: float) -> None:
+def run_server(app, sock: socket.socket, loop, models: dict, grace: float) -> None:
     """uvicorn on ``sock``. SIGINT/SIGTERM: uvicorn stops accepting; running generations get
     ``grace`` seconds to finish, then the engines stop, which ends each remaining stream with an
     error event and ``[DONE]``; uvicorn then re-raises the signal, which run_stage turns into
@@ -175,15 +189,14 @@ def run_server(app, sock: socket.socket, models: dict, grace: float) -> None:
         async def shutdown(self, sockets=None):
             for server in self.servers:
                 server.close()                            # no new connections
-            busy = lambda: sum(m.loop.active for m in models.values())  # noqa: E731
+            busy = lambda: sum(m.lane.active for m in models.values())  # noqa: E731
             deadline = time.monotonic() + grace
             if busy():
                 print(f"serve: stopping: {busy()} generations get up to {grace:g} s to finish",
                       file=sys.stderr, flush=True)
             while busy() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            for m in models.values():                     # cut what is left: its streams end cleanly
-                await asyncio.to_thread(m.loop.stop)
+            await asyncio.to_thread(loop.stop)            # cut what is left: its streams end cleanly
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",

@@ -1,21 +1,29 @@
-"""One model's continuous-batching engine on a background thread (library: nothing starts on
-import; the thread runs from ``start()`` to ``stop()``).
+"""The served models' continuous-batching engines on one background thread (library: nothing
+starts on import; the thread runs from ``start()`` to ``stop()``).
 
-    loop = EngineLoop(engine, slots=8)          # engine: utils.generation.engine.Engine
-    loop.start()
-    seq = loop.submit(Sequence(ids, params, tok=tok, sink=fn))   # from any thread
-    loop.cancel(seq)                            # from any thread: it leaves at the next step
+    loop = EngineLoop().start()
+    model = loop.call(load_model, path)         # torch work on the loop's thread, result returned
+    lane = loop.add(Engine(model), slots=8)     # one model's queue and batcher
+    seq = lane.submit(Sequence(ids, params, tok=tok, sink=fn))   # from any thread
+    lane.cancel(seq)                            # from any thread: it leaves at the next step
     loop.stop()                                 # running and waiting sequences are cancelled
 
-The thread steps the :class:`~utils.generation.engine.Batcher` while any sequence waits or
-runs and sleeps on a condition otherwise (no polling). Each sequence's ``sink`` is called on
-the loop thread with every :class:`~utils.generation.engine.Event`: a sink must be quick and
-must not block (``serve`` hands events to its asyncio loop with ``call_soon_threadsafe``).
-A step that raises (out of memory, a bug) finishes every sequence in the batch with
-``finish == "error"`` and the message in ``error``; the loop goes on with new requests.
+One thread does all of the models' tensor work, opening them included (``call``): an OpenMP
+thread team belongs to the thread that starts it, and a second thread running parallel
+regions next to the one that loaded the weights makes more OpenMP threads than cores, at
+which libgomp stops spin-waiting between regions: SmolLM2-135M in int8 decoded 32 tokens/s
+on a thread of its own after loading on the main thread, 61 when that same thread had loaded
+it (2 cores). The thread steps each model's :class:`~utils.generation.engine.Batcher` in
+turn while any sequence waits or runs, and sleeps on a condition otherwise (no polling).
+Each sequence's ``sink`` is called on the loop thread with every
+:class:`~utils.generation.engine.Event`: a sink must be quick and must not block (``serve``
+hands events to its asyncio loop). A step that raises (out of memory, a bug) finishes every
+sequence of that model's batch with ``finish == "error"`` and the message in ``error``; the
+loop goes on with new requests.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 from typing import Callable, Optional
 
@@ -24,26 +32,18 @@ import torch
 from utils.generation.engine import Engine, Event, Sequence
 
 
-class EngineLoop:
-    def __init__(self, engine: Engine, slots: int, capacity: Optional[int] = None,
-                 log: Callable[[str], None] = lambda s: None, name: str = "engine"):
-        self.engine = engine
+class Lane:
+    """One model's queue and batcher in an :class:`EngineLoop`."""
+
+    def __init__(self, loop: "EngineLoop", engine: Engine, slots: int, capacity: Optional[int]):
+        self.loop, self.engine = loop, engine
         self.batcher = engine.batcher(slots, capacity)
-        self.log = log
-        self._cond = threading.Condition()
-        self._inbox: list[Sequence] = []
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.inbox: list[Sequence] = []
         self.active = 0                 # sequences submitted and not finished (read for limits)
 
     @property
     def capacity(self) -> int:
         return self.batcher.capacity
-
-    def start(self) -> "EngineLoop":
-        self.engine.model.eval()
-        self._thread.start()
-        return self
 
     def check(self, seq: Sequence) -> None:
         """ValueError if the batcher would refuse ``seq`` (thread-safe: reads no batch state)."""
@@ -60,18 +60,54 @@ class EngineLoop:
 
     def submit(self, seq: Sequence) -> Sequence:
         self.check(seq)
-        with self._cond:
-            if self._stopping:
+        with self.loop._cond:
+            if self.loop._stopping:
                 raise RuntimeError("the engine is stopping")
             self.active += 1
-            self._inbox.append(seq)
-            self._cond.notify()
+            self.inbox.append(seq)
+            self.loop._cond.notify()
         return seq
 
     def cancel(self, seq: Sequence) -> None:
         seq.cancelled = True
+        with self.loop._cond:
+            self.loop._cond.notify()
+
+    def has_work(self) -> bool:
+        return bool(self.inbox) or self.batcher.has_work()
+
+
+class EngineLoop:
+    def __init__(self, log: Callable[[str], None] = lambda s: None, name: str = "engine"):
+        self.log = log
+        self.lanes: list[Lane] = []
+        self._cond = threading.Condition()
+        self._calls: list[tuple[Callable, cf.Future]] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def call(self, fn: Callable, *args, **kw):
+        """Run ``fn(*args, **kw)`` on the loop's thread and return its result (or raise its
+        exception) here: model loading and quantizing go through it (see the module docstring)."""
+        future: cf.Future = cf.Future()
         with self._cond:
+            if self._stopping or not self._thread.is_alive():
+                raise RuntimeError("the engine loop is not running")
+            self._calls.append((lambda: fn(*args, **kw), future))
             self._cond.notify()
+        return future.result()
+
+    def add(self, engine: Engine, slots: int, capacity: Optional[int] = None) -> Lane:
+        """A lane for ``engine``'s model (its model is put in eval mode)."""
+        engine.model.eval()
+        lane = Lane(self, engine, slots, capacity)
+        with self._cond:
+            self.lanes.append(lane)
+        return lane
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -81,38 +117,54 @@ class EngineLoop:
             self._thread.join(timeout)
 
     # -- the thread
+    def _idle(self) -> bool:
+        return not self._calls and not self._stopping and not any(lane.has_work() for lane in self.lanes)
+
     def _run(self) -> None:
-        b = self.batcher
         while True:
             with self._cond:
-                while not self._inbox and not b.has_work() and not self._stopping:
+                while self._idle():
                     self._cond.wait()
-                new, self._inbox = self._inbox, []
+                calls, self._calls = self._calls, []
                 stopping = self._stopping
-            for seq in new:
-                b.add(seq)
-            if stopping:
-                for seq in list(b.waiting) + list(b.running):
-                    seq.cancelled = True
-            try:
-                with torch.no_grad():
-                    events = b.step()
-            except Exception as e:          # noqa: BLE001 (reported to every request in the batch)
-                events = self._fail_all(f"{type(e).__name__}: {e}")
-            self._count(events)
-            if stopping and not b.has_work():
+                arrived = []
+                for lane in self.lanes:
+                    arrived.append(lane.inbox)
+                    lane.inbox = []
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:        # noqa: BLE001 (handed to the caller of call())
+                        future.set_exception(e)
+            for lane, new in zip(self.lanes, arrived):
+                for seq in new:
+                    lane.batcher.add(seq)
+                if stopping:
+                    for seq in list(lane.batcher.waiting) + list(lane.batcher.running):
+                        seq.cancelled = True
+                if lane.batcher.has_work():
+                    self._step(lane)
+            if stopping and not any(lane.has_work() for lane in self.lanes):
+                for fn, future in self._calls:
+                    future.cancel()
                 return
 
-    def _count(self, events: list[Event]) -> None:
+    def _step(self, lane: Lane) -> None:
+        try:
+            with torch.no_grad():
+                events = lane.batcher.step()
+        except Exception as e:          # noqa: BLE001 (reported to every request in the batch)
+            events = self._fail_all(lane, f"{type(e).__name__}: {e}")
         done = sum(1 for e in events if e.finish is not None)
         if done:
             with self._cond:
-                self.active -= done
+                lane.active -= done
 
-    def _fail_all(self, message: str) -> list[Event]:
-        self.log(f"engine step failed, its {len(self.batcher.running) + len(self.batcher.waiting)} "
-                 f"sequences end with an error: {message}")
-        b = self.batcher
+    def _fail_all(self, lane: Lane, message: str) -> list[Event]:
+        b = lane.batcher
+        self.log(f"engine step failed, its {len(b.running) + len(b.waiting)} sequences end with an error: "
+                 f"{message}")
         events = []
         for seq in list(b.running) + list(b.waiting):
             seq.finish, seq.error = "error", message
