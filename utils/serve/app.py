@@ -3,9 +3,9 @@ stage script runs it with uvicorn).
 
     app = create_app(models, limits, api_key=None, log=print)
 
-``models``: model id -> :class:`ServedModel` (an opened checkpoint and its running
-:class:`~utils.generation.loop.EngineLoop`). Endpoints: ``GET /`` (the chat page,
-``utils/serve/static``), ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
+``models``: model id -> :class:`ServedModel` (an opened checkpoint and its
+:class:`~utils.generation.loop.Lane` on the server's one engine thread). Endpoints: ``GET /``
+(the chat page, ``utils/serve/static``), ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (plain JSON or server-sent events). Every error is OpenAI's
 JSON shape with a 4xx/5xx status (utils/serve/protocol.py). A request's sequences (``n`` of
 them per prompt, choice i seeded ``seed + i``) join the model's running batch; a client that
@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from utils.data import sft
 from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence
-from utils.generation.loop import EngineLoop
+from utils.generation.loop import Lane
 from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, error_body, new_id, now,
                                   read_chat, read_completion)
 
@@ -44,7 +44,7 @@ class ServedModel:
     tok: object
     kind: str                       # pretrain | sft | hf
     template: Optional[dict]        # chat template (SFT), None: completions only
-    loop: EngineLoop
+    lane: Lane
     created: int
     quantize: str = "none"
     max_queue: int = 256
@@ -53,7 +53,7 @@ class ServedModel:
 
     @property
     def context(self) -> int:
-        return self.loop.capacity
+        return self.lane.capacity
 
     def completion_ids(self, text: str) -> list[int]:
         from utils.data.tok import encode_plain
@@ -96,11 +96,12 @@ class Job:
 
     The engine thread wakes the loop only when no wake-up is pending and at least
     ``m.stream_interval`` seconds passed since the last one (a finishing event always wakes
-    it), and a stream writes the chunks of one wake-up in one write. So a request's first
-    token goes out at once, and a model faster than 1 / stream_interval tokens/s sends its
-    tokens in groups (at serve.stream_interval 0.02: at most 50 writes a second per request)
-    instead of paying a thread hand-off, an event-loop pass and a socket write per token:
-    on 2 busy cores that per-token cost was 15-30% of a 2M-parameter model's CPU time."""
+    it), and a stream writes what one wake-up brought in one write, a choice's tokens in one
+    chunk (see :func:`_sse`). So a request's first token goes out at once, and a model faster
+    than 1 / stream_interval tokens/s sends its tokens in groups (at serve.stream_interval
+    0.02: at most 50 writes a second per request) instead of paying a thread hand-off, an
+    event-loop pass, a JSON chunk, a socket write and the client's parse per token: on 2 busy
+    cores that per-token cost was 15-30% of a 2M-parameter model's CPU time."""
 
     def __init__(self, m: ServedModel, s: Sampling, prompts: list[list[int]], texts: list[str],
                  chat: bool, rid: str):
@@ -152,12 +153,12 @@ class Job:
 
     def submit(self) -> None:
         for seq in self.seqs:
-            self.m.loop.submit(seq)
+            self.m.lane.submit(seq)
 
     def cancel(self) -> None:
         for seq in self.seqs:
             if not seq.done:
-                self.m.loop.cancel(seq)
+                self.m.lane.cancel(seq)
 
     def take(self, e: Event) -> None:
         i = e.seq.tag
@@ -259,8 +260,8 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     @app.get("/health")
     async def _health():
-        return {"status": "ok", "models": {k: {"active": m.loop.active, "slots": m.loop.batcher.slots,
-                                               "running": len(m.loop.batcher.running)}
+        return {"status": "ok", "models": {k: {"active": m.lane.active, "slots": m.lane.batcher.slots,
+                                               "running": len(m.lane.batcher.running)}
                                            for k, m in models.items()}}
 
     @app.get("/v1/models")
@@ -347,9 +348,9 @@ def _fit(m: ServedModel, s: Sampling, prompts: list[list[int]], chat: bool) -> l
                            f"context of {m.context} tokens: shorten the prompt or lower max_tokens.",
                            "max_tokens" if s.max_tokens is not None else ("messages" if chat else "prompt"),
                            "context_length_exceeded")
-    waiting = m.loop.active + len(prompts) * s.n
+    waiting = m.lane.active + len(prompts) * s.n
     if waiting > m.max_queue:
-        raise ApiError(429, f"the server is busy ({m.loop.active} sequences running or waiting for "
+        raise ApiError(429, f"the server is busy ({m.lane.active} sequences running or waiting for "
                        f"model '{m.id}', serve.max_queue {m.max_queue}); retry later.", None,
                        "rate_limit_exceeded", "rate_limit_error")
     return prompts
@@ -403,12 +404,15 @@ def _full_body(job: Job) -> dict:
 
 async def _sse(job: Job, log):
     """Server-sent events: the role first (chat), text deltas, each choice's finish_reason,
-    the usage chunk when asked for, then ``data: [DONE]``. One chunk per token (as OpenAI
-    sends), written together when several arrived at once (:class:`Job`); a plain text
-    delta is its choice's JSON template with the text filled in."""
+    the usage chunk when asked for, then ``data: [DONE]``. What one wake-up brought (:class:`Job`)
+    goes out in one write, a choice's new tokens in one chunk: their text joined (and their
+    logprobs, one entry per token), as OpenAI's own streams sometimes group tokens; with
+    ``serve.stream_interval`` 0 every token is its own chunk and write. A plain text delta is
+    its choice's JSON template with the text filled in."""
     s, created = job.s, now()
     kind = "chat.completion.chunk" if job.chat else "text_completion"
     templates: dict[int, tuple[str, str]] = {}
+    merge = job.m.stream_interval > 0
 
     def chunk(choices, usage=None) -> str:
         body = {"id": job.id, "object": kind, "created": created, "model": job.m.id, "choices": choices}
@@ -435,24 +439,38 @@ async def _sse(job: Job, log):
         head, tail = templates[i]
         return head + json.dumps(text, ensure_ascii=False) + tail
 
-    def chunks(e: Event) -> tuple[list[str], bool]:
-        """The chunks of one event, and whether the stream ends with them (an error)."""
-        i, seen = e.seq.tag, len(job.logprobs[e.seq.tag])
-        job.take(e)
-        if e.finish == "error":
-            err = error_body(f"generation failed: {e.seq.error}", "server_error", code="engine_error")
-            return [f"data: {json.dumps(err)}\n\n"], True
-        if e.finish == "cancelled":
-            err = error_body("the server stopped this generation (shutting down).", "server_error",
-                             code="cancelled")
-            return [f"data: {json.dumps(err)}\n\n"], True
-        out = []
-        if len(job.logprobs[i]) > seen:
-            out.append(chunk([delta(i, e.text, None, seen)]))
-        elif e.text:
-            out.append(text_chunk(i, e.text))
-        if e.finish is not None:
-            out.append(chunk([delta(i, "", job.reason(i))]))
+    def piece(i: int, since: tuple[int, int]) -> list[str]:
+        """Choice i's chunk of what arrived since ``since`` (its text length and logprob count
+        then): text and logprobs, or nothing when neither grew."""
+        text = job.text[i][since[0]:]
+        if len(job.logprobs[i]) > since[1]:
+            return [chunk([delta(i, text, None, since[1])])]
+        return [text_chunk(i, text)] if text else []
+
+    def wake_up(events: list[Event]) -> tuple[list[str], bool]:
+        """The chunks of one wake-up's events, and whether the stream ends with them (an error)."""
+        out, open_ = [], {}                       # choice -> (text length, logprobs) before its tokens
+        for e in events:
+            i = e.seq.tag
+            if e.finish in ("error", "cancelled"):
+                for j, since in open_.items():
+                    out += piece(j, since)
+                why = (error_body(f"generation failed: {e.seq.error}", "server_error", code="engine_error")
+                       if e.finish == "error" else
+                       error_body("the server stopped this generation (shutting down).", "server_error",
+                                  code="cancelled"))
+                job.take(e)
+                return out + [f"data: {json.dumps(why)}\n\n"], True
+            since = open_.pop(i, None) or (len(job.text[i]), len(job.logprobs[i]))
+            job.take(e)
+            if e.finish is None and merge:
+                open_[i] = since                  # more of choice i may follow in this wake-up
+                continue
+            out += piece(i, since)
+            if e.finish is not None:
+                out.append(chunk([delta(i, "", job.reason(i))]))
+        for i, since in open_.items():
+            out += piece(i, since)
         return out, False
 
     try:
@@ -463,12 +481,7 @@ async def _sse(job: Job, log):
             yield chunk([delta(i, job.texts[i // s.n]) for i in range(len(job.seqs))])
         broken = False
         while not job.done and not broken:
-            out = []
-            for e in await job.arrived():
-                more, broken = chunks(e)
-                out += more
-                if broken:
-                    break
+            out, broken = wake_up(await job.arrived())
             if out:
                 yield "".join(out)
         if s.include_usage and job.done:
