@@ -176,7 +176,9 @@ class Session:
         if self.quantize == "int8":
             from utils.quant import quantize_int8
             print(f"infer: {quantize_int8(o.model).line()}", file=self.err)
-        return Loaded(o.path, label or o.label, o.model, o.kind, o.template, n, o.tok, Engine(o.model))
+        engine = Engine(o.model)
+        engine.decode_pack()            # the CPU decode weights now, as part of loading, not of the first reply
+        return Loaded(o.path, label or o.label, o.model, o.kind, o.template, n, o.tok, engine)
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
         from utils.data import sft
