@@ -177,17 +177,20 @@ def _lone(m, seq_args):
     return s.tokens, s.finish
 
 
-def test_continuous_batching_rows_join_and_leave_and_equal_their_lone_runs():
+@pytest.mark.parametrize("threads", [None, 2])
+def test_continuous_batching_rows_join_and_leave_and_equal_their_lone_runs(threads):
     """10 sequences on 3 slots, added at different steps, greedy and seeded sampling with
     their own settings and lengths: each gives exactly its lone run's tokens; sequences wait
-    for a slot instead of failing; finished ones free their slot for the queue."""
+    for a slot instead of failing; finished ones free their slot for the queue. Steps of 2 or
+    more rows take the head's oneDNN copy; with 2 threads the decode weights are in panels."""
     m = build(seed=4)
     P = E.SamplingParams
     jobs = [([1, 5, 9, 11][: 1 + i % 4] + [i + 2], P(5 + (i * 3) % 11, temperature=0.0 if i % 3 == 0 else 0.9,
                                                   top_k=(0, 20)[i % 2], top_p=(1.0, 0.8)[i % 2], seed=50 + i,
                                                   stop_ids=frozenset({7})))
             for i in range(10)]
-    b = Engine(m).batcher(3, 64)
+    eng = Engine(m, threads=threads)
+    b = eng.batcher(3, 64)
     seqs, joined_late, max_running = [], 0, 0
     with torch.no_grad():
         for step in range(400):
@@ -200,6 +203,8 @@ def test_continuous_batching_rows_join_and_leave_and_equal_their_lone_runs():
             if len(seqs) == len(jobs) and not b.has_work():
                 break
     assert not b.has_work() and joined_late >= 5 and max_running == 3
+    pack = eng.decode_pack()
+    assert pack.head_rows is not None and (pack.layers[0].qkv.dim() == 3) == (threads == 2)
     for s, job in zip(seqs, jobs):
         assert (s.tokens, s.finish) == _lone(m, job)
         assert s.finish in ("stop", "length") and 7 not in s.tokens
@@ -281,3 +286,100 @@ def test_text_decoder_decodes_a_window_not_the_whole_text(samples):
         assert max(sizes) <= 12, max(sizes)
         assert "".join(pieces) + dec.finish() == dec.text()
         sizes.clear()
+
+
+# --------------------------------------------------------------------------- CPU products, threads
+def test_greedy_is_torch_argmax_ties_and_nan_included():
+    """utils/generation/cpu.py greedy (NumPy's argmax on CPU fp32) picks what torch.argmax picks:
+    the first of tied maxima, a NaN as the maximum; other dtypes go to torch."""
+    from utils.generation.cpu import greedy
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g)
+    logits[1, [10, 500, 900]] = 50.0                         # a tie: the first wins
+    logits[2, 7] = float("nan")
+    logits[3] = 0.0                                          # all equal
+    logits[4, -1] = float("inf")
+    want = logits.argmax(dim=-1).tolist()
+    assert greedy(logits) == want and want[1:5] == [10, 7, 0, 999]
+    assert greedy(logits.to(torch.bfloat16)) == logits.to(torch.bfloat16).argmax(dim=-1).tolist()
+
+
+def test_rows_product_and_panels_equal_the_plain_product():
+    from utils.generation import cpu
+    if not cpu.onednn_linear_available():
+        pytest.skip("this PyTorch build has no oneDNN linear on CPU (the engine then uses MKL's product)")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1000, 64, generator=g)                   # (out, in) as a Linear's weight
+    rows = cpu.RowsProduct(w)
+    assert rows.bytes == w.numel() * 4
+    for n in (2, 3, 8, 13):
+        x = torch.randn(n, 64, generator=g)
+        torch.testing.assert_close(rows(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    wt = w.t().contiguous()                                  # (in, out)
+    x = torch.randn(3, 64, generator=g)
+    for p in (1, 2, 4, 3):                                   # 3 does not divide 1000: the plain matrix
+        packed = cpu.panels(wt, p)
+        assert packed.dim() == (3 if p in (2, 4) else 2)
+        torch.testing.assert_close(cpu.panel_mm(x, packed), x @ wt, rtol=1e-5, atol=1e-5)
+
+
+def test_step_threads_rule():
+    """One thread for a small model's small step, all of torch's for big ones; a given count
+    always wins; the fp32 decode weights come in as many panels as a one-token step's threads."""
+    m = build(seed=1)
+    eng = Engine(m)
+    assert eng.step_threads(1, 10 ** 6) == 1 and eng.step_threads(8, 1 << 25) == 1
+    assert eng.step_threads(9, 1 << 25) is None            # > 2^28 multiply-adds
+    assert eng.step_threads(1, 1 << 26) is None            # a 64M-weight model: every step
+    assert Engine(m, threads=3).step_threads(1, 10) == 3
+    assert eng.pack_panels() == 1 and Engine(m, threads=2).pack_panels() == 2
+    assert eng.decode_pack().layers[0].qkv.dim() == 2
+    assert Engine(m, threads=2).decode_pack().layers[0].qkv.dim() == 3
+
+
+# --------------------------------------------------------------------------- the engine thread
+def test_engine_loop_runs_calls_and_every_model_on_one_thread():
+    """utils/generation/loop.py: ``call`` runs on the loop's thread and hands back results and
+    exceptions; two models' lanes are stepped by that same thread, each sequence equal to its
+    lone run; a step that fails ends its own model's sequences with an error, not the other's."""
+    import threading
+    from utils.generation.loop import EngineLoop
+    loop = EngineLoop(name="test-engine").start()
+    try:
+        assert loop.call(threading.get_ident) == loop._thread.ident != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            loop.call(lambda: 1 / 0)
+        models = [loop.call(build, seed=s) for s in (2, 3)]
+        lanes = [loop.add(Engine(m), slots=2, capacity=64) for m in models]
+        threads, done = set(), threading.Event()
+        finished, want = [], [4]
+
+        def sink(e):
+            threads.add(threading.get_ident())
+            if e.finish is not None:
+                finished.append(e.seq)
+                if len(finished) == want[0]:
+                    done.set()
+        seqs = [lane.submit(E.Sequence([1, 5, 9 + i], E.SamplingParams(12, temperature=0), sink=sink))
+                for lane in lanes for i in range(2)]
+        assert done.wait(60)
+        assert threads == {loop._thread.ident}
+        for seq, m in zip(seqs, [models[0]] * 2 + [models[1]] * 2):
+            assert seq.tokens == Engine(m).generate([seq.prompt], 12, temperature=0)[0]
+        assert [lane.active for lane in lanes] == [0, 0]
+
+        def broken():
+            raise RuntimeError("out of memory (simulated)")
+        lanes[0].batcher.step = broken
+        finished.clear()
+        done.clear()
+        want[0] = 2
+        bad = lanes[0].submit(E.Sequence([1, 2], E.SamplingParams(5, temperature=0), sink=sink))
+        good = lanes[1].submit(E.Sequence([1, 2], E.SamplingParams(5, temperature=0), sink=sink))
+        assert done.wait(60)
+        assert (bad.finish, good.finish) == ("error", "length") and "simulated" in bad.error
+    finally:
+        loop.stop()
+    assert not loop._thread.is_alive()
+    with pytest.raises(RuntimeError, match="not running"):
+        loop.call(int)

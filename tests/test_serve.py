@@ -435,6 +435,63 @@ def test_a_stream_sends_its_first_token_at_once_and_groups_the_next_within_its_i
     assert got == [events[:1], events[1:]]
 
 
+@pytest.mark.parametrize("interval", [30.0, 0.0])
+def test_a_wake_up_s_tokens_go_out_as_one_chunk_per_choice(interval):
+    """utils/serve/app.py _sse: the events one wake-up brings leave in one write, each choice's
+    tokens in one chunk (text joined, one logprobs entry per token), the last write with the
+    usage chunk and [DONE]; serve.stream_interval 0: a chunk per token. The first token always
+    goes out alone, at once."""
+    import asyncio
+    from types import SimpleNamespace
+    from utils.generation.engine import Event
+    from utils.serve.app import Job, ServedModel, _sse
+    from utils.serve.protocol import Sampling
+    m = ServedModel("m", None, tokenizer(), "pretrain", None, SimpleNamespace(capacity=64), 0,
+                    stream_interval=interval)
+    s = Sampling(None, 8, 0.0, 1.0, 0, 2, None, (), True, True, logprobs=1)
+
+    async def drive():
+        job = Job(m, s, [[1, 5]], ["x"], False, "cmpl-1")
+        a, b = job.seqs
+        writes = []
+
+        async def consume():
+            async for w in _sse(job, lambda line: None):
+                writes.append(w)
+        task = asyncio.create_task(consume())
+        from_engine = lambda *es: asyncio.to_thread(lambda: [e.seq.sink(e) for e in es])  # noqa: E731
+        await from_engine(Event(a, 5, "The", -0.5, [(5, -0.5)]))
+        for _ in range(400):
+            if writes:
+                break
+            await asyncio.sleep(0.01)
+        for seq in (a, b):                                   # as the batcher leaves them
+            seq.tokens, seq.finish = [5, 6, 7], "length"
+        await from_engine(Event(a, 6, " cat", -0.25, [(6, -0.25)]), Event(b, 8, "A", -1.0, [(8, -1.0)]),
+                          Event(a, 7, " sat", -0.125, [(7, -0.125)]), Event(b, 9, " dog", -2.0, [(9, -2.0)]),
+                          Event(b, None, finish="length"), Event(a, None, finish="length"))
+        await asyncio.wait_for(task, 5)
+        return writes
+    writes = asyncio.run(drive())
+    chunks = [[json.loads(line[6:]) for line in w.split("\n\n") if line.startswith("data: {")] for w in writes]
+    texts = [[(c["choices"][0]["index"], c["choices"][0]["text"]) for c in w
+              if c["choices"] and c["choices"][0]["text"]] for w in chunks]
+    lps = [c["choices"][0]["logprobs"]["token_logprobs"] for w in chunks for c in w
+           if c["choices"] and c["choices"][0]["logprobs"]]
+    assert texts[0] == [(0, "The")]                          # the first token at once, alone
+    if interval:
+        assert len(writes) == 2 and texts[1] == [(1, "A dog"), (0, " cat sat")]
+        assert lps == [[-0.5], [-1.0, -2.0], [-0.25, -0.125]]
+    else:
+        assert [t for w in texts[1:] for t in w] == [(0, " cat"), (1, "A"), (0, " sat"), (1, " dog")]
+        assert lps == [[-0.5], [-0.25], [-1.0], [-0.125], [-2.0]]
+    reasons = [c["choices"][0]["finish_reason"] for w in chunks for c in w if c["choices"]]
+    usage = [c["usage"] for w in chunks for c in w if not c["choices"]]
+    assert reasons.count("length") == 2 and usage == [{"prompt_tokens": 2, "completion_tokens": 6,
+                                                       "total_tokens": 8}]
+    assert writes[-1].endswith('"total_tokens": 8}}\n\ndata: [DONE]\n\n')        # the end with the last tokens
+
+
 def server_pid(server) -> int:
     from tests.conftest import stage_pid
     return stage_pid(server.proc.pid)

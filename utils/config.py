@@ -354,7 +354,7 @@ class ServeConfig:
                                "before they are cut", min=0)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
     stream_interval: float = _f(0.02, "least seconds between two writes of a stream: faster tokens go "
-                                "out together (0: one write per token)", min=0)
+                                "out together, one chunk per choice (0: a chunk per token)", min=0)
 
 
 @dataclass

@@ -405,10 +405,10 @@ def _full_body(job: Job) -> dict:
 async def _sse(job: Job, log):
     """Server-sent events: the role first (chat), text deltas, each choice's finish_reason,
     the usage chunk when asked for, then ``data: [DONE]``. What one wake-up brought (:class:`Job`)
-    goes out in one write, a choice's new tokens in one chunk: their text joined (and their
-    logprobs, one entry per token), as OpenAI's own streams sometimes group tokens; with
-    ``serve.stream_interval`` 0 every token is its own chunk and write. A plain text delta is
-    its choice's JSON template with the text filled in."""
+    goes out in one write (the last one with the usage chunk and ``[DONE]``), a choice's new
+    tokens in one chunk: their text joined (and their logprobs, one entry per token); with
+    ``serve.stream_interval`` 0 every token is a chunk of its own, sent as soon as the event
+    loop takes it. A plain text delta is its choice's JSON template with the text filled in."""
     s, created = job.s, now()
     kind = "chat.completion.chunk" if job.chat else "text_completion"
     templates: dict[int, tuple[str, str]] = {}
@@ -479,14 +479,16 @@ async def _sse(job: Job, log):
                           "finish_reason": None} for i in range(len(job.seqs))])
         elif s.echo:
             yield chunk([delta(i, job.texts[i // s.n]) for i in range(len(job.seqs))])
-        broken = False
-        while not job.done and not broken:
+        ended = False
+        while not ended:
             out, broken = wake_up(await job.arrived())
+            ended = broken or job.done
+            if ended:                                     # the end goes out with the last tokens
+                if s.include_usage and job.done:
+                    out.append(chunk([], job.usage()))
+                out.append("data: [DONE]\n\n")
             if out:
                 yield "".join(out)
-        if s.include_usage and job.done:
-            yield chunk([], job.usage())
-        yield "data: [DONE]\n\n"
     finally:
         job.cancel()
         log(job.log_line())
