@@ -49,8 +49,8 @@ def build_parser() -> StageParser:
                   help="weights of the served models")
     p.config_flag("--device", key="serve.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="intra-op threads of each engine step (default: the engine's rule, 1 for "
-                        "small steps; on an idle machine 2+ can pay for big models)")
+                   help="intra-op threads of each engine step (default: the engine's rule, 1 for a "
+                        "small model's small steps, all cores for models of 64M+ weights; 1 on a busy machine)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
     return p

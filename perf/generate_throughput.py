@@ -13,9 +13,10 @@ The outputs are compared too: greedy decoding of the same weights must give the 
 (a mismatch is printed, since a fast wrong answer is worth nothing).
 
 ``--threads N`` sets the process's intra-op threads for both contenders (default: torch's
-own, one per core). Our generation additionally runs each small step (at most 2^28
-multiply-adds: every 7m step here but the batch-8 prefill) on one thread, see ``Engine.step_threads``;
-``--threads 1`` therefore compares the code alone, both sides on one thread.
+own, one per core). Our generation additionally runs a small model's small steps (fewer
+than 2^26 weights, at most 2^28 multiply-adds: every 7m step here but the batch-8 prefill) on
+one thread, see ``Engine.step_threads``; ``--threads 1`` therefore compares the code alone,
+both sides on one thread.
 
 Batch 1 also times the interactive path: inference.py's ``Session.generate`` (what ``main.py
 infer`` runs per prompt: ``Engine.stream`` plus incremental detokenization and a text

