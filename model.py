@@ -201,6 +201,14 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin_signed) rows of a decode step's rows at positions ``pos`` (B,) from the
+    tables ``cos``/``sin`` (n_positions, hd), each (B, 1, hd) in ``dtype`` (:meth:`Block.decode`,
+    :func:`apply_rope_rolled`)."""
+    return cos[pos][:, None].to(dtype), signed_sin(sin[pos][:, None]).to(dtype)
+
+
 def apply_rope_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """:func:`apply_rope` bit for bit, in fewer operations (generation's decode steps): x (B,
     heads, hd), ``cos`` and ``sin_signed`` (:func:`signed_sin`) (B, 1, hd) in x's dtype.
@@ -478,12 +486,10 @@ class Transformer(nn.Module):
             self._rope[key] = tab
         return tab
 
-    def decode_rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin_signed) of a decode step's rows at positions ``pos`` (B,), each (B, 1, hd)
-        in the weights' dtype (:meth:`Block.decode`, :func:`apply_rope_rolled`)."""
-        cos, sin = self.rope(int(pos.max()) + 1, pos.device)
-        dtype = self.tok_embeddings.weight.dtype
-        return cos[pos][:, None].to(dtype), signed_sin(sin[pos][:, None]).to(dtype)
+    def decode_rope(self, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`rope_rows` of the tables :meth:`rope` gave (called outside inference mode, so
+        they stay usable for training) in the weights' dtype: a decode step's RoPE rows."""
+        return rope_rows(cos, sin, pos, self.tok_embeddings.weight.dtype)
 
     def trunk(self, idx, positions, spec: AttnSpec, caches=None) -> torch.Tensor:
         """Embeddings -> blocks -> final norm: (B, T) -> (B, T, d_model)."""

@@ -408,13 +408,13 @@ class Batcher:
         n, device = len(run), model.device
         at = [s.pos % self.segment if self.segment else s.pos for s in run]   # infini: within the segment
         length = max(at) + 1
-        model.rope(length, device)                                          # tables grown outside inference mode
+        cos_all, sin_all = model.rope(length, device)                       # outside inference mode: kept
         pack, head, n_weights = self.weights()
         packs = pack.layers if pack is not None else [None] * len(model.layers)
         Hkv = model.args.n_kv_heads
         with step_mode(self.engine.step_threads(n, n_weights)):
             pos = torch.tensor(at, device=device)                           # (n,) the new tokens' positions
-            cos, sin = model.decode_rope(pos)                               # (n, 1, hd)
+            cos, sin = model.decode_rope(cos_all, sin_all, pos)            # (n, 1, hd)
             key_bias = None                                                 # rows at one position see all keys
             if min(at) != length - 1:
                 key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
