@@ -10,7 +10,7 @@ the engine's decode steps make one product per fused matrix (``int8_decode_weigh
 without a second copy. The embedding table stays in its dtype (a lookup reads one row per
 token).
 
-The product, :func:`int8_matmul`: on CPU ``torch._weight_int8pack_mm`` (PyTorch's int8
+The product, :func:`int8_mm`: on CPU ``torch._weight_int8pack_mm`` (PyTorch's int8
 weight-only kernel, the one torchao's int8 weight-only config also uses on CPU) with the
 activations rounded to bf16 and the result cast back: its fp32 variant is a scalar loop,
 10-20x slower than the bf16 one here (AVX-512 Zen 4: 1.9 ms against 0.11 ms for a 576 x 1536
@@ -35,8 +35,8 @@ from torch import nn
 
 
 class Int8Weight(NamedTuple):
-    """int8 rows (out, in) with per-row scales; the right operand of ``x @ w``, which is
-    ``x @ (qweight * scales)^T`` (the engine's decode steps write it so for fp32 tensors too)."""
+    """int8 rows (out, in) with per-row scales: the product by ``x`` is
+    ``x @ (qweight * scales)^T`` (:func:`int8_mm`)."""
     qweight: torch.Tensor       # (out, in) int8
     scales: torch.Tensor        # (out,) fp32
     scales_bf16: torch.Tensor   # (out,) the CPU kernel's copy
@@ -52,27 +52,19 @@ class Int8Weight(NamedTuple):
         """Rows start..stop-1 as views (no copy)."""
         return Int8Weight(*(t[start:stop] for t in self))
 
-    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_matmul(x, self)
+
+def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """``x @ (w.qweight * w.scales)^T`` in ``x``'s dtype for x (B, in) -> (B, out), in as few
+    operations as it takes (also the product of generation's decode steps, ``PackedLayer.mm``:
+    four of them per block per token)."""
+    if x.device.type == "cpu":
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.qweight, w.scales_bf16).to(x.dtype)
+    return F.linear(x, w.qweight.to(x.dtype)) * w.scales.to(x.dtype)
 
 
 def int8_matmul(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    """``x @ (w.qweight * w.scales)^T`` in ``x``'s dtype, x (..., in) -> (..., out)."""
-    shape, n_in = x.shape[:-1], w.qweight.shape[1]
-    x2 = x.reshape(-1, n_in)
-    if x.device.type == "cpu":
-        y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), w.qweight, w.scales_bf16)
-    else:
-        y = F.linear(x2, w.qweight.to(x.dtype)) * w.scales.to(x.dtype)
-    return y.to(x.dtype).view(*shape, w.qweight.shape[0])
-
-
-def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    """:func:`int8_matmul` for x (B, in) on CPU, in as few operations as it takes (the product
-    of generation's decode steps, ``PackedLayer.mm``: four of them per block per token)."""
-    if x.device.type != "cpu":
-        return int8_matmul(x, w)
-    return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.qweight, w.scales_bf16).to(x.dtype)
+    """:func:`int8_mm` for x (..., in) -> (..., out)."""
+    return int8_mm(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.qweight.shape[0])
 
 
 class Int8Linear(nn.Module):
