@@ -559,6 +559,10 @@ def test_int8_weights_stay_close_to_fp32():
         report = quantize_int8(m)
         got = m(x)[0]
     assert isinstance(m.lm_head, Int8Linear) and report.bytes_after < report.bytes_before / 3
+    assert report.head_copy == 97 * 32 + 97 * 6 and "less for those layers); plus a" in report.line()
+    untied = quantize_int8(build(seed=3, tie_embeddings=False))              # the head among the layers
+    assert untied.head_copy == 0 and untied.line().endswith("less for those layers)")
+    assert untied.bytes_before - report.bytes_before == 97 * 32 * 4
     rel = (got - ref).norm() / ref.norm()
     assert 0 < rel < 0.02, rel
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9

@@ -92,12 +92,15 @@ class QuantReport:
     layers: int
     bytes_before: int
     bytes_after: int
+    head_copy: int = 0      # an output head tied to the embedding: its int8 copy (new memory)
 
     def line(self) -> str:
         mb = lambda b: f"{b / 2 ** 20:.1f} MiB"  # noqa: E731
+        head = (f"; plus a {mb(self.head_copy)} int8 copy of the output head, tied to the embedding "
+                "table, which stays as it is" if self.head_copy else "")
         return (f"int8 weights ({self.how}): {self.layers} linear layers, {mb(self.bytes_before)} -> "
                 f"{mb(self.bytes_after)} ({1 - self.bytes_after / max(self.bytes_before, 1):.0%} "
-                "less for those layers)")
+                f"less for those layers){head}")
 
 
 def _linears(model: nn.Module):
@@ -125,8 +128,9 @@ def quantize_int8(model: nn.Module) -> QuantReport:
     the module docstring)."""
     targets = list(_linears(model))
     before = sum(m.weight.numel() * m.weight.element_size() for _, m in targets)
-    if model.lm_head.weight is model.tok_embeddings.weight:
-        before -= model.lm_head.weight.numel() * model.lm_head.weight.element_size()  # shared
+    tied = model.lm_head.weight is model.tok_embeddings.weight
+    if tied:                             # the embedding keeps the shared weights: not saved
+        before -= model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     device = next(model.parameters()).device
     how = "per-channel, torch._weight_int8pack_mm with bf16 activations on CPU"
     if device.type == "cuda":
@@ -148,10 +152,11 @@ def quantize_int8(model: nn.Module) -> QuantReport:
         owner, attr = (model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) \
             if "." in name else (model, name)
         _quantize_together([(owner, attr)])
-    after = sum(b.numel() * b.element_size() for _, mod in model.named_modules()
-                if isinstance(mod, Int8Linear) for b in (mod.qweight, mod.scales, mod.scales_bf16))
+    size = lambda mod: sum(b.numel() * b.element_size() for b in (mod.qweight, mod.scales, mod.scales_bf16))  # noqa: E731
+    after = sum(size(mod) for mod in model.modules() if isinstance(mod, Int8Linear))
+    head = size(model.lm_head) if tied else 0
     model.quantized = "int8"
-    return QuantReport(how, len(targets), before, after)
+    return QuantReport(how, len(targets), before, after - head, head)
 
 
 def int8_decode_weights(model: nn.Module) -> Optional[tuple[list[tuple], Int8Weight]]:
