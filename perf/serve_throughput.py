@@ -155,8 +155,11 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 class Servers:
-    """The server processes of one run (stopped with SIGINT on exit), each as name -> (base
-    URL, model id)."""
+    """The server processes of one run, each as name -> (base URL, model id). Each starts in a
+    session of its own and is stopped on exit with SIGTERM (SIGINT would do in a terminal, but
+    a script started in the background inherits SIGINT ignored, and the stages keep an ignored
+    SIGINT ignored: servers outlived such runs); one that does not stop in 30 s is killed with
+    its whole group (main.py and its stage)."""
 
     def __init__(self, work: Path):
         self.work, self.procs, self.urls = work, [], {}
@@ -166,16 +169,18 @@ class Servers:
 
     def __exit__(self, *exc):
         for p in self.procs:
-            p.send_signal(signal.SIGINT)
+            p.send_signal(signal.SIGTERM)
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
 
     def _start(self, name: str, cmd: list[str], health: str, model: str) -> None:
         port = free_port()
         log = (self.work / f"{name.replace(' ', '_')}.log").open("w")
-        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         self.procs.append(proc)
         wait_http(f"http://127.0.0.1:{port}{health}", proc)
         self.urls[name] = (f"http://127.0.0.1:{port}/v1", model)
