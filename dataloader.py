@@ -636,16 +636,16 @@ def iter_local_texts(files: Sequence[Path], text_column: str = "text") -> Iterat
                     if t:
                         yield t
         elif f.suffix == ".jsonl":
-            with open(f, encoding="utf-8") as fh:
+            with open(f, "rb") as fh:
                 for line in fh:
                     line = line.strip()
                     if not line:
                         continue
-                    try:
+                    try:       # bytes: invalid UTF-8 is a ValueError too
                         t = json.loads(line).get(text_column)
-                    except (json.JSONDecodeError, AttributeError):
-                        continue  # malformed line: skipped
-                    if t:
+                    except (ValueError, RecursionError, AttributeError):
+                        continue  # malformed line (not UTF-8 / JSON, too deep, not an object): skipped
+                    if t and isinstance(t, str):
                         yield t
         else:
             with open(f, encoding="utf-8") as fh:

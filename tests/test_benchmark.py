@@ -396,12 +396,13 @@ def test_bad_hellaswag_rows_are_skipped_and_counted(tmp_path):
             _hs(endings=["a", "", "c", "d"]), _hs(ctx_a="", ctx_b=""), _hs(label=True), _hs(label=2.0)]
     del rows[-1]["ctx_b"]
     f = tmp_path / "hs.jsonl"
-    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n\n")
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n\n" + "[" * 100_000 + "\n"
+                 + '{"label": 1' + "0" * 5000 + "}\n")        # too deep; a 5,001-digit integer
     d = D.load_task("hellaswag", str(f), SAMPLES, ROOT)
-    assert len(d.items) == 1 and d.rows == 10
+    assert len(d.items) == 1 and d.rows == 12
     assert d.skipped == Counter({"wrong_number_of_endings": 1, "label_out_of_range": 1,
                                  "label_not_a_number": 2, "missing_label": 1, "empty_ending": 1,
-                                 "empty_ctx": 1, "missing_ctx_b": 1, "invalid_json": 1})
+                                 "empty_ctx": 1, "missing_ctx_b": 1, "invalid_json": 3})
 
 
 @pytest.mark.parametrize("gz", [False, True], ids=["jsonl", "jsonl.gz"])

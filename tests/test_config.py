@@ -187,6 +187,13 @@ def test_invalid_json_names_file_line_and_column(tmp_path):
     assert "Invalid control character (write a tab" in text and " at at " not in text
 
 
+def test_json_too_deep_or_with_a_huge_number_is_a_config_error(tmp_path):
+    deep = _write(tmp_path / "deep.json", '{"training": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert f"{deep}: invalid JSON: nested too deeply" in _problems(deep)
+    huge = _write(tmp_path / "huge.json", '{"training": {"epochs": 1' + "0" * 5000 + "}}")
+    assert f"{huge}: invalid JSON: a number too long to read" in _problems(huge)
+
+
 def test_not_utf8_is_a_config_error_naming_file_and_line(tmp_path):
     bad = _write(tmp_path / "latin1.json", '{\n  "training": {"run_name": "café"}\n}'.encode("latin-1"))
     assert f"{bad}, line 2: not UTF-8 text (byte 0xe9" in _problems(bad)

@@ -405,8 +405,10 @@ def text_sources(tmp_path, news_docs):
     import pyarrow.parquet as pq
     docs = news_docs[:120]
     jsonl = tmp_path / "news.jsonl"
-    jsonl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs))
-                     + "not json\n", encoding="utf-8")
+    bad = [b"not json", b'{"text": "caf\xe9"}', b"[" * 100_000, b'{"text": 1' + b"0" * 5000 + b"}",
+           b'{"text": 5}', b'["a list"]']            # not JSON / UTF-8, too deep, a 5,001-digit integer
+    jsonl.write_bytes("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs)).encode()
+                      + b"\n".join(bad) + b"\n")
     txt = tmp_path / "cleaned_news.txt"
     txt.write_text("".join(t + "\n" for t in docs), encoding="utf-8")
     pqf = tmp_path / "pq" / "part-0.parquet"

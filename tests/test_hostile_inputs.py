@@ -75,6 +75,7 @@ def hostile_jsonl(path: Path) -> list[str]:
         b'{"name": "Bad \xff bytes", "sections": []}'.decode("latin-1"),         # 9: not UTF-8
         json.dumps(article("Gamma\u0007Control")),                               # 10: repaired
         json.dumps(article("Delta")),
+        '{"name": "Huge", "sections": [], "id": 1' + "0" * 5000 + "}",           # 12: 5,001 digits
     ]
     path.write_bytes("\n".join(lines).encode("utf-8").replace("\u00ff".encode(), b"\xff") + b"\n")
     return ["Alpha", "Surrogate", "Beta", "GammaControl", "Delta"]
@@ -99,12 +100,13 @@ def test_clean_bad_records_cost_only_themselves(tmp_config, tmp_path, workers):
 
     summary = json.loads((out / "cleaning_summary.json").read_text())
     f = summary["files"][0]
-    assert f["read"] == 11 and f["kept"] == 5 and f["skipped"] == {"malformed": 6}
+    assert f["read"] == 12 and f["kept"] == 5 and f["skipped"] == {"malformed": 7}
     assert f["malformed"]["missing required key 'name'"] == 1
     assert f["malformed"]["missing required key 'sections'"] == 1
-    assert sum(f["malformed"].values()) == 6
+    assert sum(f["malformed"].values()) == 7
     assert set(f["repaired"]) == {"lone surrogate replaced", "control characters removed"} or \
         sum(f["repaired"].values()) == 2, f["repaired"]
+    assert f["malformed"]["invalid JSON"] == 4, f["malformed"]     # lines 3, 7, 8 and 12
     for loc in ("dump.jsonl:3", "dump.jsonl:5", "dump.jsonl:6"):
         assert loc in p.stdout
     assert "dump.jsonl:5: missing required key 'name'" in p.stdout

@@ -173,3 +173,16 @@ def test_offline_config_selects_the_offline_sft_samples(tmp_path):
     _ok(run_main("sft", "prepare", "--config", tmp_path / "offline.json", "--test"))
     meta = json.loads((tmp_path / "data" / "post-training" / "metadata.json").read_text())
     assert meta["source"]["kind"] == "qa_substitute", meta["source"]
+
+
+@pytest.mark.parametrize("damage", ["[1, 2]", "[" * 100_000, '{"fingerprint": 1' + "0" * 5000 + "}", "\xff"])
+def test_a_damaged_tokenizer_copy_is_written_again(tmp_path, damage):
+    """<run>/tokenizer/'s info file as a JSON list, nested too deeply, with a 5,001-digit
+    number or not UTF-8: the next save writes the copy again instead of failing."""
+    from utils.data.tok import INFO_FILE, fingerprint, load_tokenizer_from
+    from utils.run import save_run_tokenizer
+    tok = load_tokenizer_from(str(SPM_MODEL))
+    target = save_run_tokenizer(tmp_path, tok, str(SPM_MODEL))
+    (target / INFO_FILE).write_bytes(damage.encode("latin-1"))
+    assert save_run_tokenizer(tmp_path, tok, str(SPM_MODEL)) == target
+    assert json.loads((target / INFO_FILE).read_text())["fingerprint"] == fingerprint(tok)

@@ -306,6 +306,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"model": "sft_chat", "messages": [{"role": "user", "content": "\\udc00 x"}]}', 400, "messages[0].content"),
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
     ("/v1/completions", b'{"model": "base", "prompt": "\xff\xfe"}', 400, None),
+    ("/v1/completions", b'{"model": "base", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),
     ("/v1/completions", json.dumps({"model": "base", "prompt": "x" * 1_200_000}), 413, None),
     ("/v1/completions", json.dumps({"model": "base", "prompt": "x", "n": 1.5}), 400, "n"),
     ("/v1/completions", json.dumps({"model": "base", "prompt": "x", "seed": "1"}), 400, "seed"),

@@ -225,6 +225,8 @@ def test_malformed_records_skipped_with_file_line_and_reason(tmp_path):
         json.dumps({"conversations": ["q", "x" * 5000]}).encode(),                          # 12 too long
         json.dumps(["q", "a"]).encode(),                                                    # 13 not object
         json.dumps({"text": "q"}).encode(),                                                 # 14 no key
+        b'{"conversations": ["q", "a"], "n": 1' + b"0" * 5000 + b"}",                       # 15 huge int
+        b'{"conversations": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",                     # 16 too deep
     ]
     p = tmp_path / "mixed.jsonl"
     p.write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n")
@@ -233,13 +235,14 @@ def test_malformed_records_skipped_with_file_line_and_reason(tmp_path):
     assert [r["conversations"] for r in recs] == [["q1", "a1"], ["hq", "ha"], ["q3", "a3"]]
     assert skips.counts == {"odd_turn_count": 1, "empty_turn": 2, "conversations_not_a_list": 1,
                             "turn_not_a_string": 1, "sharegpt_turns_ambiguous": 1,
-                            "invalid_json": 1, "invalid_utf8": 1, "turn_too_long": 1,
+                            "invalid_json": 3, "invalid_utf8": 1, "turn_too_long": 1,
                             "not_an_object": 1, "no_conversations_key": 1}
     where = "\n".join(skips.where)
     for line, reason in [(2, "odd_turn_count"), (3, "empty_turn"), (4, "empty_turn"),
                          (5, "conversations_not_a_list"), (6, "turn_not_a_string"),
                          (8, "sharegpt_turns_ambiguous"), (9, "invalid_json"),
-                         (10, "invalid_utf8"), (12, "turn_too_long")]:
+                         (10, "invalid_utf8"), (12, "turn_too_long"), (15, "invalid_json"),
+                         (16, "invalid_json")]:
         assert f"mixed.jsonl:{line}: {reason}" in where
     assert skips.notes == {"utf8_bom_removed": 1, "sharegpt_dict_turns_to_strings": 1,
                            "crlf_line_ends": 1}

@@ -612,10 +612,19 @@ def parse_json(text: str) -> Any:
     return decoder.decode(text)
 
 
-def json_error_text(e: json.JSONDecodeError) -> str:
-    """json's message without its dangling " at" ("Invalid control character at")."""
-    msg = e.msg
-    return msg[:-3] if msg.endswith(" at") else msg
+def json_error_text(e: Exception) -> str:
+    """Why ``json.loads`` refused a text, for any of the ways it can: a syntax error (json's
+    message without its dangling " at"), nesting deeper than the parser's recursion limit
+    (RecursionError), an integer of more than 4,300 digits or bytes that are not UTF-8 (plain
+    ValueErrors)."""
+    if isinstance(e, json.JSONDecodeError):
+        return e.msg[:-3] if e.msg.endswith(" at") else e.msg
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+    text = str(e).split(";")[0]               # "Exceeds the limit (4300 digits) ...: value has N digits"
+    return f"a number too long to read ({text})" if "digits" in text else text
 
 
 def _syntax_hint(text: str, e: json.JSONDecodeError) -> str:
@@ -663,8 +672,8 @@ def read_json_file(path: Path) -> Any:
     except json.JSONDecodeError as e:
         raise ConfigError([f"{path}, line {e.lineno} column {e.colno}: invalid JSON: "
                            f"{json_error_text(e)}{_syntax_hint(text, e)}"], str(path))
-    except RecursionError:
-        raise ConfigError([f"{path}: invalid JSON: nested too deeply"], str(path))
+    except (ValueError, RecursionError) as e:           # too deep, or an integer of 4,300+ digits
+        raise ConfigError([f"{path}: invalid JSON: {json_error_text(e)}"], str(path))
 
 
 def base_config_file() -> Optional[Path]:

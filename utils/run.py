@@ -366,10 +366,11 @@ def save_run_tokenizer(run_dir: Path, tok, name: str) -> Path:
     fp = fingerprint(tok)
     if info.is_file():
         try:
-            if json.loads(info.read_text(encoding="utf-8")).get("fingerprint") == fp:
-                return target
-        except ValueError:
-            pass                  # a damaged copy: written again below
+            held = json.loads(info.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            held = None           # a damaged copy: written again below
+        if isinstance(held, dict) and held.get("fingerprint") == fp:
+            return target
     save_tokenizer(tok, target, name, {"kind": "the run's tokenizer"})
     return target
 

@@ -104,9 +104,11 @@ def iter_jsonl(path: Path, skipped: Counter) -> Iterator[Any]:
                 if not line.strip():
                     continue
                 try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
+                    row = json.loads(line)
+                except (ValueError, RecursionError):    # syntax, too deep, a 4,300+ digit integer
                     skipped["invalid_json"] += 1
+                    continue
+                yield row
     except (EOFError, OSError, zlib.error, UnicodeDecodeError) as e:
         raise _damaged(path, e) from e
 
@@ -127,7 +129,7 @@ def read_rows(source: str, split: str, skipped: Counter) -> Iterator[Any]:
         elif name.endswith(".json"):
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except (ValueError, RecursionError) as e:   # not UTF-8 / JSON, too deep, huge integer
                 raise _damaged(path, e) from e
             rows = data.get("data", data.get("rows")) if isinstance(data, dict) else data
             if not isinstance(rows, list):

@@ -137,8 +137,8 @@ def parse_json_record(raw: bytes) -> dict:
         raise BadRecord(f"invalid JSON: {json_error_text(e)} at character {e.pos + 1}") from None
     except UnicodeDecodeError:
         raise BadRecord("not valid UTF-8") from None
-    except RecursionError:
-        raise BadRecord("JSON nested too deeply to parse") from None
+    except (ValueError, RecursionError) as e:           # too deep, an integer of 4,300+ digits
+        raise BadRecord(f"invalid JSON: {json_error_text(e)}") from None
     if not isinstance(article, dict):
         raise BadRecord(f"expected a JSON object, got {type(article).__name__}")
     for key, kind in REQUIRED_KEYS.items():

@@ -262,7 +262,7 @@ def _read_json(path: Path) -> Optional[dict]:
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         return data
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else type(e).__name__
         raise PipelineError(
             f"{path} cannot be read ({why}); nothing in {path.parent} was changed. Restore the file "

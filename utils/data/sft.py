@@ -50,6 +50,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from utils.cli import PipelineError
+from utils.config import json_error_text
 from utils.data.tok import encode_plain  # the one plain-text encoder (also used as sft.encode_plain)
 
 FORMAT_NAME = "sft-examples"
@@ -306,7 +307,7 @@ def read_jsonl_records(path: Path, max_turn_chars: int, skips: Skips) -> list[di
     if stripped.startswith(b"["):
         try:
             arr = json.loads(stripped.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (ValueError, RecursionError):       # not UTF-8 / JSON: read as JSON Lines below
             arr = None
         if isinstance(arr, list):
             skips.note("json_array_read_as_records")
@@ -332,8 +333,8 @@ def read_jsonl_records(path: Path, max_turn_chars: int, skips: Skips) -> list[di
             continue
         try:
             obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            skips.skip("invalid_json", loc, e.msg)
+        except (ValueError, RecursionError) as e:   # syntax, too deep, an integer of 4,300+ digits
+            skips.skip("invalid_json", loc, json_error_text(e))
             continue
         rec = normalize_record(obj, loc, skips, max_turn_chars)
         if rec is not None:

@@ -191,7 +191,7 @@ def _read_info(d: Path) -> Optional[dict]:
         info = json.loads(info_file.read_text(encoding="utf-8"))
         if not isinstance(info, dict):
             raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise PipelineError(f"cannot read {info_file} ({type(e).__name__}: {e}); re-save the "
                             "tokenizer with `python main.py tokenize` (add the --config you "
                             "use).") from e

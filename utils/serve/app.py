@@ -28,6 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from utils.config import json_error_text
 from utils.data import sft
 from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence
 from utils.generation.loop import Lane
@@ -320,10 +321,11 @@ async def _json(request: Request, limits: Limits):
             raise too_big
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON ({e}).", None, "invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply.", None, "invalid_json") from None
+    except (ValueError, RecursionError) as e:     # not UTF-8, too deep, an integer of 4,300+ digits
+        raise ApiError(400, f"the request body is not valid JSON: {json_error_text(e)}.", None,
+                       "invalid_json") from None
 
 
 def _model(models: dict, name: Optional[str]) -> ServedModel:
