@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import struct
 from pathlib import Path
 
 import llama_cpp  # a test requirement (requirements-test.txt): missing is a failure, not a skip
@@ -802,8 +803,12 @@ DAMAGED = {   # name: (damage, words the message must hold besides the file's pa
     "nan_weight": (_damage_weights(lambda sd: sd["model.norm.weight"].fill_(float("nan"))),
                    ["non-finite", "norm.weight"]),
     "weights_garbage": (lambda d: (d / "model.safetensors").write_bytes(b"\0" * 100), ["model.safetensors"]),
+    "config_huge_int": (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "hidden_size": "HUGE"}).replace('"HUGE"', "1" + "0" * 5000)),
+        ["config.json", "digits"]),
     "gguf_truncated": (None, [".gguf"]),
     "gguf_empty": (None, [".gguf", "empty"]),
+    "gguf_counts_past_the_end": (None, [".gguf", "truncated or damaged"]),   # header says 2^60 tensors
 }
 
 
@@ -821,7 +826,9 @@ def test_import_names_what_is_damaged(work, foreign, tmp_path, case):
         target = tmp_path / "m.gguf"
         ours, _ = load_model(work["bpe_ck"])
         write_gguf(target, ours, work["bpe"], dtype="f32")
-        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2] if "trunc" in case else b"")
+        raw = target.read_bytes()
+        target.write_bytes(raw[: len(raw) // 2] if "trunc" in case else b"" if "empty" in case else
+                           raw[:8] + struct.pack("<QQ", 1 << 60, 1 << 60) + raw[24:4000])
     else:
         target = tmp_path / "m"
         shutil.copytree(foreign, target)

@@ -139,15 +139,19 @@ def load_hf_llama(path) -> Imported:
 
 
 def _read(load, what: str):
-    """``load()``, its failures on damaged input (not JSON, wrong types, truncated, missing)
-    as one PipelineError naming ``what``."""
+    """``load()``, its failures on damaged input (not JSON, wrong types, truncated, missing;
+    a binary header whose counts or lengths point past the end of the file: struct.error,
+    IndexError, OverflowError, EOFError; nesting too deep) as one PipelineError naming ``what``."""
+    import struct
     from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
     try:
         return load()
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError,
-            StrictDataclassError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError, StrictDataclassError,
+            struct.error, IndexError, OverflowError, EOFError, RecursionError) as e:
         text = " ".join(str(e).split())[:400]
+        if isinstance(e, (struct.error, IndexError, OverflowError, EOFError)):
+            raise PipelineError(f"cannot read {what}: truncated or damaged ({text}).") from None
         raise PipelineError(f"cannot read {what}: {type(e).__name__}: {text}") from None
 
 
