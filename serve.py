@@ -60,6 +60,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(argv)
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads {args.threads}: give 1 or more (or leave it out for the engine's rule).")
+    if cfg.serve.context == 1:
+        raise UsageError("serve.context (--context) 1: a request needs at least 2 positions (its prompt "
+                         "and one new token); give 2 or more, or 0 for each model's own context.")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     sock = bind(cfg.serve.host, cfg.serve.port)
     from utils.generation.loop import EngineLoop
@@ -116,9 +119,10 @@ def open_models(args, cfg, loop) -> dict:
     ids, models, cache = model_ids(paths), {}, {}
     if len(set(ids)) < len(ids):
         raise UsageError(f"two models would have the same id ({', '.join(ids)}): serve distinct files.")
-    for mid, path in zip(ids, paths):
+    for path in paths:                  # all checked before the first one loads
         if not path.exists():
             raise PipelineError(f"{path} does not exist (a checkpoint file, run folder, HF folder or .gguf).")
+    for mid, path in zip(ids, paths):
         o, engine = loop.call(open_engine, path, cfg, device, args.threads, cache)
         own = o.model.args.context           # None: Infini-attention, no limit (docs/long_context.md)
         context = min(cfg.serve.context, own or cfg.serve.context) if cfg.serve.context else own

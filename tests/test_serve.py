@@ -548,6 +548,11 @@ def test_usage_errors_exit_2_before_loading(work):
     assert r.returncode == 2 and "--threads 0" in r.stderr, r.stderr
     r = run_main("serve", "--config", work["cfg"], "--port", "0")
     assert r.returncode == 2 and "--checkpoint" in r.stderr, r.stderr
+    r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--context", "1")
+    assert r.returncode == 2 and "(--context) 1" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    missing = Path(work["pre"]).parent / "missing.pt"
+    r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--checkpoint", missing)
+    assert r.returncode == 1 and f"{missing} does not exist" in r.stderr and "model '" not in r.stderr, r.stderr
 
 
 def test_int8_weights_stay_close_to_fp32():
