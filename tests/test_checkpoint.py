@@ -148,6 +148,10 @@ def test_nan_weights_and_wrong_shapes_and_newer_format(tmp_path):
     p = payload()
     p["model_args"] = {**ARGS.to_dict(), "d_model": 64}
     refused(save_checkpoint(tmp_path / "shape.pt", p), "shapes disagree")
+    p = payload()                                   # refused before any layer is built (no hang)
+    p["model_args"] = {**ARGS.to_dict(), "n_layers": 10 ** 12}
+    refused(save_checkpoint(tmp_path / "layers.pt", p), f"n_layers is {10 ** 12} but the weights hold "
+                                                          f"{ARGS.n_layers} layers")
     p = payload()
     path = tmp_path / "new.pt"
     torch.save({**p, "format_version": FORMAT_VERSION + 1}, path)

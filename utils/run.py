@@ -66,12 +66,21 @@ def model_args_of(ckpt: dict, path: Path):
         raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
 
 
-def _weight_shapes(model_args: dict) -> dict:
-    """{weight name: shape} of the model ``model_args`` build (on the meta device: no memory)."""
+def _weight_shapes(model_args: dict, weights: Optional[dict] = None) -> dict:
+    """{weight name: shape} of the model ``model_args`` build (on the meta device: no memory).
+    ``weights`` (the checkpoint's): their layer count is checked first, so stored args that ask
+    for a trillion layers fail at once instead of building them one by one."""
+    import re
     import torch
     from model import ModelArgs, create_model
+    args = ModelArgs.from_dict(model_args)
+    if weights is not None:
+        held = 1 + max((int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, weights) if m),
+                       default=-1)
+        if args.n_layers != held:
+            raise ValueError(f"n_layers is {args.n_layers} but the weights hold {held} layers")
     with torch.device("meta"):
-        ref = create_model(ModelArgs.from_dict(model_args))
+        ref = create_model(args)
     return {k: tuple(v.shape) for k, v in ref.state_dict().items()}
 
 

@@ -210,11 +210,11 @@ def _few(items: list, n: int = 4) -> str:
 
 
 def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
-                    shapes_of: Optional[Callable[[dict], dict]] = None, mmap: bool = False) -> dict:
+                    shapes_of: Optional[Callable[[dict, dict], dict]] = None, mmap: bool = False) -> dict:
     """A checkpoint file: ``torch.load(weights_only=True)`` plus validation. Stages open
-    checkpoints through ``utils.run.load_checkpoint``, which passes ``shapes_of`` (model_args
-    dict -> {weight name: shape}, from the model those args build): the file layer does not
-    know the model.
+    checkpoints through ``utils.run.load_checkpoint``, which passes ``shapes_of`` ((model_args
+    dict, weights) -> {weight name: shape}, from the model those args build): the file layer
+    does not know the model.
 
     purpose "weights": needs the model and its config (SFT, inference, benchmark, export);
     purpose "resume": also the optimizer, scheduler, step, data position and RNG states.
@@ -263,7 +263,7 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
     expected = None
     if shapes_of is not None:
         try:
-            expected = shapes_of(dict(ckpt["model_args"]))
+            expected = shapes_of(dict(ckpt["model_args"]), ckpt["model"])
         except Exception as e:   # whatever the stored args get wrong: the file is unusable
             raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
     check_weights(path, ckpt, expected)
