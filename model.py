@@ -50,6 +50,9 @@ from utils.infini import GATES, InfiniMemory
 IGNORE_INDEX = -100
 
 
+MAX_POSITIONS = 1 << 22     # max_seq_len limit: RoPE tables of 4M positions x head_dim 128 take 2 GiB
+
+
 @dataclass
 class ModelArgs:
     vocab_size: int
@@ -62,7 +65,7 @@ class ModelArgs:
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     rope_theta: float = 10_000.0
-    max_seq_len: int = 512
+    max_seq_len: int = 512          # at most MAX_POSITIONS
     dropout: float = 0.0
     tie_embeddings: bool = True
     document_mask: bool = False
@@ -92,6 +95,9 @@ class ModelArgs:
                 p.append(f"model.{name}: expected a positive integer, got {v!r}")
         if p:
             return p
+        if self.max_seq_len > MAX_POSITIONS:
+            p.append(f"model.max_seq_len: {self.max_seq_len:,} positions is beyond the {MAX_POSITIONS:,} this "
+                     "model supports (its RoPE tables cover max_seq_len positions)")
         p += attention_shape_problems(self.d_model, self.n_heads, self.n_kv_heads)
         if self.activation not in HF_ACT_NAMES:
             p.append(f"model.activation: {self.activation!r} is not one of {', '.join(HF_ACT_NAMES)}")

@@ -153,6 +153,9 @@ def test_nan_weights_and_wrong_shapes_and_newer_format(tmp_path):
     refused(save_checkpoint(tmp_path / "layers.pt", p), f"n_layers is {10 ** 12} but the weights hold "
                                                           f"{ARGS.n_layers} layers")
     p = payload()
+    p["model_args"] = {**ARGS.to_dict(), "max_seq_len": 10 ** 15}
+    refused(save_checkpoint(tmp_path / "positions.pt", p), "model.max_seq_len: 1,000,000,000,000,000 positions")
+    p = payload()
     path = tmp_path / "new.pt"
     torch.save({**p, "format_version": FORMAT_VERSION + 1}, path)
     refused(path, "newer than this program")

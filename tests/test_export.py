@@ -414,11 +414,16 @@ def test_gguf_spm_in_llama_cpp_f32_f16_bf16_q8(work, capsys):
         print("\n" + report, end="")
 
 
-def test_gguf_bpe_and_chat_template_in_llama_cpp(work):
+def test_gguf_bpe_and_chat_template_in_llama_cpp(work, capsys):
     """The byte-level BPE as llama.cpp's gpt2 tokenizer gives our ids; a tied head and extra
-    embedding rows load; an SFT export carries its chat template in the GGUF metadata."""
+    embedding rows load; the file imports back with our ids and logits (without the
+    "<|endoftext|>" transformers adds to a byte-level vocabulary that lacks it: the import was
+    refused for one token more than the model's rows); an SFT export carries its chat template
+    in the GGUF metadata."""
     import gguf
+    from utils.data.tok import encode_plain
     from utils.hf.chat import jinja_template
+    from utils.hf.import_hf import load_hf_llama
     from utils.run import load_model
     out = work["root"] / "exports" / "bpe-gguf"
     export(work["cfg_bpe"], work["bpe_ck"], "gguf", out, "--dtype", "f32")
@@ -434,6 +439,13 @@ def test_gguf_bpe_and_chat_template_in_llama_cpp(work):
         assert np.abs(_llama_logits(L, x) - ref).max() < 1e-3
     finally:
         L.close()
+    imp = load_hf_llama(out / "bpe-f32.gguf")
+    assert "left out '<|endoftext|>' (id 704)" in capsys.readouterr().err
+    assert len(imp.tok) == imp.model.args.vocab_size == ours.args.vocab_size
+    assert encode_plain(imp.tok, texts) == encode_plain(work["bpe"], texts)
+    assert imp.tok.decode(x, skip_special_tokens=True) == work["bpe"].decode(x, skip_special_tokens=True)
+    with torch.no_grad():
+        assert torch.allclose(imp.model(torch.tensor([x]))[0][0], torch.from_numpy(ref), atol=1e-4, rtol=0)
     sft_out = work["root"] / "exports" / "sft-gguf"
     export(work["cfg_spm"], work["sft"], "gguf", sft_out)
     reader = gguf.GGUFReader(str(sft_out / "sft_chat-f16.gguf"))
@@ -806,9 +818,13 @@ DAMAGED = {   # name: (damage, words the message must hold besides the file's pa
     "config_huge_int": (lambda d: (d / "config.json").write_text(json.dumps(
         {**json.loads((d / "config.json").read_text()), "hidden_size": "HUGE"}).replace('"HUGE"', "1" + "0" * 5000)),
         ["config.json", "digits"]),
+    "layers_billion": (_damage_config(num_hidden_layers=10 ** 9),                 # refused before building
+                       ["config.json", "gives 1,000,000,000 layers but the weights hold 2"]),
+    "context_huge": (_damage_config(max_position_embeddings=10 ** 15), ["config.json", "max_position_embeddings"]),
     "gguf_truncated": (None, [".gguf"]),
     "gguf_empty": (None, [".gguf", "empty"]),
     "gguf_counts_past_the_end": (None, [".gguf", "truncated or damaged"]),   # header says 2^60 tensors
+    "gguf_block_count": (None, [".gguf", "gives 1,000,000,000 layers but the weights hold 2"]),
 }
 
 
@@ -826,9 +842,13 @@ def test_import_names_what_is_damaged(work, foreign, tmp_path, case):
         target = tmp_path / "m.gguf"
         ours, _ = load_model(work["bpe_ck"])
         write_gguf(target, ours, work["bpe"], dtype="f32")
-        raw = target.read_bytes()
-        target.write_bytes(raw[: len(raw) // 2] if "trunc" in case else b"" if "empty" in case else
-                           raw[:8] + struct.pack("<QQ", 1 << 60, 1 << 60) + raw[24:4000])
+        if "block_count" in case:                             # the header value edited in place
+            import gguf
+            gguf.GGUFReader(str(target), "r+").fields["llama.block_count"].parts[-1][0] = 10 ** 9
+        else:
+            raw = target.read_bytes()
+            target.write_bytes(raw[: len(raw) // 2] if "trunc" in case else b"" if "empty" in case else
+                               raw[:8] + struct.pack("<QQ", 1 << 60, 1 << 60) + raw[24:4000])
     else:
         target = tmp_path / "m"
         shutil.copytree(foreign, target)

@@ -23,6 +23,7 @@ one with a warning; an import never does.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -68,9 +69,10 @@ def source_tokenizer(path):
     it (its own settings and chat template; what an export of the import writes again)."""
     from transformers import AutoTokenizer
     folder, gguf = _split(Path(path))
-    kw = {"gguf_file": gguf} if gguf else {}
-    return _read(lambda: AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw),
-                 f"the tokenizer of {folder / gguf if gguf else folder}")
+    if gguf:
+        return _gguf_tokenizer(folder / gguf, str(folder / gguf))
+    return _read(lambda: AutoTokenizer.from_pretrained(folder, local_files_only=True),
+                 f"the tokenizer of {folder}")
 
 
 def llama_config_problems(c) -> list[str]:
@@ -110,9 +112,9 @@ def load_hf_llama(path) -> Imported:
     problems = llama_config_problems(config)
     if problems:
         raise PipelineError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
-    tok = _read(lambda: AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw),
-                where if gguf else f"the tokenizer files in {folder} (tokenizer.json, "
-                "tokenizer_config.json ...)")
+    tok = _gguf_tokenizer(folder / gguf, where) if gguf else _read(
+        lambda: AutoTokenizer.from_pretrained(folder, local_files_only=True),
+        f"the tokenizer files in {folder} (tokenizer.json, tokenizer_config.json ...)")
     tok = plain(tok if gguf else as_exported_from(tok, folder))
     if len(tok) > config.vocab_size:
         raise PipelineError(f"{where} cannot be imported: its tokenizer has {len(tok)} tokens but "
@@ -120,6 +122,8 @@ def load_hf_llama(path) -> Imported:
     args = _model_args(config, tok.bos_token_id, where if gguf else str(folder / "config.json"))
     if not gguf:
         check_weight_files(folder, config)
+    else:
+        _check_layer_count(_gguf_tensor_names(folder / gguf), r"blk\.(\d+)\.", config, where)
     hf, info = _read(lambda: AutoModelForCausalLM.from_pretrained(
         folder, local_files_only=True, dtype=torch.float32, output_loading_info=True, **kw),
         f"the weights in {where}")
@@ -180,16 +184,20 @@ def check_weight_files(folder: Path, config) -> None:
     import torch
     from safetensors import SafetensorError, safe_open
     from transformers import LlamaForCausalLM
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    files = {}
     for f in sorted(Path(folder).glob("*.safetensors")):
         try:
             with safe_open(str(f), "pt") as st:
-                tensors = [(k, st.get_slice(k).get_dtype(), tuple(st.get_slice(k).get_shape()))
-                           for k in st.keys()]
+                files[f] = [(k, st.get_slice(k).get_dtype(), tuple(st.get_slice(k).get_shape()))
+                            for k in st.keys()]
         except (OSError, SafetensorError) as e:
             raise PipelineError(f"cannot read the weights in {f}: {type(e).__name__}: "
                                 f"{' '.join(str(e).split())[:300]}") from None
+    _check_layer_count([k for ts in files.values() for k, _, _ in ts], r"model\.layers\.(\d+)\.", config,
+                       str(Path(folder) / "config.json"))
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    for f, tensors in files.items():
         for k, dtype, shape in tensors:
             if dtype not in FLOAT_DTYPES:
                 raise PipelineError(f"{f}: tensor {k} is {dtype}, not floating point (weights "
@@ -197,6 +205,57 @@ def check_weight_files(folder: Path, config) -> None:
             if k in shapes and shape != shapes[k]:
                 raise PipelineError(f"{f}: tensor {k} has shape {shape}, but config.json gives "
                                     f"{shapes[k]}.")
+
+
+def _gguf_tokenizer(path: Path, where: str, say=lambda s: print(s, file=sys.stderr)):
+    """The tokenizer of a GGUF file as transformers builds it, without the tokens transformers
+    adds past the file's own: its byte-level BPE builder (GPT2Tokenizer) adds "<|endoftext|>"
+    when the vocabulary lacks it (every GGUF exported with a BPE tokenizer of ours), an id the
+    model has no embedding row for. Such ids are left out (said once); encoding and decoding of
+    the file's tokens are unchanged."""
+    import json
+    import gguf
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    tok = _read(lambda: AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True),
+                where)
+    field = _read(lambda: gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens"), where)
+    n = len(field.data) if field is not None else len(tok)
+    extra = sorted((i, t.content) for i, t in tok.added_tokens_decoder.items() if i >= n)
+    if not extra or len(tok) - len(extra) != n:
+        return tok
+    gone = {c for _, c in extra}
+    data = json.loads(tok.backend_tokenizer.to_str())
+    data["added_tokens"] = [a for a in data.get("added_tokens", []) if a["id"] < n]
+    if isinstance(data["model"].get("vocab"), dict):
+        data["model"]["vocab"] = {k: i for k, i in data["model"]["vocab"].items() if i < n}
+    special = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+               if getattr(tok, k, None) is not None and getattr(tok, k) not in gone}
+    out = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)),
+                                  clean_up_tokenization_spaces=getattr(tok, "clean_up_tokenization_spaces", False),
+                                  **special)
+    out.chat_template = getattr(tok, "chat_template", None)
+    say(f"{where}: left out {', '.join(f'{c!r} (id {i})' for i, c in extra)}, which transformers adds to a "
+        f"byte-level vocabulary that lacks it: the file has {n} tokens and the model no row for more.")
+    return out
+
+
+def _gguf_tensor_names(path: Path) -> list[str]:
+    """The tensor names of a GGUF file (its header, read by the ``gguf`` package)."""
+    import gguf
+    return _read(lambda: [t.name for t in gguf.GGUFReader(str(path)).tensors], str(path))
+
+
+def _check_layer_count(names: list[str], pattern: str, config, where: str) -> None:
+    """The config's layer count against the layers the weight files hold (``pattern`` captures
+    a tensor name's layer index), before any model of that config is built: a config asking for
+    a billion layers would otherwise be built layer by layer (on the meta device, still a hang)."""
+    import re
+    rx = re.compile(pattern)
+    held = 1 + max((int(m.group(1)) for m in map(rx.match, names) if m), default=-1)
+    if held != config.num_hidden_layers:
+        raise PipelineError(f"{where}: the config gives {config.num_hidden_layers:,} layers but the weights "
+                            f"hold {held}.")
 
 
 def _check_loading(info: dict, where: str) -> None:
