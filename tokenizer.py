@@ -205,12 +205,21 @@ def iter_documents(files: Iterable[Path], max_documents: Optional[int] = None) -
 
 
 def _iter_lines(path: Path) -> Iterator[str]:
-    """Non-empty lines of a plain text file (one document per line)."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if line:
-                yield line
+    """Non-empty lines of a plain text file (one document per line); a line that is not UTF-8
+    is a PipelineError naming ``file:line``."""
+    lineno = 0
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = raw.decode("utf-8").rstrip("\n")
+                if line:
+                    yield line
+    except UnicodeDecodeError as e:
+        raise PipelineError(f"{path}:{lineno}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                            f"{e.start} of the line); save the file as UTF-8 or leave it out of "
+                            "--input") from None
+    except OSError as e:
+        raise PipelineError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
 def check_vocab_size(vocab_size: int) -> None:
@@ -370,10 +379,18 @@ def do_train(args, cfg: Config) -> int:
 def do_encode(args, cfg: Config) -> int:
     tok, name, source = configured_tokenizer(cfg, args.load)
     if args.encode_file:
-        text = Path(args.encode_file).read_text(encoding="utf-8") \
-            if Path(args.encode_file).is_file() else None
-        if text is None:
-            raise PipelineError(f"--encode-file: {args.encode_file} is not a file.")
+        path = Path(args.encode_file)
+        if not path.is_file():
+            raise PipelineError(f"--encode-file: {path} is not a file.")
+        try:
+            raw = path.read_bytes()
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise PipelineError(f"--encode-file: {path}, line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x} "
+                                f"at offset {e.start}); save the file as UTF-8.") from None
+        except OSError as e:
+            raise PipelineError(f"--encode-file: {path} cannot be read ({e.strerror or e}).") from None
     else:
         text = args.encode
     ids = encode(tok, text, add_special_tokens=args.add_special_tokens)

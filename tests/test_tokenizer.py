@@ -461,6 +461,21 @@ def test_cli_train(samples, tmp_path, tmp_config, bpe_tok):
         assert stage.decode(tok, stage.encode(tok, text)) == text
 
 
+def test_cli_text_that_is_not_utf8_is_named_with_its_line(saved_spm, tmp_path, tmp_config):
+    """--encode-file and --train on a file whose second line is not UTF-8: exit 1 naming the
+    file and line, no traceback, no tokenizer written."""
+    _, cfg, _ = saved_spm
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("a first line of ordinary text\nthe café\n".encode("latin-1"))
+    proc = run_main("tokenize", "--config", cfg, "--encode-file", bad)
+    assert proc.returncode == 1 and f"{bad}, line 2: not UTF-8 text (byte 0xe9" in proc.stderr, proc.stderr
+    out = tmp_path / "tok_out"
+    proc = run_main("tokenize", "--config", tmp_config(), "--train", "--input", bad, "--output", out,
+                    "--vocab-size", 300)
+    assert proc.returncode == 1 and f"{bad}:2: not UTF-8 text (byte 0xe9" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
 def test_cli_train_without_input_exits_1(samples, tmp_config):
     proc = run_main("tokenize", "--config", tmp_config(), "--train")
     assert proc.returncode == 1
