@@ -128,6 +128,7 @@ def test_each_stage_is_built_and_importable_or_says_not_built(name, tmp_path):
     assert guarded, f"{stage.script.name} has no `if __name__ == '__main__'` guard"
     helptext = run_main(name, "--help").stdout
     assert "--config" in helptext and "--test" in helptext
+    assert "CFG__" not in helptext, "a config flag shows its internal dest as its metavar"
 
 
 # ----------------------------------------------------------------------------- menu (pty)

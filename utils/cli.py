@@ -105,6 +105,9 @@ class StageParser(argparse.ArgumentParser):
         dest = "cfg__" + key.replace(".", "__")
         self._config_keys[dest] = key
         kw.setdefault("default", None)
+        if kw.get("action") is None and "choices" not in kw:          # not the internal dest in --help
+            kw.setdefault("metavar", {int: "N", float: "X"}.get(kw.get("type"),
+                                                               flags[-1].lstrip("-").upper().replace("-", "_")))
         self.add_argument(*flags, dest=dest, help=f"{help} [config: {key}]", **kw)
 
     def parse(self, argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, Config]:
