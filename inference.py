@@ -65,11 +65,37 @@ class EndOfInput(Exception):
     """Standard input closed at a prompt."""
 
 
+def utf8_text(text: str, where: str) -> str:
+    """``text`` if it is valid Unicode; bytes that were not UTF-8 (kept by Python as lone
+    surrogates in argv and a terminal's input) are a UsageError naming ``where``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{where} holds bytes that are not UTF-8 text (at character {e.start + 1}); "
+                         "pass UTF-8 text.") from None
+    return text
+
+
+def read_stdin_text() -> str:
+    """Standard input as UTF-8 text (a UsageError naming the byte offset otherwise)."""
+    raw = sys.stdin.buffer.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"the prompt on standard input is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                         f"offset {e.start}); pass UTF-8 text.") from None
+
+
 def ask(text: str, default: Optional[str] = None) -> str:
     try:
         got = input(text)
     except EOFError:
         raise EndOfInput() from None
+    try:
+        utf8_text(got, "the input")
+    except UsageError as e:
+        print(f"({e}) ", end="")
+        got = ""
     got = got.strip()
     return got if got else (default or "")
 
@@ -198,6 +224,13 @@ class Session:
             note(f"(prompt of {len(ids)} tokens shortened to its last {limit}: the model was "
                  f"trained on {limit}-token sequences)")
             ids = ids[-limit:]
+        need = m.engine.batcher(1, len(ids) + max_new).bytes_per_slot    # the KV cache, allocated at once
+        have = _available_bytes(m.model.device)
+        if have is not None and need > have:
+            raise UsageError(f"max new tokens {max_new:,}: the KV cache for the prompt's {len(ids)} and that many "
+                             f"positions would take {need / 2 ** 30:,.1f} GiB, more than the "
+                             f"{have / 2 ** 30:,.1f} GiB available; ask for fewer (the model was trained on "
+                             f"{limit or 'unbounded'}-token sequences).")
         return ids
 
     def generate(self, m: Loaded, text: str, p: Params, on_text: Optional[Callable[[str], None]],
@@ -249,7 +282,7 @@ def _label(path: Path) -> str:
 def scripted(session: Session, args, params: Params) -> int:
     if not args.checkpoint:
         raise UsageError("--prompt needs --checkpoint PATH (scripted mode loads one checkpoint).")
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    text = read_stdin_text() if args.prompt == "-" else utf8_text(args.prompt, "--prompt")
     if args.prompt == "-":
         text = text.rstrip("\n")
     if not text.strip():
@@ -400,7 +433,11 @@ class UI:
                 continue
             p = self.params()
             self.say(f"\n{self.c.bold}Generated:{self.c.reset}")
-            _, st = self.session.generate(m, text, p, self.out, lambda s: self.say(s))
+            try:
+                _, st = self.session.generate(m, text, p, self.out, lambda s: self.say(s))
+            except UsageError as e:                 # e.g. more new tokens than memory holds
+                self.say(f"{self.c.red}{e}{self.c.reset}")
+                continue
             self.say("")
             if st.stopped:
                 self.say(f"{self.c.yellow}(generation stopped by Ctrl-C){self.c.reset}")
@@ -430,11 +467,16 @@ class UI:
             for i, m in enumerate(models, 1):
                 m.history.clear()
                 self.say(f"\n{self.c.bold}[{i}] {m.label}{self.c.reset}")
-                out, st = self.session.generate(m, text, prm, self.out, lambda s: self.say(s))
+                try:
+                    out, st = self.session.generate(m, text, prm, self.out, lambda s: self.say(s))
+                except UsageError as e:             # e.g. more new tokens than memory holds
+                    self.say(f"{self.c.red}{e}{self.c.reset}")
+                    break
                 self.say("")
                 self.say(f"{self.c.dim}{st.line()}{self.c.reset}")
                 results.append((m, out, st))
-            self.summary(results)
+            if results:
+                self.summary(results)
 
     def summary(self, results) -> None:
         c = self.c

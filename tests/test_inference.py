@@ -109,6 +109,36 @@ def test_scripted_bad_inputs_exit_cleanly(work, tmp_path):
     assert r.returncode == 2 and "--checkpoint" in r.stderr
 
 
+def test_scripted_odd_values_and_bytes(work):
+    """More new tokens than memory can hold a KV cache for: exit 2 saying so (a 10^12 request
+    allocated a cache of 10^12 positions: an unexpected error). A seed beyond 64
+    bits is taken modulo 2^64 (an overflow before). A device name that is not auto / cpu / cuda
+    / cuda:N, and a prompt whose bytes are not UTF-8 on standard input or in argv: exit 2 with
+    the reason (unexpected errors before)."""
+    import re
+    import subprocess
+    from tests.conftest import ROOT, default_signals, main_command
+    cfg, pre = work["cfg"], work["pre"]
+    r = run_main("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "The history of",
+                 "--max-new-tokens", 10 ** 12, "--temperature", "0")
+    assert r.returncode == 2 and re.search(r"max new tokens 1,000,000,000,000: the KV cache for the prompt's "
+                                           r"\d+ and that many positions would take [\d,.]+ GiB, more than "
+                                           r"the [\d,.]+ GiB available", r.stderr), r.stderr
+    outs = [run_main("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "x", "--max-new-tokens", 8,
+                     "--temperature", "0.9", "--seed", seed) for seed in (2 ** 80 + 5, (2 ** 80 + 5) % 2 ** 64)]
+    assert all(o.returncode == 0 for o in outs) and outs[0].stdout == outs[1].stdout, outs[0].stderr
+    r = run_main("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "x", "--device", "tpu")
+    assert r.returncode == 2 and "inference.device is 'tpu': give auto, cpu, cuda or cuda:N" in r.stderr, r.stderr
+    run = dict(capture_output=True, env=offline_env(), cwd=ROOT, preexec_fn=default_signals, timeout=300)
+    r = subprocess.run(main_command("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "-"),
+                       input="café\n".encode("latin-1"), **run)
+    assert r.returncode == 2 and b"not UTF-8 text (byte 0xe9 at offset 3)" in r.stderr, r.stderr
+    r = subprocess.run([*main_command("infer", "--config", cfg, "--checkpoint", pre, "--prompt"),
+                        "café".encode("latin-1")], stdin=subprocess.DEVNULL, **run)
+    assert r.returncode == 2 and b"--prompt holds bytes that are not UTF-8" in r.stderr, r.stderr
+    assert b"Traceback" not in r.stderr
+
+
 # --------------------------------------------------------------------------- interactive (pty)
 def _spawn(work, *extra, no_color=True):
     env = offline_env()

@@ -332,7 +332,7 @@ class Batcher:
         if seq.params.seed is None:
             seq.generator.seed()
         else:
-            seq.generator.manual_seed(int(seq.params.seed))
+            seq.generator.manual_seed(int(seq.params.seed) % (1 << 64))   # any int: torch takes 64 bits
         self.waiting.append(seq)
         return seq
 
