@@ -192,6 +192,16 @@ def test_interactive_single_model_session(work):
     c.expect("generation stopped by Ctrl-C")
     c.expect(r"\[stopped\]")
     c.expect("Prompt")
+    c.sendline("More than memory holds")              # a KV cache too large: said, session goes on
+    c.expect("customize")
+    c.sendline("2")
+    c.expect("Max new tokens")
+    c.sendline(str(10 ** 12))
+    for _ in ("Temperature", "Top-k", "Top-p"):
+        c.expect(_)
+        c.sendline("")
+    c.expect("GiB available; ask for fewer")
+    c.expect("Prompt")
     c.sendline("/quit")
     c.expect("Bye.")
     c.expect(pexpect.EOF)
