@@ -22,6 +22,7 @@ one with a warning; an import never does.
 """
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from dataclasses import dataclass
@@ -123,7 +124,7 @@ def load_hf_llama(path) -> Imported:
     if not gguf:
         check_weight_files(folder, config)
     else:
-        _check_layer_count(_gguf_tensor_names(folder / gguf), r"blk\.(\d+)\.", config, where)
+        _check_layer_count(_gguf_header(folder / gguf)[1], r"blk\.(\d+)\.", config, where)
     hf, info = _read(lambda: AutoModelForCausalLM.from_pretrained(
         folder, local_files_only=True, dtype=torch.float32, output_loading_info=True, **kw),
         f"the weights in {where}")
@@ -214,13 +215,12 @@ def _gguf_tokenizer(path: Path, where: str, say=lambda s: print(s, file=sys.stde
     model has no embedding row for. Such ids are left out (said once); encoding and decoding of
     the file's tokens are unchanged."""
     import json
-    import gguf
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     tok = _read(lambda: AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True),
                 where)
-    field = _read(lambda: gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens"), where)
-    n = len(field.data) if field is not None else len(tok)
+    n = _gguf_header(path)[0]
+    n = len(tok) if n is None else n
     extra = sorted((i, t.content) for i, t in tok.added_tokens_decoder.items() if i >= n)
     if not extra or len(tok) - len(extra) != n:
         return tok
@@ -240,17 +240,25 @@ def _gguf_tokenizer(path: Path, where: str, say=lambda s: print(s, file=sys.stde
     return out
 
 
-def _gguf_tensor_names(path: Path) -> list[str]:
-    """The tensor names of a GGUF file (its header, read by the ``gguf`` package)."""
+def _gguf_header(path: Path) -> tuple[Optional[int], list[str]]:
+    """(tokens in its vocabulary or None, tensor names) of a GGUF file, read by the ``gguf``
+    package (a file's header is read once per import, kept for the same file unchanged)."""
+    st = path.stat()
+    return _gguf_header_of(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_header_of(path: str, mtime_ns: int, size: int) -> tuple[Optional[int], list[str]]:
     import gguf
-    return _read(lambda: [t.name for t in gguf.GGUFReader(str(path)).tensors], str(path))
+    reader = _read(lambda: gguf.GGUFReader(path), path)
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    return (None if field is None else len(field.data)), [t.name for t in reader.tensors]
 
 
 def _check_layer_count(names: list[str], pattern: str, config, where: str) -> None:
     """The config's layer count against the layers the weight files hold (``pattern`` captures
     a tensor name's layer index), before any model of that config is built: a config asking for
     a billion layers would otherwise be built layer by layer (on the meta device, still a hang)."""
-    import re
     rx = re.compile(pattern)
     held = 1 + max((int(m.group(1)) for m in map(rx.match, names) if m), default=-1)
     if held != config.num_hidden_layers:
