@@ -229,8 +229,8 @@ class Session:
         if have is not None and need > have:
             raise UsageError(f"max new tokens {max_new:,}: the KV cache for the prompt's {len(ids)} and that many "
                              f"positions would take {need / 2 ** 30:,.1f} GiB, more than the "
-                             f"{have / 2 ** 30:,.1f} GiB available; ask for fewer (the model was trained on "
-                             f"{limit or 'unbounded'}-token sequences).")
+                             f"{have / 2 ** 30:,.1f} GiB available; ask for fewer"
+                             + (f" (the model was trained on {limit}-token sequences)." if limit else "."))
         return ids
 
     def generate(self, m: Loaded, text: str, p: Params, on_text: Optional[Callable[[str], None]],
