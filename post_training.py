@@ -598,6 +598,9 @@ def finish(trainer, start: Start, logger) -> int:
         logger.close()
     if result.reason == "interrupted":
         return EXIT_INTERRUPTED
+    if result.reason == "diverged":
+        from utils.training.trainer import diverged_message
+        raise PipelineError(diverged_message(result, start.run_dir, "sft.lr", trainer.spec.optimizer.lr))
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
     print(f"sft train: {result.reason} at step {result.step}; best masked val loss {best}; "
           f"checkpoints in {start.run_dir}. Try it: python main.py infer --checkpoint "

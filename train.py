@@ -402,6 +402,10 @@ def finish(trainer, start: Start, logger, proc: Process) -> int:
     if result.reason == "interrupted":
         D.shutdown()
         return EXIT_INTERRUPTED
+    if result.reason == "diverged":
+        from utils.training.trainer import diverged_message
+        D.shutdown()
+        raise PipelineError(diverged_message(result, start.run_dir, "training.lr", trainer.spec.optimizer.lr))
     if proc.dist.is_main and result.reason != "already_done":
         best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
         proc.say(f"train: {result.reason} at step {result.step}; best val loss {best}; checkpoints "

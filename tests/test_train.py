@@ -11,12 +11,14 @@ run's own JSONL log shows a given step (polling the file), never after a sleep.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -129,6 +131,19 @@ def test_reused_run_name_refused(root, cfg, full_run):
     assert again.returncode == 2, again.stderr
     assert "already holds a run" in again.stderr and "--resume auto" in again.stderr
     assert ck.stat().st_mtime_ns == before
+
+
+def test_divergence_stops_without_saving_the_broken_weights(root, cfg):
+    """A learning rate of 1e30: the validation loss becomes NaN; training stops there with
+    exit 1 and what to do, no checkpoint holds the NaN weights, and no sample is drawn from
+    them (that sampling was an unexpected error before)."""
+    r = train(cfg, "--name", "diverge", "--max-steps", 12, "--lr", "1e30")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert re.search(r"training diverged by step \d+: the validation loss is not a number", r.stderr), r.stderr
+    assert "Lower training.lr (now 1e+30)" in r.stderr and "unexpected" not in r.stderr
+    assert not list((root / "checkpoints" / "diverge").glob("checkpoint_*.pt"))
+    vals = [rec for rec in log_of(root, "diverge") if rec.get("type") == "val"]
+    assert vals[-1]["val_loss"] is None and "the weights diverged" in r.stdout
 
 
 # --------------------------------------------------------------------------- exact resume

@@ -402,11 +402,22 @@ def pause_step_from_env() -> Optional[int]:
 # --------------------------------------------------------------------------- trainer
 @dataclasses.dataclass
 class TrainResult:
-    reason: str                 # "done", "interrupted", "early_stopping", "already_done"
+    reason: str                 # "done", "interrupted", "early_stopping", "already_done", "diverged"
     step: int
     best_val_loss: Optional[float]
     last_val_loss: Optional[float]
     checkpoint: Optional[Path]
+
+
+def diverged_message(result: "TrainResult", run_dir: Path, lr_key: str, lr: float) -> str:
+    """What a run that ended with ``reason == "diverged"`` tells its user."""
+    last = Path(run_dir) / "checkpoint_latest.pt"
+    kept = (f"{last} holds the last weights saved before it" if last.is_file() else
+            "no checkpoint was saved before it")
+    return (f"training diverged by step {result.step}: the validation loss is not a number (NaN or "
+            f"inf), so the weights are broken and were not saved; {kept}. Lower {lr_key} (now {lr:g}), "
+            "or set training.dtype bf16 or fp32 if it ran in fp16, then start again or --resume "
+            "from a checkpoint before the divergence.")
 
 
 def _as_dict(batch) -> dict:
@@ -617,12 +628,19 @@ class Trainer:
             self._print(f"  sample @ step {self.step}: {prompt!r} -> {text!r}")
             self.logger.text("sample", self.step, text, prompt=prompt)
 
-    def _validate(self, bar=None) -> bool:
-        """Evaluate, log, save best/latest, print a sample; True when early stopping fires."""
+    def _validate(self, bar=None) -> Optional[str]:
+        """Evaluate, log, save best/latest, print a sample; "early_stopping" when early stopping
+        fires, "diverged" when the validation loss is not finite (the weights are NaN or inf:
+        nothing is saved from them and no sample is drawn), else None."""
         val = self.evaluate()
         self._last_eval_step = self.step
         if val is None:
-            return False
+            return None
+        if not math.isfinite(val):
+            self.logger.log("val", self.step, {"val_loss": val, "epoch": self.epoch_float})
+            self._print(f"step {self.step}/{self.total_steps} | val loss {val}: the weights diverged; "
+                        "training stops without saving them.")
+            return "diverged"
         self._last_val = val
         is_best = self.metrics.update_val(self.step, val)
         rec = {"val_loss": val, "perplexity": perplexity(val),
@@ -638,7 +656,7 @@ class Trainer:
             if is_best:
                 self.save("checkpoint_best.pt")
             self.save("checkpoint_latest.pt")
-        return self.metrics.should_stop
+        return "early_stopping" if self.metrics.should_stop else None
 
     def _print(self, msg: str) -> None:
         if not self.dist.is_main:
@@ -706,20 +724,20 @@ class Trainer:
         self.model.train()
         for o in self.optimizers.values():
             o.zero_grad(set_to_none=True)
+        reason = "done"
         if self._resumed_from is None and self.val_data is not None:
-            self._validate()   # step 0: the untrained model's loss, the curve's first point
+            reason = self._validate() or reason   # step 0: the untrained model's loss, the curve's first point
         bar = None
         if self.progress:
             from tqdm import tqdm
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True, file=sys.stderr, smoothing=0.1)
         thr = Throughput()
-        reason = "done"
         batches = self._batches()
         ckpt_path = None
         with StopRequest(self.dist.is_main) as stop:
             try:
-                while self.step < self.total_steps:
+                while reason == "done" and self.step < self.total_steps:
                     tokens = self._train_step(batches)
                     thr.add(tokens)
                     self.step += 1
@@ -737,20 +755,22 @@ class Trainer:
                         reason = "interrupted"
                         break
                     if self.step % self.eval_interval == 0 and self.step < self.total_steps:
-                        if self._validate(bar):
-                            reason = "early_stopping"
+                        reason = self._validate(bar) or reason
+                        if reason == "early_stopping":
                             self._print(f"early stopping: validation loss did not improve for "
                                         f"{st.patience} evaluations.")
+                        if reason != "done":
                             break
                     if self.step % st.checkpoint_every == 0 and st.keep_checkpoints != 0:
                         self.save(self.spec.checkpoint_name(self.step))
                         if self.dist.is_main:
                             self._rotate_step_checkpoints()
                 if reason == "done" and self._last_eval_step != self.step:
-                    self._validate(bar)
+                    reason = "diverged" if self._validate(bar) == "diverged" else reason
                 if bar is not None:
                     bar.close()
-                ckpt_path = self.save("checkpoint_latest.pt")
+                if reason != "diverged":                  # NaN weights would replace the last good ones
+                    ckpt_path = self.save("checkpoint_latest.pt")
             finally:
                 if bar is not None:
                     bar.close()
