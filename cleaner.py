@@ -72,9 +72,9 @@ from typing import Callable, Iterator, Optional, Sequence
 from xml.parsers import expat
 
 from utils.atomic import atomic_open, temp_path, write_json_atomic
-from utils.cli import PipelineError, StageParser, cli_path, run_stage
+from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 
-from utils.data.parallel import available_cpus, ordered_map
+from utils.data.parallel import ordered_map
 from utils.data.textio import escape_article
 from utils.data.mediawiki import (CleanOptions, ConversionBug, Converted, InputFormatError, convert_record,
                                   detect_format, is_redirect_text, iter_xml_pages, open_binary)
@@ -541,10 +541,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     inputs, outputs = take_shard(inputs, outputs, args.shard)
     opts = CleanOptions.from_config(cfg)
     results, tasks = plan_files(inputs, outputs, opts, args.force)
-    run = announce(cfg, tasks, inputs, input_dir, output_dir, opts, not_files)
+    workers = workers_or_cores(cfg.cleaning.workers, "cleaning.workers")
+    run = announce(cfg, tasks, inputs, input_dir, output_dir, opts, not_files, workers)
     start = time.monotonic()
     if tasks:
-        for r in run(tasks, cfg.cleaning.workers or available_cpus()):
+        for r in run(tasks, workers):
             results[r.input] = r
     ordered = [results[str(p)] for p in inputs]
     totals = summarize(ordered, time.monotonic() - start)
@@ -594,11 +595,10 @@ def plan_files(inputs, outputs, opts: CleanOptions, force: bool) -> tuple[dict, 
     return results, tasks
 
 
-def announce(cfg, tasks, inputs, input_dir, output_dir, opts: CleanOptions, not_files) -> Callable:
+def announce(cfg, tasks, inputs, input_dir, output_dir, opts: CleanOptions, not_files, workers: int) -> Callable:
     """Say what runs how, and return the runner. One file (the common download) on several
     cores: read here, its records spread over all of them. Several files: one process per
     file, with converters of its own when there are fewer files than cores."""
-    workers = cfg.cleaning.workers or available_cpus()
     mode = f"test mode, first {opts.max_articles:,} articles per file" if cfg.test else "full run"
     per_file = len(tasks) > 1 or workers == 1
     if not per_file:

@@ -81,7 +81,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
-from utils.cli import PipelineError
+from utils.cli import PipelineError, capped_workers
 from utils.config import PROJECT_ROOT, Config
 from utils.data.shards import (ShardSetError, load_shards, open_shard, read_metadata, rebuild_command,
                           validate_metadata)
@@ -543,7 +543,8 @@ def build_loaders(cfg: Config, tokenizer: Any = None, *, batch_size: Optional[in
         the split summary and batches per epoch.
     """
     batch_size = batch_size or cfg.training.batch_size
-    num_workers = cfg.training.num_workers if num_workers is None else num_workers
+    num_workers = capped_workers(cfg.training.num_workers if num_workers is None else num_workers,
+                                 "training.num_workers")
     if cfg.dataset.mode == "on_the_fly":
         return _build_on_the_fly(cfg, tokenizer, batch_size=batch_size, device=device, rank=rank,
                                  world_size=world_size, num_workers=num_workers)

@@ -53,7 +53,7 @@ def make_job(cfg: Config, *, output_dir: Optional[Path] = None, force: bool = Fa
         tokenizer=tok, tokenizer_info=tok_info, kind="wikipedia",
         inputs=[str(f) for f in files], input_identity=file_identity(files),
         open_stream=cleaned_article_stream(files), window=ds.window, stride=cfg.stride,
-        shard_tokens=ds.shard_tokens, batch=ds.batch, workers=workers_or_cores(ds.workers),
+        shard_tokens=ds.shard_tokens, batch=ds.batch, workers=workers_or_cores(ds.workers, "dataset.workers"),
         max_documents=ds.test_max_documents if cfg.test else None, filters={}, test=cfg.test,
         force=force, progress_bar=progress_bar, on_complete=cfg.save_resolved)
 

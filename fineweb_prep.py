@@ -245,7 +245,7 @@ def make_job(cfg: Config, *, output_dir: Optional[Path] = None, force: bool = Fa
         tokenizer=tok, tokenizer_info=tok_info, kind="fineweb",
         inputs=inputs, input_identity=identity, open_stream=stream, window=cfg.dataset.window,
         stride=cfg.stride, shard_tokens=cfg.dataset.shard_tokens, batch=f.batch_size,
-        workers=workers_or_cores(f.workers), max_documents=f.test_max_documents if cfg.test else None,
+        workers=workers_or_cores(f.workers, "fineweb.workers"), max_documents=f.test_max_documents if cfg.test else None,
         max_files=f.max_files, min_tokens=f.min_tokens,
         filters={"min_language_score": f.min_language_score, "min_tokens": f.min_tokens},
         test=cfg.test, force=force, progress_bar=progress_bar, extra_source=origin,

@@ -258,6 +258,24 @@ def test_clean_enwiki_xml_sample(samples, tmp_config, tmp_path):
     assert (serial / out.name).read_bytes() == out.read_bytes()
 
 
+def test_more_workers_than_the_machine_runs_are_capped(tmp_config, tmp_path):
+    """--workers 100000 (the run started a million processes and took the machine's memory
+    before): capped at 4 per usable CPU, said once, the output as with 1 worker."""
+    from utils.cli import WORKERS_PER_CPU
+    from utils.data.parallel import available_cpus
+    raw = tmp_path / "raw"
+    write_jsonl(raw / "enwiki_namespace_0_0.jsonl")
+    cfg = cfg_for(tmp_config, tmp_path, raw)
+    proc = run_main("clean", "--config", cfg, "--workers", "100000")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    note = f"note: cleaning.workers 100,000 is more than {WORKERS_PER_CPU} per usable CPU: using "
+    assert proc.stderr.count(note) == 1 and f"{note}{WORKERS_PER_CPU * available_cpus()}." in proc.stderr
+    one = run_main("clean", "--config", cfg, "--workers", "1", "--output-dir", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    name = "cleaned_enwiki_namespace_0_0.txt"
+    assert (out_dir(tmp_path) / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+
+
 def test_clean_jsonl_end_to_end_and_rerun(tmp_config, tmp_path):
     raw = tmp_path / "raw"
     write_jsonl(raw / "enwiki_namespace_0_0.jsonl")

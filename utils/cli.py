@@ -258,6 +258,23 @@ def argv_without(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
     return out
 
 
-def workers_or_cores(n: int) -> int:
-    """0 means all cores."""
-    return n if n and n > 0 else (os.cpu_count() or 1)
+WORKERS_PER_CPU = 4      # most worker processes per usable CPU (more never run faster)
+
+
+def capped_workers(n: int, setting: str) -> int:
+    """``n`` worker processes, at most WORKERS_PER_CPU per usable CPU (said once on stderr):
+    a million would never start, and their memory would take the machine down first."""
+    from utils.data.parallel import available_cpus
+    cap = WORKERS_PER_CPU * available_cpus()
+    if n > cap:
+        print(f"note: {setting} {n:,} is more than {WORKERS_PER_CPU} per usable CPU: using {cap}.",
+              file=sys.stderr, flush=True)
+        return cap
+    return n
+
+
+def workers_or_cores(n: int, setting: str = "workers") -> int:
+    """0 means all usable CPUs (utils/data/parallel.py ``available_cpus``); more than
+    WORKERS_PER_CPU per CPU is capped (``capped_workers``)."""
+    from utils.data.parallel import available_cpus
+    return capped_workers(n, setting) if n and n > 0 else available_cpus()
