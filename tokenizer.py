@@ -33,7 +33,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 from utils.config import Config
-from utils.data.textio import iter_articles
+from utils.data.textio import iter_articles, text_lines
 from utils.data.tok import (SPECIAL_TOKENS, SPM_CONVERSION, conversion_of, encode_plain, fingerprint, has_tokenizer_files, load_tokenizer_from,
                        looks_like_path, plain, save_dir, save_tokenizer, special_ids,
                        special_merges, special_tokens, tokenizer_source)
@@ -207,19 +207,7 @@ def iter_documents(files: Iterable[Path], max_documents: Optional[int] = None) -
 def _iter_lines(path: Path) -> Iterator[str]:
     """Non-empty lines of a plain text file (one document per line); a line that is not UTF-8
     is a PipelineError naming ``file:line``."""
-    lineno = 0
-    try:
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                line = raw.decode("utf-8").rstrip("\n")
-                if line:
-                    yield line
-    except UnicodeDecodeError as e:
-        raise PipelineError(f"{path}:{lineno}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                            f"{e.start} of the line); save the file as UTF-8 or leave it out of "
-                            "--input") from None
-    except OSError as e:
-        raise PipelineError(f"{path}: cannot be read ({e.strerror or e})") from None
+    return text_lines(path, "save the file as UTF-8 or leave it out of --input")
 
 
 def check_vocab_size(vocab_size: int) -> None:

@@ -474,6 +474,12 @@ def test_cli_text_that_is_not_utf8_is_named_with_its_line(saved_spm, tmp_path, t
                     "--vocab-size", 300)
     assert proc.returncode == 1 and f"{bad}:2: not UTF-8 text (byte 0xe9" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+    cleaned = tmp_path / "cleaned_latin1.txt"                # the cleaner's format: the same reader
+    cleaned.write_bytes(bad.read_bytes())
+    proc = run_main("tokenize", "--config", tmp_config(), "--train", "--input", cleaned, "--output", out,
+                    "--vocab-size", 300)
+    assert proc.returncode == 1 and f"{cleaned}:2: not UTF-8 text (byte 0xe9" in proc.stderr, proc.stderr
+    assert "python main.py clean" in proc.stderr and "unexpected" not in proc.stderr and not out.exists()
 
 
 def test_cli_train_without_input_exits_1(samples, tmp_config):

@@ -58,7 +58,7 @@ from utils.cli import PipelineError
 from utils.data.parallel import ordered_map
 from utils.data.shards import (FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, shard_name,
                           shard_set_metadata, write_metadata, write_shard)
-from utils.data.textio import CleanedFileError, iter_articles
+from utils.data.textio import iter_articles
 from utils.data.tok import encode_plain
 
 PROGRESS_FILE = ".progress.json"
@@ -592,11 +592,8 @@ def cleaned_article_stream(paths: list[Path]) -> Stream:
     def open_stream(start: int, resume: Optional[dict] = None) -> Iterator[tuple[str, Optional[str]]]:
         # Local files: skipping documents is cheap, no saved stream state is needed.
         def documents() -> Iterator[tuple[str, Optional[str]]]:
-            try:
-                for text in itertools.islice(iter_articles(paths), start, None):
-                    yield text, None
-            except CleanedFileError as e:
-                raise PipelineError(str(e)) from None
+            for text in itertools.islice(iter_articles(paths), start, None):   # TextFileError: a PipelineError
+                yield text, None
         return documents()
     return open_stream
 

@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from utils.cli import PipelineError
+
 
 def escape_article(text: str) -> str:
     """Article text -> one line (no newline characters)."""
@@ -32,26 +34,33 @@ def unescape_article(line: str) -> str:
     return _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line)
 
 
-class CleanedFileError(ValueError):
-    """A cleaned-article file that cannot be read (message names ``file:line``)."""
+class TextFileError(PipelineError):
+    """A text file that cannot be read as UTF-8 lines (the message names ``file:line``)."""
+
+
+def text_lines(path: Path, advice: str) -> Iterator[str]:
+    """The non-empty lines of a UTF-8 text file, without their line ends. A line that is not
+    UTF-8, or a file that cannot be read, raises TextFileError naming ``file:line`` and ending
+    with ``advice`` (what the user can do about it)."""
+    lineno = 0
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = raw.decode("utf-8").rstrip("\n")
+                if line:
+                    yield line
+    except UnicodeDecodeError as e:
+        raise TextFileError(f"{path}:{lineno}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                            f"{e.start} of the line); {advice}") from None
+    except OSError as e:
+        raise TextFileError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
 def iter_articles(paths: Iterable[Path]) -> Iterator[str]:
     """Yield unescaped articles from cleaned files, in the given file order, skipping blank lines.
-
-    A line that is not UTF-8 or a file that cannot be read raises CleanedFileError naming
-    ``file:line``: cleaned files are the cleaner's output, so this means damage, not data."""
+    A damaged file is a TextFileError: cleaned files are the cleaner's output, so this means
+    damage, not data."""
     for p in paths:
-        lineno = 0
-        try:
-            with open(p, "rb") as f:
-                for lineno, raw in enumerate(f, 1):
-                    line = raw.decode("utf-8").rstrip("\n")
-                    if line:
-                        yield unescape_article(line)
-        except UnicodeDecodeError as e:
-            raise CleanedFileError(f"{p}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line); "
-                                   "cleaned files are written by `python main.py clean`: re-run it "
-                                   "for this input, or remove the file") from None
-        except OSError as e:
-            raise CleanedFileError(f"{p}: cannot be read ({e.strerror or e})") from None
+        for line in text_lines(p, "cleaned files are written by `python main.py clean`: re-run it "
+                                  "for this input, or remove the file"):
+            yield unescape_article(line)
