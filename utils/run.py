@@ -70,7 +70,6 @@ def _weight_shapes(model_args: dict, weights: Optional[dict] = None) -> dict:
     """{weight name: shape} of the model ``model_args`` build (on the meta device: no memory).
     ``weights`` (the checkpoint's): their layer count is checked first, so stored args that ask
     for a trillion layers fail at once instead of building them one by one."""
-    import re
     import torch
     from model import ModelArgs, create_model
     args = ModelArgs.from_dict(model_args)
