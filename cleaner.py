@@ -74,7 +74,7 @@ from xml.parsers import expat
 from utils.atomic import atomic_open, temp_path, write_json_atomic
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 
-from utils.data.parallel import ordered_map
+from utils.data.parallel import die_with_parent, ordered_map, os_parent_of_workers
 from utils.data.textio import escape_article
 from utils.data.mediawiki import (CleanOptions, ConversionBug, Converted, InputFormatError, convert_record,
                                   detect_format, is_redirect_text, iter_xml_pages, open_binary)
@@ -338,13 +338,16 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)     # parent's) must not cut the unwinding (temp file, pool)
 
 
-def _worker_main(index: int, task: tuple, messages) -> None:
+def _worker_main(index: int, task: tuple, messages, parent: Optional[int]) -> None:
     """Worker process: clean one file and send its FileResult back.
 
     Ctrl-C is ignored here: the parent handles it by terminating workers (SIGTERM, which
-    unwinds this process so its temp file is removed); a finished output is never touched."""
+    unwinds this process so its temp file is removed); a finished output is never touched.
+    The same SIGTERM comes when the parent dies without stopping it (killed with SIGKILL:
+    ``die_with_parent``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    die_with_parent(parent, signal.SIGTERM)
     result = clean_file(*task, progress=lambda n: messages.put(("progress", index, n)))
     messages.put(("done", index, result))
 
@@ -388,7 +391,8 @@ def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
         while todo or running:
             while todo and len(running) < workers:
                 index, task = todo.pop(0)
-                proc = ctx.Process(target=_worker_main, args=(index, task, messages),
+                proc = ctx.Process(target=_worker_main,
+                                   args=(index, task, messages, os_parent_of_workers(ctx)),
                                    name=f"clean-{Path(task[0]).name}")
                 proc.start()
                 running[index] = proc

@@ -454,6 +454,56 @@ def test_ctrl_c_exits_130_without_partial_output(samples, tmp_config, tmp_path, 
     assert not alive, f"processes left running: {alive}"
 
 
+@pytest.mark.parametrize("workers, files", [("2", 1), ("4", 2)],
+                         ids=["records-in-parallel", "files-with-converters"])
+def test_stage_killed_with_sigkill_leaves_no_worker_running(samples, tmp_config, tmp_path, workers, files):
+    """The stage itself killed with SIGKILL mid-run (the out-of-memory killer, `kill -9`, a
+    supervisor after its grace period), which it cannot catch to stop its workers: every worker
+    process dies with it (they ran on, orphaned, before), main.py says how the stage ended, and
+    file workers, which get SIGTERM, remove their temp files."""
+    raw = ENWIKI_XML.parent
+    if files > 1:
+        raw = tmp_path / "raw"
+        raw.mkdir()
+        for k in range(files):
+            (raw / f"{k}-{ENWIKI_XML.name}").symlink_to(ENWIKI_XML)
+    cfg = tmp_config({"wikipedia": {"raw_dir": str(raw)}})
+    err_file = tmp_path / "stderr.txt"
+    below: list[int] = []
+    with err_file.open("w") as err_out:                  # a file: orphans would hold a pipe open
+        proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "clean", "--config", str(cfg),
+                                 "--workers", workers], stdout=subprocess.PIPE, stderr=err_out, text=True,
+                                env=offline_env(), cwd=ROOT, start_new_session=True,
+                                preexec_fn=default_signals)
+    try:
+        assert proc.stdout.readline().startswith(f"Cleaning {files} of {files}")
+        workers_up = {("2", 1): 2, ("4", 2): 2 + 2 * 2}[workers, files]   # below the stage
+        deadline = time.monotonic() + 60
+        while not list(out_dir(tmp_path).glob(".*tmp-*")) or len(descendants(proc.pid)) < 1 + workers_up:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        (stage,) = child_pids(proc.pid)
+        below = descendants(stage)
+        assert len(below) == workers_up
+        os.kill(stage, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+        deadline = time.monotonic() + 20
+        while (alive := [p for p in below if Path(f"/proc/{p}").exists()]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive, f"worker processes left running after the stage was killed: {alive}"
+    finally:
+        for pid in [proc.pid] + below:                   # nothing outlives a failed test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=60)
+        proc.stdout.close()
+    assert "Stage 'clean' was killed by SIGKILL (exit 137)" in err_file.read_text()
+    if files > 1:                                    # the files were the workers' to write
+        assert not list(out_dir(tmp_path).glob("cleaned_*")) and no_partials(out_dir(tmp_path))
+
+
 @pytest.mark.skipif(cleaner.mp.get_start_method() != "fork", reason="patches the forked worker")
 def test_dead_worker_fails_its_file_only(tmp_path, monkeypatch):
     good, bad = write_jsonl(tmp_path / "good.jsonl", bad_lines=()), write_jsonl(tmp_path / "bad.jsonl")
