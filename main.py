@@ -78,6 +78,7 @@ MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ROUTER_PID_ENV = "LLM_PIPELINE_ROUTER_PID"   # utils/cli.py: a stage stops when this process dies
 SI_KERNEL = 0x80   # siginfo si_code of a signal the kernel sent (a terminal's Ctrl-C), Linux
 
 
@@ -125,6 +126,7 @@ def launch_stage(name: str, args: Sequence[str], report: bool = True) -> int:
         return EXIT_FAILURE
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[ROUTER_PID_ENV] = str(os.getpid())
     # Signals ignored on entry stay ignored (the stage inherits that); the others are held
     # (blocked) while the stage runs and taken with sigwaitinfo, which tells who sent them.
     forwarded = {s for s in FORWARDED_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}

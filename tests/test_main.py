@@ -207,3 +207,11 @@ def test_menu_ctrl_c_at_prompt_exits_130(tmp_path):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 130
+
+
+def test_router_pid_variable_has_one_name_in_main_and_the_stages():
+    """main.py does not import the project's modules (its start stays fast), so the name of the
+    variable that tells a stage its router's pid is written in both; they must agree, or a
+    stage would run on after main.py is killed (tests/test_train.py drives that case)."""
+    from utils import cli
+    assert main.ROUTER_PID_ENV == cli.ROUTER_PID_ENV

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import (SPM_MODEL, offline_env, paused_env, popen_main, run_main, wait_for_line,
+from tests.conftest import (SPM_MODEL, child_pids, offline_env, paused_env, popen_main, run_main, wait_for_line,
                             write_config)
 from utils.run import load_checkpoint
 from utils.training.logging_utils import latest_per_step, read_jsonl
@@ -186,6 +186,41 @@ def test_sigterm_exits_130_and_max_steps_is_the_run_total(root, cfg):
     ok(train(cfg, "--name", "term", "--max-steps", step + 3, "--resume", "auto"))
     assert load_checkpoint(ck, "resume")["step"] == step + 3
     assert sorted(losses(log_of(root, "term"))) == list(range(1, step + 4))
+
+
+def running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an orphan's exit is reaped by init, not by us)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_main_py_killed_with_sigkill_stops_the_stage_as_sigterm_would(root, cfg):
+    """main.py killed with SIGKILL (a supervisor's timeout, `kill -9` on the router) cannot
+    forward anything: the training stage it started gets SIGTERM from the kernel and stops as on
+    SIGTERM, its state saved, instead of training on orphaned (it did before)."""
+    p = popen_main("train", "--test", "--config", cfg, *FLAGS, "--name", "orphan", "--max-steps", 200,
+                   env=paused_env(2))
+    try:
+        wait_for_line(p, "paused after step 2")
+        (stage,) = child_pids(p.pid)
+        p.kill()
+        assert p.wait(timeout=60) == -signal.SIGKILL
+        deadline = time.monotonic() + 120
+        while running(stage) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        err = p.stderr.read()                        # complete once the stage has exited
+    finally:
+        for pid in [p.pid, *child_pids(p.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not running(stage), f"stage pid {stage} still running after main.py died"
+    assert "interrupted at step 2/200 (SIGTERM); saved" in err, err
+    assert load_checkpoint(root / "checkpoints" / "orphan" / "checkpoint_latest.pt", "resume")["step"] == 2
+    assert any(r.get("event") == "interrupted" for r in log_of(root, "orphan"))
 
 
 def test_resume_with_another_tokenizer_refused(root, cfg, shard_dir, full_run):

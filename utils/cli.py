@@ -7,7 +7,8 @@ Every stage parses its arguments with :class:`StageParser` (which adds ``--confi
 - 0 success;
 - 130 stopped by Ctrl-C (SIGINT) or SIGTERM: run_stage turns SIGTERM into the same
   ``KeyboardInterrupt`` path as Ctrl-C (as :class:`Terminated`), so a stage's cleanup code
-  runs for both; completed work stays on disk;
+  runs for both; completed work stays on disk. A stage main.py started gets that SIGTERM when
+  main.py dies without forwarding one (killed with SIGKILL): it does not run on, orphaned;
 - 2 usage or configuration error (:class:`UsageError`, ``ConfigError``);
 - 1 an expected failure (:class:`PipelineError`: its message is the whole report), or an
   unexpected exception: one paragraph saying what failed and where (the innermost frame of
@@ -51,6 +52,7 @@ class Terminated(KeyboardInterrupt):
 
 
 DEBUG_ENV = "LLM_PIPELINE_DEBUG"
+ROUTER_PID_ENV = "LLM_PIPELINE_ROUTER_PID"   # set by main.py for the stages it starts (the same name there)
 
 
 class _StageContext:
@@ -215,6 +217,10 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:   # nohup / `cmd &` keep ignoring
             signal.signal(signum, _on_stop)
+    router = os.environ.get(ROUTER_PID_ENV, "")
+    if router.isdigit() and int(router) == os.getppid():   # started by main.py (not its workers)
+        from utils.data.parallel import die_with_parent
+        die_with_parent(int(router), signal.SIGTERM)       # main.py killed: stop as on SIGTERM
     try:
         code = main_fn(argv) or EXIT_OK
     except Terminated:
