@@ -166,6 +166,43 @@ def test_text_decoder_never_cuts_a_character(samples):
     assert dec.finish() == ""
 
 
+def test_text_decoder_keeps_shown_text_when_the_reply_ends_inside_a_character(samples):
+    """A reply cut (max_tokens) after a newline byte token and two of an emoji's four byte
+    tokens: the full decode renders the three byte tokens as one U+FFFD each, rewriting the
+    newline already shown. The pieces keep the newline and add the unfinished bytes' own text;
+    they repeated the whole reply after a newline before."""
+    from tests.conftest import SPM_MODEL
+    from utils.data.tok import load_tokenizer_from
+    tok = load_tokenizer_from(str(SPM_MODEL))
+    ids = tok.convert_tokens_to_ids(["\u2581Hi", "<0x0A>", "<0xF0>", "<0x9F>"])
+    assert tok.decode(ids) == "Hi\ufffd\ufffd\ufffd"          # what the rewrite looks like
+    for prefix in ([], tok.convert_tokens_to_ids(["\u2581Well"])):
+        dec = TextDecoder(tok, prefix)
+        pieces = [dec.push(t) for t in ids]
+        assert pieces == ["Hi" if not prefix else " Hi", "\n", "", ""]
+        assert dec.finish() == "\ufffd\ufffd"
+        assert dec.finish() == "" and dec.shown == "".join(pieces) + "\ufffd\ufffd"
+
+
+def test_a_temperature_too_small_for_float32_is_greedy_and_fails_no_other_row():
+    """temperature 1e-300 (or 5e-324) made logits / T infinite and the softmax NaN: the engine
+    step raised, ending every sequence of the batch with an error. Below GREEDY_BELOW it is
+    the greedy limit, and the rows beside it keep their own lone-run tokens."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g) * 30
+    for t in (1e-300, 5e-324, 1e-21):
+        assert torch.equal(E.sample_next(logits, t, generator=g), logits.argmax(dim=-1))
+    m = build(seed=3)
+    tiny = ([1, 2, 3], E.SamplingParams(12, 1e-300, seed=5))
+    other = ([4, 5], E.SamplingParams(12, 0.9, top_p=0.9, seed=6))
+    b = Engine(m).batcher(2, 64)
+    rows = [b.add(E.Sequence(p, params)) for p, params in (tiny, other)]
+    while b.has_work():
+        assert not [e for e in b.step() if e.finish == "error"]
+    assert (rows[0].tokens, rows[0].finish) == _lone(m, ([1, 2, 3], E.SamplingParams(12, 0.0)))
+    assert (rows[1].tokens, rows[1].finish) == _lone(m, other)
+
+
 # --------------------------------------------------------------------------- continuous batching
 def _lone(m, seq_args):
     """What one sequence gives alone in its own one-slot batcher."""

@@ -58,6 +58,15 @@ def test_scripted_output_equals_model_generate_with_the_same_seed(work):
     assert "tokens/s" in r.stderr          # statistics go to stderr, never into the pipeline
 
 
+def test_a_temperature_below_float32s_reach_is_greedy(work):
+    """--temperature 1e-300 made the sampling step's softmax NaN (an unexpected error); it is
+    the greedy limit: the same text as --temperature 0."""
+    runs = [run_main("infer", "--config", work["cfg"], "--checkpoint", work["pre"], "--prompt", "The river",
+                     "--max-new-tokens", "10", "--temperature", t, "--seed", "3") for t in ("1e-300", "0")]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
+
+
 def test_scripted_sft_checkpoint_uses_the_chat_template_and_json(work):
     from utils.data import sft
     tok = tokenizer()

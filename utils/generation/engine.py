@@ -10,17 +10,17 @@ effects).
     b = engine.batcher(slots=8)                             continuous batching (serve):
     b.add(Sequence(ids, SamplingParams(...), tok=tok, sink=fn)); b.step() -> [Event, ...]
 
-Contract: greedy (temperature 0), temperature, top-k (0 disables), top-p (1.0 disables);
-each sequence samples with a private ``torch.Generator`` seeded by its ``seed`` (the global
-RNG is untouched; None draws a fresh seed; ``generate`` gives row r ``seed + r``); EOS (one id
-or several) ends a row and is never returned; stop strings end it and never appear in its
-text (:class:`TextStream`). Every call goes through :class:`Batcher`: a prompt is prefilled
-alone into its own cache slot, then all running rows decode together, each at its own
-position, and rows join and leave at step boundaries; each row gets what it would get alone
-(to float rounding, see Batcher). The model is put in eval mode for a call and back in its
-previous mode after; each step runs in inference mode with its own thread count
-(``step_threads``), both restored before the caller's code runs again, so ``stream`` can
-yield between steps and torch's global thread count is never left changed.
+Contract: greedy (temperature 0, or below ``GREEDY_BELOW``), temperature, top-k (0 disables),
+top-p (1.0 disables); each sequence samples with a private ``torch.Generator`` seeded by its
+``seed`` (the global RNG is untouched; None draws a fresh seed; ``generate`` gives row r
+``seed + r``); EOS (one id or several) ends a row and is never returned; stop strings end it and never
+appear in its text (:class:`TextStream`). Every call goes through :class:`Batcher`: a prompt is
+prefilled alone into its own cache slot, then all running rows decode together, each at its own
+position, and rows join and leave at step boundaries; each row gets what it would get alone (to
+float rounding, see Batcher). The model is put in eval mode for a call and back in its previous
+mode after; each step runs in inference mode with its own thread count (``step_threads``), both
+restored before the caller's code runs again, so ``stream`` can yield between steps and torch's
+global thread count is never left changed.
 
 Memory: a batcher's KV cache is slots x (layers x 2 x n_kv_heads x capacity x head_dim)
 values in the weights' dtype, allocated once (``generate``: one slot per prompt, capacity
@@ -113,10 +113,18 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+GREEDY_BELOW = 1e-20
+"""Temperatures below this are greedy: logits / T overflows float32 there (a logit of 10^19
+at 1e-20; of 20 at 1e-38), and the softmax of infinities is NaN, which failed the engine step
+of every sequence in the batch. The distribution at such a temperature is the argmax's (a
+token less likely by float32's smallest logit step gets e^-(10^13))."""
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """(B, V) logits -> (B,) token ids. Temperature 0 is greedy (argmax)."""
-    if temperature == 0:
+    """(B, V) logits -> (B,) token ids. Temperature 0 (below ``GREEDY_BELOW``) is greedy
+    (argmax)."""
+    if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     logits = top_p_filter(top_k_filter(logits.float() / temperature, top_k), top_p)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
@@ -171,7 +179,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 class Sequence:
@@ -662,8 +670,11 @@ class TextDecoder:
     """Incremental detokenization: ``push(id)`` returns the text that became final with that
     token ("" while a character is still incomplete: the decoded tail ends in U+FFFD, or the
     new text would change what was already shown), ``finish()`` the rest. Joined, the pieces
-    equal ``tok.decode(ids, skip_special_tokens=True)``, except that a decode which rewrites
-    earlier text is finished with a newline and the full text.
+    equal ``tok.decode(ids, skip_special_tokens=True)``, except where that decode changes text
+    already shown: byte-fallback tokens of a character cut short at the end (max_tokens) decode
+    together with the byte tokens before them, one U+FFFD each, so a shown "\n" (``<0x0A>``)
+    would turn into U+FFFD. Then what was shown stays and the held-back tokens' own text
+    follows (it repeated the whole text after a newline before).
 
     Cost: each push decodes a short window (the tokens shown by the previous piece, those
     held back since, and the new one), not the whole sequence: a decode of everything per
@@ -724,8 +735,14 @@ class TextDecoder:
         final = self.text()
         if final == self.shown:
             return ""
-        piece = final[len(self.shown):] if final.startswith(self.shown) else "\n" + final
-        self.shown = final
+        if final.startswith(self.shown):
+            piece = final[len(self.shown):]
+        else:                                           # see the class docstring
+            window = self._all[self._start:]
+            before, now = self.dec(window[:self._read - self._start]), self.dec(window)
+            piece = now[len(before):] if now.startswith(before) else self.dec(self._all[self._read:])
+        self.shown += piece
+        self._start = self._read = len(self._all)      # all shown: a second finish() gives ""
         return piece
 
 
