@@ -446,7 +446,7 @@ def build_parser() -> StageParser:
     p.add_argument("--load", metavar="DIR", type=cli_path,
                    help="use a saved tokenizer directory (as written by this stage)")
     p.config_flag("--save-dir", key="tokenizer.save_dir", type=cli_path, metavar="DIR",
-                  help="where the default action saves the tokenizer")
+                  help="where the default action saves the tokenizer (it replaces only an earlier save)")
     p.add_argument("--add-special-tokens", action="store_true",
                    help="--encode: add BOS and EOS around the ids")
     p.add_argument("--skip-special-tokens", action="store_true",
@@ -457,7 +457,8 @@ def build_parser() -> StageParser:
     p.add_argument("--input", nargs="+", type=cli_path, metavar="FILE_OR_DIR",
                    help="--train: text files or folders (default: paths.cleaned_dir)")
     p.add_argument("--output", type=cli_path, metavar="DIR",
-                   help="--train: output folder (default: tokenizers/<tokenizer.train_name>)")
+                   help="--train: output folder (default: tokenizers/<tokenizer.train_name>; it replaces "
+                        "only an earlier save)")
     p.config_flag("--vocab-size", key="tokenizer.train_vocab_size", type=int, metavar="N",
                   help="--train: vocabulary size")
     p.config_flag("--min-frequency", key="tokenizer.train_min_frequency", type=int, metavar="N",

@@ -441,6 +441,38 @@ def test_cli_bad_decode_exits_2(saved_spm):
     assert "'x'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_cli_save_never_replaces_a_folder_it_did_not_write(saved_spm, samples, tmp_path):
+    """`tokenize --save-dir DIR` and `--train --output DIR` replaced DIR whatever it held
+    (`--save-dir .` in a source checkout deleted the checkout, exit 0). A folder holding other
+    files, a file, or a folder of tokenizer files without our info file is refused with exit 1,
+    untouched; an earlier save is replaced as before."""
+    root, cfg, _ = saved_spm
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    hf = tmp_path / "hf_download"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_text("{}")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me too")
+    for target, why in ((mine, "it holds notes.txt, sub"), (hf, "no pipeline_tokenizer.json"),
+                        (a_file, "not a folder")):
+        before = sorted((p.relative_to(tmp_path), p.read_bytes() if p.is_file() else None)
+                        for p in [target, *target.rglob("*")])
+        for args in (["--save-dir", target], ["--train", "--input", NEWS, "--vocab-size", 300, "--output", target]):
+            proc = run_main("tokenize", "--config", cfg, *args)
+            assert proc.returncode == 1, proc.stderr
+            assert str(target) in proc.stderr and why in proc.stderr and "Nothing was changed" in proc.stderr
+            assert "Traceback" not in proc.stderr
+            assert sorted((p.relative_to(tmp_path), p.read_bytes() if p.is_file() else None)
+                          for p in [target, *target.rglob("*")]) == before
+    proc = run_main("tokenize", "--config", cfg, "--save-dir", ".", cwd=mine)
+    assert proc.returncode == 1 and (mine / "notes.txt").read_text() == "keep me"
+    again = run_main("tokenize", "--config", cfg)                 # over its own earlier save
+    assert again.returncode == 0, again.stderr
+    assert (root / "tokenizers" / "mistral-v1" / tok_lib.INFO_FILE).is_file()
+
+
 def test_cli_train(samples, tmp_path, tmp_config, bpe_tok):
     cfg = tmp_config()
     proc = run_main("tokenize", "--config", cfg, "--train", "--input", NEWS, "--vocab-size", 600)

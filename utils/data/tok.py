@@ -412,15 +412,49 @@ def _info(tok, source: str) -> dict:
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
+# What a tokenizer save writes (save_pretrained, the SentencePiece model, our info file, the
+# stage's resolved config): a folder holding anything else is never replaced by a save.
+SAVED_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                         "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+                         "chat_template.jinja", "chat_template.json", "resolved_config.json", INFO_FILE})
+
+
+def _not_replaceable(directory: Path, ours: bool) -> Optional[str]:
+    """Why a save may not replace ``directory`` (None: it may): it must be absent, empty, or
+    hold only files a tokenizer save writes (``SAVED_FILES``, no folders or links), and with
+    ``ours`` also this pipeline's info file (an earlier save, not a folder a user filled)."""
+    if not directory.exists() and not directory.is_symlink():
+        return None
+    if directory.is_symlink() or not directory.is_dir():
+        return "it is not a folder"
+    entries = sorted(directory.iterdir())
+    other = [e.name for e in entries if e.name not in SAVED_FILES or e.is_symlink() or not e.is_file()]
+    if other:
+        more = f" and {len(other) - 5} more" if len(other) > 5 else ""
+        return f"it holds {', '.join(other[:5])}{more}, which a tokenizer save does not write"
+    if ours and entries and not (directory / INFO_FILE).is_file():
+        return f"it has no {INFO_FILE}: not a tokenizer this pipeline saved"
+    return None
+
+
 def save_tokenizer(tok, directory: Path, source: str, extra: Optional[dict] = None) -> dict:
     """save_pretrained into ``directory`` plus pipeline_tokenizer.json; returns that info.
 
     Written into a sibling temp directory first and then moved into place, so an interrupted
-    save never leaves a half-written tokenizer where the other stages look for one.
+    save never leaves a half-written tokenizer where the other stages look for one. Replaces
+    only an earlier save (or an empty folder): any other existing ``directory`` (a file, a
+    folder holding other files: ``--save-dir .`` once took a source checkout) is refused with
+    a PipelineError before anything is written.
     """
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory = Path(directory).absolute()
     tmp = directory.with_name(directory.name + ".tmp")
+    for place, ours in ((directory, True), (tmp, False)):
+        why = _not_replaceable(place, ours)
+        if why is not None:
+            raise PipelineError(f"{place} already exists and {why}; a tokenizer save replaces only an "
+                                "earlier save. Nothing was changed: choose another folder (--save-dir, "
+                                "--output) or move that one away first.")
+    directory.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tok.save_pretrained(str(tmp))
