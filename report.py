@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from utils.cli import StageParser, UsageError, cli_path, run_stage
+from utils.cli import StageParser, cli_path, run_stage
 
 
 def build_parser() -> StageParser:
@@ -50,11 +50,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def check_names(runs: Sequence[str]) -> list[str]:
     """Run names as given, once each; a name is a folder name, never a path."""
+    from utils.run import check_run_name
     out: list[str] = []
     for run in runs:
-        if run in ("", ".", "..") or "/" in run or "\\" in run or "\0" in run:
-            raise UsageError(f"{run!r} is not a run name: give the name of a run folder "
-                             "(`python main.py status` lists them), not a path.")
+        check_run_name(run, "RUN")
         if run not in out:
             out.append(run)
     return out

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, run_stage
-from utils.run import list_runs, run_checkpoints
+from utils.run import check_run_name, list_runs, run_checkpoints
 from utils.training.logging_utils import TERMINAL_EVENTS, finite as _finite
 
 MIN_STALE_S = 120.0
@@ -216,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"  {name:<32} {s['state']:<12} {step:<18} loss {_num(s['loss'])}  "
                   f"val {_num(s['val_loss'])}  {len(s['checkpoints'])} checkpoint(s)")
         return 0
-    s = summarize(args.run, ckdir, logs)
+    s = summarize(check_run_name(args.run, "RUN"), ckdir, logs)
     print(json.dumps(s, indent=2) if args.json else format_summary(s))
     return 0
 

@@ -224,8 +224,10 @@ def open_run(cfg, args, tok, tok_info, proc: Process, imported=None) -> Start:
     one (a name, a model from the config); refuses to start over an existing run."""
     import model as model_lib
     from utils.training import distributed as D
-    from utils.run import load_checkpoint, require_same_tokenizer, resume_checkpoint
+    from utils.run import check_run_name, load_checkpoint, require_same_tokenizer, resume_checkpoint
     hp, ckdir = cfg.training, cfg.path("paths.checkpoints_dir")
+    if hp.run_name is not None:
+        check_run_name(hp.run_name, "--name (training.run_name)")
     ckpt = None
     if args.resume:
         path = resume_checkpoint(ckdir, args.resume, hp.run_name)

@@ -133,6 +133,22 @@ def test_reused_run_name_refused(root, cfg, full_run):
     assert ck.stat().st_mtime_ns == before
 
 
+def test_a_run_name_that_is_a_path_is_refused_before_anything_is_written(root, cfg, tmp_path):
+    """--name ../../x, /abs, a/b, . or .. wrote checkpoints outside paths.checkpoints_dir (or
+    into it as a run); status read such paths too. Exit 2 naming the flag, nothing written."""
+    outside = tmp_path / "escape"
+    before = sorted(p.name for p in (root / "checkpoints").iterdir())
+    for name in (f"../../{outside.name}", str(outside), "a/b", ".", "..", ""):
+        r = train(cfg, "--name", name, "--max-steps", 1)
+        assert r.returncode == 2, (name, r.stderr)
+        assert "--name (training.run_name)" in r.stderr and "is not a run name" in r.stderr
+        assert "Traceback" not in r.stderr
+    assert not outside.exists() and sorted(p.name for p in (root / "checkpoints").iterdir()) == before
+    for run in ("../..", "/etc"):
+        r = run_main("status", "--config", cfg, run)
+        assert r.returncode == 2 and "is not a run name" in r.stderr, r.stderr
+
+
 def test_divergence_stops_without_saving_the_broken_weights(root, cfg):
     """A learning rate of 1e30: the validation loss becomes NaN; training stops there with
     exit 1 and what to do, no checkpoint holds the NaN weights, and no sample is drawn from

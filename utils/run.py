@@ -51,7 +51,7 @@ import shlex
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from utils.cli import PipelineError, argv_without
+from utils.cli import PipelineError, UsageError, argv_without
 from utils.config import Config, apply_layer
 
 
@@ -168,6 +168,16 @@ class RunInfo:
     @property
     def legacy(self) -> bool:
         return self.kind == "legacy"
+
+
+def check_run_name(name: str, what: str = "run name") -> str:
+    """``name`` if it is a run name: one folder name under paths.checkpoints_dir, never a path
+    (``../x``, ``/abs``, ``a/b``, ``.``: a run written there would land outside the
+    checkpoints folder, or be the folder itself); else a UsageError naming ``what``."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise UsageError(f"{what} {name!r} is not a run name: give a folder name (letters, digits, "
+                         "'.', '_', '-'; `python main.py status` lists the runs), not a path.")
+    return name
 
 
 def _ckpt_order(p: Path) -> tuple:
