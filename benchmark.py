@@ -160,6 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     b = cfg.benchmark
     print(f"Benchmark: preset {b.preset}{' (--test)' if cfg.test else ''}, tasks {', '.join(tasks)}, "
           f"device {device}, seed {b.seed}", flush=True)
+    check_outputs(args, cfg)
     loaded, selected = load_data(cfg, tasks, limits)
     specs = [("checkpoint", str(p)) for p in ckpts] + [("hf", s) for s in args.hf_model]
     models, records = score_models(cfg, args, specs, device, selected, loaded)
@@ -192,6 +193,33 @@ def plan(args, cfg) -> tuple[list[str], dict]:
                                 "`pip install -r requirements.txt`, or leave the task out with "
                                 "--tasks.")
     return tasks, limits
+
+
+def output_dir(args, cfg) -> Path:
+    return Path(args.output_dir) if args.output_dir else cfg.path("paths.benchmark_dir")
+
+
+def check_outputs(args, cfg) -> None:
+    """Before any model is scored (minutes): the result folder can be made, and each
+    ``--hf-model`` given as a path exists and holds a model (config.json or a .gguf file); a
+    hub name (``org/name``) is left to the loader. A bad one failed only after scoring, and
+    the results were lost."""
+    out = output_dir(args, cfg)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot use {out} as the result folder ({e.strerror or e}): pass another "
+                         "--output-dir (or paths.benchmark_dir).") from None
+    for spec in args.hf_model:
+        path = Path(spec).expanduser()
+        hub_name = not path.is_absolute() and not spec.startswith((".", "~")) and spec.count("/") <= 1
+        if not path.exists():
+            if hub_name and not path.suffix == ".gguf":
+                continue
+            raise UsageError(f"--hf-model {spec}: no such file or folder.")
+        if path.is_dir() and not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
+            raise UsageError(f"--hf-model {spec}: the folder holds no config.json and no .gguf file "
+                             "(a save_pretrained folder, or a folder with a GGUF file).")
 
 
 def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
@@ -296,7 +324,7 @@ def write_report(cfg, args, tasks, limits, device, models, records, loaded) -> N
     b = cfg.benchmark
     table = report.render_table(models, color=report.use_color(sys.stdout) and not args.no_color)
     plain = report.render_table(models, color=False)
-    out_dir = Path(args.output_dir) if args.output_dir else cfg.path("paths.benchmark_dir")
+    out_dir = output_dir(args, cfg)
     paths = report.output_paths(Path(out_dir))
     heatmaps = passkey_heatmaps(models, paths["json"])
     counts = "\n\n".join(x for x in (report.render_passkey(models), report.render_counts(models)) if x)

@@ -493,6 +493,28 @@ def test_cli_refuses_bad_data_file_clearly(models, tmp_path):
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
+def test_bad_seed_output_folder_and_hf_paths_are_refused_before_scoring(models, tmp_path):
+    """benchmark.seed -1 was an unexpected NumPy error; an --output-dir that is a file, and an
+    --hf-model path that does not exist or holds no model, failed only after every model was
+    scored (the results lost). Each is exit 2 naming the flag, before any model loads."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [(["--seed", "-1"], "benchmark.seed"),
+             (["--output-dir", a_file], str(a_file)),
+             (["--output-dir", a_file / "sub"], str(a_file)),
+             (["--hf-model", tmp_path / "missing"], "no such file or folder"),
+             (["--hf-model", empty], "holds no config.json")]
+    for extra, needle in cases:
+        r = run_cli("--test", "--config", "configs/offline.json", models["a"], *extra,
+                    "--tasks", "perplexity", timeout=120)
+        assert r.returncode == 2, (extra, r.stdout[-2000:], r.stderr[-2000:])
+        assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "Model " not in r.stdout                       # nothing was scored
+    assert a_file.read_text() == "keep"
+
+
 def test_ranking_orders_models_and_marks_best():
     from utils.bench import report
 

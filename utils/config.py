@@ -324,7 +324,7 @@ class BenchmarkConfig:
     arc_easy_source: Optional[str] = _f(None, "ARC-Easy hub name or local folder/.jsonl "
                                         "(null: the offline sample, else allenai/ai2_arc)")
     arc_challenge_source: Optional[str] = _f(None, "ARC-Challenge hub name or local folder/.jsonl")
-    seed: int = _f(1234, "seed of the fixed item selection")
+    seed: int = _f(1234, "seed of the fixed item selection", min=0, max=SEED_MAX)
     batch_size: int = _f(8, "sequences per forward pass", min=1)
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "autocast dtype (auto: bf16 on "
                                                         "CUDA, float32 on CPU)")
