@@ -164,6 +164,22 @@ def test_nan_weights_and_wrong_shapes_and_newer_format(tmp_path):
     refused(save_checkpoint(tmp_path / "miss.pt", p), "missing weights")
 
 
+@pytest.mark.parametrize("key, value, match", [
+    ("tokenizer", "x", "entry 'tokenizer' is a str, not a dict"),
+    ("step", "x", "entry 'step' is a str, not a int"),
+    ("step", -5, "entry 'step' is -5, below 0"),
+    ("step", True, "entry 'step' is a bool"),
+    ("config", "x", "entry 'config' is a str, not a dict"),
+    ("metrics", [], "entry 'metrics' is a list, not a dict"),
+    ("rng", 3, "entry 'rng' is a int, not a dict"),
+    ("best_val_loss", "low", "entry 'best_val_loss' is a str, not a number")])
+def test_metadata_entries_of_the_wrong_type_are_refused_by_name(tmp_path, key, value, match):
+    """A damaged or forged entry ('tokenizer': "x", 'step': -5) failed wherever a stage first
+    read it: an unexpected error in infer, export, sft and resume, or, for step -5, a resumed
+    run that trained on from step -5. The loader refuses it, naming the entry."""
+    refused(save_checkpoint(tmp_path / "bad.pt", payload(**{key: value})), match)
+
+
 def test_cli_error_is_one_paragraph(tmp_path):
     """A stage reading a bad checkpoint exits 1 with the message, no traceback."""
     bad = tmp_path / "bad.pt"

@@ -149,6 +149,23 @@ def test_a_run_name_that_is_a_path_is_refused_before_anything_is_written(root, c
         assert r.returncode == 2 and "is not a run name" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("damage", ["rng", "data_position", "step"])
+def test_a_damaged_training_state_stops_the_resume_with_what_to_do(root, cfg, full_run, damage):
+    """A checkpoint whose training state was damaged (rng.ranks a string, a data position
+    without its fields, step -5) was an unexpected error on --resume, or (step -5) trained on
+    from step -5. Exit 1 saying the state is damaged and what to do; nothing is trained."""
+    ck = load_checkpoint(root / "checkpoints" / "full" / "checkpoint_latest.pt", "resume")
+    ck[damage] = {"rng": {"world_size": 1, "ranks": "x"}, "data_position": {"index": "x"}, "step": -5}[damage]
+    run = root / "checkpoints" / f"damaged_{damage}"
+    from utils.training.checkpoint import save_checkpoint
+    save_checkpoint(run / "checkpoint_latest.pt", ck)
+    r = train(cfg, "--name", run.name, "--max-steps", TOTAL + 2, "--resume", "auto")
+    assert r.returncode == 1, r.stderr
+    assert ("training state is damaged" if damage != "step" else "entry 'step' is -5") in r.stderr
+    assert "Traceback" not in r.stderr and "unexpected" not in r.stderr
+    assert not (run / "checkpoint_best.pt").exists()
+
+
 def test_divergence_stops_without_saving_the_broken_weights(root, cfg):
     """A learning rate of 1e30: the validation loss becomes NaN; training stops there with
     exit 1 and what to do, no checkpoint holds the NaN weights, and no sample is drawn from

@@ -44,6 +44,11 @@ RESUME_KEYS = ("optimizer", "scheduler", "step", "epoch", "tokens_seen", "data_p
                "best_val_loss", "config")
 _PREFIXES = ("_orig_mod.", "module.")
 CHECKPOINT_GLOB = "checkpoint_*.pt"
+# The metadata entries' types (None allowed, as an entry may be absent): a damaged or forged
+# value is refused here, by name, instead of failing wherever a stage first reads it.
+ENTRY_TYPES = {"kind": str, "tokenizer": dict, "config": dict, "chat_template": dict, "metrics": dict,
+               "optimizer": dict, "scheduler": dict, "grad_scaler": dict, "data_position": dict,
+               "rng": dict, "step": int, "epoch": int, "tokens_seen": int, "best_val_loss": (int, float)}
 
 
 class CheckpointError(PipelineError):
@@ -250,6 +255,17 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
         raise CheckpointError(path, "entry 'model' is not a state_dict of tensors.")
     if not isinstance(ckpt["model_args"], dict):
         raise CheckpointError(path, "entry 'model_args' is not a dict of model settings.")
+    for key, kind in ENTRY_TYPES.items():
+        v = ckpt.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, kind):
+            want = "a number" if key == "best_val_loss" else f"a {kind.__name__}"
+            raise CheckpointError(path, f"entry {key!r} is a {type(v).__name__}, not {want}: a damaged "
+                                        "checkpoint. Use another checkpoint of the run.")
+        if kind is int and v < 0:
+            raise CheckpointError(path, f"entry {key!r} is {v}, below 0: a damaged checkpoint. Use "
+                                        "another checkpoint of the run.")
     if purpose == "resume":
         missing = [k for k in RESUME_KEYS
                    if k not in ckpt or (ckpt[k] is None and k != "best_val_loss")]

@@ -532,7 +532,18 @@ class Trainer:
         }
 
     def load_state(self, ckpt: dict) -> None:
-        """Continue from a ``load_checkpoint(path, purpose="resume")`` dict (weights included)."""
+        """Continue from a ``load_checkpoint(path, purpose="resume")`` dict (weights included).
+        A training state whose parts have the right types but not the right contents (a
+        forged or damaged rng, data_position, optimizer or metrics entry) is a PipelineError
+        saying so, not an unexpected error from the part that reads it."""
+        try:
+            self._load_state(ckpt)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise PipelineError(f"the checkpoint's training state is damaged ({type(e).__name__}: {e}); "
+                                "resume from another checkpoint of the run, or start a new run "
+                                "without --resume.") from None
+
+    def _load_state(self, ckpt: dict) -> None:
         self.raw_model.load_state_dict(ckpt["model"], strict=True)
         opt_states = ckpt["optimizer"]
         if set(opt_states) != set(self.optimizers):
