@@ -51,6 +51,7 @@ IGNORE_INDEX = -100
 
 
 MAX_POSITIONS = 1 << 22     # max_seq_len limit: RoPE tables of 4M positions x head_dim 128 take 2 GiB
+MAX_PARAMS = 10 ** 12        # a model of more weights is refused before anything is built (4 TB in fp32)
 
 
 @dataclass
@@ -99,6 +100,11 @@ class ModelArgs:
             p.append(f"model.max_seq_len: {self.max_seq_len:,} positions is beyond the {MAX_POSITIONS:,} this "
                      "model supports (its RoPE tables cover max_seq_len positions)")
         p += attention_shape_problems(self.d_model, self.n_heads, self.n_kv_heads)
+        if not p and self.weight_count() > MAX_PARAMS:
+            p.append(f"model: vocab_size {self.vocab_size:,}, d_model {self.d_model:,}, n_layers "
+                     f"{self.n_layers:,} and ffn_hidden {self.ffn_hidden:,} make {self.weight_count():.3g} "
+                     f"weights, beyond the {MAX_PARAMS:.0e} this pipeline builds (building them layer by "
+                     "layer hung or ran out of memory); lower them")
         if self.activation not in HF_ACT_NAMES:
             p.append(f"model.activation: {self.activation!r} is not one of {', '.join(HF_ACT_NAMES)}")
         if self.norm not in ("rmsnorm", "layernorm"):
@@ -126,6 +132,14 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def weight_count(self) -> int:
+        """The model's parameters, from the arguments alone (no model built): embeddings (and an
+        untied head), per layer the attention and gated-MLP products and two norms, the final norm."""
+        d, hd = self.d_model, self.d_model // self.n_heads
+        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        layer = attn + 3 * d * self.ffn_hidden + 2 * d
+        return self.n_layers * layer + self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
 
     @property
     def segment(self) -> Optional[int]:

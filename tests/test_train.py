@@ -166,6 +166,19 @@ def test_a_damaged_training_state_stops_the_resume_with_what_to_do(root, cfg, fu
     assert not (run / "checkpoint_best.pt").exists()
 
 
+@pytest.mark.parametrize("shape", [{"n_layers": 100_000_000}, {"d_model": 10 ** 9, "n_heads": 10 ** 6,
+                                                                  "n_kv_heads": 10 ** 6}])
+def test_a_model_too_large_to_build_is_a_configuration_error(root, cfg, shape):
+    """model.n_layers 10^8 hung building the layers one by one; d_model 10^9 was an unexpected
+    allocation error. Both are refused before anything is built: exit 2 naming the keys."""
+    big = write_config(root, {"tokenizer": {"name": str(SPM_MODEL)}, "model": shape},
+                       f"big_{len(shape)}.json")
+    r = run_main("train", "--test", "--config", big, "--name", f"big_{len(shape)}", "--max-steps", 1,
+                 timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "this pipeline builds" in r.stderr and "n_layers" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_divergence_stops_without_saving_the_broken_weights(root, cfg):
     """A learning rate of 1e30: the validation loss becomes NaN; training stops there with
     exit 1 and what to do, no checkpoint holds the NaN weights, and no sample is drawn from
