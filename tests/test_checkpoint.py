@@ -150,7 +150,9 @@ def test_nan_weights_and_wrong_shapes_and_newer_format(tmp_path):
     refused(save_checkpoint(tmp_path / "shape.pt", p), "shapes disagree")
     p = payload()                                   # refused before any layer is built (no hang)
     p["model_args"] = {**ARGS.to_dict(), "n_layers": 10 ** 12}
-    refused(save_checkpoint(tmp_path / "layers.pt", p), f"n_layers is {10 ** 12} but the weights hold "
+    refused(save_checkpoint(tmp_path / "layers.pt", p), "n_layers 1,000,000,000,000 and ffn_hidden 64 make")
+    p["model_args"] = {**ARGS.to_dict(), "n_layers": 10 ** 5}
+    refused(save_checkpoint(tmp_path / "layers.pt", p), f"n_layers is {10 ** 5} but the weights hold "
                                                           f"{ARGS.n_layers} layers")
     p = payload()
     p["model_args"] = {**ARGS.to_dict(), "max_seq_len": 10 ** 15}
@@ -178,6 +180,16 @@ def test_metadata_entries_of_the_wrong_type_are_refused_by_name(tmp_path, key, v
     read it: an unexpected error in infer, export, sft and resume, or, for step -5, a resumed
     run that trained on from step -5. The loader refuses it, naming the entry."""
     refused(save_checkpoint(tmp_path / "bad.pt", payload(**{key: value})), match)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64, torch.bool, torch.int8])
+def test_weights_that_are_not_real_floats_are_refused(tmp_path, dtype):
+    """Complex weights loaded with a torch warning and lost their imaginary part; integer and
+    boolean ones loaded silently. Refused, naming the weight and its dtype."""
+    p = payload()
+    k = next(iter(p["model"]))
+    p["model"][k] = p["model"][k].to(dtype)
+    refused(save_checkpoint(tmp_path / "odd.pt", p), f"{k} ({str(dtype).replace('torch.', '')})")
 
 
 def test_cli_error_is_one_paragraph(tmp_path):

@@ -818,13 +818,15 @@ DAMAGED = {   # name: (damage, words the message must hold besides the file's pa
     "config_huge_int": (lambda d: (d / "config.json").write_text(json.dumps(
         {**json.loads((d / "config.json").read_text()), "hidden_size": "HUGE"}).replace('"HUGE"', "1" + "0" * 5000)),
         ["config.json", "digits"]),
+    "layers_thousand": (_damage_config(num_hidden_layers=1000),
+                        ["config.json", "gives 1,000 layers but the weights hold 2"]),
     "layers_billion": (_damage_config(num_hidden_layers=10 ** 9),                 # refused before building
-                       ["config.json", "gives 1,000,000,000 layers but the weights hold 2"]),
+                       ["config.json", "n_layers 1,000,000,000", "beyond the 1e+12"]),
     "context_huge": (_damage_config(max_position_embeddings=10 ** 15), ["config.json", "max_position_embeddings"]),
     "gguf_truncated": (None, [".gguf"]),
     "gguf_empty": (None, [".gguf", "empty"]),
     "gguf_counts_past_the_end": (None, [".gguf", "truncated or damaged"]),   # header says 2^60 tensors
-    "gguf_block_count": (None, [".gguf", "gives 1,000,000,000 layers but the weights hold 2"]),
+    "gguf_block_count": (None, [".gguf", "n_layers 1,000,000,000", "beyond the 1e+12"]),
 }
 
 

@@ -184,7 +184,7 @@ def strip_prefixes(state_dict: dict) -> dict:
 
 def check_weights(path: Path, ckpt: dict, expected: Optional[dict]) -> None:
     """Keys and shapes against ``expected`` ({name: shape}, from the model its model_args
-    build; None skips that part) and every floating weight finite."""
+    build; None skips that part), every weight a real floating-point tensor, and finite."""
     sd = ckpt["model"]
     problems = []
     if expected is not None:
@@ -201,6 +201,13 @@ def check_weights(path: Path, ckpt: dict, expected: Optional[dict]) -> None:
     if problems:
         raise CheckpointError(path, "; ".join(problems) + ". The weights do not belong to the "
                                     "model its model_args describe (edited or mixed-up file).")
+    odd = [f"{k} ({str(v.dtype).replace('torch.', '')})" for k, v in sd.items()
+           if v.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64)]
+    if odd:
+        raise CheckpointError(path, f"weights that are not real floating-point numbers: {_few(odd)}. "
+                                    "A checkpoint's weights are float32, float16 or bfloat16 (complex "
+                                    "ones lost their imaginary part on load, integer and boolean ones "
+                                    "were taken silently): an edited or foreign file.")
     nonfinite = [k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if nonfinite:
         raise CheckpointError(path, f"non-finite weights (NaN or inf) in {_few(nonfinite)}: "
