@@ -16,6 +16,7 @@ records). A run killed with SIGKILL therefore shows as "stalled" once that time 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -196,13 +197,28 @@ def format_summary(s: dict) -> str:
 
 
 # ------------------------------------------------------------------------------ stage
+def as_json(value) -> str:
+    """``--json`` output: standard JSON, so a value that is not a finite number (a diverged
+    run's NaN loss, which the metrics log keeps) is null; json.dumps wrote NaN, which JSON
+    parsers other than Python's refuse."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(value), indent=2, allow_nan=False)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(list(sys.argv[1:] if argv is None else argv))
     ckdir, logs = cfg.path("paths.checkpoints_dir"), cfg.path("paths.logs_dir")
     if args.run is None:
         runs = run_names(ckdir, logs)
         if args.json:
-            print(json.dumps([summarize(name, ckdir, logs) for name, _ in runs], indent=2))
+            print(as_json([summarize(name, ckdir, logs) for name, _ in runs]))
             return 0
         if not runs:
             print(f"No training runs yet (nothing in {ckdir} or {logs / 'raw_metrics'}). "
@@ -217,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"val {_num(s['val_loss'])}  {len(s['checkpoints'])} checkpoint(s)")
         return 0
     s = summarize(check_run_name(args.run, "RUN"), ckdir, logs)
-    print(json.dumps(s, indent=2) if args.json else format_summary(s))
+    print(as_json(s) if args.json else format_summary(s))
     return 0
 
 

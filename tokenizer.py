@@ -156,16 +156,17 @@ def decode(tok, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
 
 def parse_ids(text: str, vocab_size: Optional[int] = None) -> list[int]:
     """'1,2,3' (or '1 2 3', '[1, 2, 3]') -> [1, 2, 3]; a bad item or out-of-range id is a UsageError."""
-    items = [s for s in re.split(r"[,\s]+", text.strip().strip("[]()")) if s]
+    body = text.strip().strip("[]()").strip().rstrip(",").strip()      # a trailing comma is fine
+    items = re.split(r"\s*,\s*|\s+", body) if body else []
     if not items:
         raise UsageError(f"--decode: no token ids in {text!r} (expected e.g. \"1,2,3\").")
     ids = []
     for i, item in enumerate(items, 1):
-        try:
-            value = int(item)
-        except ValueError:
-            raise UsageError(f"--decode: item {i} ({item!r}) of {text!r} is not an integer "
-                             "token id (expected e.g. \"1,2,3\").") from None
+        if not re.fullmatch(r"[+-]?[0-9]+", item):   # int() also takes "٣", "1_0" and " 7 "
+            what = "empty (two commas in a row?)" if not item else "not an integer token id"
+            raise UsageError(f"--decode: item {i} ({item!r}) of {text!r} is {what} (expected e.g. "
+                             "\"1,2,3\").")
+        value = int(item)
         if value < 0 or (vocab_size is not None and value >= vocab_size):
             valid = f"0..{vocab_size - 1}" if vocab_size is not None else "0 and up"
             raise UsageError(f"--decode: token id {value} (item {i}) is out of range: the "

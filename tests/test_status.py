@@ -112,6 +112,13 @@ def test_torn_last_line_and_nan_values_are_tolerated(tmp_path):
     assert re.search(r"loss\s+n/a \(smoothed n/a\)", proc.stdout), proc.stdout
     body = proc.stdout.replace(str(tmp_path), "TMP")                # the path says "nan" too
     assert "tokens/s     1,004" in body and "nan" not in body.lower() and "inf" not in body
+    for args in (["torn", "--json"], ["--json"]):              # standard JSON: null, never NaN
+        out = _run(tmp_path, *args)
+        assert out.returncode == 0, out.stderr
+        assert "NaN" not in out.stdout and "Infinity" not in out.stdout
+        js = json.loads(out.stdout, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
+        one = js if isinstance(js, dict) else js[0]
+        assert one["step"] == 60 and one["loss"] is None
 
 
 def _run(tmp_path, *args):

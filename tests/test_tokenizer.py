@@ -439,6 +439,9 @@ def test_cli_bad_decode_exits_2(saved_spm):
     proc = run_main("tokenize", "--config", cfg, "--decode", "1,x")
     assert proc.returncode == 2
     assert "'x'" in proc.stderr and "Traceback" not in proc.stderr
+    for ids, why in (("1,,2", "is empty"), ("\u0663", "not an integer"), ("1_0", "not an integer")):
+        proc = run_main("tokenize", "--config", cfg, "--decode", ids)     # int() took "٣" and "1_0"
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr
 
 
 def test_cli_save_never_replaces_a_folder_it_did_not_write(saved_spm, samples, tmp_path):
