@@ -279,10 +279,11 @@ class ShardWindowDataset(Dataset):
     """
 
     def __init__(self, paths: Sequence[Path], index: WindowIndex,
-                 arrays: Optional[list[np.ndarray]] = None):
+                 arrays: Optional[list[np.ndarray]] = None, vocab_size: Optional[int] = None):
         self.paths = [str(p) for p in paths]
         self.index = index
         self._arrays = arrays
+        self.vocab_size = vocab_size    # ids at or above it: a ShardSetError naming the shard
 
     def __len__(self) -> int:
         return len(self.index)
@@ -309,6 +310,7 @@ class ShardWindowDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         w = torch.from_numpy(self.window(int(i)).astype(np.int64))  # (T+1,)
+        self._check(w.numpy()[None], [self.index.locate(int(i))[0]])
         return w[:-1], w[1:]                                        # (T,), (T,)
 
     def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,8 +321,21 @@ class ShardWindowDataset(Dataset):
         out = np.empty((len(offs), span), dtype=np.int64)           # (B, T+1)
         for j, (s, off) in enumerate(zip(shards.tolist(), offs.tolist())):
             out[j] = arrays[s][off:off + span]
+        self._check(out, shards.tolist())
         w = torch.from_numpy(out)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()         # (B, T), (B, T)
+
+    def _check(self, rows: np.ndarray, shards: list[int]) -> None:
+        """Token ids below the vocabulary (~10 us a batch): start-up trusts each shard's
+        ``max_token_id`` in metadata.json instead of reading the data, and an id beyond the
+        vocabulary was an IndexError deep in the model's embedding."""
+        if self.vocab_size is None or not rows.size or int(rows.max()) < self.vocab_size:
+            return
+        j = int(np.argmax(rows.max(axis=1) >= self.vocab_size))
+        raise ShardSetError(f"{self.paths[shards[j]]}: holds token id {int(rows[j].max()):,}, outside the "
+                            f"{self.vocab_size:,}-token vocabulary its metadata.json promises (its "
+                            "max_token_id is wrong: the set was edited or damaged). Rebuild the set "
+                            "(python main.py prepare --force).", "shards")
 
 
 def collate_batch(data):
@@ -556,8 +571,11 @@ def build_loaders(cfg: Config, tokenizer: Any = None, *, batch_size: Optional[in
         [s["tokens"] for s in meta["shards"]], window=ds.window, stride=cfg.stride,
         val_split=ds.val_split, seed=ds.seed, block_windows=ds.split_block_windows)
     paths = [d / s["file"] for s in meta["shards"]]
-    train_ds = ShardWindowDataset(paths, train_idx, arrays)
-    val_ds = ShardWindowDataset(paths, val_idx, arrays)
+    tmeta = meta.get("tokenizer")
+    vocab = tmeta.get("vocab_size") if isinstance(tmeta, dict) else None
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+    train_ds = ShardWindowDataset(paths, train_idx, arrays, vocab)
+    val_ds = ShardWindowDataset(paths, val_idx, arrays, vocab)
     sampler = ResumableSampler(len(train_ds), seed=ds.seed, rank=rank, world_size=world_size)
     if len(sampler) < batch_size:
         raise PipelineError(

@@ -283,6 +283,18 @@ def test_recorded_max_token_id_means_no_scan(real_set, tmp_path, capsys):
     _set_ids(d / "tokens_00000.npy", lambda a: a.__setitem__(5, 40000))
     assert len(open_set(d)) == len(meta["shards"])
     assert "scan" not in capsys.readouterr().err
+    # ... and the batches that reach it stop training naming the shard (an IndexError in the
+    # model's embedding before), at ~10 us a batch
+    from dataloader import ShardWindowDataset, split_windows
+    train_idx, _, _ = split_windows([s["tokens"] for s in meta["shards"]], window=64, stride=32,
+                                    val_split=0.0, seed=0, block_windows=64)
+    ds = ShardWindowDataset([d / s["file"] for s in meta["shards"]], train_idx, None,
+                            meta["tokenizer"]["vocab_size"])
+    assert ds.index.locate(0) == (0, 0)                       # window 0 holds position 5
+    for fetch in (lambda: ds.__getitems__([3, 0]), lambda: ds[0]):
+        with pytest.raises(ShardSetError, match=r"tokens_00000\.npy: holds token id 40,000, outside"):
+            fetch()
+    ds.__getitems__([1, 2])                                  # windows without it are served
 
 
 def test_ids_beyond_vocab_found_by_scan_when_not_recorded(real_set, tmp_path, capsys):
