@@ -15,7 +15,8 @@ Each model has its own continuous-batching engine (utils/generation/engine.py,
 ``serve.max_batch`` sequences decoded together; more wait for a slot); one engine thread
 opens the models and steps them all (utils/generation/loop.py). SIGINT / SIGTERM: stop
 accepting, give running streams ``serve.shutdown_grace`` seconds to finish, cut the rest with an error
-event, exit 130. Fields, limits, batching and security: docs/serve.md.
+event (a request whose body arrives meanwhile gets 503), exit 130. An empty ``--api-key`` is a
+usage error. Fields, limits, batching and security: docs/serve.md.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if cfg.serve.context == 1:
         raise UsageError("serve.context (--context) 1: a request needs at least 2 positions (its prompt "
                          "and one new token); give 2 or more, or 0 for each model's own context.")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(args.api_key, os.environ.get(API_KEY_ENV))
     sock = bind(cfg.serve.host, cfg.serve.port)
     from utils.generation.loop import EngineLoop
     loop = EngineLoop(log=say, name="engine").start()
@@ -79,6 +80,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def say(msg: str) -> None:
     print(f"serve: {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_api_key(flag: Optional[str], env: Optional[str]) -> Optional[str]:
+    """The key /v1 requests need: ``--api-key``, else ``$LLM_SERVE_API_KEY``, else none. An
+    empty (or blank) ``--api-key`` is a usage error: it is most likely an unset shell variable
+    (``--api-key "$KEY"``), and serving without a key is asked for by leaving the flag out. An
+    empty variable counts as unset, with a warning on stderr."""
+    if flag is not None:
+        if not flag.strip():
+            raise UsageError("--api-key is empty (an unset shell variable?): give the key, or leave "
+                             "--api-key out to serve without one.")
+        return flag
+    if env is not None and not env.strip():
+        say(f"WARNING: {API_KEY_ENV} is set but empty: serving without an API key (no /v1 "
+            "request needs one). Set it to the key, or unset it.")
+        return None
+    return env or None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -201,6 +219,10 @@ def run_server(app, sock: socket.socket, loop, models: dict, grace: float) -> No
             while busy() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await asyncio.to_thread(loop.stop)            # cut what is left: its streams end cleanly
+            if self.server_state.connections:             # e.g. a request still uploading its body
+                print(f"serve: engines stopped; {len(self.server_state.connections)} open connection(s) "
+                      f"get up to {config.timeout_graceful_shutdown} s to close (new requests: 503)",
+                      file=sys.stderr, flush=True)
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",

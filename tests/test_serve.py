@@ -343,6 +343,242 @@ def test_the_official_client_raises_typed_errors(server):
         c.chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}])
 
 
+# --------------------------------------------------------------------------- error bodies, fields, bodies
+def _err(r, status: int, param=None, code=None) -> dict:
+    """The OpenAI error of response ``r`` (asserted: status, shape, param, code)."""
+    assert r.status_code == status, r.text[:2000]
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_error_bodies_quote_client_values_bounded_and_always_encode(server):
+    """A lone surrogate (a JSON escape: legal JSON, not encodable as UTF-8) in "model" comes back
+    escaped in a 404 JSON body, not a 500; 100 KB values and a long path are quoted cut short."""
+    r = _post(server, "/v1/completions", b'{"model":"x\\ud800","prompt":"x","max_tokens":2}')
+    assert "\\ud800" in _err(r, 404, "model", "model_not_found")["message"]
+    big = "h" * 100_000
+    for body, param in [({"model": big, "prompt": "x"}, "model"),
+                        ({"model": "base", "prompt": "x", "temperature": big}, "temperature"),
+                        ({"model": "base", "prompt": "x", "stream": big}, "stream"),
+                        ({"model": "sft_chat", "messages": [{"role": big, "content": "x"}]}, "messages[0].role"),
+                        ({"model": "base", "prompt": "x", "best_of": big}, "best_of")]:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = _post(server, path, json.dumps(body))
+        _err(r, 404 if param == "model" else 400, param)
+        assert len(r.content) < 1000, (param, len(r.content))
+    r = httpx.get(server.url + "/v1/" + "p" * 12_000, timeout=TIMEOUT)
+    assert len(r.content) < 1000 and "(12004 characters)" in _err(r, 404, None, "404")["message"]
+    status, content = _raw_get(server.url, "/v1/" + "p" * 100_000)     # beyond httpx's URL limit
+    assert status == 404 and len(content) < 1000 and b"(100004 characters)" in content, (status, content[:300])
+    assert "Traceback" not in server.stderr() and "internal error" not in server.stderr()
+
+
+def _raw_get(url: str, path: str) -> tuple[int, bytes]:
+    """GET ``path`` over a raw socket (any length): the status and the body."""
+    import socket
+    host, port = url.split("//")[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        reply = b""
+        while part := sock.recv(65536):
+            reply += part
+    head, _, content = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), content
+
+
+CHAT_REFUSED = [("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+                ("tool_choice", "required"), ("functions", [{"name": "f", "parameters": {}}]),
+                ("function_call", {"name": "f"}), ("response_format", {"type": "json_object"}),
+                ("logit_bias", {"1": 5}), ("modalities", ["audio"]), ("audio", {}), ("prediction", {}),
+                ("web_search_options", {})]
+COMPLETION_REFUSED = [("logit_bias", {"1": 5}), ("best_of", 3), ("suffix", "x")]
+
+
+@pytest.mark.parametrize("path,key,value",
+                         [("/v1/chat/completions", k, v) for k, v in CHAT_REFUSED]
+                         + [("/v1/completions", k, v) for k, v in COMPLETION_REFUSED],
+                         ids=[f"chat-{k}" for k, _ in CHAT_REFUSED] + [f"completions-{k}" for k, _ in COMPLETION_REFUSED])
+def test_fields_the_server_cannot_honour_are_refused(server, path, key, value):
+    """Tools, structured output, biased tokens, audio, ... would change what the request means:
+    a 400 naming the field (never silently ignored)."""
+    base = ({"model": "sft_chat", "messages": [{"role": "user", "content": "x"}]} if "chat" in path
+            else {"model": "base", "prompt": "x", "n": 1})
+    r = _post(server, path, json.dumps({**base, "max_tokens": 2, key: value}))
+    assert "not supported" in _err(r, 400, key, "unsupported_parameter")["message"]
+
+
+def test_the_off_values_of_refused_fields_are_accepted(server):
+    chat = {"model": "sft_chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "tools": [], "tool_choice": "auto", "response_format": {"type": "text"}, "modalities": ["text"],
+            "logit_bias": {}, "functions": [], "function_call": "none"}
+    r = _post(server, "/v1/chat/completions", json.dumps(chat))
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    r = _post(server, "/v1/chat/completions", json.dumps({**chat, "tools": tools, "tool_choice": "none"}))
+    assert r.status_code == 200, r.text                          # tools offered, none to be called
+    for more in ({"best_of": 1, "suffix": ""}, {"best_of": 2, "n": 2, "suffix": None, "logit_bias": {}}):
+        r = _post(server, "/v1/completions", json.dumps({"model": "base", "prompt": "x", "max_tokens": 2, **more}))
+        assert r.status_code == 200 and r.json()["object"] == "text_completion", (more, r.text)
+
+
+def test_request_bodies_uncompressed_utf8_json(server):
+    """Content-Encoding gzip: 415; UTF-16 (which json.loads on bytes would take): 400 naming a
+    NUL byte; bytes that are not UTF-8: 400 naming the byte and its offset; a UTF-8 byte
+    order mark is allowed."""
+    import codecs
+    import gzip
+    body = json.dumps({"model": "base", "prompt": "x", "max_tokens": 2})
+    r = _post(server, "/v1/completions", gzip.compress(body.encode()), {"Content-Encoding": "gzip"})
+    assert "gzip" in _err(r, 415, None, "unsupported_content_encoding")["message"]
+    r = _post(server, "/v1/completions", body.encode("utf-16"))
+    assert "NUL byte at offset 3" in _err(r, 400, None, "invalid_json")["message"]
+    bad = b'{"model": "base", "prompt": "\xff"}'
+    at = bad.index(b"\xff")
+    r = _post(server, "/v1/completions", bad)
+    assert f"byte 0xff at offset {at}" in _err(r, 400, None, "invalid_json")["message"]
+    r = _post(server, "/v1/completions", codecs.BOM_UTF8 + body.encode())
+    assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+    r = _post(server, "/v1/completions", body, {"Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
+
+
+def test_one_model_by_id(server):
+    """GET /v1/models/{id}: the model's entry of GET /v1/models; an unknown id is a 404."""
+    listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"]}
+    for mid in ("sft_chat", "script"):
+        r = httpx.get(server.url + f"/v1/models/{mid}", timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json() == listed[mid], r.text
+    m = server.client.models.retrieve("script")
+    assert m.id == "script" and m.object == "model" and m.model_extra["context_length"] == 512
+    r = httpx.get(server.url + "/v1/models/nope", timeout=TIMEOUT)
+    assert "'nope'" in _err(r, 404, "model", "model_not_found")["message"]
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("nope")
+
+
+def test_length_errors_name_the_field_at_fault(server):
+    """A prompt that alone fills the context names "prompt" (even with max_tokens sent); chat's
+    max_completion_tokens too large names that field and the largest value that fits; a stop
+    string over 1000 characters says the limit."""
+    r = _post(server, "/v1/completions", json.dumps({"model": "base", "prompt": "word " * 400, "max_tokens": 5}))
+    assert "shorten the prompt" in _err(r, 400, "prompt", "context_length_exceeded")["message"]
+    msgs = [{"role": "user", "content": "How are you today?"}]
+    context = server.client.models.retrieve("sft_chat").model_extra["context_length"]
+    used = server.client.chat.completions.create(model="sft_chat", messages=msgs, max_tokens=1).usage.prompt_tokens
+    for field in ("max_completion_tokens", "max_tokens"):
+        r = _post(server, "/v1/chat/completions", json.dumps({"model": "sft_chat", "messages": msgs, field: 1000}))
+        msg = _err(r, 400, field, "context_length_exceeded")["message"]
+        assert f"lower {field} to at most {context - used}," in msg, msg
+    r = _post(server, "/v1/completions", json.dumps({"model": "base", "prompt": "x", "max_tokens": 1, "stop": "s" * 1001}))
+    assert "1001 characters; at most 1000" in _err(r, 400, "stop", "invalid_value")["message"]
+    r = _post(server, "/v1/completions", json.dumps({"model": "base", "prompt": "x", "max_tokens": 1, "stop": "s" * 1000}))
+    assert r.status_code == 200, r.text
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_a_request_beyond_it_400_on_n():
+    """In process (a model whose lane reports its queue): 429 carries Retry-After while the
+    queue is full; a request of more sequences than serve.max_queue ever holds is a 400 on "n"
+    (retrying it could never succeed)."""
+    import asyncio
+    from types import SimpleNamespace
+    from utils.serve.app import ServedModel, create_app
+    from utils.serve.protocol import Limits
+    lane = SimpleNamespace(capacity=64, active=3)
+    app = create_app({"m": ServedModel("m", None, tokenizer(), "pretrain", None, lane, 0, max_queue=4)},
+                     Limits(), log=lambda line: None)
+
+    async def post(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return await c.post("/v1/completions", json=body)
+    r = asyncio.run(post({"prompt": "x", "n": 2, "max_tokens": 2}))
+    _err(r, 429, None, "rate_limit_exceeded")
+    assert r.headers["retry-after"] == "1"
+    lane.active = 0
+    r = asyncio.run(post({"prompt": ["x", "y"], "n": 3, "max_tokens": 2}))
+    assert "6 sequences" in _err(r, 400, "n", "invalid_value")["message"]
+
+
+def test_chat_logprob_bytes_are_each_token_s_own_bytes():
+    """chat logprobs' "bytes": a SentencePiece byte-fallback piece is its one byte (the emoji's
+    four pieces join to its UTF-8, where each piece's text is U+FFFD), an ordinary piece its
+    UTF-8 text; a byte-level BPE piece is read back through GPT-2's byte alphabet ("Ġ" a space)."""
+    import asyncio
+    from types import SimpleNamespace
+    from tests.test_sft import bpe_tokenizer
+    from utils.data import sft
+    from utils.serve.app import Job, ServedModel
+    from utils.serve.protocol import Sampling
+    lane = SimpleNamespace(capacity=64)
+    spm = tokenizer()
+    m = ServedModel("m", None, spm, "sft", sft.default_template(), lane, 0)
+    assert not m.byte_level
+    ids = spm.convert_tokens_to_ids
+    assert m.token_bytes(ids("<0xF0>")) == b"\xf0"
+    assert m.token_bytes(ids("\u2581the")) == b" the" and m.token_bytes(ids("é")) == "é".encode()
+    emoji = spm.encode("🧪", add_special_tokens=False)
+
+    async def lp_chat():
+        job = Job(m, Sampling(None, 8, 0.0, 1.0, 0, 1, None, (), False, False, logprobs=1),
+                  [[1, 5]], ["x"], True, "chatcmpl-1")
+        job.logprobs[0] = [(t, -0.5, [(t, -0.5)]) for t in emoji]
+        return job.lp_chat(0)["content"]
+    content = asyncio.run(lp_chat())
+    assert bytes(b for e in content for b in e["bytes"]).endswith("🧪".encode())
+    assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
+    bpe = bpe_tokenizer()
+    b = ServedModel("b", None, bpe, "pretrain", None, lane, 0)
+    assert b.byte_level
+    assert b.token_bytes(bpe.convert_tokens_to_ids("Ġthe")) == b" the"
+    assert b.token_bytes(bpe.convert_tokens_to_ids("Ã")) == b"\xc3"             # half of a character
+    text = "Grüße 日本🧪"
+    assert b"".join(b.token_bytes(t) for t in bpe.encode(text, add_special_tokens=False)) == text.encode()
+    assert b.token_bytes(bpe.eos_token_id) == bpe.eos_token.encode()            # a special token: its text
+
+
+def _open_upload(url: str, path: str, length: int):
+    """A raw connection that sent a POST's headers (Content-Length ``length``, Expect:
+    100-continue) and got "100 Continue": the app is now reading the body."""
+    import socket
+    host, port = url.split("//")[1].rsplit(":", 1)
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=TIMEOUT)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {length}\r\nExpect: 100-continue\r\n\r\n".encode())
+    got = b""
+    while b"\r\n\r\n" not in got:
+        part = sock.recv(4096)
+        assert part, got
+        got += part
+    assert got.startswith(b"HTTP/1.1 100 "), got
+    return sock
+
+
+def _wait_for_log(server, needle: str, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while needle not in server.stderr():
+        assert time.monotonic() < deadline, f"no {needle!r} in the log:\n{server.stderr()[-3000:]}"
+        time.sleep(0.02)
+    return server.stderr()
+
+
+def test_a_client_leaving_mid_upload_costs_one_short_log_line(server):
+    before = server.stderr().count("a client left")
+    sock = _open_upload(server.url, "/v1/completions", 1000)
+    sock.sendall(b'{"model": "base", "pro')
+    sock.close()
+    _wait_for_log(server, "a client left while sending its request")
+    assert server.health()["status"] == "ok"                     # the server goes on
+    log = server.stderr()
+    lines = [line for line in log.splitlines() if "a client left" in line]
+    assert len(lines) == before + 1 and len(lines[-1]) < 200, lines
+    assert lines[-1] == "serve: a client left while sending its request to /v1/completions; nothing was run"
+    assert "Traceback" not in log and "ClientDisconnect" not in log and "internal error" not in log
+
+
 def test_a_disconnected_stream_frees_its_slot_at_once(server):
     """A client that goes away after its first chunk: its generation (8000 tokens asked, many
     seconds of work) is cancelled and its slot freed within the poll's bound."""
@@ -553,6 +789,22 @@ def test_usage_errors_exit_2_before_loading(work):
     missing = Path(work["pre"]).parent / "missing.pt"
     r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--checkpoint", missing)
     assert r.returncode == 1 and f"{missing} does not exist" in r.stderr and "model '" not in r.stderr, r.stderr
+    for key in ("", "  "):           # e.g. --api-key "$KEY" with KEY unset: not "serve without a key"
+        r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--api-key", key,
+                     timeout=60)
+        assert r.returncode == 2 and "--api-key is empty" in r.stderr, r.stderr
+        assert "model '" not in r.stderr and "listening on" not in r.stdout and "Traceback" not in r.stderr
+
+
+def test_the_api_key_comes_from_the_flag_else_a_non_empty_variable(capsys):
+    from serve import resolve_api_key
+    from utils.cli import UsageError
+    assert resolve_api_key("k", "other") == "k" and resolve_api_key(None, "v") == "v"
+    assert resolve_api_key(None, None) is None and capsys.readouterr().err == ""
+    assert resolve_api_key(None, "") is None
+    assert "LLM_SERVE_API_KEY is set but empty" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="--api-key is empty"):
+        resolve_api_key("", "v")
 
 
 def test_int8_weights_stay_close_to_fp32():
@@ -616,6 +868,32 @@ def test_a_stop_signal_finishes_or_cuts_running_streams_and_exits_130(work, sig,
     assert code == 130, s.stderr()
     assert "generations get up to" in s.stderr() and f"received {sig.name}" in s.stderr()
 
+
+
+def test_a_request_whose_body_arrives_after_sigterm_gets_503(work):
+    """A request still uploading its body when SIGTERM comes: the engines stop (the server says
+    so), then its body arrives and it is answered 503 shutting_down, not a 500; exit 130."""
+    s = Server(work["root"], work["cfg"], "--checkpoint", work["pre"])
+    body = json.dumps({"model": "base", "prompt": "The", "max_tokens": 2}).encode()
+    sock = None
+    try:
+        sock = _open_upload(s.url, "/v1/completions", len(body))
+        s.proc.send_signal(signal.SIGTERM)
+        _wait_for_log(s, "engines stopped; 1 open connection(s)")
+        sock.sendall(body)
+        reply = b""
+        while part := sock.recv(65536):                   # the server closes it after the answer
+            reply += part
+        head, _, content = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), reply[:2000]
+        err = json.loads(content)["error"]
+        assert (err["code"], err["type"]) == ("shutting_down", "server_error"), err
+    finally:
+        if sock is not None:
+            sock.close()
+        code = s.stop()
+    assert code == 130, s.stderr()
+    assert "Traceback" not in s.stderr() and "internal error" not in s.stderr()
 
 # --------------------------------------------------------------------------- the chat page
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")

@@ -5,37 +5,69 @@ stage script runs it with uvicorn).
 
 ``models``: model id -> :class:`ServedModel` (an opened checkpoint and its
 :class:`~utils.generation.loop.Lane` on the server's one engine thread). Endpoints: ``GET /``
-(the chat page, ``utils/serve/static``), ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (plain JSON or server-sent events). Every error is OpenAI's
-JSON shape with a 4xx/5xx status (utils/serve/protocol.py). A request's sequences (``n`` of
-them per prompt, choice i seeded ``seed + i``) join the model's running batch; a client that
-disconnects cancels them at the next step. One log line per request: id, model, prompt and
+(the chat page, ``utils/serve/static``), ``GET /health``, ``GET /v1/models`` (and
+``/v1/models/{id}``), ``POST /v1/completions``, ``POST /v1/chat/completions`` (plain JSON or
+server-sent events). Every error is OpenAI's JSON shape with a 4xx/5xx status
+(utils/serve/protocol.py), written ASCII-escaped so it encodes whatever client text it quotes;
+a client that leaves while sending its body costs one short log line. A request's sequences
+(``n`` of them per prompt, choice i seeded ``seed + i``) join the model's running batch; a
+client that disconnects cancels them at the next step. One log line per request: id, model, prompt and
 completion tokens, time to first token, tokens/s, finish reasons.
 """
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from utils.config import json_error_text
 from utils.data import sft
 from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence
 from utils.generation.loop import Lane
-from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, error_body, new_id, now,
-                                  read_chat, read_completion)
+from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, clip, error_body, new_id, now,
+                                  read_chat, read_completion, shown)
 
 STATIC = Path(__file__).resolve().parent / "static"
+RETRY_AFTER = 1                     # seconds a 429 asks the client to wait (Retry-After)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the character each byte is written as in a
+    byte-level BPE vocabulary (printable Latin-1 bytes as themselves, the other 68 as U+0100
+    onwards, in byte order) -> that byte."""
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+BYTE_ALPHABET = _byte_alphabet()
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")     # a SentencePiece byte-fallback piece
+
+
+def _has_type(node: dict, name: str) -> bool:
+    """Whether a tokenizers component's JSON is of type ``name`` or a sequence holding one."""
+    return node.get("type") == name or any(_has_type(d, name) for d in node.get("decoders") or [])
 
 
 @dataclass
@@ -82,6 +114,28 @@ class ServedModel:
         if piece.startswith("\u2581") and not text.startswith(" "):    # SentencePiece word start
             text = " " + text
         return text
+
+    @cached_property
+    def byte_level(self) -> bool:
+        """Whether the tokenizer is a byte-level BPE (GPT-2 style): its backend decoder is, or
+        holds, ByteLevel (a slow tokenizer: it has GPT-2's ``byte_decoder``)."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is None or backend.decoder is None:
+            return hasattr(self.tok, "byte_decoder")
+        return _has_type(json.loads(backend.decoder.__getstate__()), "ByteLevel")  # its tokenizer.json entry
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's own bytes (chat logprobs' ``bytes``: a client joins them to rebuild a
+        character split over tokens): a byte-level BPE piece read back through GPT-2's byte
+        alphabet; a SentencePiece byte-fallback piece ``<0xHH>`` is that one byte; any other
+        token (a special or added one included) the UTF-8 of its text."""
+        piece = self.tok.convert_ids_to_tokens(int(token))
+        if self.byte_level:
+            if all(c in BYTE_ALPHABET for c in piece):
+                return bytes(BYTE_ALPHABET[c] for c in piece)
+        elif (hit := BYTE_PIECE.fullmatch(piece)) is not None:
+            return bytes([int(hit[1], 16)])
+        return self.token_text(token).encode("utf-8")
 
     def describe(self) -> dict:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "llm-pipeline",
@@ -216,8 +270,7 @@ class Job:
             return None
 
         def entry(t, lp):
-            s = self.m.token_text(t)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"token": self.m.token_text(t), "logprob": lp, "bytes": list(self.m.token_bytes(t))}
         return {"content": [dict(entry(t, lp), top_logprobs=[entry(a, b) for a, b in top])
                             for t, lp, top in self.logprobs[i][start:]]}
 
@@ -229,20 +282,27 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return ErrorResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
-        what = {404: f"no such endpoint: {request.method} {request.url.path} (see GET /v1/models, "
+        where = clip(request.url.path)
+        what = {404: f"no such endpoint: {clip(request.method)} {where} (see GET /v1/models, "
                      "POST /v1/completions, POST /v1/chat/completions)",
-                405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
-        return JSONResponse(error_body(what, code=str(e.status_code)), status_code=e.status_code)
+                405: f"method {clip(request.method)} is not allowed on {where}"}.get(e.status_code, str(e.detail))
+        return ErrorResponse(error_body(what, code=str(e.status_code)), status_code=e.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request, e: ClientDisconnect):
+        """The client closed the connection before its body arrived: nobody to answer."""
+        log(f"a client left while sending its request to {clip(request.url.path)}; nothing was run")
+        return Response(status_code=499)      # nginx's "client closed request"; never sent
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e: Exception):
-        log(f"internal error on {request.url.path}: {type(e).__name__}: {e}")
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
-                            status_code=500)
+        what = f"{type(e).__name__}: {clip(str(e))}"
+        log(f"internal error on {clip(request.url.path)}: {what}")
+        return ErrorResponse(error_body(f"internal error: {what}", "server_error"), status_code=500)
 
     if api_key:
         app.add_middleware(_BearerAuth, key=api_key)
@@ -269,6 +329,10 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
     async def _models():
         return {"object": "list", "data": [m.describe() for m in models.values()]}
 
+    @app.get("/v1/models/{model_id:path}")              # ids may hold a '/' (exp1/checkpoint_x.pt)
+    async def _model_info(model_id: str):
+        return _model(models, model_id).describe()
+
     @app.post("/v1/completions")
     async def _completions(request: Request):
         body = await _json(request, limits)
@@ -289,6 +353,14 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
     return app
 
 
+class ErrorResponse(JSONResponse):
+    """An error body as ASCII-escaped JSON: it encodes whatever client text a message quotes
+    (JSONResponse writes UTF-8, which a lone surrogate from a JSON escape cannot be)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 class _BearerAuth:
     """``/v1/`` requests need ``Authorization: Bearer <key>`` (401 otherwise). Plain ASGI: an
     ``@app.middleware("http")`` function relays every streamed chunk through another task."""
@@ -300,15 +372,21 @@ class _BearerAuth:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             got = Headers(scope=scope).get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(got, self.want):
-                reply = JSONResponse(error_body("missing or incorrect API key: send the header "
-                                                "'Authorization: Bearer <key>'.", code="invalid_api_key"),
-                                     status_code=401)
+                reply = ErrorResponse(error_body("missing or incorrect API key: send the header "
+                                                 "'Authorization: Bearer <key>'.", code="invalid_api_key"),
+                                      status_code=401)
                 return await reply(scope, receive, send)
         await self.app(scope, receive, send)
 
 
 async def _json(request: Request, limits: Limits):
-    """The body as JSON: at most ``limits.max_body_bytes`` (413 beyond, read no further)."""
+    """The body as JSON: uncompressed (415 otherwise), at most ``limits.max_body_bytes`` (413
+    beyond, read no further), UTF-8 (:func:`_utf8`). A client that leaves before its body is
+    all here raises ClientDisconnect (one log line, no answer: see create_app)."""
+    encoding = request.headers.get("content-encoding", "").strip()
+    if encoding.lower() not in ("", "identity"):
+        raise ApiError(415, f"Content-Encoding '{clip(encoding)}' is not supported; send the JSON "
+                       "uncompressed (no Content-Encoding header).", None, "unsupported_content_encoding")
     cap = limits.max_body_bytes
     too_big = ApiError(413, f"the request body is larger than {cap} bytes (12 x serve.max_prompt_chars "
                        "+ 1 MiB).", None, "request_too_large")
@@ -320,12 +398,28 @@ async def _json(request: Request, limits: Limits):
         if len(raw) > cap:
             raise too_big
     try:
-        return json.loads(raw)
+        return json.loads(_utf8(bytes(raw)))
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON ({e}).", None, "invalid_json") from None
-    except (ValueError, RecursionError) as e:     # not UTF-8, too deep, an integer of 4,300+ digits
+    except (ValueError, RecursionError) as e:     # too deep, an integer of 4,300+ digits
         raise ApiError(400, f"the request body is not valid JSON: {json_error_text(e)}.", None,
                        "invalid_json") from None
+
+
+def _utf8(raw: bytes) -> str:
+    """The body's text as strict UTF-8 (a leading byte order mark allowed, as RFC 8259 lets a
+    parser): ``json.loads`` on bytes would guess UTF-16 or UTF-32 and take them. 400 naming
+    the first bad byte's offset."""
+    nul = raw.find(b"\x00")            # never in JSON text; in every ASCII character of UTF-16/32
+    if nul >= 0:
+        raise ApiError(400, f"the request body is not UTF-8 JSON: a NUL byte at offset {nul} (UTF-16 "
+                       "or UTF-32?); send the JSON encoded as UTF-8.", None, "invalid_json")
+    skip = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return raw[skip:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8 (byte 0x{e.object[e.start]:02x} at offset "
+                       f"{skip + e.start}); send the JSON encoded as UTF-8.", None, "invalid_json") from None
 
 
 def _model(models: dict, name: Optional[str]) -> ServedModel:
@@ -335,26 +429,35 @@ def _model(models: dict, name: Optional[str]) -> ServedModel:
         raise ApiError(400, f"'model' is required: this server has {', '.join(models)}.", "model",
                        "missing_required")
     if name not in models:
-        shown = name if len(name) <= 80 else name[:80] + "..."
-        raise ApiError(404, f"the model '{shown}' does not exist here; GET /v1/models lists "
+        raise ApiError(404, f"the model '{clip(name, 80)}' does not exist here; GET /v1/models lists "
                        f"{', '.join(models)}.", "model", "model_not_found")
     return models[name]
 
 
 def _fit(m: ServedModel, s: Sampling, prompts: list[list[int]], chat: bool) -> list[list[int]]:
+    """``prompts`` if they fit: 400 ``context_length_exceeded`` naming the prompt's field when
+    the prompt alone fills the context, else the max_tokens field that was sent; 400 for more
+    sequences than the queue ever holds; 429 (with Retry-After) while the queue is full."""
     for ids in prompts:
         room = m.context - len(ids)
-        if room < 1 or (s.max_tokens is not None and s.max_tokens > room):
-            asked = f" + max_tokens {s.max_tokens}" if s.max_tokens is not None else ""
-            raise ApiError(400, f"the prompt is {len(ids)} tokens{asked}, more than the model's "
-                           f"context of {m.context} tokens: shorten the prompt or lower max_tokens.",
-                           "max_tokens" if s.max_tokens is not None else ("messages" if chat else "prompt"),
-                           "context_length_exceeded")
-    waiting = m.lane.active + len(prompts) * s.n
-    if waiting > m.max_queue:
+        if room < 1:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens, which leaves no room for a reply in "
+                           f"the model's context of {m.context} tokens: shorten the prompt.",
+                           "messages" if chat else "prompt", "context_length_exceeded")
+        if s.max_tokens is not None and s.max_tokens > room:
+            field = s.max_tokens_param
+            raise ApiError(400, f"the prompt is {len(ids)} tokens + {field} {shown(s.max_tokens)}, more "
+                           f"than the model's context of {m.context} tokens: lower {field} to at most "
+                           f"{room}, or shorten the prompt.", field, "context_length_exceeded")
+    asked = len(prompts) * s.n
+    if asked > m.max_queue:
+        raise ApiError(400, f"this request is {asked} sequences (prompts x n), more than model "
+                       f"'{m.id}' ever queues (serve.max_queue {m.max_queue}): ask for fewer choices.",
+                       "n", "invalid_value")
+    if m.lane.active + asked > m.max_queue:
         raise ApiError(429, f"the server is busy ({m.lane.active} sequences running or waiting for "
                        f"model '{m.id}', serve.max_queue {m.max_queue}); retry later.", None,
-                       "rate_limit_exceeded", "rate_limit_error")
+                       "rate_limit_exceeded", "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER)})
     return prompts
 
 
@@ -364,6 +467,11 @@ async def _run(request: Request, job: Job, log):
     except ValueError as e:
         job.cancel()
         raise ApiError(400, str(e), None, "invalid_value") from None
+    except RuntimeError:                # Lane.submit: the engine is stopping (SIGINT / SIGTERM)
+        job.cancel()
+        raise ApiError(503, "the server is shutting down and takes no new requests; send it to "
+                       "another server, or again once this one is back.", None, "shutting_down",
+                       "server_error") from None
     if job.s.stream:
         return StreamingResponse(_sse(job, log), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

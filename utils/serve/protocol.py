@@ -9,13 +9,20 @@ send instead (:class:`ApiError`). Fields read (docs/serve.md lists them and what
   up to 4), ``stream``, ``stream_options.include_usage``; ``presence_penalty`` /
   ``frequency_penalty`` only as 0 (refused otherwise: not implemented), ``user`` ignored.
 - completions: ``prompt`` (a string, or a list of one or more strings), ``logprobs`` (0..5),
-  ``echo``; ``suffix`` refused.
+  ``echo``; ``suffix``, ``best_of`` (beyond ``n``) and ``logit_bias`` refused.
 - chat: ``messages`` (roles system / user / assistant; content a string or a list of text
-  parts), ``logprobs`` (bool) with ``top_logprobs`` (0..20).
+  parts), ``logprobs`` (bool) with ``top_logprobs`` (0..20); tools, functions, structured
+  output, ``logit_bias``, other modalities, audio, predicted outputs and web search refused.
+
+A field that would change what a request means, which this server cannot do, is refused
+(400, ``unsupported_parameter``) unless it holds the value that means "off": never ignored.
+An error message quotes a client's value only through :func:`shown` / :func:`clip` (bounded,
+lone surrogates escaped), so every error body is short and encodes.
 """
 from __future__ import annotations
 
 import math
+import reprlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,13 +30,15 @@ from typing import Any, Optional
 
 
 class ApiError(Exception):
-    """An HTTP error with OpenAI's JSON body."""
+    """An HTTP error with OpenAI's JSON body (and any response headers, e.g. Retry-After)."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, type_: Optional[str] = None):
+                 code: Optional[str] = None, type_: Optional[str] = None,
+                 headers: Optional[dict] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -38,6 +47,30 @@ class ApiError(Exception):
 
 def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+ECHO_CHARS = 200        # the most characters of a client's value an error message quotes
+
+_ECHO = reprlib.Repr()
+_ECHO.maxstring = _ECHO.maxother = _ECHO.maxlong = ECHO_CHARS
+_ECHO.maxlevel = 2
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """A client's text as an error message quotes it: at most ``limit`` characters (then
+    "... (N characters)"), lone surrogates written as ``\\udXXX`` (they are legal in JSON, not
+    in UTF-8), so the body stays short and always encodes."""
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} characters)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def shown(value: Any) -> str:
+    """A client's JSON value as an error message quotes it: its repr (which writes lone
+    surrogates as escapes), at most ECHO_CHARS characters (a long string or number elided in
+    its middle, a container at a few items and two levels, then cut)."""
+    text = _ECHO.repr(value)
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "..."
 
 
 def new_id(prefix: str) -> str:
@@ -55,11 +88,11 @@ def _num(body: dict, key: str, default, lo=None, hi=None, integer=False, lo_open
     kind = "an integer" if integer else "a number"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)) \
             or (isinstance(v, float) and not math.isfinite(v)):
-        raise ApiError(400, f"'{key}' must be {kind}, got {type(v).__name__} {v!r}.", key,
+        raise ApiError(400, f"'{key}' must be {kind}, got {type(v).__name__} {shown(v)}.", key,
                        "invalid_type")
     if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
         rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise ApiError(400, f"'{key}' is {v}; it must be in {rng}.", key, "invalid_value")
+        raise ApiError(400, f"'{key}' is {shown(v)}; it must be in {rng}.", key, "invalid_value")
     return v
 
 
@@ -68,11 +101,14 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ApiError(400, f"'{key}' must be true or false, got {v!r}.", key, "invalid_type")
+        raise ApiError(400, f"'{key}' must be true or false, got {shown(v)}.", key, "invalid_type")
     return v
 
 
-def _stop(body: dict, max_chars: int) -> tuple:
+STOP_CHARS = 1000       # the longest stop string
+
+
+def _stop(body: dict, max_chars: int = STOP_CHARS) -> tuple:
     v = body.get("stop")
     if v is None:
         return ()
@@ -81,8 +117,10 @@ def _stop(body: dict, max_chars: int) -> tuple:
         raise ApiError(400, "'stop' must be a string or a list of strings.", "stop", "invalid_type")
     if len(items) > 4:
         raise ApiError(400, f"'stop' has {len(items)} strings; at most 4 are allowed.", "stop", "invalid_value")
-    if any(len(s) > max_chars for s in items):
-        raise ApiError(400, "a 'stop' string is too long.", "stop", "invalid_value")
+    longest = max((len(s) for s in items), default=0)
+    if longest > max_chars:
+        raise ApiError(400, f"a 'stop' string has {longest} characters; at most {max_chars} are "
+                       "allowed: send a shorter one.", "stop", "invalid_value")
     return tuple(_text(s, "stop") for s in items if s)
 
 
@@ -126,6 +164,7 @@ class Sampling:
     include_usage: bool
     logprobs: Optional[int] = None        # None: not asked; k: the token's and k alternatives
     echo: bool = False
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came from (chat: or max_completion_tokens)
 
 
 def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
@@ -134,9 +173,10 @@ def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model' must be a string (GET /v1/models lists them).", "model", "invalid_type")
-    max_tokens = _num(body, "max_tokens", None, lo=1, integer=True)
-    if chat:
-        max_tokens = _num(body, "max_completion_tokens", max_tokens, lo=1, integer=True)
+    max_tokens, max_tokens_param = _num(body, "max_tokens", None, lo=1, integer=True), "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = _num(body, "max_completion_tokens", None, lo=1, integer=True)
+        max_tokens_param = "max_completion_tokens"
     for key in ("presence_penalty", "frequency_penalty"):
         if _num(body, key, 0, lo=-2, hi=2) != 0:
             raise ApiError(400, f"'{key}' is not supported by this server (send 0 or leave it out).",
@@ -155,14 +195,63 @@ def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
                     _num(body, "top_k", 0, lo=0, integer=True),
                     _num(body, "n", 1, lo=1, hi=limits.max_n, integer=True),
                     None if seed is None else int(seed) % (1 << 63),
-                    _stop(body, 1000), stream, include_usage)
+                    _stop(body), stream, include_usage, max_tokens_param=max_tokens_param)
+
+
+# --------------------------------------------------------------------------- refused fields
+def _on(v: Any) -> bool:
+    """Whether a field's value asks for something (null, "", [] and {} ask for nothing)."""
+    return v is not None and not (isinstance(v, (str, list, dict)) and not v)
+
+
+def _unsupported(key: str, what: str, instead: str) -> ApiError:
+    return ApiError(400, f"'{key}' {what} is not supported by this server: {instead}.", key,
+                    "unsupported_parameter")
+
+
+def _refuse_completion_fields(body: dict, n: int) -> None:
+    """Completion fields that would change the request's meaning, refused unless "off"."""
+    best_of = body.get("best_of")
+    if best_of is not None and (isinstance(best_of, bool) or best_of not in (1, n)):
+        raise _unsupported("best_of", f"{shown(best_of)} (ranking candidates)",
+                           "leave it out, or send 1 or the same value as 'n'")
+    if _on(body.get("suffix")):
+        raise _unsupported("suffix", "(insertion)", "leave it out or send \"\"")
+    if _on(body.get("logit_bias")):
+        raise _unsupported("logit_bias", "(biasing tokens)", "leave it out or send {}")
+
+
+def _refuse_chat_fields(body: dict) -> None:
+    """Chat fields that would change the request's meaning, refused unless "off": the model
+    only writes plain text, so tool calls, structured output, biased tokens, other modalities,
+    predicted outputs and web search cannot be honoured."""
+    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        if _on(body.get(tools)) and body.get(choice) != "none":
+            raise _unsupported(tools, "(calling tools)", f"leave it out, send [], or send "
+                               f"\"{choice}\": \"none\"")
+        if body.get(choice) not in (None, "none", "auto"):
+            raise _unsupported(choice, f"{shown(body.get(choice))} (calling tools)",
+                               "send \"none\" or \"auto\", or leave it out")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise _unsupported("response_format", f"{shown(kind)} (structured output)",
+                           "send {\"type\": \"text\"} or leave it out, and ask for the format in "
+                           "the messages")
+    if _on(body.get("logit_bias")):
+        raise _unsupported("logit_bias", "(biasing tokens)", "leave it out or send {}")
+    if body.get("modalities") not in (None, ["text"]):
+        raise _unsupported("modalities", f"{shown(body.get('modalities'))} (it writes text only)",
+                           "send [\"text\"] or leave it out")
+    for key, what in (("audio", "(audio output)"), ("prediction", "(predicted outputs)"),
+                      ("web_search_options", "(web search)")):
+        if body.get(key) is not None:
+            raise _unsupported(key, what, "leave it out")
 
 
 def read_completion(body: dict, limits: Limits) -> tuple[Sampling, list[str]]:
     s = read_common(body, limits, chat=False)
-    if body.get("suffix") is not None:
-        raise ApiError(400, "'suffix' (insertion) is not supported by this server.", "suffix",
-                       "unsupported_parameter")
+    _refuse_completion_fields(body, s.n)
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING:
         raise ApiError(400, "'prompt' is required (a string, or a list of strings).", "prompt", "missing_required")
@@ -212,6 +301,7 @@ def _content(msg: Any, i: int) -> str:
 
 def read_chat(body: dict, limits: Limits) -> tuple[Sampling, Chat]:
     s = read_common(body, limits, chat=True)
+    _refuse_chat_fields(body)
     msgs = body.get("messages", _MISSING)
     if msgs is _MISSING:
         raise ApiError(400, "'messages' is required.", "messages", "missing_required")
@@ -228,7 +318,7 @@ def read_chat(body: dict, limits: Limits) -> tuple[Sampling, Chat]:
                            f"messages[{i}]", "invalid_type")
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role is {role!r}; this server takes 'system', "
+            raise ApiError(400, f"messages[{i}].role is {shown(role)}; this server takes 'system', "
                            "'user' and 'assistant' (no tools).", f"messages[{i}].role", "invalid_value")
         text = _content(m, i)
         if role in ("system", "developer"):
