@@ -309,8 +309,10 @@ class ShardWindowDataset(Dataset):
         return self.index.locate(i)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = torch.from_numpy(self.window(int(i)).astype(np.int64))  # (T+1,)
-        self._check(w.numpy()[None], [self.index.locate(int(i))[0]])
+        s, off = self.index.locate(int(i))
+        raw = self.arrays[s][off:off + self.index.span]             # (T+1,) as window(i)
+        self._check(raw[None], [s])
+        w = torch.from_numpy(raw.astype(np.int64))
         return w[:-1], w[1:]                                        # (T,), (T,)
 
     def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,6 @@ records). A run killed with SIGKILL therefore shows as "stalled" once that time 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, run_stage
 from utils.run import check_run_name, list_runs, run_checkpoints
-from utils.training.logging_utils import TERMINAL_EVENTS, finite as _finite
+from utils.training.logging_utils import TERMINAL_EVENTS, finite as _finite, json_safe
 
 MIN_STALE_S = 120.0
 
@@ -201,15 +200,7 @@ def as_json(value) -> str:
     """``--json`` output: standard JSON, so a value that is not a finite number (a diverged
     run's NaN loss, which the metrics log keeps) is null; json.dumps wrote NaN, which JSON
     parsers other than Python's refuse."""
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        return v
-    return json.dumps(clean(value), indent=2, allow_nan=False)
+    return json.dumps(json_safe(value), indent=2, allow_nan=False)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

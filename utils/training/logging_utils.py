@@ -36,16 +36,16 @@ from typing import Any, Optional
 TERMINAL_EVENTS = ("done", "interrupted", "early_stopping", "already_done")
 
 
-def _clean(v: Any) -> Any:
+def json_safe(v: Any) -> Any:
     """JSON-safe values: NaN/inf become null (JSON has no NaN), tensors become numbers."""
     if hasattr(v, "item") and callable(v.item):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
-        return {k: _clean(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
+        return [json_safe(x) for x in v]
     return v
 
 
@@ -72,7 +72,7 @@ class DualLogger:
     # ------------------------------------------------------------------ writers
     def _line(self, record: dict) -> None:
         if self._fh is not None:
-            self._fh.write(json.dumps(_clean(record), ensure_ascii=False) + "\n")
+            self._fh.write(json.dumps(json_safe(record), ensure_ascii=False) + "\n")
             self._fh.flush()
 
     def log(self, kind: str, step: int, values: dict, prefix: Optional[str] = None) -> None:
