@@ -217,11 +217,11 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:   # nohup / `cmd &` keep ignoring
             signal.signal(signum, _on_stop)
-    router = os.environ.get(ROUTER_PID_ENV, "")
-    if router.isdigit() and int(router) == os.getppid():   # started by main.py (not its workers)
-        from utils.data.parallel import die_with_parent
-        die_with_parent(int(router), signal.SIGTERM)       # main.py killed: stop as on SIGTERM
     try:
+        router = os.environ.get(ROUTER_PID_ENV, "")
+        if router.isdigit() and int(router) == os.getppid():   # started by main.py (not its workers)
+            from utils.data.parallel import die_with_parent
+            die_with_parent(int(router), signal.SIGTERM)   # main.py killed: stop as on SIGTERM
         code = main_fn(argv) or EXIT_OK
     except Terminated:
         print(f"\n{prog}: stopped by SIGTERM; completed work is kept on disk.", file=sys.stderr)
