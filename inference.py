@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from utils.cli import EXIT_INTERRUPTED, PipelineError, StageParser, Terminated, UsageError, cli_path, run_stage
+from utils.device import available_bytes
 
 ROOT = Path(__file__).resolve().parent
 
@@ -192,6 +193,13 @@ class Session:
         self.err = err or sys.stderr
         self.device = pick_device(cfg.inference.device)
         self._tokenizers: dict = {}      # loaded once for checkpoints that share one
+        self._memory_note_said = False
+
+    def unknown_memory(self, why: str, note: Callable[[str], None]) -> None:
+        """Say once per session that free memory is unknown and its checks are skipped."""
+        if not self._memory_note_said:
+            self._memory_note_said = True
+            note(f"({why}: the KV cache is not checked against free memory)")
 
     def load(self, path: Path, label: Optional[str] = None) -> Loaded:
         from utils.generation.engine import Engine
@@ -225,8 +233,10 @@ class Session:
                  f"trained on {limit}-token sequences)")
             ids = ids[-limit:]
         need = m.engine.batcher(1, len(ids) + max_new).bytes_per_slot    # the KV cache, allocated at once
-        have = _available_bytes(m.model.device)
-        if have is not None and need > have:
+        have, why = available_bytes(m.model.device)
+        if have is None:
+            self.unknown_memory(why, note)
+        elif need > have:
             raise UsageError(f"max new tokens {max_new:,}: the KV cache for the prompt's {len(ids)} and that many "
                              f"positions would take {need / 2 ** 30:,.1f} GiB, more than the "
                              f"{have / 2 ** 30:,.1f} GiB available; ask for fewer"
@@ -446,7 +456,9 @@ class UI:
     def compare(self) -> None:
         paths = self.pick_many()
         need = sum(_estimate_bytes(p, self.session.device) for p in paths)
-        avail = _available_bytes(self.session.device)
+        avail, why = available_bytes(self.session.device)
+        if avail is None:
+            self.session.unknown_memory(why, self.say)
         self.say(f"\n{len(paths)} model(s) selected; estimated memory {need / 1e6:,.0f} MB"
                  + (f" of {avail / 1e6:,.0f} MB available" if avail else "") + ".")
         if avail and need > 0.8 * avail:
@@ -524,20 +536,6 @@ def _estimate_bytes(path: Path, device=None) -> int:
     activations."""
     from utils.generation.engine import estimated_weight_bytes
     return int(estimated_weight_bytes(path.stat().st_size, getattr(device, "type", "cpu")) * 1.2)
-
-
-def _available_bytes(device) -> Optional[int]:
-    try:
-        import torch
-        if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[0])
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except Exception:
-        return None
-    return None
 
 
 # --------------------------------------------------------------------------- main

@@ -279,3 +279,36 @@ def test_interactive_multi_model_comparison_with_colors(work):
     c.close()
     assert c.exitstatus == 130
     assert "Traceback" not in c.before
+
+
+def test_free_memory_sources_and_the_note_said_once(monkeypatch):
+    """MemAvailable first, free pages where /proc/meminfo cannot be read, else (None, reason):
+    infer then says once that the KV cache is not checked, and goes on."""
+    import builtins
+
+    import inference
+    from utils import device as dev
+    cpu = torch.device("cpu")
+    have, why = dev.available_bytes(cpu)
+    assert have > 2 ** 20 and why == ""
+    real_open = builtins.open
+
+    def no_proc(path, *a, **kw):
+        if str(path) == "/proc/meminfo":
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *a, **kw)
+    monkeypatch.setattr(builtins, "open", no_proc)
+    pages, why = dev.available_bytes(cpu)
+    assert pages == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") and why == ""
+
+    def no_sysconf(name):
+        raise ValueError(f"unrecognized configuration name {name}")
+    monkeypatch.setattr(dev.os, "sysconf", no_sysconf)
+    none, why = dev.available_bytes(cpu)
+    assert none is None and "could not be read" in why
+    said = []
+    session = inference.Session.__new__(inference.Session)
+    session._memory_note_said = False
+    for _ in range(3):
+        session.unknown_memory(why, said.append)
+    assert said == [f"({why}: the KV cache is not checked against free memory)"]
