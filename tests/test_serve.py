@@ -380,10 +380,16 @@ def test_error_bodies_quote_client_values_bounded_and_always_encode(server):
 
 def _raw_get(url: str, path: str) -> tuple[int, bytes]:
     """GET ``path`` over a raw socket (any length): the status and the body."""
+    return _raw_request(url, "GET", path)
+
+
+def _raw_request(url: str, method: str, path: str) -> tuple[int, bytes]:
+    """``method path`` over a raw socket: the status and every byte after the headers until
+    the server closes the connection."""
     import socket
     host, port = url.split("//")[1].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
-        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
         reply = b""
         while part := sock.recv(65536):
             reply += part
@@ -459,6 +465,44 @@ def test_one_model_by_id(server):
     assert "'nope'" in _err(r, 404, "model", "model_not_found")["message"]
     with pytest.raises(openai.NotFoundError):
         server.client.models.retrieve("nope")
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url.split("//")[1].rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def test_head_answers_as_get_does_without_a_body(server):
+    """HEAD (load balancers, health checkers, link checkers) on the page, its files, /health
+    and the model list: 200 with GET's headers (Content-Length included) and no body: the next
+    request on the same connection parses, which a stray body would break. A method a path
+    does not take is a 405 naming the ones it does (Allow)."""
+    import http.client
+    conn = http.client.HTTPConnection(*_host_port(server.url), timeout=TIMEOUT)
+    try:
+        for path in ("/", "/static/chat.js", "/health", "/v1/models", "/v1/models/base"):
+            conn.request("HEAD", path)
+            head = conn.getresponse()
+            assert (head.status, head.read()) == (200, b""), (path, head.status)
+            conn.request("GET", path)
+            get = conn.getresponse()
+            body = get.read()
+            assert get.status == 200 and int(get.headers["content-length"]) == len(body) > 0, path
+            same = lambda r: sorted((k.lower(), v) for k, v in r.getheaders() if k.lower() != "date")  # noqa: E731
+            assert same(head) == same(get), path
+        for method, path, allowed in (("POST", "/health", {"GET", "HEAD"}),
+                                      ("HEAD", "/v1/completions", {"POST"})):
+            conn.request(method, path)
+            r = conn.getresponse()
+            content = r.read()
+            assert r.status == 405 and {m.strip() for m in r.headers["allow"].split(",")} == allowed, \
+                (method, path, r.status, r.getheaders())
+            if method != "HEAD":
+                assert json.loads(content)["error"]["code"] == "405"
+    finally:
+        conn.close()
+    status, content = _raw_request(server.url, "HEAD", "/health")    # the bytes on the wire
+    assert status == 200 and content == b"", content[:300]
 
 
 def test_length_errors_name_the_field_at_fault(server):

@@ -6,8 +6,9 @@ stage script runs it with uvicorn).
 ``models``: model id -> :class:`ServedModel` (an opened checkpoint and its
 :class:`~utils.generation.loop.Lane` on the server's one engine thread). Endpoints: ``GET /``
 (the chat page, ``utils/serve/static``), ``GET /health``, ``GET /v1/models`` (and
-``/v1/models/{id}``), ``POST /v1/completions``, ``POST /v1/chat/completions`` (plain JSON or
-server-sent events). Every error is OpenAI's JSON shape with a 4xx/5xx status
+``/v1/models/{id}``), each also answering HEAD (GET's headers, no body), ``POST
+/v1/completions``, ``POST /v1/chat/completions`` (plain JSON or server-sent events); a 405
+names the methods a path takes (``Allow``). Every error is OpenAI's JSON shape with a 4xx/5xx status
 (utils/serve/protocol.py), written ASCII-escaped so it encodes whatever client text it quotes;
 a client that leaves while sending its body costs one short log line. A request's sequences
 (``n`` of them per prompt, choice i seeded ``seed + i``) join the model's running batch; a
@@ -290,7 +291,8 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
         what = {404: f"no such endpoint: {clip(request.method)} {where} (see GET /v1/models, "
                      "POST /v1/completions, POST /v1/chat/completions)",
                 405: f"method {clip(request.method)} is not allowed on {where}"}.get(e.status_code, str(e.detail))
-        return ErrorResponse(error_body(what, code=str(e.status_code)), status_code=e.status_code)
+        return ErrorResponse(error_body(what, code=str(e.status_code)), status_code=e.status_code,
+                             headers=e.headers)          # a 405's Allow: the methods the path takes
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request, e: ClientDisconnect):
@@ -307,11 +309,17 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
     if api_key:
         app.add_middleware(_BearerAuth, key=api_key)
 
-    @app.get("/")
+    def get(path: str):
+        """A GET route that answers HEAD too (load balancers and health checkers send HEAD):
+        the same status and headers, no body (uvicorn sends none for HEAD; FileResponse
+        reads no file)."""
+        return app.api_route(path, methods=["GET", "HEAD"])
+
+    @get("/")
     async def _page():
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
-    @app.get("/static/{name}")
+    @get("/static/{name}")
     async def _static(name: str):
         path = STATIC / name
         if name not in {p.name for p in STATIC.iterdir()}:
@@ -319,17 +327,17 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
         kind = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}.get(path.suffix)
         return FileResponse(path, media_type=kind)
 
-    @app.get("/health")
+    @get("/health")
     async def _health():
         return {"status": "ok", "models": {k: {"active": m.lane.active, "slots": m.lane.batcher.slots,
                                                "running": len(m.lane.batcher.running)}
                                            for k, m in models.items()}}
 
-    @app.get("/v1/models")
+    @get("/v1/models")
     async def _models():
         return {"object": "list", "data": [m.describe() for m in models.values()]}
 
-    @app.get("/v1/models/{model_id:path}")              # ids may hold a '/' (exp1/checkpoint_x.pt)
+    @get("/v1/models/{model_id:path}")              # ids may hold a '/' (exp1/checkpoint_x.pt)
     async def _model_info(model_id: str):
         return _model(models, model_id).describe()
 
