@@ -15,8 +15,10 @@ Each model has its own continuous-batching engine (utils/generation/engine.py,
 ``serve.max_batch`` sequences decoded together; more wait for a slot); one engine thread
 opens the models and steps them all (utils/generation/loop.py). SIGINT / SIGTERM: stop
 accepting, give running streams ``serve.shutdown_grace`` seconds to finish, cut the rest with an error
-event (a request whose body arrives meanwhile gets 503), exit 130. An empty ``--api-key`` is a
-usage error. Fields, limits, batching and security: docs/serve.md.
+event (a request whose body arrives meanwhile gets 503), exit 130. A connection with no request
+under way is closed after ``serve.idle_timeout`` seconds; a request whose headers and body do not
+all arrive within ``serve.read_timeout`` seconds gets 408 and its connection is closed. An empty
+``--api-key`` is a usage error. Fields, limits, batching and security: docs/serve.md.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         models = open_models(args, cfg, loop)
         app = make_app(models, cfg, api_key)
         announce(sock, cfg.serve.host, models, api_key)
-        run_server(app, sock, loop, models, cfg.serve.shutdown_grace)
+        run_server(app, sock, loop, models, cfg.serve)
     finally:
         loop.stop()
     return 0
@@ -173,7 +175,7 @@ def make_app(models: dict, cfg, api_key: Optional[str]):
     from utils.serve.app import create_app
     from utils.serve.protocol import Limits
     limits = Limits(cfg.serve.max_messages, cfg.serve.max_prompt_chars, cfg.serve.max_n,
-                    cfg.serve.max_tokens)
+                    cfg.serve.max_tokens, cfg.serve.read_timeout)
     return create_app(models, limits, api_key, log=lambda s: print(f"serve: {s}", file=sys.stderr,
                                                                    flush=True))
 
@@ -199,13 +201,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def run_server(app, sock: socket.socket, loop, models: dict, grace: float) -> None:
-    """uvicorn on ``sock``. SIGINT/SIGTERM: uvicorn stops accepting; running generations get
-    ``grace`` seconds to finish, then the engines stop, which ends each remaining stream with an
-    error event and ``[DONE]``; uvicorn then re-raises the signal, which run_stage turns into
-    exit 130."""
+def run_server(app, sock: socket.socket, loop, models: dict, sc) -> None:
+    """uvicorn on ``sock`` (``sc``: the config's serve section), its connections through
+    utils/serve/connections.py: one with no request under way closes after
+    ``sc.idle_timeout`` seconds, a request has ``sc.read_timeout`` seconds to arrive (then 408).
+    SIGINT/SIGTERM: uvicorn stops accepting; running generations get ``sc.shutdown_grace``
+    seconds to finish, then the engines stop, which ends each remaining stream with an error
+    event and ``[DONE]``; uvicorn then re-raises the signal, which run_stage turns into exit 130."""
     import asyncio
     import uvicorn
+    from utils.serve.connections import timed_protocol
+    grace = sc.shutdown_grace
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
@@ -226,6 +232,8 @@ def run_server(app, sock: socket.socket, loop, models: dict, grace: float) -> No
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            http=timed_protocol(sc.idle_timeout, sc.read_timeout, say),
+                            timeout_keep_alive=sc.idle_timeout,   # uvicorn's own timer, after an answer
                             timeout_graceful_shutdown=max(1, int(grace) + 1))
     Server(config).run(sockets=[sock])
 

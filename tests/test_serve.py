@@ -1,7 +1,8 @@
 """`main.py serve`: a live server on 127.0.0.1 (a free port, started through main.py as a
 user would) driven with the official `openai` client and raw HTTP: chat and completions,
 plain and streaming, seeds, stop strings, n > 1, logprobs, errors in OpenAI's shape, auth,
-disconnects, 32 concurrent streams equal to their lone runs, SIGTERM, int8 weights, an HF
+HEAD, connection deadlines over raw sockets (idle, slow headers and bodies), disconnects, 32
+concurrent streams equal to their lone runs, SIGTERM, int8 weights, an HF
 folder served beside checkpoints. Every request loop is bounded in count and time."""
 from __future__ import annotations
 
@@ -621,6 +622,172 @@ def test_a_client_leaving_mid_upload_costs_one_short_log_line(server):
     assert len(lines) == before + 1 and len(lines[-1]) < 200, lines
     assert lines[-1] == "serve: a client left while sending its request to /v1/completions; nothing was run"
     assert "Traceback" not in log and "ClientDisconnect" not in log and "internal error" not in log
+
+
+# --------------------------------------------------------------------------- connection deadlines
+IDLE, READ = 0.5, 1.0           # the timed server's serve.idle_timeout and serve.read_timeout
+BOUND = 15.0                    # what any one check below waits, at most, for the server to act
+
+
+@pytest.fixture(scope="module")
+def timed(work):
+    """A server with short connection deadlines (IDLE and READ seconds)."""
+    cfg = write_config(work["root"], {"tokenizer": {"name": TOK_NAME},
+                                      "serve": {"idle_timeout": IDLE, "read_timeout": READ}}, name="deadlines.json")
+    s = Server(work["root"], cfg, "--checkpoint", work["pre"])
+    yield s
+    assert s.stop() == 130, s.stderr()
+
+
+def _connect(url: str):
+    import socket
+    return socket.create_connection(_host_port(url), timeout=TIMEOUT)
+
+
+def _until_closed(sock, bound: float = BOUND) -> tuple[bytes, float]:
+    """Every byte the server sends until it closes the connection, and the seconds that took;
+    fails if it is still open after ``bound`` seconds (socket timeouts, no sleeps)."""
+    import socket
+    t0, got = time.monotonic(), b""
+    while True:
+        left = bound - (time.monotonic() - t0)
+        assert left > 0, f"the server kept the connection open over {bound} s (got {got[:300]!r})"
+        sock.settimeout(left)
+        try:
+            part = sock.recv(65536)
+        except socket.timeout:
+            continue
+        except ConnectionResetError:          # closed while our last bytes were in flight
+            part = b""
+        if not part:
+            return got, time.monotonic() - t0
+        got += part
+
+
+def _trickle(sock, data: bytes, every: float = 0.05, bound: float = BOUND,
+             past_answer: bool = False) -> tuple[bytes, float]:
+    """Send ``data`` a byte at a time, the next one when the server has said nothing for
+    ``every`` seconds (select() waits for it that long), until it answers (``past_answer``:
+    until it closes the connection); then read until it closes it. The bytes it sent and the
+    seconds all that took."""
+    import select
+    t0, got = time.monotonic(), b""
+    for b in data:
+        assert time.monotonic() - t0 < bound, f"the server took bytes for {bound} s and did not close ({got[:300]!r})"
+        if select.select([sock], [], [], every)[0]:
+            try:
+                part = sock.recv(65536)
+            except ConnectionResetError:
+                part = b""
+            if not part:
+                return got, time.monotonic() - t0
+            got += part
+            if not past_answer:
+                break
+        try:
+            sock.sendall(bytes([b]))
+        except (BrokenPipeError, ConnectionResetError):
+            break
+    more, _ = _until_closed(sock, bound - (time.monotonic() - t0))
+    return got + more, time.monotonic() - t0
+
+
+def _timeout_error(reply: bytes) -> dict:
+    """The OpenAI error of a 408 reply (asserted: status, Connection: close, shape, code)."""
+    head, _, content = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), reply[:2000]
+    assert b"\r\nconnection: close" in head.lower(), head
+    err = json.loads(content)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "serve.read_timeout" in err["message"], err
+    assert (err["code"], err["type"], err["param"]) == ("request_timeout", "invalid_request_error", None), err
+    return err
+
+
+def test_a_connection_without_a_request_is_closed_after_serve_idle_timeout(timed):
+    """A connection that never sends a byte, and one whose last response went out and that
+    sends nothing more, are closed after serve.idle_timeout (uvicorn's h11 protocol closed
+    neither of the first kind: its keep-alive timer starts after a response)."""
+    with _connect(timed.url) as sock:
+        got, secs = _until_closed(sock)
+    assert got == b"" and IDLE * 0.8 < secs < IDLE + 5, (got, secs)
+    with _connect(timed.url) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        got, secs = _until_closed(sock)
+    assert got.startswith(b"HTTP/1.1 200 ") and b'"status":"ok"' in got and secs < IDLE + 5, (got, secs)
+
+
+def test_a_request_not_arriving_within_serve_read_timeout_gets_408_and_is_closed(timed):
+    """From a request's first byte, its headers and body have serve.read_timeout seconds,
+    however the bytes trickle in: headers sent a byte at a time, a body that stops, a body
+    sent a byte at a time all get a 408 in OpenAI's shape with Connection: close, and the
+    connection is closed (uvicorn's h11 protocol waited for ever: any byte cancels its one
+    timer); a body nobody reads (its answer went out already) is cut. Each is one log line;
+    nothing is generated."""
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    cases = [(b"", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"s" * 500),     # headers, trickled
+             (post + b'{"model": "base", "pro', b""),                                  # a body that stops
+             (post, b'{"model": "base", "prompt": "' + b"p" * 970 + b'"}')]            # a body, trickled
+    start = len(timed.stderr())
+    for sent, trickled in cases:
+        t0 = time.monotonic()
+        with _connect(timed.url) as sock:
+            sock.sendall(sent)
+            got, _ = _trickle(sock, trickled) if trickled else _until_closed(sock)
+        secs = time.monotonic() - t0
+        err = _timeout_error(got)
+        assert READ * 0.8 < secs < READ + 5, (secs, err)
+    with _connect(timed.url) as sock:            # GET with a body the app does not read
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        got, secs = _trickle(sock, b"b" * 1000, past_answer=True)
+    assert got.startswith(b"HTTP/1.1 200 ") and READ * 0.8 < secs < READ + 5, (got[:300], secs)
+    log = _wait_for_log(timed, "still sending its body")[start:]
+    assert len(re.findall(r"serve: a request to /v1/completions sent \d+ of its 1000 body bytes in "
+                          r"serve\.read_timeout \(1 s\): answered 408", log)) == 2, log
+    assert log.count("no complete request headers in serve.read_timeout (1 s): answered 408") == 1, log
+    assert log.count("a request to /health was still sending its body after serve.read_timeout (1 s)") == 1, log
+    assert "Traceback" not in log and "a client left" not in log and "internal error" not in log, log
+    assert timed.health()["models"]["base"]["active"] == 0
+
+
+def test_idle_and_stalled_connections_do_not_hold_up_requests_and_are_all_closed(timed):
+    """200 connections that send nothing and 20 stalled uploads: a completion is still answered
+    at once, and the server closes every one of them within its deadline."""
+    import selectors
+    socks = [_connect(timed.url) for _ in range(200)]
+    try:
+        for sock in socks[:20]:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        t0 = time.monotonic()
+        r = timed.client.completions.create(model="base", prompt="The", max_tokens=3, temperature=0)
+        assert r.choices[0].finish_reason and time.monotonic() - t0 < 10
+        sel, open_ = selectors.DefaultSelector(), set(socks)
+        for sock in socks:
+            sock.setblocking(False)
+            sel.register(sock, selectors.EVENT_READ)
+        deadline = time.monotonic() + BOUND
+        while open_ and time.monotonic() < deadline:
+            for key, _ in sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    closed = key.fileobj.recv(65536) == b""
+                except ConnectionResetError:
+                    closed = True
+                if closed:
+                    sel.unregister(key.fileobj)
+                    open_.discard(key.fileobj)
+        assert not open_, f"{len(open_)} of {len(socks)} connections still open after {BOUND} s"
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_connection_deadlines_must_be_positive(work):
+    from tests.conftest import run_main
+    cfg = write_config(work["root"], {"tokenizer": {"name": TOK_NAME},
+                                      "serve": {"idle_timeout": 0, "read_timeout": -1}}, name="bad_deadlines.json")
+    r = run_main("serve", "--config", cfg, "--port", "0", "--checkpoint", work["pre"], timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "serve.idle_timeout: 0 is out of range (must be > 0)" in r.stderr, r.stderr
+    assert "serve.read_timeout: -1 is out of range (must be > 0)" in r.stderr, r.stderr
 
 
 def test_a_disconnected_stream_frees_its_slot_at_once(server):

@@ -355,6 +355,10 @@ class ServeConfig:
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
     stream_interval: float = _f(0.02, "least seconds between two writes of a stream: faster tokens go "
                                 "out together, one chunk per choice (0: a chunk per token)", min=0)
+    idle_timeout: float = _f(5.0, "seconds a connection with no request under way (just opened, or "
+                             "after its last answer) stays open", min=0, min_exclusive=True)
+    read_timeout: float = _f(30.0, "seconds a request has, from its first byte, to send its headers and "
+                             "its whole body (beyond: HTTP 408, connection closed)", min=0, min_exclusive=True)
 
 
 @dataclass

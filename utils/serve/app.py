@@ -10,7 +10,9 @@ stage script runs it with uvicorn).
 /v1/completions``, ``POST /v1/chat/completions`` (plain JSON or server-sent events); a 405
 names the methods a path takes (``Allow``). Every error is OpenAI's JSON shape with a 4xx/5xx status
 (utils/serve/protocol.py), written ASCII-escaped so it encodes whatever client text it quotes;
-a client that leaves while sending its body costs one short log line. A request's sequences
+a client that leaves while sending its body costs one short log line, and a body that does not
+all arrive within ``limits.read_timeout`` seconds is answered 408 and its connection closed
+(utils/serve/connections.py bounds idle connections and slow headers). A request's sequences
 (``n`` of them per prompt, choice i seeded ``seed + i``) join the model's running batch; a
 client that disconnects cancels them at the next step. One log line per request: id, model, prompt and
 completion tokens, time to first token, tokens/s, finish reasons.
@@ -343,7 +345,7 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
-        body = await _json(request, limits)
+        body = await _json(request, limits, log)
         s, texts = read_completion(body, limits)
         m = _model(models, s.model)
         prompts = [m.completion_ids(t) for t in texts]
@@ -351,7 +353,7 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request):
-        body = await _json(request, limits)
+        body = await _json(request, limits, log)
         s, chat = read_chat(body, limits)
         m = _model(models, s.model)
         prompts = [m.chat_ids(chat)]
@@ -387,10 +389,13 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
-async def _json(request: Request, limits: Limits):
+async def _json(request: Request, limits: Limits, log: Callable[[str], None]):
     """The body as JSON: uncompressed (415 otherwise), at most ``limits.max_body_bytes`` (413
-    beyond, read no further), UTF-8 (:func:`_utf8`). A client that leaves before its body is
-    all here raises ClientDisconnect (one log line, no answer: see create_app)."""
+    beyond, read no further), UTF-8 (:func:`_utf8`), all here within ``limits.read_timeout``
+    seconds of the start of its reading (408 with ``Connection: close`` otherwise, however the
+    bytes trickle in, and one log line; utils/serve/connections.py bounds the headers and any body
+    nobody reads). A client that leaves before its body is all here raises ClientDisconnect
+    (one log line, no answer: see create_app)."""
     encoding = request.headers.get("content-encoding", "").strip()
     if encoding.lower() not in ("", "identity"):
         raise ApiError(415, f"Content-Encoding '{clip(encoding)}' is not supported; send the JSON "
@@ -401,10 +406,20 @@ async def _json(request: Request, limits: Limits):
     if int(request.headers.get("content-length") or 0) > cap:
         raise too_big
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > cap:
-            raise too_big
+    try:
+        async with asyncio.timeout(limits.read_timeout):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > cap:
+                    raise too_big
+    except TimeoutError:
+        length = request.headers.get("content-length")
+        of = f" of its {clip(length, 20)}" if length else ""
+        log(f"a request to {clip(request.url.path)} sent {len(raw)}{of} body bytes in serve.read_timeout "
+            f"({limits.read_timeout:g} s): answered 408, connection closed")
+        raise ApiError(408, f"the request body did not arrive within {limits.read_timeout:g} s (serve.read_timeout; "
+                       f"{len(raw)}{of} bytes came): send it without pausing.", None, "request_timeout",
+                       headers={"Connection": "close"}) from None
     try:
         return json.loads(_utf8(bytes(raw)))
     except json.JSONDecodeError as e:

@@ -130,6 +130,7 @@ class Limits:
     max_prompt_chars: int = 100_000
     max_n: int = 8
     default_max_tokens: int = 256
+    read_timeout: float = 30.0          # seconds a body has to arrive (serve.read_timeout): then 408
 
     @property
     def max_body_bytes(self) -> int:

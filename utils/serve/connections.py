@@ -1,0 +1,153 @@
+"""The HTTP/1.1 connections of ``serve`` (library): uvicorn's h11 protocol with two deadlines,
+so a client holds a connection only while it sends a request at a pace, or is being answered.
+
+    config = uvicorn.Config(app, http=timed_protocol(idle=5.0, read=30.0, log=print), ...)
+
+- ``idle`` (``serve.idle_timeout``): a connection with no request under way, just opened or
+  after its last answer, is closed after ``idle`` seconds. uvicorn's own keep-alive timer
+  starts only after an answer, and any byte cancels it for good, so a connection that never
+  sent a request, or sent part of one, stayed open for ever.
+- ``read`` (``serve.read_timeout``): a request has ``read`` seconds from its first byte for its
+  headers and its whole body; bytes that trickle in do not extend it. Headers not all here by
+  then: a 408 in OpenAI's error shape with ``Connection: close``, then the connection is
+  closed (one log line). A body the app is reading: the app answers the 408 itself, on its own
+  clock, which starts a moment later (utils/serve/app.py ``_json``); should the request still
+  be arriving at twice ``read``, the connection is cut. A body nobody reads (the app answered
+  without it): the connection is closed (one log line).
+- A request that is all here has no deadline while the app holds it (a generation, a stream):
+  ``serve.max_queue`` and the request's length bound those.
+
+No cap on the number of connections (uvicorn's ``limit_concurrency`` would count idle ones
+and answer real requests 503 once they filled it): each connection costs a socket and this
+object, the deadlines free it, the process's open-file limit bounds how many there are at
+once (docs/serve.md, Security).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Callable, Optional
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from utils.serve.protocol import clip, error_body
+
+IDLE, READING, HELD = "idle", "reading", "held"     # what a connection is doing (see _phase_now)
+
+
+def timed_protocol(idle: float, read: float, log: Callable[[str], None]) -> type[H11Protocol]:
+    """The protocol class for ``uvicorn.Config(http=...)`` with these deadlines (seconds)."""
+    return type("TimedH11Protocol", (TimedH11Protocol,),
+                {"idle_timeout": idle, "read_timeout": read, "log": staticmethod(log)})
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's H11Protocol with the idle and read deadlines above: after each thing that can
+    change what the connection is doing (it opens, bytes arrive, an answer completes),
+    :meth:`_watch` arms the deadline of what it does now; a deadline set for a phase stays
+    while the phase lasts (more bytes of the same request do not move it)."""
+
+    idle_timeout = 5.0
+    read_timeout = 30.0
+    log: Callable[[str], None] = staticmethod(print)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._phase: Optional[str] = None
+        self._deadline: Optional[asyncio.TimerHandle] = None
+        self._overtime = False              # the app had its own read_timeout on top of ours
+        self._handed_over = False           # a WebSocket upgrade: the connection is another protocol's
+
+    # -- uvicorn's hooks, each followed by a look at the phase
+    def connection_made(self, transport) -> None:       # type: ignore[override]
+        super().connection_made(transport)
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._arm(None)
+        super().connection_lost(exc)
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        self._handed_over = True
+        self._arm(None)
+        super().handle_websocket_upgrade(event)
+
+    # -- phases and deadlines
+    def _phase_now(self) -> Optional[str]:
+        """IDLE: no byte of a request is here; READING: part of one is (headers, or a body
+        still coming, read or not); HELD: the request is all here and the app has it; None:
+        the connection is closing or no longer this protocol's."""
+        if self.transport is None or self.transport.is_closing() or self._handed_over:
+            return None
+        their = self.conn.their_state
+        if their is h11.SEND_BODY or (their is h11.IDLE and self.conn.trailing_data[0]):
+            return READING
+        return IDLE if their is h11.IDLE else HELD
+
+    def _watch(self) -> None:
+        phase = self._phase_now()
+        if phase != self._phase:
+            self._arm(phase)
+
+    def _arm(self, phase: Optional[str]) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._phase, self._overtime = phase, False
+        if phase == IDLE:
+            self._deadline = self.loop.call_later(self.idle_timeout, self._idle_passed)
+        elif phase == READING:
+            self._deadline = self.loop.call_later(self.read_timeout, self._read_passed)
+
+    def _idle_passed(self) -> None:
+        self._deadline = None
+        if self._phase_now() == IDLE:
+            self.timeout_keep_alive_handler()           # uvicorn's: h11 ConnectionClosed, close
+
+    def _read_passed(self) -> None:
+        self._deadline = None
+        if self._phase_now() != READING:
+            return
+        if self.conn.their_state is h11.IDLE:           # its headers never all came: nobody answered
+            self._answer_408()
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started and not self._overtime:
+            self._overtime = True                       # the app is reading the body: it answers
+            self._deadline = self.loop.call_later(self.read_timeout, self._read_passed)
+            return
+        path = clip(self.scope["path"]) if self.scope else "?"
+        if self._overtime:
+            self.log(f"a request to {path} was still sending its body after twice serve.read_timeout "
+                     f"({self.read_timeout:g} s), unanswered: connection closed")
+        else:
+            self.log(f"a request to {path} was still sending its body after serve.read_timeout "
+                     f"({self.read_timeout:g} s), after its answer: connection closed")
+        self.transport.close()
+
+    def _answer_408(self) -> None:
+        """A 408 in OpenAI's error shape for a request whose headers did not all come, then
+        the connection closed."""
+        body = json.dumps(error_body(
+            f"the request's headers did not arrive within {self.read_timeout:g} s (serve.read_timeout): "
+            "send it without pausing.", code="request_timeout"), separators=(",", ":")).encode("ascii")
+        headers = [*self.server_state.default_headers, (b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+        try:
+            out = self.conn.send(h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"))
+            out += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+            self.transport.write(out)
+        except h11.LocalProtocolError:                  # h11 cannot answer in this state: just close
+            pass
+        self.log(f"a client sent no complete request headers in serve.read_timeout ({self.read_timeout:g} s): "
+                 "answered 408, connection closed")
+        self.transport.close()
