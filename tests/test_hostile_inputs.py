@@ -259,8 +259,8 @@ def test_fineweb_bad_parquet_is_a_clear_error_and_keeps_the_old_set(fw_env, tmp_
                  "--no-progress", "--force")
     assert_clean_exit(p, 1)
     assert str(bad) in p.stderr and "unexpected" not in p.stderr
-    after = snapshot(out)
-    assert {k: v for k, v in after.items() if not k.startswith(".rebuild")} == before
+    assert snapshot(out) == before                   # and no side folder (.rebuild) is left
+    assert not (out / ".rebuild").exists()
 
 
 def test_fineweb_force_replaces_the_set_only_when_complete(fw_env, tmp_path):
@@ -316,12 +316,43 @@ def test_prepare_force_with_a_bad_input_keeps_the_old_set(prep_set):
     p = run_main("prepare", "--config", cfg, "--output-dir", out, "--no-progress", "--force")
     assert_clean_exit(p, 1)
     assert f"{cleaned / 'cleaned_b.txt'}:2" in p.stderr
-    assert {k: v for k, v in snapshot(out).items() if not k.startswith(".rebuild")} == before
+    assert snapshot(out) == before and not (out / ".rebuild").exists()
     # a typo in the input folder: refused before anything is touched
     p = run_main("prepare", "--config", cfg, "--output-dir", out, "--no-progress", "--force",
                  "--input-dir", cleaned.parent / "cleand")
     assert_clean_exit(p, 1)
-    assert {k: v for k, v in snapshot(out).items() if not k.startswith(".rebuild")} == before
+    assert snapshot(out) == before and not (out / ".rebuild").exists()
+
+
+@pytest.mark.parametrize("failure", ["bad_line_after_shards", "tokenizer_without_bos"])
+def test_failed_prepare_force_removes_its_side_folder(prep_set, saved_tokenizer, tmp_path,  # noqa: F811
+                                                      failure):
+    """A --force run that fails after building part of the new set beside the old one (a
+    damaged line after several shards were written into .rebuild/, or a tokenizer the engine
+    refuses once it has started) exits 1 naming the problem; the old set is byte-identical and
+    no .rebuild/ folder, empty or holding shards, is left beside it."""
+    cleaned, cfg, out = prep_set
+    before = snapshot(out)
+    args = ["--no-progress", "--force"]
+    if failure == "bad_line_after_shards":
+        good = "".join(f"More {i}. {TEXT}\n" for i in range(20))
+        (cleaned / "cleaned_b.txt").write_bytes(good.encode() + b"\xff\xfe not utf-8\n")
+        args += ["--batch", "2"]        # small chunks: shards are written before the bad line
+        expect = f"{cleaned / 'cleaned_b.txt'}:21"
+    else:
+        tok = tmp_path / "nobos"
+        shutil.copytree(saved_tokenizer, tok)
+        conf = json.loads((tok / "tokenizer_config.json").read_text())
+        conf["bos_token"] = None
+        (tok / "tokenizer_config.json").write_text(json.dumps(conf))
+        (tmp_path / "c2").mkdir()
+        cfg = _prep_config(tmp_path / "c2", cleaned, tok)
+        expect = "no BOS or EOS token"
+    p = run_main("prepare", "--config", cfg, "--output-dir", out, *args)
+    assert_clean_exit(p, 1)
+    assert expect in p.stderr
+    assert snapshot(out) == before
+    assert not (out / ".rebuild").exists(), sorted(p.name for p in (out / ".rebuild").iterdir())
 
 
 @pytest.mark.parametrize("damage", ["garbage", "a_directory", "deleted"])

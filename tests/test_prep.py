@@ -430,3 +430,51 @@ def test_missing_input_is_exit_1(tmp_config, tmp_path):
     assert p.returncode == 1
     assert str(empty) in p.stderr and "python main.py clean" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+# --------------------------------------------------------------------------- --force side folder
+def _rebuild_names(out: Path) -> Optional[list[str]]:
+    """The names in ``out/.rebuild`` (None when there is no such folder)."""
+    try:
+        return [e.name for e in os.scandir(out / ".rebuild")]
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+@pytest.mark.parametrize("moment", ["before-first-shard", "after-shards"])
+def test_interrupted_force_rebuild_keeps_only_resumable_work(big_env, prep_env, tmp_path, moment):
+    """Ctrl-C to a `prepare --force` that builds a new set beside a complete old one: the old
+    set is byte-identical either way. Before the first shard is recorded the side folder
+    (.rebuild/) holds nothing to resume and is removed; once shards are recorded it is kept,
+    and the same --force command resumes it to the uninterrupted run's bytes."""
+    cfg, ref, out = big_env["cfg"], big_env["ref"], tmp_path / "out"
+    shutil.copytree(prep_env["ref"], out)          # a complete set with other settings
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    cmd = ["prepare", "--config", cfg, "--output-dir", out, "--no-progress", "--force"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *map(str, cmd)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, env=offline_env(),
+                            preexec_fn=default_signals, start_new_session=True)
+
+    def ready(_names) -> bool:
+        staged = _rebuild_names(out)
+        if staged is None:
+            return False
+        if moment == "before-first-shard":
+            return not any(n.startswith(SET_FILES) for n in staged)
+        return ".progress.json" in staged
+
+    _signal_when(proc, out, ready, signal.SIGINT)
+    stdout, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    if moment == "before-first-shard":
+        assert _rebuild_names(out) is None
+        return
+    recorded = json.loads((out / ".rebuild" / ".progress.json").read_text())["shards"]
+    assert recorded and "the same command resumes it" in stdout
+    p = run_main(*cmd)
+    assert p.returncode == 0, p.stderr
+    assert "resuming" in p.stdout and _rebuild_names(out) is None
+    assert shard_bytes(out) == shard_bytes(ref)

@@ -30,7 +30,8 @@ instead of reading it again from the beginning. :func:`pack` turns the stream in
   is written last, atomically, and ``.progress.json`` is then removed. Different settings are
   refused unless ``force``, which builds the new set beside the old one (``out_dir/.rebuild``)
   and replaces the old files only once the new set is complete: a failed --force run leaves
-  the old set byte-identical.
+  the old set byte-identical and removes the side folder (an interrupted one keeps it only
+  when it holds recorded shards, for the same --force command to resume).
 - A bookkeeping file (``metadata.json``, ``.progress.json``) that exists but cannot be read
   stops the run naming it; shard files that no record accounts for are never deleted (only
   temp files and the single shard a run killed before its first record can leave).
@@ -440,8 +441,9 @@ def pack(job: PackJob, log: Callable[[str], None] = print) -> dict:
 
     With ``force`` and an existing set in ``out_dir``, the new set is built beside it in
     ``out_dir/.rebuild`` and swapped in only once complete (:func:`_swap_in`): a failed or
-    interrupted --force run leaves the old set byte-identical (a --force re-run with the same
-    settings resumes the rebuild)."""
+    interrupted --force run leaves the old set byte-identical. A failed one also removes the
+    side folder; an interrupted one keeps it only when it holds recorded shards, and a --force
+    re-run with the same settings resumes them (:func:`_drop_staging`)."""
     d = job.out_dir
     d.mkdir(parents=True, exist_ok=True)
     if not job.force:
@@ -457,12 +459,39 @@ def pack(job: PackJob, log: Callable[[str], None] = print) -> dict:
         if old is None or old.get("settings") != job.settings():
             shutil.rmtree(staging)
     staging.mkdir(exist_ok=True)
-    meta = _pack(replace(job, out_dir=staging, force=False, on_complete=None), log)
+    try:
+        meta = _pack(replace(job, out_dir=staging, force=False, on_complete=None), log)
+    except KeyboardInterrupt:
+        _drop_staging(staging, keep_resumable=True, log=log)
+        raise
+    except BaseException:
+        _drop_staging(staging, keep_resumable=False, log=log)
+        raise
     _swap_in(staging, d, meta)
     if job.on_complete is not None:
         job.on_complete(d)
     log(f"--force: the new shard set replaced the previous one in {d}")
     return meta
+
+
+def _drop_staging(staging: Path, keep_resumable: bool, log: Callable[[str], None]) -> None:
+    """After a --force rebuild that did not complete: remove the side folder, so the old set
+    is left exactly as it was with nothing beside it. Only an interrupted run (Ctrl-C,
+    SIGTERM: ``keep_resumable``) keeps it, and only when it holds shards recorded in its
+    progress file, which the same --force command resumes. A failed run never keeps it: what
+    made it fail (a damaged input, another tokenizer) is fixed by changing what the rebuild's
+    settings record, so its shards could not be resumed anyway."""
+    if keep_resumable:
+        try:
+            progress = _read_json(staging / PROGRESS_FILE)
+        except PipelineError:
+            progress = None
+        if progress and progress.get("shards"):
+            log(f"--force: the unfinished new set is kept in {staging} ({len(progress['shards'])} "
+                f"shard(s)); the same command resumes it. The previous set in {staging.parent} is "
+                "unchanged.")
+            return
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _swap_in(staging: Path, d: Path, meta: dict) -> None:
