@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -565,3 +566,142 @@ def test_cli_saved_copy_of_the_old_conversion_is_refused_then_resaved(samples, t
     assert info["conversion"] == tok_lib.SPM_CONVERSION
     resaved = load_tokenizer_from(str(saved))
     assert stage.encode(resaved, " x") == sp.encode(" x") != old.encode(" x", add_special_tokens=False)
+
+
+# --------------------------------------------------------------------------- damaged files
+def _edit_json(path: Path, **changes) -> bytes:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data.update(changes)
+    return json.dumps(data).encode()
+
+
+# (file, how it is damaged) -> new bytes from the good file's path; what the message must say.
+DAMAGE = {
+    "tokenizer.json-garbage": ("tokenizer.json", lambda p: b"not json {", "not valid JSON"),
+    "tokenizer.json-truncated": ("tokenizer.json", lambda p: p.read_bytes()[:5000], "looks truncated"),
+    "tokenizer.json-empty": ("tokenizer.json", lambda p: b"", "is empty"),
+    "tokenizer.json-array": ("tokenizer.json", lambda p: b"[1, 2]", "JSON array, not an object"),
+    "tokenizer.json-not-utf8": ("tokenizer.json", lambda p: b'{"a": "\xff"}', "not UTF-8"),
+    "tokenizer.json-unknown-model": ("tokenizer.json", lambda p: _edit_json(p, model={"type": "Nope"}),
+                                     "tokenizers library can read"),
+    "tokenizer.model-garbage": ("tokenizer.model", lambda p: bytes(range(256)) * 12,
+                                "not a SentencePiece model"),
+    "tokenizer.model-truncated": ("tokenizer.model", lambda p: p.read_bytes()[:100_000],
+                                  "not a SentencePiece model"),
+    "tokenizer_config.json-garbage": ("tokenizer_config.json", lambda p: b"{bad", "not valid JSON"),
+    "tokenizer_config.json-array": ("tokenizer_config.json", lambda p: b"[1]", "JSON array"),
+    "tokenizer_config.json-bos-number": ("tokenizer_config.json", lambda p: _edit_json(p, bos_token=5),
+                                         "'bos_token' = number"),
+    "tokenizer_config.json-max-length-string": ("tokenizer_config.json",
+                                                lambda p: _edit_json(p, model_max_length="big"),
+                                                "'model_max_length' = string"),
+    "tokenizer_config.json-added-tokens-list": ("tokenizer_config.json",
+                                                lambda p: _edit_json(p, added_tokens_decoder=[1]),
+                                                "'added_tokens_decoder' = array"),
+    "special_tokens_map.json-garbage": ("special_tokens_map.json", lambda p: b"{bad", "not valid JSON"),
+    "special_tokens_map.json-array": ("special_tokens_map.json", lambda p: b"[1]", "JSON array"),
+    "special_tokens_map.json-eos-list": ("special_tokens_map.json", lambda p: b'{"eos_token": [2]}',
+                                         "'eos_token' = array"),
+    "added_tokens.json-garbage": ("added_tokens.json", lambda p: b"{bad", "not valid JSON"),
+    "added_tokens.json-id-string": ("added_tokens.json", lambda p: b'{"<x>": "7"}', "maps '<x>' to string"),
+    "pipeline_tokenizer.json-conversion-number": ("pipeline_tokenizer.json",
+                                                  lambda p: _edit_json(p, conversion=3),
+                                                  "'conversion' = number"),
+}
+
+
+# Files a save does not write, made sound before they are damaged.
+SOUND = {"special_tokens_map.json": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+         "added_tokens.json": {}}
+# One damage per file through the CLI (each run costs seconds); every case in-process.
+CLI_CASES = ["tokenizer.json-truncated", "tokenizer.json-unknown-model", "tokenizer.model-garbage",
+             "tokenizer_config.json-bos-number", "special_tokens_map.json-garbage",
+             "added_tokens.json-id-string", "pipeline_tokenizer.json-conversion-number"]
+
+
+@pytest.fixture(scope="module")
+def saved_copy(saved_spm):
+    root, _, first = saved_spm
+    assert first.returncode == 0, first.stderr
+    return root / "tokenizers" / "mistral-v1"
+
+
+def _damaged_copy(saved_copy: Path, tmp_path: Path, case: str) -> tuple[Path, Path, str]:
+    """A copy of the saved tokenizer with one file damaged: (folder, damaged file, expected why)."""
+    folder = tmp_path / "tok"
+    shutil.copytree(saved_copy, folder)
+    name, damage, why = DAMAGE[case]
+    target = folder / name
+    if not target.exists():
+        target.write_text(json.dumps(SOUND[name]))
+    target.write_bytes(damage(target))
+    return folder, target, why
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_tokenizer_file_is_named_with_what_to_do(saved_copy, tmp_path, case):
+    """Each class of damage to each file of a tokenizer folder is one PipelineError naming the
+    file, what is wrong with it, and what to do."""
+    folder, target, why = _damaged_copy(saved_copy, tmp_path, case)
+    with pytest.raises(stage.PipelineError) as e:
+        load_tokenizer_from(str(folder))
+    err = str(e.value)
+    assert str(target) in err and why in err, err
+    assert "python main.py tokenize" in err and "tokenizer.name" in err, err
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_cli_damaged_tokenizer_file_is_named_with_what_to_do(saved_copy, tmp_path, case):
+    """A tokenizer folder (here a copy `tokenize` saved) with one damaged file: the stage stops
+    with exit 1 and one message naming that file and what to do (save it again with
+    `main.py tokenize`, or point tokenizer.name elsewhere); before, a bare library error named
+    only the folder, or a wrong-typed field loaded silently."""
+    from tests.conftest import write_config
+    folder, target, why = _damaged_copy(saved_copy, tmp_path, case)
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(folder)}})
+    proc = run_main("tokenize", "--config", cfg, "--encode", "Hello world")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    err = " ".join(proc.stderr.split())
+    assert str(target) in err and why in err, err
+    assert "python main.py tokenize" in err and "tokenizer.name" in err, err
+
+
+def test_cli_damaged_saved_copy_is_named_then_saved_again(saved_spm, tmp_path, tmp_config):
+    """The copy under tokenizers/ with a truncated tokenizer.json: the message names the file
+    and says to run `main.py tokenize`; doing so saves it again and the next stage loads it."""
+    cfg = tmp_config({"tokenizer": {"name": str(SPM_MODEL)}})
+    assert run_main("tokenize", "--config", cfg).returncode == 0
+    damaged = tmp_path / "tokenizers" / "mistral-v1" / "tokenizer.json"
+    damaged.write_bytes(damaged.read_bytes()[:20_000])
+    proc = run_main("tokenize", "--config", cfg, "--encode", "Hello world")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert str(damaged) in proc.stderr and "`python main.py tokenize`" in proc.stderr
+    assert run_main("tokenize", "--config", cfg).returncode == 0
+    proc = run_main("tokenize", "--config", cfg, "--encode", "Hello world")
+    assert proc.returncode == 0 and "22557,1526" in proc.stdout, proc.stderr
+
+
+def test_cli_damaged_hub_cache_file_is_named(saved_spm, tmp_path, tmp_config):
+    """A hub tokenizer whose copy in the local Hugging Face cache is damaged is named as such
+    (with the cache folder to delete), not reported as an unreachable hub."""
+    root, _, _ = saved_spm
+    hub = tmp_path / "hf" / "hub"
+    repo = hub / "models--acme--tok"
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (snap / f).write_bytes((root / "tokenizers" / "mistral-v1" / f).read_bytes())
+    (snap / "config.json").write_text('{"model_type": "llama"}')
+    env = offline_env(HF_HOME=tmp_path / "hf", HF_HUB_CACHE=hub)
+    cfg = tmp_config({"tokenizer": {"name": "acme/tok"}})
+    proc = run_main("tokenize", "--config", cfg, "--encode", "Hello world", env=env)
+    assert proc.returncode == 0 and "22557,1526" in proc.stdout, proc.stderr   # the cache works
+    (snap / "tokenizer.json").write_bytes(b"{")
+    proc = run_main("tokenize", "--config", cfg, "--encode", "Hello world", env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    err = " ".join(proc.stderr.split())
+    assert str(snap / "tokenizer.json") in err and f"delete {repo}" in err
+    assert "Offline options" not in err

@@ -96,9 +96,11 @@ def offline_help(name: str) -> str:
 
 def _spm_tokenizer(model: Path):
     """A SentencePiece model file as a fast tokenizer: exact (utils.data.spm) when possible, else
-    transformers' conversion with a notice."""
+    transformers' conversion with a notice. A file that is not a SentencePiece model is a
+    PipelineError naming it and what to do."""
     from utils.data import spm
 
+    _check_spm_file(model)
     try:
         return _mark(spm.tokenizer_from_spm(model), SPM_CONVERSION, model)
     except spm.SpmUnsupported as e:
@@ -192,9 +194,17 @@ def _read_info(d: Path) -> Optional[dict]:
         if not isinstance(info, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError, RecursionError) as e:
-        raise PipelineError(f"cannot read {info_file} ({type(e).__name__}: {e}); re-save the "
+        raise PipelineError(f"cannot read {info_file} ({_why(e)}); re-save the "
                             "tokenizer with `python main.py tokenize` (add the --config you "
-                            "use).") from e
+                            "use), or point tokenizer.name in config.json to a valid tokenizer "
+                            "folder, tokenizer.json or SentencePiece .model file.") from e
+    for key in ("conversion", "kind", "source", "fingerprint"):
+        if info.get(key) is not None and not isinstance(info[key], str):
+            raise PipelineError(f"{info_file} has {key!r} = {_json_type(info[key])} (expected a "
+                                "string); re-save the tokenizer with `python main.py tokenize` "
+                                "(add the --config you use), or point tokenizer.name in "
+                                "config.json to a valid tokenizer folder, tokenizer.json or "
+                                "SentencePiece .model file.")
     return info
 
 
@@ -218,6 +228,183 @@ def _check_saved_copy(d: Path) -> Optional[str]:
     return None
 
 
+# --------------------------------------------------------------------------- damaged files
+# A tokenizer folder's files, each checked for what transformers or tokenizers would stumble on
+# (or silently misread): the message names the file, what is wrong and what to do. The small
+# JSON files are checked on every load (microseconds); tokenizer.json, the large one, only
+# when loading has failed, to find which file it was.
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")
+_BOOL_KEYS = ("clean_up_tokenization_spaces", "add_bos_token", "add_eos_token",
+              "split_special_tokens", "legacy", "add_prefix_space", "do_lower_case")
+
+
+def fix_advice(where: Path) -> str:
+    """What to do about a damaged tokenizer file or folder ``where``."""
+    folder = where if where.is_dir() else where.parent
+    other = ("point tokenizer.name in config.json to a valid tokenizer folder, tokenizer.json "
+             "or SentencePiece .model file")
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return (f"It is in the Hugging Face cache: delete {folder.parent.parent} so that the next "
+                f"run with network downloads it again, or {other}.")
+    if (folder / INFO_FILE).is_file():
+        return (f"{folder} is a copy this pipeline saved: save it again with `python main.py "
+                f"tokenize` (add the --config you use), or {other}.")
+    return f"Replace it with an undamaged copy of the tokenizer, or {other}."
+
+
+def _damaged(path: Path, why: str) -> PipelineError:
+    return PipelineError(f"tokenizer file {path} {why}, so the tokenizer cannot be loaded. "
+                         f"{fix_advice(path)}")
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _json_object(path: Path):
+    """The JSON object in ``path``; a PipelineError naming the file when it is not one."""
+    if not path.is_file():
+        raise _damaged(path, "is not a regular file")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise _damaged(path, f"cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise _damaged(path, f"is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        if not e.doc.strip():
+            raise _damaged(path, "is empty") from None
+        end = " (it looks truncated)" if e.pos >= len(e.doc.rstrip()) else ""
+        raise _damaged(path, f"is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}{end}") from None
+    except (ValueError, RecursionError) as e:
+        raise _damaged(path, f"is not valid JSON ({_why(e)})") from None
+    if not isinstance(data, dict):
+        raise _damaged(path, f"holds a JSON {_json_type(data)}, not an object")
+    return data
+
+
+def _json_type(v) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
+            int: "number", float: "number"}.get(type(v), type(v).__name__)
+
+
+def _token_ok(v) -> bool:
+    """A special token as transformers stores it: a string, or an AddedToken's dict."""
+    return isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str))
+
+
+def _check_token_fields(path: Path, data: dict) -> None:
+    for key in _SPECIAL_KEYS:
+        if key in data and data[key] is not None and not _token_ok(data[key]):
+            raise _damaged(path, f"has {key!r} = {_json_type(data[key])} (expected a string, "
+                                 "an object with a string 'content', or null)")
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        v = data.get(key)
+        items = list(v.values()) if isinstance(v, dict) and key == "extra_special_tokens" else v
+        if v is not None and (not isinstance(items, list) or not all(map(_token_ok, items))):
+            raise _damaged(path, f"has {key!r} that is not a list of tokens (strings or objects "
+                                 "with a string 'content')")
+
+
+def _check_tokenizer_config(path: Path) -> None:
+    data = _json_object(path)
+    _check_token_fields(path, data)
+    decoder = data.get("added_tokens_decoder")
+    if decoder is not None:
+        if not isinstance(decoder, dict):
+            raise _damaged(path, f"has 'added_tokens_decoder' = {_json_type(decoder)} (expected an "
+                                 "object of token id -> token)")
+        for k, v in decoder.items():
+            if not k.isdigit() or not _token_ok(v):
+                raise _damaged(path, f"has an 'added_tokens_decoder' entry {k[:40]!r} that is not "
+                                     "token id (digits) -> object with a string 'content'")
+    mml = data.get("model_max_length")
+    if mml is not None and (isinstance(mml, bool) or not isinstance(mml, (int, float))):
+        raise _damaged(path, f"has 'model_max_length' = {_json_type(mml)} (expected a number)")
+    for key in _BOOL_KEYS:
+        if data.get(key) is not None and not isinstance(data[key], bool):
+            raise _damaged(path, f"has {key!r} = {_json_type(data[key])} (expected true or false)")
+    for key in ("padding_side", "truncation_side"):
+        if data.get(key) is not None and data[key] not in ("left", "right"):
+            raise _damaged(path, f"has {key!r} = {str(data[key])[:40]!r} (expected \"left\" or "
+                                 "\"right\")")
+    if data.get("tokenizer_class") is not None and not isinstance(data["tokenizer_class"], str):
+        raise _damaged(path, f"has 'tokenizer_class' = {_json_type(data['tokenizer_class'])} "
+                             "(expected a string)")
+    chat = data.get("chat_template")
+    if chat is not None and not isinstance(chat, (str, list)):
+        raise _damaged(path, f"has 'chat_template' = {_json_type(chat)} (expected a string)")
+
+
+def _check_special_tokens_map(path: Path) -> None:
+    _check_token_fields(path, _json_object(path))
+
+
+def _check_added_tokens(path: Path) -> None:
+    for k, v in _json_object(path).items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise _damaged(path, f"maps {k[:40]!r} to {_json_type(v)} (expected token -> id, "
+                                 "a non-negative integer)")
+
+
+def check_tokenizer_folder(d: Path) -> None:
+    """Refuse a tokenizer folder whose small JSON files (tokenizer_config.json,
+    special_tokens_map.json, added_tokens.json) are damaged, naming the file: not JSON, not
+    UTF-8, truncated, not an object, or a field of the wrong type."""
+    for name, check in (("tokenizer_config.json", _check_tokenizer_config),
+                        ("special_tokens_map.json", _check_special_tokens_map),
+                        ("added_tokens.json", _check_added_tokens)):
+        path = d / name
+        if path.exists() or path.is_symlink():
+            check(path)
+
+
+def _check_spm_file(model: Path) -> None:
+    """Refuse a ``tokenizer.model`` that is not a SentencePiece model, naming it."""
+    from utils.data import spm
+    if not model.is_file():
+        raise _damaged(model, "is not a regular file")
+    try:
+        spm.read_model(model)
+    except OSError as e:
+        raise _damaged(model, f"cannot be read ({e.strerror or e})") from None
+    except PipelineError as e:
+        why = str(e).split(" is not a SentencePiece model", 1)[-1].strip(" .")
+        raise _damaged(model, f"is not a SentencePiece model {why}".rstrip()) from None
+
+
+def _diagnose_tokenizer_json(path: Path) -> Optional[PipelineError]:
+    """Why ``tokenizer.json`` cannot be loaded (a PipelineError naming it), or None if it can."""
+    data = _json_object(path) if path.exists() or path.is_symlink() else None
+    if data is None:
+        return None
+    from tokenizers import Tokenizer
+    try:
+        Tokenizer.from_str(json.dumps(data))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception
+        return _damaged(path, f"is not a tokenizer the tokenizers library can read ({_why(e)})")
+    return None
+
+
+def _diagnose_folder(d: Path, error: BaseException) -> PipelineError:
+    """The error for a tokenizer folder that transformers could not load: the damaged file
+    named when one is found, else the folder with transformers' own reason."""
+    found = _diagnose_tokenizer_json(d / "tokenizer.json")
+    if found is not None:
+        return found
+    if not (d / "tokenizer.json").exists():
+        model = d / "tokenizer.model"
+        if model.exists():
+            _check_spm_file(model)          # raises, naming it, when it is damaged
+        else:
+            return PipelineError(
+                f"{d} has tokenizer_config.json but neither tokenizer.json nor tokenizer.model, "
+                f"so the tokenizer cannot be loaded. {fix_advice(d)}")
+    return PipelineError(f"cannot load the tokenizer in {d} ({_why(error)}). {fix_advice(d)}")
+
+
 def load_tokenizer_from(name: str, cfg: Optional[Config] = None):
     """Load a fast tokenizer from a hub name, a local directory, or a .model/.json file.
 
@@ -237,28 +424,66 @@ def _load(name: str, cfg: Optional[Config]):
                 return _spm_tokenizer(p)
             if p.is_file() and p.suffix == ".json":
                 from transformers import PreTrainedTokenizerFast
-                return PreTrainedTokenizerFast(tokenizer_file=str(p))
+                try:
+                    return PreTrainedTokenizerFast(tokenizer_file=str(p))
+                except Exception as e:  # noqa: BLE001 - named below, with the file
+                    raise _diagnose_tokenizer_json(p) or _damaged(p, _why(e)) from None
             if p.is_dir():
                 if (p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists():
                     from transformers import AutoTokenizer
+                    check_tokenizer_folder(p)
                     conversion = _check_saved_copy(p)
                     model = p / "tokenizer.model"
-                    tok = as_exported_from(AutoTokenizer.from_pretrained(str(p)), p)
-                    return _mark(tok, conversion,
-                                 model if conversion == SPM_CONVERSION and model.is_file() else None)
+                    try:
+                        loaded = AutoTokenizer.from_pretrained(str(p))
+                    except Exception as e:  # noqa: BLE001 - find the damaged file and name it
+                        raise _diagnose_folder(p, e) from None
+                    tok = as_exported_from(loaded, p)
+                    spm_model = model if conversion == SPM_CONVERSION and model.is_file() else None
+                    if spm_model is not None:
+                        _check_spm_file(spm_model)
+                    return _mark(tok, conversion, spm_model)
                 if (p / "tokenizer.model").exists():
                     return _spm_tokenizer(p / "tokenizer.model")
                 raise PipelineError(f"{p} holds no tokenizer files (expected one of "
-                                    f"{', '.join(TOKENIZER_FILES)}).")
+                                    f"{', '.join(TOKENIZER_FILES)}). Point tokenizer.name in "
+                                    "config.json to a tokenizer folder, tokenizer.json or "
+                                    "SentencePiece .model file.")
         except PipelineError:
             raise
         except Exception as e:  # corrupt or unsupported files
-            raise PipelineError(f"cannot load tokenizer from {p}: {type(e).__name__}: {e}") from e
+            raise PipelineError(f"cannot load tokenizer from {p}: {_why(e)}. "
+                                f"{fix_advice(p)}") from e
         raise PipelineError(f"{p} is not a tokenizer directory, .model or tokenizer.json file.")
     try:
         return _from_hub(name)
     except Exception as e:
+        damaged = _damaged_hub_cache(name)
+        if damaged is not None:
+            raise damaged from None
         raise PipelineError(offline_help(name) + f" (Underlying error: {type(e).__name__}.)") from e
+
+
+def _damaged_hub_cache(name: str) -> Optional[PipelineError]:
+    """When a hub tokenizer fails to load: the error naming a damaged file of its copy in the
+    local Hugging Face cache, or None (nothing cached, or nothing found damaged)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        cached = [try_to_load_from_cache(name, f) for f in (*TOKENIZER_FILES, "special_tokens_map.json")]
+    except Exception:  # noqa: BLE001 - not a valid repo id, no hub library: nothing to say
+        return None
+    folders = [Path(c).parent for c in cached if isinstance(c, str)]
+    if not folders:
+        return None
+    d = folders[0]
+    try:
+        check_tokenizer_folder(d)
+        found = _diagnose_tokenizer_json(d / "tokenizer.json")
+        if found is None and (d / "tokenizer.model").exists():
+            _check_spm_file(d / "tokenizer.model")
+        return found
+    except PipelineError as e:
+        return e
 
 
 def backend_of(tok):
