@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
+from utils.cli import PipelineError, StageParser, UsageError, cli_nonblank, cli_path, run_stage
 from utils.config import Config
 
 # Items per task for each preset (the seed's quick / standard / comprehensive sizes for
@@ -50,10 +50,11 @@ TASKS = ("perplexity", "next_token", "lambada", "hellaswag", "arc_easy", "arc_ch
 
 def build_parser() -> StageParser:
     p = StageParser("main.py benchmark", __doc__.strip().splitlines()[0])
-    p.add_argument("models", nargs="*", metavar="CHECKPOINT",
+    p.add_argument("models", nargs="*", metavar="CHECKPOINT", type=cli_nonblank,
                    help="checkpoint files, run folders or run names (default: newest pretrain "
                         "and SFT runs)")
     p.add_argument("--hf-model", action="append", default=[], metavar="DIR|FILE|NAME",
+                   type=cli_nonblank,
                    help="a Hugging Face causal LM: save_pretrained folder, .gguf file, or hub "
                         "name (online); repeatable")
     p.add_argument("--gguf-file", default=None, metavar="NAME",

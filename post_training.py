@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, UsageError,
-                       cli_path, run_stage)
+                       cli_nonblank, cli_path, run_stage)
 
 SAMPLES_SOURCE = "samples"
 SAMPLE_QUESTION = "Why is the sky blue?"
@@ -69,7 +69,7 @@ def train_parser() -> StageParser:
                     "on the prepared instruction data (masked loss, resumable).")
     p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH",
                    help="pretrained checkpoint to fine-tune (required unless --resume)")
-    p.add_argument("--resume", default=None, metavar="PATH|auto",
+    p.add_argument("--resume", default=None, metavar="PATH|auto", type=cli_nonblank,
                    help="continue an SFT run from its checkpoint file, or 'auto': the newest "
                         "sft_<name>_* run's checkpoint_latest.pt")
     p.add_argument("--init-from-hf", type=cli_path, default=None, metavar="DIR",

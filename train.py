@@ -21,8 +21,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, argv_without, cli_path,
-                       run_stage)
+from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, argv_without,
+                       cli_nonblank, cli_path, run_stage)
 
 # --test: a quick CPU profile. Each entry applies unless its flag is given on the command line
 # (it then overrides the config file's value, like any flag).
@@ -40,7 +40,7 @@ def build_parser() -> StageParser:
                     "resume command; --resume continues bit for bit.")
     p.config_flag("--name", key="training.run_name", help="run name: checkpoints/NAME, "
                   "logs/tensorboard/NAME, logs/raw_metrics/NAME.jsonl (default run_<time>)")
-    p.add_argument("--resume", metavar="PATH|auto", default=None,
+    p.add_argument("--resume", metavar="PATH|auto", default=None, type=cli_nonblank,
                    help="continue from a checkpoint file, or 'auto': checkpoint_latest.pt of "
                         "--name (of the newest run without --name)")
     p.config_flag("--max-steps", key="training.max_steps", type=int,

@@ -357,3 +357,64 @@ def test_defaults_dataclass_has_every_section():
     assert set(SECTIONS) == {"paths", "tokenizer", "wikipedia", "cleaning", "fineweb", "dataset",
                              "model", "training", "sft", "inference", "benchmark", "serve", "logging"}
     assert isinstance(Config().training.lr, float)
+
+
+# --------------------------------------------------------------------------- blank paths
+def _path_like_keys() -> list[str]:
+    """Every key marked as a path or as a name that may be a path (hub name or path, folder
+    name): the one check in utils/config.py covers exactly these."""
+    return [f"{sec}.{f.name}" for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+            if f.metadata.get("nonblank")]
+
+
+def test_path_like_keys_are_the_expected_ones():
+    keys = set(_path_like_keys())
+    assert {"tokenizer.name", "tokenizer.save_dir", "tokenizer.sample_text", "tokenizer.train_name",
+            "paths.root", "paths.cleaned_dir", "paths.checkpoints_dir", "wikipedia.raw_dir",
+            "cleaning.output_dir", "fineweb.data_dir", "dataset.wikipedia_full_dir",
+            "dataset.on_the_fly_source", "sft.dataset", "benchmark.perplexity_source",
+            "benchmark.arc_challenge_source"} <= keys
+    assert {f"paths.{f.name}" for f in dataclasses.fields(SECTIONS["paths"])} <= keys
+
+
+@pytest.mark.parametrize("value", ["", "   "], ids=["empty", "spaces"])
+def test_blank_path_like_keys_are_refused_naming_each_key(tmp_path, value):
+    """An empty (or all-space) tokenizer.name resolved to paths.root, an empty paths.X to the
+    root or project root: every path-like key is refused in one go, each named."""
+    keys = _path_like_keys()
+    data: dict = {}
+    for key in keys:
+        sec, name = key.split(".")
+        data.setdefault(sec, {})[name] = value
+    text = _problems(_write(tmp_path / "c.json", data), base_file=None)
+    for key in keys:
+        assert f"{key}: {json.dumps(value)} is " in text, key
+    assert "tokenizer.name" in text and "as a path it would mean paths.root itself" in text
+    assert "paths.root" in text and "the project root" in text
+
+
+def test_cli_blank_tokenizer_name_and_path_flags_are_refused(tmp_path):
+    """Through the CLI: tokenizer.name "" (or spaces, also given as --name) is a configuration
+    error naming tokenizer.name (exit 2); an empty path flag (--output-dir "", --save-dir "",
+    --config "") or --resume "" is a usage error naming the flag, before anything is written
+    (they meant the current folder, or for --resume, no resume at all)."""
+    here = tmp_path / "cwd"
+    here.mkdir()
+    for value in ("", "   "):
+        cfg = write_config(tmp_path, {"tokenizer": {"name": value}})
+        for args in (["tokenize", "--config", cfg, "--encode", "x"], ["prepare", "--config", cfg]):
+            r = run_main(*args, cwd=here)
+            assert r.returncode == 2, (args, r.stdout + r.stderr)
+            assert "tokenizer.name" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    cfg = write_config(tmp_path, {})
+    r = run_main("tokenize", "--config", cfg, "--name", "  ", "--encode", "x", cwd=here)
+    assert r.returncode == 2 and "command-line flags" in r.stderr and "tokenizer.name" in r.stderr, r.stderr
+    for args, flag in ((["prepare", "--config", cfg, "--output-dir", ""], "--output-dir"),
+                       (["tokenize", "--config", cfg, "--save-dir", " "], "--save-dir"),
+                       (["clean", "--config", ""], "--config"),
+                       (["train", "--config", cfg, "--resume", ""], "--resume"),
+                       (["sft", "train", "--config", cfg, "--resume", ""], "--resume")):
+        r = run_main(*args, cwd=here)
+        assert r.returncode == 2, (args, r.stdout + r.stderr)
+        assert f"argument {flag}: " in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert list(here.iterdir()) == []

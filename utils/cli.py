@@ -70,8 +70,23 @@ _CONTEXT = _StageContext()
 
 
 def cli_path(value: str) -> str:
-    """argparse type for paths given on the command line: relative to the current directory."""
+    """argparse type for paths given on the command line: relative to the current directory.
+    An empty or all-space value is refused (exit 2, naming the flag): it would resolve to the
+    current directory itself (an output folder there could take the whole checkout)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(
+            f"{'empty' if not value else 'only spaces'}: as a path it would mean the current "
+            f"folder ({os.getcwd()}) itself. Give a path.")
     return str(Path(os.path.expanduser(value)).resolve())
+
+
+def cli_nonblank(value: str) -> str:
+    """argparse type for a value that names a file, folder, run or model (``--resume PATH|auto``,
+    benchmark's CHECKPOINT and --hf-model): an empty or all-space value is refused (exit 2,
+    naming the flag) instead of being taken as "not given" or as the current folder."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"{'empty' if not value else 'only spaces'}: give a value.")
+    return value
 
 
 class _HelpFormatter(argparse.HelpFormatter):

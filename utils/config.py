@@ -57,9 +57,12 @@ class ConfigError(Exception):
 
 
 def _f(default: Any, help: str = "", *, min: float | None = None, max: float | None = None,
-       min_exclusive: bool = False, path: bool = False) -> Any:
-    """A dataclass field with help text, optional numeric bounds, and a path marker."""
-    meta = {"help": help, "min": min, "max": max, "min_exclusive": min_exclusive, "path": path}
+       min_exclusive: bool = False, path: bool = False, nonblank: bool = False) -> Any:
+    """A dataclass field with help text, optional numeric bounds, and markers: ``path`` for a
+    file or folder path, ``nonblank`` for a name that may be a path (a hub name or a path, a
+    folder name). Neither may be blank (:func:`_blank_problem`)."""
+    meta = {"help": help, "min": min, "max": max, "min_exclusive": min_exclusive, "path": path,
+            "nonblank": nonblank or path}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
     return field(default=default, metadata=meta)
@@ -85,13 +88,14 @@ class PathsConfig:
 @dataclass
 class TokenizerConfig:
     name: str = _f("codellama/CodeLlama-7b-hf",
-                   "hub name, local tokenizer directory, or SentencePiece .model file")
+                   "hub name, local tokenizer directory, or SentencePiece .model file", nonblank=True)
     save_dir: Optional[str] = _f(None, "where `tokenize` saves it (default tokenizers/<slug of name>)",
                                  path=True)
     sample_text: Optional[str] = _f(None, "text file for the compression-ratio report", path=True)
     train_vocab_size: int = _f(8000, "vocabulary size for `tokenize --train`", min=16)
     train_min_frequency: int = _f(2, "minimum pair frequency for BPE training", min=1)
-    train_name: str = _f("bpe", "directory name under tokenizers/ for a trained tokenizer")
+    train_name: str = _f("bpe", "directory name under tokenizers/ for a trained tokenizer",
+                         nonblank=True)
     train_max_documents: Optional[int] = _f(None, "documents read by `tokenize --train` "
                                             "(null = all; --test reads at most 10,000)", min=1)
     sample_articles: int = _f(200, "documents read for the compression-ratio report", min=1)
@@ -153,7 +157,8 @@ class DatasetConfig:
     seed: int = _f(42, "split and shuffle seed", min=0, max=SEED_MAX)
     auto_prepare: bool = _f(False, "rebuild a missing or stale shard set before training")
     mode: Literal["shards", "on_the_fly"] = _f("shards", "pre-tokenized shards or on-the-fly")
-    on_the_fly_source: Optional[str] = _f(None, "hub dataset name or local parquet/jsonl/txt path")
+    on_the_fly_source: Optional[str] = _f(None, "hub dataset name or local parquet/jsonl/txt path",
+                                          nonblank=True)
     on_the_fly_config: Optional[str] = _f(None, "hub dataset config for on-the-fly mode")
     on_the_fly_split: str = _f("train", "split for on-the-fly mode")
     on_the_fly_text_column: str = _f("text", "text column for on-the-fly mode")
@@ -279,7 +284,8 @@ class TrainingConfig:
 
 @dataclass
 class SFTConfig:
-    dataset: str = _f("GAIR/lima", "hub dataset name or local path of LIMA-format data")
+    dataset: str = _f("GAIR/lima", "hub dataset name or local path of LIMA-format data",
+                      nonblank=True)
     max_length: int = _f(512, "drop conversations longer than this (tokens)", min=8)
     epochs: int = _f(2, "fine-tuning epochs", min=1)
     batch_size: int = _f(8, "conversations per batch", min=1)
@@ -316,14 +322,18 @@ class BenchmarkConfig:
                       "arc_challenge", "completion"], "tasks to run")
     perplexity_source: Optional[str] = _f(None, "WikiText hub name, local .txt file/folder or "
                                           "XML dump (null: WikiText-103 online, else held-out "
-                                          "Wikipedia articles)")
+                                          "Wikipedia articles)", nonblank=True)
     lambada_source: Optional[str] = _f(None, "LAMBADA hub name or local .jsonl[.gz] (null: the "
-                                       "offline sample, else EleutherAI/lambada_openai)")
+                                       "offline sample, else EleutherAI/lambada_openai)",
+                                       nonblank=True)
     hellaswag_source: Optional[str] = _f(None, "HellaSwag hub name or local load_from_disk folder "
-                                         "or .jsonl (null: the offline sample, else Rowan/hellaswag)")
+                                         "or .jsonl (null: the offline sample, else Rowan/hellaswag)",
+                                         nonblank=True)
     arc_easy_source: Optional[str] = _f(None, "ARC-Easy hub name or local folder/.jsonl "
-                                        "(null: the offline sample, else allenai/ai2_arc)")
-    arc_challenge_source: Optional[str] = _f(None, "ARC-Challenge hub name or local folder/.jsonl")
+                                        "(null: the offline sample, else allenai/ai2_arc)",
+                                        nonblank=True)
+    arc_challenge_source: Optional[str] = _f(None, "ARC-Challenge hub name or local folder/.jsonl",
+                                             nonblank=True)
     seed: int = _f(1234, "seed of the fixed item selection", min=0, max=SEED_MAX)
     batch_size: int = _f(8, "sequences per forward pass", min=1)
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "autocast dtype (auto: bf16 on "
@@ -473,7 +483,7 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
         if value is None and type(None) in args:
             return None, None
         inner = [a for a in args if a is not type(None)]
-        return _check_value(key, value, inner[0], meta)
+        return _check_value(key, value, inner[0], {**meta, "nullable": type(None) in args})
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -513,6 +523,8 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
     elif tp is str:
         if not isinstance(value, str):
             return value, bad
+        if meta.get("nonblank") and not value.strip():
+            return value, _blank_problem(key, value, meta)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         lo, hi = meta.get("min"), meta.get("max")
         if lo is not None and (value < lo or (meta.get("min_exclusive") and value == lo)):
@@ -523,6 +535,18 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
         if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
             return value, f"{key}: {shown} is out of range (an integer key must fit 64 bits)"
     return value, None
+
+
+def _blank_problem(key: str, value: str, meta: dict) -> str:
+    """The one check for every path-like key (a path, a hub name or a path, a folder name): an
+    empty or all-space value resolves to the folder it is relative to (``Path("")`` is "."),
+    never to a file or folder of its own."""
+    base = {"paths.root": "the project root",
+            "tokenizer.train_name": "the tokenizers folder (paths.tokenizers_dir)"}.get(key, "paths.root")
+    what = "empty" if not value else "only spaces"
+    default = " or null for the default" if meta.get("nullable") else ""
+    return (f"{key}: {json.dumps(value)} is {what}; as a path it would mean {base} itself. Give "
+            f"a value ({meta.get('help') or 'a path'}){default}.")
 
 
 def _section_fields(cls) -> dict[str, tuple[Any, dict]]:
