@@ -13,7 +13,9 @@ does, with its own tokenizer files and chat template: an import exported again, 
 GGUF -> HF). Output, written into a temporary folder next to ``--out`` and renamed into place
 at the end (a failure, Ctrl-C or SIGTERM leaves ``--out`` as it was and no temporary folder;
 an existing ``--out`` is replaced only with ``--force``, and only when it is an earlier
-export: never a file, a folder of other files, or one that holds the model being exported):
+export: never a file, a folder of other files, one that holds the model being exported, the
+current folder, the project's folder or a folder above either; all checked before the model
+loads):
 
 - ``--format hf`` (``--dtype fp32|bf16|fp16``, default the weights' own): config.json,
   model.safetensors (shards of at most ``--max-shard-size``, default 2GB, with
@@ -78,6 +80,8 @@ def build_parser() -> StageParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(argv)
     dtype = check_dtype(args.format, args.dtype)
+    if args.out:                                        # before the model loads
+        check_out(Path(args.out), Path(args.checkpoint), args.force)
     loaded = open_checkpoint(cfg, args.checkpoint)
     out = Path(args.out) if args.out else cfg.root / "exports" / f"{loaded.run}-{args.format}"
     check_out(out, loaded.path, args.force)
@@ -174,23 +178,47 @@ def is_export(folder: Path) -> bool:
                            and ("config.json" in names or any(n.endswith(".gguf") for n in names)))
 
 
-def check_out(out: Path, source: Path, force: bool) -> None:
-    """Refuse an --out that would lose something: the model being exported (or a folder
-    holding it), a file, an existing export without --force, or a folder that is no export."""
-    out, source = out.resolve(), source.resolve()
-    if out == source or out in source.parents:
-        raise PipelineError(f"--out {out} holds the model being exported ({source}); choose "
-                            "another --out.")
+def check_out(out: Path, source: Optional[Path], force: bool) -> None:
+    """Refuse an --out that would lose something, before anything is written. The export
+    replaces the whole --out folder, so --out must be a new folder or an earlier export (with
+    --force): never the current folder or one above it, the project's own folder or one above
+    it, the model being exported (or a folder holding it), a file, or a folder that holds
+    anything but an export (with or without --force)."""
+    out = out.resolve()
+    if source is not None:
+        source = source.resolve()
+        if out == source or out in source.parents:
+            raise PipelineError(f"--out {out} holds the model being exported ({source}); choose "
+                                "another --out.")
+    new = "Give --out a new folder, such as exports/<name>"
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        where = "the current folder" if out == cwd else f"a folder above the current folder ({cwd})"
+        raise PipelineError(f"--out {out} is {where}: an export replaces its whole --out folder. "
+                            f"{new}. Nothing was written.")
+    from utils.config import PROJECT_ROOT
+    if out == PROJECT_ROOT or out in PROJECT_ROOT.parents:
+        raise PipelineError(f"--out {out} holds this project's code ({PROJECT_ROOT}): an export "
+                            f"replaces its whole --out folder. {new}. Nothing was written.")
     if not out.exists():
         return
     if not out.is_dir():
         raise PipelineError(f"--out {out} is a file, not a folder; choose another --out.")
+    try:
+        export = is_export(out)
+        held = sorted(p.name for p in out.iterdir())
+    except OSError as e:
+        raise PipelineError(f"--out {out} cannot be read ({e.strerror or e}); choose another "
+                            "--out.") from None
+    if not export:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise PipelineError(f"--out {out} is not an earlier export (it holds {shown}): an export "
+                            "replaces its whole --out folder, and --force replaces only an earlier "
+                            f"export. {new}. Nothing was written.")
     if not force:
-        raise PipelineError(f"{out} already exists; pass --force to replace it (the old export "
-                            "stays until the new one is complete) or choose another --out.")
-    if not is_export(out):
-        raise PipelineError(f"--out {out} is not an earlier export (it holds other files or "
-                            "folders); --force replaces only an export. Choose another --out.")
+        raise PipelineError(f"{out} already exists (an earlier export); pass --force to replace it "
+                            "(the old export stays until the new one is complete) or choose "
+                            "another --out.")
 
 
 def check_exportable(loaded: Loaded, fmt: str) -> None:

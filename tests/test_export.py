@@ -919,6 +919,43 @@ def test_export_never_replaces_what_is_not_an_export(work, tmp_path):
         shutil.rmtree(inside)
 
 
+def test_out_that_is_blank_the_current_folder_or_not_an_export_is_refused_clearly(work, tmp_path):
+    """--out "" (it resolved to the current folder: "already exists; pass --force"), --out . or
+    a folder above it, the project's own folder, and a folder of other files (which was told to
+    pass --force, then refused) are each refused naming --out and why, with or without --force,
+    before the model loads; nothing is written, moved or deleted."""
+    from tests.conftest import ROOT
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "notes.txt").write_text("mine")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.csv").write_text("1,2")
+
+    def snapshot():
+        return sorted((str(p.relative_to(tmp_path)), p.read_bytes() if p.is_file() else None)
+                      for p in tmp_path.rglob("*"))
+
+    before = snapshot()
+    cases = [("", 2, "argument --out: empty"), ("   ", 2, "argument --out: only spaces"),
+             (".", 1, "is the current folder"), ("..", 1, "a folder above the current folder"),
+             (str(tmp_path), 1, "a folder above the current folder"),
+             (str(ROOT), 1, "holds this project's code"),
+             (str(other), 1, "is not an earlier export (it holds data.csv)")]
+    for out, code, needle in cases:
+        for force in ([], ["--force"]):
+            for cwd in (here, empty):
+                r = run_main("export", "--config", work["cfg_bpe"], "--checkpoint", work["bpe_ck"],
+                             "--format", "hf", "--out", out, *force, cwd=cwd)
+                err = " ".join(r.stderr.split())
+                assert r.returncode == code and needle in err, (out, force, r.stderr)
+                assert "--out" in err and "Traceback" not in err and "unexpected" not in err
+                assert "pass --force" not in err, err
+                assert snapshot() == before, (out, force)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_stop_signal_during_export_leaves_nothing_behind(work, tmp_path, sig):
     """Ctrl-C or SIGTERM with the new export complete in its temporary folder but not yet in
