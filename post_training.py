@@ -197,6 +197,7 @@ class Encoded:
     kept: list                    # the records kept (not longer than max_length)
     too_long: int
     max_length: int
+    shortest_too_long: Optional[int] = None   # tokens of the shortest example over max_length
 
 
 def encode_records(tok, template, src: Records, max_len: int, batch_size: int, bos, eos) -> Encoded:
@@ -219,6 +220,7 @@ def encode_records(tok, template, src: Records, max_len: int, batch_size: int, b
             ids, mask = pair
             if len(ids) > max_len:
                 enc.too_long += 1
+                enc.shortest_too_long = min(enc.shortest_too_long or len(ids), len(ids))
                 continue
             enc.ids.append(ids)
             enc.masks.append(mask)
@@ -232,7 +234,9 @@ def encode_records(tok, template, src: Records, max_len: int, batch_size: int, b
             f"no usable SFT example in {', '.join(src.source['inputs'])}: {src.read} record(s) read, "
             f"{skips.total} malformed ({why or 'none'}), {enc.too_long} longer than --max-length "
             f"{max_len}{first}. Fix the file (one {{\"conversations\": [user, assistant, ...]}} "
-            "object per line) or raise --max-length; nothing was written.")
+            "object per line)" + (f" or raise --max-length (the shortest example that is too long "
+                                  f"has {enc.shortest_too_long} tokens)" if enc.too_long else "")
+            + "; nothing was written.")
     return enc
 
 
@@ -341,12 +345,32 @@ def check_compatible(ckpt: dict, ckpt_path: Path, meta: dict, data_dir: Path, mo
             f"{model_args.vocab_size} tokens but the SFT data's tokenizer has {vocab}; the data "
             "and the model do not belong together. Re-run `python main.py sft prepare` with the "
             "checkpoint's tokenizer.")
-    longest = (meta.get("lengths") or {}).get("max", 0)
+    lengths = meta.get("lengths") or {}
+    longest = lengths.get("max", 0)
     if longest > model_args.max_seq_len:
         raise PipelineError(
             f"architecture mismatch: the longest SFT example in {data_dir} has {longest} tokens "
             f"but checkpoint {ckpt_path} was built for max_seq_len {model_args.max_seq_len}. "
-            f"Re-run `python main.py sft prepare --max-length {model_args.max_seq_len}`.")
+            + fit_advice(model_args.max_seq_len, lengths.get("min")))
+
+
+def fit_advice(max_seq_len: int, shortest: Optional[int] = None) -> str:
+    """What to do when SFT examples are longer than a model's context. Re-preparing with
+    ``--max-length`` = the context is suggested only when that is a value --max-length takes
+    (at least SFT_MIN_LENGTH) and it keeps some example (the data's shortest fits); otherwise
+    the message says that no --max-length helps, and what does."""
+    from utils.config import SFT_MIN_LENGTH
+    if max_seq_len < SFT_MIN_LENGTH:
+        return (f"No --max-length makes the data fit this model: --max-length (sft.max_length) "
+                f"takes at least {SFT_MIN_LENGTH} tokens, more than its max_seq_len of "
+                f"{max_seq_len}. Fine-tune a checkpoint built for at least {SFT_MIN_LENGTH} "
+                "positions (model.max_seq_len) instead.")
+    if isinstance(shortest, int) and shortest > max_seq_len:
+        return (f"No --max-length makes this data fit the model: its shortest example has "
+                f"{shortest} tokens. Fine-tune a checkpoint built for at least {shortest} positions "
+                "(model.max_seq_len), or prepare data with shorter conversations.")
+    return (f"Re-run `python main.py sft prepare --max-length {max_seq_len}` (it drops the "
+            "examples that do not fit).")
 
 
 def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:

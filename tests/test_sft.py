@@ -431,6 +431,66 @@ def test_train_refuses_tokenizer_and_architecture_mismatch(work):
     assert not list((root / "checkpoints").glob("sft_lima_*"))
 
 
+def test_length_mismatch_advice_is_a_valid_max_length_or_says_none_helps(work, tmp_path):
+    """Examples longer than the checkpoint's max_seq_len: the message suggested
+    `--max-length <max_seq_len>` whatever it was, also below --max-length's minimum (8, a
+    configuration error) or below the data's shortest example (prepare then keeps nothing).
+    Now a suggested --max-length is always one that prepare takes and that keeps examples, and
+    following it makes the data fit; otherwise the message says that no --max-length helps."""
+    import re
+    from utils.config import SFT_MIN_LENGTH
+    root = work["root"]
+    lengths = json.loads((root / "data" / "post-training" / "metadata.json").read_text())["lengths"]
+    shortest, longest = lengths["min"], lengths["max"]
+    assert SFT_MIN_LENGTH < shortest < longest
+    fits = (shortest + longest) // 2
+
+    def refused(max_seq_len: int) -> str:
+        ck = make_checkpoint(tmp_path / f"ctx{max_seq_len}.pt", max_seq_len=max_seq_len)
+        r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", ck)
+        err = " ".join(r.stderr.split())
+        assert r.returncode == 1 and "Traceback" not in err, r.stdout + r.stderr
+        assert "architecture mismatch" in err and f"max_seq_len {max_seq_len}" in err, err
+        for n in re.findall(r"--max-length (\d+)", err):      # any suggested value is valid
+            assert int(n) >= SFT_MIN_LENGTH and int(n) >= shortest, err
+        return err
+
+    for tiny in (4, SFT_MIN_LENGTH - 1):                       # below --max-length's minimum
+        err = refused(tiny)
+        assert "No --max-length makes the data fit" in err and f"at least {SFT_MIN_LENGTH}" in err
+    err = refused(shortest - 1)                                  # nothing would be kept
+    assert "No --max-length makes this data fit" in err and f"shortest example has {shortest}" in err
+    err = refused(fits)
+    assert f"sft prepare --max-length {fits}`" in err
+    out = tmp_path / "refit"                                     # following it: the data fits
+    r = run_main("sft", "prepare", "--config", work["cfg"], "--dataset", "samples", "--limit", "48",
+                 "--max-length", str(fits), "--output-dir", out)
+    assert r.returncode == 0, r.stderr
+    ck = make_checkpoint(tmp_path / "fits.pt", max_seq_len=fits)
+    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", ck, "--data-dir", out,
+                 "--name", "refit", "--max-steps", "1", "--sample-tokens", "0", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert list((root / "checkpoints").glob("sft_refit_*"))
+
+
+def test_prepare_with_only_too_long_examples_names_a_length_that_keeps_one(tmp_path):
+    """Every example longer than --max-length: the message says how far to raise it (the
+    shortest one's length: a valid --max-length, above the minimum) and nothing is written."""
+    cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
+    src = tmp_path / "long.jsonl"
+    src.write_text(json.dumps({"conversations": ["Why is the sky blue? " * 4, "Rayleigh scattering. " * 4]})
+                   + "\n" + json.dumps({"conversations": ["Why? " * 30, "Because. " * 30]}) + "\n")
+    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src), "--max-length", "8")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    import re
+    m = re.search(r"raise --max-length \(the shortest example that is too long has (\d+) tokens\)",
+                  " ".join(r.stderr.split()))
+    assert m and int(m.group(1)) > 8, r.stderr
+    assert not (tmp_path / "data" / "post-training" / "metadata.json").exists()
+    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src), "--max-length", m.group(1))
+    assert r.returncode == 0 and "kept 1/2 examples" in r.stdout, r.stdout + r.stderr
+
+
 def test_format_1_data_is_refused_with_the_command_that_rebuilds_it(work, tmp_path):
     """SFT data prepared before format 2 (template v1) is not trained on: the message names
     the command that rebuilds it; nothing starts."""

@@ -34,6 +34,7 @@ DEFAULT_CONFIG_FILE = PROJECT_ROOT / "config.json"
 BASE_CONFIG_ENV = "LLM_PIPELINE_BASE_CONFIG"
 INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1   # any integer key must fit a 64-bit integer
 SEED_MAX = 2 ** 32 - 1                        # seeds must suit random, NumPy and torch alike
+SFT_MIN_LENGTH = 8                            # the smallest sft.max_length (--max-length)
 
 
 class ConfigError(Exception):
@@ -286,7 +287,7 @@ class TrainingConfig:
 class SFTConfig:
     dataset: str = _f("GAIR/lima", "hub dataset name or local path of LIMA-format data",
                       nonblank=True)
-    max_length: int = _f(512, "drop conversations longer than this (tokens)", min=8)
+    max_length: int = _f(512, "drop conversations longer than this (tokens)", min=SFT_MIN_LENGTH)
     epochs: int = _f(2, "fine-tuning epochs", min=1)
     batch_size: int = _f(8, "conversations per batch", min=1)
     lr: float = _f(5e-5, "peak learning rate (low to avoid forgetting)", min=0, min_exclusive=True)
