@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -548,6 +549,19 @@ class Transformer(nn.Module):
         loss = _ChunkedLinearCE.apply(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
                                       w, self.loss_chunk_rows, torch.is_grad_enabled())
         return None, loss
+
+LAYER_KEY = r"layers\.(\d+)\."    # a Transformer state-dict name of block N: layers.N.<...>
+
+
+def layer_count(names, pattern: str = LAYER_KEY) -> int:
+    """The layers a state dict's (or weight file's) tensor ``names`` hold: 1 + the highest index
+    ``pattern`` captures at the start of a name (0 when none does). The default is this model's
+    naming; utils/hf/import_hf.py passes Hugging Face's (``model.layers.N.``) and GGUF's
+    (``blk.N.``). Checks that stored weights agree with a config's layer count use it before
+    any model of that config is built."""
+    rx = re.compile(pattern)
+    return 1 + max((int(m.group(1)) for m in map(rx.match, names) if m), default=-1)
+
 
 def create_model(args: ModelArgs | dict, device: torch.device | str | None = None) -> Transformer:
     """Build a freshly initialized Transformer (on ``device`` if given)."""

@@ -85,6 +85,20 @@ def test_hf_mapping_is_a_pure_rename_and_refuses_what_llama_lacks():
     assert args.to_dict() == {**m.args.to_dict(), "init_std": args.init_std}
 
 
+def test_layer_count_of_weight_names_is_one_function():
+    """model.layer_count is what both stored-weight checks count layers with (utils/run.py's
+    checkpoint check, utils/hf/import_hf.py's safetensors and GGUF checks; their refusals are
+    tested in test_checkpoint.py and test_export.py): our names, Hugging Face's, GGUF's; 0 for
+    none; only a name that starts with the pattern counts."""
+    m = build(n_layers=3)
+    assert M.layer_count(m.state_dict()) == 3
+    assert M.layer_count(to_hf_state_dict(m), r"model\.layers\.(\d+)\.") == 3
+    assert M.layer_count(["token_embd.weight", "blk.0.attn_q.weight", "blk.6.ffn_up.weight"],
+                         r"blk\.(\d+)\.") == 7
+    assert M.layer_count(["norm.weight", "tok_embeddings.weight"]) == 0
+    assert M.layer_count(["model.layers.4.mlp.w_up.weight"]) == 0       # not at the start: ours
+
+
 @pytest.mark.parametrize("act,fn", [("swiglu", F.silu), ("geglu", F.gelu), ("reglu", F.relu)])
 def test_gated_mlp_math(act, fn):
     torch.manual_seed(0)

@@ -71,11 +71,10 @@ def _weight_shapes(model_args: dict, weights: Optional[dict] = None) -> dict:
     ``weights`` (the checkpoint's): their layer count is checked first, so stored args that ask
     for a trillion layers fail at once instead of building them one by one."""
     import torch
-    from model import ModelArgs, create_model
+    from model import ModelArgs, create_model, layer_count
     args = ModelArgs.from_dict(model_args)
     if weights is not None:
-        held = 1 + max((int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, weights) if m),
-                       default=-1)
+        held = layer_count(weights)
         if args.n_layers != held:
             raise ValueError(f"n_layers is {args.n_layers} but the weights hold {held} layers")
     with torch.device("meta"):

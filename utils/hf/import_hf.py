@@ -259,8 +259,8 @@ def _check_layer_count(names: list[str], pattern: str, config, where: str) -> No
     """The config's layer count against the layers the weight files hold (``pattern`` captures
     a tensor name's layer index), before any model of that config is built: a config asking for
     a billion layers would otherwise be built layer by layer (on the meta device, still a hang)."""
-    rx = re.compile(pattern)
-    held = 1 + max((int(m.group(1)) for m in map(rx.match, names) if m), default=-1)
+    from model import layer_count
+    held = layer_count(names, pattern)
     if held != config.num_hidden_layers:
         raise PipelineError(f"{where}: the config gives {config.num_hidden_layers:,} layers but the weights "
                             f"hold {held}.")
