@@ -12,6 +12,14 @@ gigabytes) and never writes anything, so it is safe to run while training is wri
 "Still running" means: the log's last record is not a terminal event (done, interrupted,
 stopped early) and it is recent, younger than max(2 minutes, 5 x the median gap between train
 records). A run killed with SIGKILL therefore shows as "stalled" once that time has passed.
+
+A damaged log is said, never taken for a missing one: a log that exists but of which not one
+line is a record (binary data, not UTF-8, not JSON lines) or that cannot be opened is "log
+unreadable": status names the file, the first bad line and what to do, still shows the rest
+(the checkpoints), and exits 1 after printing, as for an unknown run. Damaged lines among
+readable records are skipped and counted in the output (exit 0); a last line without its
+newline is a record being written (or cut short by a crash) and is skipped silently. ``--json``
+states the problem in ``log_problem`` (null when there is none).
 """
 from __future__ import annotations
 
@@ -56,7 +64,7 @@ def run_names(checkpoints_dir: Path, logs_dir: Path) -> list[tuple[str, float]]:
 def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
               now: Optional[float] = None) -> dict:
     """Everything ``status RUN`` shows, as a dict (None where the log has no value yet)."""
-    from utils.training.logging_utils import latest_per_step, read_jsonl
+    from utils.training.logging_utils import latest_per_step
 
     now = time.time() if now is None else now
     log_path = logs_dir / "raw_metrics" / f"{run}.jsonl"
@@ -64,7 +72,8 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
     if not log_path.is_file() and not run_dir.is_dir():
         raise PipelineError(f"no run '{run}': neither {log_path} nor {run_dir} exists. "
                             "`python main.py status` lists the runs.")
-    records = read_jsonl(log_path)
+    log, problem = _read_log(log_path, run_dir)
+    records = log.records
     train = latest_per_step(records, "train")
     val = latest_per_step(records, "val")
     configs = [r for r in records if r.get("type") == "config"]
@@ -78,7 +87,8 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
                  "tokens_per_s": None, "tokens_seen": None, "trend": None, "eta_s": None,
                  "val_loss": None, "best_val_loss": None, "perplexity": None,
                  "bits_per_byte": None, "last_event": None, "last_record_age_s": None,
-                 "state": "no log yet", "checkpoints": [], "sample": None}
+                 "state": "log unreadable" if _is_unreadable(problem) else "no log yet",
+                 "log_problem": problem, "checkpoints": [], "sample": None}
     if train:
         last = train[-1]
         out.update(step=last.get("step"), loss=last.get("loss"),
@@ -111,6 +121,46 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
             out["checkpoints"].append({"file": p.name, "mb": round(st.st_size / 1e6, 1),
                                        "age_s": round(now - st.st_mtime, 1)})
     return out
+
+
+def _read_log(path: Path, run_dir: Path) -> tuple:
+    """``(LogRead, problem)``: the log's records, and None or a dict saying what is wrong with
+    the file: ``problem`` "unreadable" (nothing in it can be read) or "damaged lines" (some
+    lines were skipped), the first bad ``line``, the ``damaged_lines`` count, the ``reason``
+    and a ``message`` that names the file and what to do."""
+    from utils.training.logging_utils import LogRead, read_log
+    try:
+        log = read_log(path)
+    except OSError as e:                       # a folder of that name, no permission, I/O error
+        why = f"{type(e).__name__}: {e.strerror or e}"
+        return LogRead(path), {
+            "problem": "unreadable", "line": None, "damaged_lines": None, "reason": why,
+            "message": f"the metrics log {path} exists but cannot be opened ({why}). "
+                       + _what_to_do(path, run_dir)}
+    bad = log.damaged_lines
+    if not bad:
+        return log, None
+    if log.unreadable:
+        return log, {
+            "problem": "unreadable", "line": bad[0], "damaged_lines": len(bad), "reason": log.first_bad,
+            "message": f"the metrics log {path} exists but is unreadable: line {bad[0]} is "
+                       f"{log.first_bad}, and none of its {len(bad)} non-blank line(s) is a JSON "
+                       "record. " + _what_to_do(path, run_dir)}
+    return log, {
+        "problem": "damaged lines", "line": bad[0], "damaged_lines": len(bad), "reason": log.first_bad,
+        "message": f"the metrics log {path} is damaged at line {bad[0]}, which is {log.first_bad}: "
+                   f"{len(bad)} line(s) skipped; the values shown come from its other "
+                   f"{len(log.records)} records."}
+
+
+def _what_to_do(path: Path, run_dir: Path) -> str:
+    return (f"Restore it from a backup, or move it aside (mv {path} {path}.damaged): the run's "
+            "next start or `--resume auto` then begins a new log. The checkpoints"
+            + (f" in {run_dir}" if run_dir.is_dir() else "") + " do not depend on it.")
+
+
+def _is_unreadable(problem: Optional[dict]) -> bool:
+    return problem is not None and problem["problem"] == "unreadable"
 
 
 def loss_trend(train: list[dict]) -> Optional[dict]:
@@ -191,7 +241,15 @@ def format_summary(s: dict) -> str:
                   for c in s["checkpoints"]]
     else:
         lines.append(f"  checkpoints  none yet in {s['run_dir']}")
-    lines.append(f"  log          {s['log']}")
+    problem = s.get("log_problem")
+    if problem is None:
+        lines.append(f"  log          {s['log']}")
+    elif _is_unreadable(problem):
+        at = f"line {problem['line']} is " if problem["line"] else ""
+        lines.append(f"  log          {s['log']}: unreadable: {at}{problem['reason']}")
+    else:
+        lines.append(f"  log          {s['log']}: {problem['damaged_lines']} damaged line(s) "
+                     f"skipped, the first at line {problem['line']}: {problem['reason']}")
     return "\n".join(lines)
 
 
@@ -208,23 +266,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ckdir, logs = cfg.path("paths.checkpoints_dir"), cfg.path("paths.logs_dir")
     if args.run is None:
         runs = run_names(ckdir, logs)
+        summaries = [summarize(name, ckdir, logs) for name, _ in runs]
         if args.json:
-            print(as_json([summarize(name, ckdir, logs) for name, _ in runs]))
-            return 0
+            print(as_json(summaries))
+            return _fail_on_unreadable(summaries)
         if not runs:
             print(f"No training runs yet (nothing in {ckdir} or {logs / 'raw_metrics'}). "
                   "Start one with: python main.py train --test")
             return 0
         print(f"{len(runs)} run(s), newest first (details: python main.py status RUN):")
-        for name, _ in runs:
-            s = summarize(name, ckdir, logs)
+        for (name, _), s in zip(runs, summaries):
             step = f"step {s['step']}" + (f"/{s['total_steps']}" if s["total_steps"] else "") \
                 if s["step"] is not None else "no steps logged"
+            problem = s["log_problem"]
+            damaged = (f"  [log: {problem['damaged_lines']} damaged line(s) skipped]"
+                       if problem is not None and not _is_unreadable(problem) else "")
             print(f"  {name:<32} {s['state']:<12} {step:<18} loss {_num(s['loss'])}  "
-                  f"val {_num(s['val_loss'])}  {len(s['checkpoints'])} checkpoint(s)")
-        return 0
+                  f"val {_num(s['val_loss'])}  {len(s['checkpoints'])} checkpoint(s){damaged}")
+        return _fail_on_unreadable(summaries)
     s = summarize(check_run_name(args.run, "RUN"), ckdir, logs)
     print(as_json(s) if args.json else format_summary(s))
+    return _fail_on_unreadable([s])
+
+
+def _fail_on_unreadable(summaries: list[dict]) -> int:
+    """After everything is printed: a log that exists but cannot be read is an error (exit 1,
+    like an unknown run), its message on stderr; 0 otherwise."""
+    bad = [s["log_problem"]["message"] for s in summaries if _is_unreadable(s["log_problem"])]
+    if bad:
+        sys.stdout.flush()
+        raise PipelineError("\n".join(bad))
     return 0
 
 

@@ -119,6 +119,7 @@ def test_torn_last_line_and_nan_values_are_tolerated(tmp_path):
         js = json.loads(out.stdout, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
         one = js if isinstance(js, dict) else js[0]
         assert one["step"] == 60 and one["loss"] is None
+        assert one["log_problem"] is None                      # a torn last line is no damage
 
 
 def _run(tmp_path, *args):
@@ -156,6 +157,67 @@ def test_cli_unknown_run_and_empty(tmp_path):
     proc = _run(tmp_path, "nope")
     assert proc.returncode == 1
     assert "no run 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+GARBAGE = {   # contents of a damaged log; the first bad line is line 2 in each (line 1 is blank)
+    "binary": (b"\n" + bytes(range(255, -1, -1)) * 4, "not UTF-8 text"),
+    "latin-1": ("\ncaf\xe9 step 10 loss 3.2\n".encode("latin-1"), "not UTF-8 text"),
+    "text": (b"\nstep 10 loss 3.2\nstep 20 loss 3.1\n", "not JSON"),
+    "json, not objects": (b"\n[1, 2]\n3.5\n", "JSON but not an object"),
+}
+
+
+@pytest.mark.parametrize("kind", list(GARBAGE))
+def test_an_unreadable_log_is_said_not_taken_for_no_log(tmp_path, kind):
+    """A metrics log of binary data, of text that is not UTF-8, or of lines that are not JSON
+    objects was "no log yet" (exit 0), which hid the damage. status RUN names the file, the
+    first bad line and what to do, still shows the checkpoints, and exits 1 (as for an
+    unknown run); --json stays standard JSON with the problem in log_problem; the list of runs
+    shows the run and exits 1 too."""
+    data, reason = GARBAGE[kind]
+    log = tmp_path / "logs" / "raw_metrics" / "broken.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_bytes(data)
+    _ckpt_dir(tmp_path, "broken")
+    r = _run(tmp_path, "broken")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "no log yet" not in r.stdout
+    assert r.stdout.startswith("run broken: log unreadable"), r.stdout
+    assert "checkpoint_latest.pt" in r.stdout and "checkpoint_best.pt" in r.stdout
+    assert f"{log}: unreadable: line 2 is {reason}" in r.stdout, r.stdout
+    assert f"the metrics log {log} exists but is unreadable: line 2 is {reason}" in r.stderr, r.stderr
+    assert f"mv {log} {log}.damaged" in r.stderr
+    for args in (["broken", "--json"], ["--json"]):
+        out = _run(tmp_path, *args)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        js = json.loads(out.stdout, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
+        one = js if isinstance(js, dict) else js[0]
+        assert one["state"] == "log unreadable" and len(one["checkpoints"]) == 2
+        problem = one["log_problem"]
+        assert problem["problem"] == "unreadable" and problem["line"] == 2, problem
+        assert problem["reason"].startswith(reason) and str(log) in problem["message"]
+    listing = _run(tmp_path)
+    assert listing.returncode == 1 and "unreadable" in listing.stderr, listing.stderr
+    assert re.search(r"broken\s+log unreadable", listing.stdout), listing.stdout
+
+
+def test_damaged_lines_among_records_are_counted_and_skipped(tmp_path):
+    """Lines damaged among good records (a torn line that a resume appended to, damaged
+    bytes): the values come from the good records, the log line says how many were skipped
+    and where the first is, --json has it in log_problem; exit 0, as for a torn last line."""
+    path = _log_run(tmp_path, "scarred", [5, 4, 3, 2], end_event="done")
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:3] + [b"\xff\xfe garbage\n", b'{"type": "train", "st{"x": 1}\n']
+                              + lines[3:]))
+    r = _run(tmp_path, "scarred")
+    assert r.returncode == 0, r.stderr
+    assert "run scarred: finished" in r.stdout and "step         40 of 100" in r.stdout
+    assert f"{path}: 2 damaged line(s) skipped, the first at line 4: not UTF-8 text" in r.stdout, r.stdout
+    js = json.loads(_run(tmp_path, "scarred", "--json").stdout)
+    assert js["step"] == 40 and js["log_problem"]["problem"] == "damaged lines"
+    assert (js["log_problem"]["line"], js["log_problem"]["damaged_lines"]) == (4, 2)
+    listing = _run(tmp_path)
+    assert listing.returncode == 0 and "[log: 2 damaged line(s) skipped]" in listing.stdout
 
 
 def test_status_writes_nothing(tmp_path):

@@ -136,11 +136,39 @@ class LogRead:
     records: list = field(default_factory=list)
     bad_lines: list = field(default_factory=list)
     exists: bool = True
+    first_bad: Optional[str] = None   # what is wrong with the first bad line
+    torn_tail: bool = False           # the last bad line is the file's last, without its newline,
+                                      # and begins like a record: one being written, or cut short
+
+    @property
+    def damaged_lines(self) -> list:
+        """``bad_lines`` without a torn tail: a reader running while training writes can see a
+        record's line half written, and a crash mid-write leaves one; any other bad line is
+        damage."""
+        return self.bad_lines[:-1] if self.torn_tail else list(self.bad_lines)
+
+    @property
+    def unreadable(self) -> bool:
+        """The file has damaged lines and not one record: nothing in it can be read."""
+        return not self.records and bool(self.damaged_lines)
+
+
+def _what_is_wrong(line: bytes) -> str:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text (binary data? byte {e.start + 1} is 0x{line[e.start]:02x})"
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return "not JSON"
+    return "JSON but not an object (a record is one JSON object per line)"
 
 
 def read_log(path: Path) -> LogRead:
     """Every JSON-object line of a raw-metrics file; any other non-blank line is skipped and
-    its number kept in ``bad_lines``. A missing file reads as empty (``exists`` False)."""
+    its number kept in ``bad_lines`` (``first_bad`` says what is wrong with the first). A
+    missing file reads as empty (``exists`` False); other OSErrors are raised."""
     out = LogRead(Path(path))
     try:
         with open(path, "rb") as f:
@@ -154,8 +182,12 @@ def read_log(path: Path) -> LogRead:
                     rec = None
                 if isinstance(rec, dict):
                     out.records.append(rec)
+                    out.torn_tail = False
                 else:
                     out.bad_lines.append(number)
+                    if out.first_bad is None:
+                        out.first_bad = _what_is_wrong(line)
+                    out.torn_tail = not raw.endswith(b"\n") and line.startswith(b"{")
     except FileNotFoundError:
         out.exists = False
     return out
