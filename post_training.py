@@ -381,15 +381,24 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
     tok, tok_info, eos = open_run_tokenizer(cfg, start, examples.meta)
     data = split_data(cfg, args, examples, tok, eos)
     optimizer, settings = sft_hyperparameters(cfg, args, data)
-    model, device = build_model(cfg, start)
-    spec = sft_spec(cfg, args, model, start, data, optimizer, settings, tok, tok_info, eos)
-    logger = open_logger(cfg, args, start, data, spec, tok, device)
-    from utils.run import resume_command_sft
+    from utils.run import RunOutputs, resume_command_sft
     from utils.training.trainer import Trainer, pause_step_from_env
-    trainer = Trainer(spec, run_dir=start.run_dir, logger=logger, device=device,
-                      pause_at_step=pause_step_from_env(),
-                      resume_command=resume_command_sft(full_argv[1:],
-                                                        start.run_dir / "checkpoint_latest.pt"))
+    # A start that fails before outputs.begin() (a resume refused by the training state, say)
+    # leaves no new run folder, log or TensorBoard folder, and the resumed run's files unchanged.
+    with RunOutputs(start.run_dir, cfg.path("paths.logs_dir"), start.run_dir.name) as outputs:
+        model, device = build_model(cfg, start)
+        spec = sft_spec(cfg, args, model, start, data, optimizer, settings, tok, tok_info, eos)
+        logger = outputs.open_logger(tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.raw_metrics,
+                                     purge_step=(int(start.resume["step"]) + 1) if start.resume else None)
+        trainer = Trainer(spec, run_dir=start.run_dir, logger=logger, device=device,
+                          pause_at_step=pause_step_from_env(),
+                          resume_command=resume_command_sft(full_argv[1:],
+                                                            start.run_dir / "checkpoint_latest.pt"))
+        if start.resume is not None:
+            trainer.load_state(start.resume)   # before the run's files: a refusal changes nothing
+            start.resume = None
+        write_run_files(cfg, args, start, data, spec, tok, device, logger)
+        outputs.begin()
     return finish(trainer, start, logger)
 
 
@@ -577,17 +586,14 @@ def sft_spec(cfg, args, model, start: Start, data: Data, optimizer, settings, to
                      sample_fn=sample_fn if args.sample_tokens > 0 else None)
 
 
-def open_logger(cfg, args, start: Start, data: Data, spec, tok, device):
+def write_run_files(cfg, args, start: Start, data: Data, spec, tok, device, logger) -> None:
     """The run folder with sft_config.json (what it was trained from and with) and a copy of
-    its tokenizer, the logs."""
+    its tokenizer, and the log's config record (written once the start can no longer be
+    refused)."""
     from utils.atomic import write_json_atomic
     from utils.run import save_run_tokenizer
-    from utils.training.logging_utils import DualLogger
     from utils.training.trainer import resolve_dtype
     run, meta, st, opt = start.run_dir.name, data.examples.meta, spec.settings, spec.optimizer
-    logger = DualLogger(run, cfg.path("paths.logs_dir"), tensorboard=cfg.logging.tensorboard,
-                        jsonl=cfg.logging.raw_metrics,
-                        purge_step=(int(start.resume["step"]) + 1) if start.resume else None)
     start.run_dir.mkdir(parents=True, exist_ok=True)
     save_run_tokenizer(start.run_dir, tok, spec.record.tokenizer["name"])
     hyper = {"epochs": cfg.sft.epochs, "lr": opt.lr, "min_lr": st.min_lr,
@@ -598,7 +604,7 @@ def open_logger(cfg, args, start: Start, data: Data, spec, tok, device):
              "device": str(device), "weight_decay": opt.weight_decay,
              "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip}
     sft_config = {"run": run, "base_checkpoint": str(start.base_path),
-                  "resumed_from": str(args.resume) if start.resume else None,
+                  "resumed_from": str(args.resume) if start.resume_path else None,
                   "data": {"dir": str(cfg.path("paths.post_training_dir")),
                            "fingerprint": meta["data_fingerprint"], "source": meta["source"],
                            "train_examples": int(len(data.train_idx)),
@@ -608,14 +614,10 @@ def open_logger(cfg, args, start: Start, data: Data, spec, tok, device):
                   "tokenizer": spec.record.tokenizer, "config": cfg.to_dict()}
     write_json_atomic(start.run_dir / "sft_config.json", sft_config)
     logger.config(cfg.to_dict(), {"run": run, **hyper})
-    return logger
 
 
 def finish(trainer, start: Start, logger) -> int:
-    """Load the resume state, train, close the logs, say where the model is; 130 when stopped."""
-    if start.resume is not None:
-        trainer.load_state(start.resume)
-        start.resume = None
+    """Train, close the logs, say where the model is; 130 when stopped."""
     try:
         result = trainer.fit()
     finally:

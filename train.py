@@ -117,17 +117,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     proc = set_up_process(cfg)
     tok, tok_info, imported = open_tokenizer(cfg, args)
     start = open_run(cfg, args, tok, tok_info, proc, imported)
-    data = build_data(cfg, tok, tok_info, proc)
-    model = build_model(cfg, start, data, proc)
-    logger = open_logger(cfg, start, data, model, tok, tok_info, proc)
-    spec = pretraining_spec(cfg, model, start, data, tok, tok_info, proc)
+    from utils.run import RunOutputs, resume_command_train
     from utils.training.trainer import Trainer, pause_step_from_env
-    from utils.run import resume_command_train
-    trainer = Trainer(spec, run_dir=start.run_dir, logger=logger, device=proc.device,
-                      dist=proc.dist, pause_at_step=pause_step_from_env(),
-                      resume_command=resume_command_train(
-                          argv, start.run, proc.dist.world_size,
-                          int(os.environ.get("LOCAL_WORLD_SIZE", proc.dist.world_size))))
+    # A start that fails before outputs.begin() (a resume refused by the training state, a
+    # model or data that do not fit) leaves no new run folder, log or TensorBoard folder.
+    with RunOutputs(start.run_dir, cfg.path("paths.logs_dir"), start.run,
+                    enabled=proc.dist.is_main) as outputs:
+        data = build_data(cfg, tok, tok_info, proc)
+        model = build_model(cfg, start, data, proc)
+        logger = open_logger(cfg, start, outputs)
+        spec = pretraining_spec(cfg, model, start, data, tok, tok_info, proc)
+        trainer = Trainer(spec, run_dir=start.run_dir, logger=logger, device=proc.device,
+                          dist=proc.dist, pause_at_step=pause_step_from_env(),
+                          resume_command=resume_command_train(
+                              argv, start.run, proc.dist.world_size,
+                              int(os.environ.get("LOCAL_WORLD_SIZE", proc.dist.world_size))))
+        if start.ckpt is not None:
+            trainer.load_state(start.ckpt)     # before the run's files: a refusal changes nothing
+            start.ckpt = None
+        write_run_files(cfg, start, data, model, tok, tok_info, proc, logger)
+        outputs.begin()
     return finish(trainer, start, logger, proc)
 
 
@@ -338,16 +347,19 @@ def _effective_batch(cfg, proc: Process) -> int:
     return cfg.training.batch_size * cfg.training.grad_accum * proc.dist.world_size
 
 
-def open_logger(cfg, start: Start, data: Data, model, tok, tok_info, proc: Process):
-    """TensorBoard + JSONL metrics (rank 0), the run folder with its resolved config and a
-    copy of its tokenizer."""
+def open_logger(cfg, start: Start, outputs):
+    """TensorBoard + JSONL metrics (rank 0; ``outputs``, the run layer's RunOutputs, closes
+    it on a failed start)."""
+    return outputs.open_logger(tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.raw_metrics,
+                               purge_step=(int(start.ckpt["step"]) + 1) if start.ckpt else None)
+
+
+def write_run_files(cfg, start: Start, data: Data, model, tok, tok_info, proc: Process, logger) -> None:
+    """Rank 0: the run folder with its resolved config and a copy of its tokenizer, and the
+    log's config record (written once the start can no longer be refused)."""
     from utils.run import save_run_tokenizer
-    from utils.training.logging_utils import DualLogger
     from utils.training.trainer import resolve_dtype
     hp = cfg.training
-    logger = DualLogger(start.run, cfg.path("paths.logs_dir"), tensorboard=cfg.logging.tensorboard,
-                        jsonl=cfg.logging.raw_metrics, enabled=proc.dist.is_main,
-                        purge_step=(int(start.ckpt["step"]) + 1) if start.ckpt else None)
     if proc.dist.is_main:
         start.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save_resolved(start.run_dir, "config.json")
@@ -358,7 +370,6 @@ def open_logger(cfg, start: Start, data: Data, model, tok, tok_info, proc: Proce
                    "dtype": str(resolve_dtype(hp.dtype, proc.device)), "device": str(proc.device),
                    "model": start.model_args.to_dict()}
         logger.config(cfg.to_dict(), hparams)
-    return logger
 
 
 def pretraining_spec(cfg, model, start: Start, data: Data, tok, tok_info, proc: Process):
@@ -392,11 +403,8 @@ def pretraining_spec(cfg, model, start: Start, data: Data, tok, tok_info, proc: 
 
 
 def finish(trainer, start: Start, logger, proc: Process) -> int:
-    """Load the resume state, train, close the logs, say where things are; 130 when stopped."""
+    """Train, close the logs, say where things are; 130 when stopped."""
     from utils.training import distributed as D
-    if start.ckpt is not None:
-        trainer.load_state(start.ckpt)
-        start.ckpt = None
     try:
         result = trainer.fit()
     finally:

@@ -256,6 +256,17 @@ def train_shards(samples, tmp_path_factory) -> Path:
     return write_train_shards(tmp_path_factory.mktemp("train_shards") / "wikipedia_test")
 
 
+def run_places(root: Path) -> dict:
+    """Every file (size, mtime) and folder under ``root``'s checkpoints/ and logs/ (a tmp-rooted
+    config's run places): what a training start that fails must leave exactly as it was."""
+    out = {}
+    for top in ("checkpoints", "logs"):
+        for p in sorted((root / top).rglob("*")) if (root / top).exists() else []:
+            st = p.stat()
+            out[str(p.relative_to(root))] = "folder" if p.is_dir() else (st.st_size, st.st_mtime_ns)
+    return out
+
+
 # ----------------------------------------------------------------------------- configs
 def write_config(tmp_path: Path, sections: dict | None = None, name: str = "config.json") -> Path:
     """A config over the shipped defaults with paths.root = tmp_path (outputs land in tmp)."""

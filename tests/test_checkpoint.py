@@ -1,6 +1,7 @@
 """utils/training/checkpoint.py: the one loader refuses every bad file with a CheckpointError that names
 the file (exit 1), never runs pickled code, rebuilds the model from the file alone, and lists
-runs (newest first, legacy flat layout included).
+runs (newest first, legacy flat layout included); a training start that fails leaves its run
+places as they were (utils.run.RunOutputs).
 
 Checkpoints here are written by the real writer (save_checkpoint) with a tiny real model;
 bad files are made from them (truncated copies, flipped entries) or from scratch (random
@@ -234,3 +235,31 @@ def test_list_runs_newest_first_with_legacy_flat_layout(tmp_path):
     assert find_run(base, "old").path == base / "old"
     assert find_run(base, "missing") is None
     assert list_runs(tmp_path / "absent") == []
+
+
+def test_run_outputs_remove_only_what_a_failed_start_created(tmp_path):
+    """utils.run.RunOutputs, the run layer's guard of train and sft train (their CLI tests:
+    test_train.py, test_sft.py): a start that fails before begin() leaves no new file or
+    folder (folders above the run's that it created included) and every old file as it was;
+    after begin() nothing is removed. The logger creates nothing before its first record."""
+    from utils.run import RunOutputs
+    ck, logs = tmp_path / "checkpoints", tmp_path / "logs"
+    old = ck / "r" / "checkpoint_latest.pt"
+    _touch(old, 1000.0)
+    with pytest.raises(RuntimeError):
+        with RunOutputs(ck / "r", logs, "r") as out:
+            logger = out.open_logger(tensorboard=False)
+            assert not logs.exists()                         # nothing before the first record
+            logger.event(0, "start")
+            (ck / "r" / "config.json").write_text("{}")
+            (ck / "r" / "tokenizer").mkdir()
+            (ck / "r" / "tokenizer" / "tokenizer.json").write_text("{}")
+            raise RuntimeError("set-up failed")
+    assert sorted(tmp_path.rglob("*")) == [ck, ck / "r", old]
+    assert old.read_bytes() == b"x" and old.stat().st_mtime == 1000.0
+    with pytest.raises(KeyboardInterrupt):                  # Ctrl-C after training began
+        with RunOutputs(ck / "n", logs, "n") as out:
+            out.open_logger(tensorboard=False).event(0, "start")
+            out.begin()
+            raise KeyboardInterrupt
+    assert (logs / "raw_metrics" / "n.jsonl").is_file()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SPM_MODEL, paused_env, popen_main, run_main, wait_for_line, write_config
+from tests.conftest import SPM_MODEL, paused_env, popen_main, run_main, run_places, wait_for_line, write_config
 
 TOK_NAME = str(SPM_MODEL)
 
@@ -489,6 +489,28 @@ def test_prepare_with_only_too_long_examples_names_a_length_that_keeps_one(tmp_p
     assert not (tmp_path / "data" / "post-training" / "metadata.json").exists()
     r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src), "--max-length", m.group(1))
     assert r.returncode == 0 and "kept 1/2 examples" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_refused_resume_leaves_the_run_as_it_was(work):
+    """A resume refused by the checkpoint's training state had already rewritten the run's
+    sft_config.json and tokenizer copy and appended a config record to its log. Now the run
+    folder and the logs are exactly as they were."""
+    root = work["root"]
+    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", work["base"], "--epochs", "1",
+                 "--batch-size", "4", "--sample-tokens", "0", "--name", "refused", timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    run = next((root / "checkpoints").glob("sft_refused_*"))
+    from utils.run import load_checkpoint
+    from utils.training.checkpoint import save_checkpoint
+    ck = load_checkpoint(run / "checkpoint_latest.pt", "resume")
+    save_checkpoint(run / "checkpoint_latest.pt", dict(ck, rng={"world_size": 1, "ranks": "x"}))
+    before = run_places(root)
+    assert (run / "sft_config.json").is_file() and f"logs/raw_metrics/{run.name}.jsonl" in before
+    r = run_main("sft", "train", "--config", work["cfg"], "--resume", str(run / "checkpoint_latest.pt"),
+                 "--sample-tokens", "0", timeout=400)
+    assert r.returncode == 1 and "training state is damaged" in r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert run_places(root) == before
 
 
 def test_format_1_data_is_refused_with_the_command_that_rebuilds_it(work, tmp_path):

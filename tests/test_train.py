@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import (SPM_MODEL, child_pids, offline_env, paused_env, popen_main, run_main, wait_for_line,
-                            write_config)
+from tests.conftest import (SPM_MODEL, child_pids, offline_env, paused_env, popen_main, run_main, run_places,
+                            wait_for_line, write_config)
 from utils.run import load_checkpoint
 from utils.training.logging_utils import latest_per_step, read_jsonl
 from utils.training.scheduler import CosineWarmupScheduler, lr_factor
@@ -164,6 +164,64 @@ def test_a_damaged_training_state_stops_the_resume_with_what_to_do(root, cfg, fu
     assert ("training state is damaged" if damage != "step" else "entry 'step' is -5") in r.stderr
     assert "Traceback" not in r.stderr and "unexpected" not in r.stderr
     assert not (run / "checkpoint_best.pt").exists()
+
+
+def _refused_start(root: Path, case: str) -> tuple[list, int, str]:
+    """(arguments, exit code, stderr text) of a start that cannot go ahead, set up in ``root``."""
+    from utils.training.checkpoint import save_checkpoint
+    full = root / "checkpoints" / "full" / "checkpoint_latest.pt"
+    if case == "no such run":
+        return ["--name", "ghost", "--resume", "auto"], 1, "no checkpoints of run 'ghost'"
+    if case == "truncated checkpoint":
+        cut = root / "elsewhere" / "truncated.pt"
+        cut.parent.mkdir(exist_ok=True)
+        cut.write_bytes(full.read_bytes()[:50_000])
+        return ["--name", "from_truncated", "--resume", cut], 1, "truncated"
+    ck = load_checkpoint(full, "resume")
+    if case == "weights of another shape":
+        other = root / "elsewhere" / "wider.pt"
+        save_checkpoint(other, dict(ck, model_args=dict(ck["model_args"], d_model=96)))
+        return ["--name", "from_wider", "--resume", other], 1, "shape"
+    if case == "another optimizer":
+        return (["--name", "other_opt", "--resume", full, "--optimizer", "muon"], 1,
+                "trained with optimizer(s) ['adamw']")
+    if case == "damaged state of an existing run":
+        save_checkpoint(root / "checkpoints" / "half_run" / "checkpoint_latest.pt",
+                        dict(ck, rng={"world_size": 1, "ranks": "x"}))
+        return ["--name", "half_run", "--resume", "auto"], 1, "training state is damaged"
+    if case == "run file in the way":   # the start fails while writing the run's files
+        (root / "checkpoints" / "blocked").mkdir(parents=True, exist_ok=True)
+        (root / "checkpoints" / "blocked" / "tokenizer").write_text("not a tokenizer folder")
+        return ["--name", "blocked"], 1, "already exists"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["no such run", "truncated checkpoint", "weights of another shape",
+                                  "another optimizer", "damaged state of an existing run",
+                                  "run file in the way"])
+def test_a_start_that_fails_leaves_no_folder_or_file_behind(root, cfg, full_run, case):
+    """A resume refused after the logger and the run folder were set up (another optimizer, a
+    damaged training state) left a new run folder (config.json, tokenizer copy), a TensorBoard
+    folder and a metrics log that status showed as a run; into an existing run it rewrote
+    config.json and appended to its log. Now any start that fails before training leaves the
+    run places exactly as they were: nothing new (the files of a start that failed while
+    writing them included), nothing removed, nothing changed."""
+    args, code, message = _refused_start(root, case)
+    before = run_places(root)
+    r = train(cfg, *args, "--max-steps", TOTAL + 2)
+    assert r.returncode == code, r.stdout + r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert run_places(root) == before
+
+
+def test_a_refused_resume_in_a_new_project_creates_no_folder(root, full_run, shard_dir, tmp_path):
+    """The same in a project without checkpoints/ or logs/ yet: neither is created."""
+    fresh = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)},
+                                    "dataset": {"wikipedia_test_dir": str(shard_dir)}})
+    r = train(fresh, "--name", "x", "--resume", root / "checkpoints" / "full" / "checkpoint_latest.pt",
+              "--optimizer", "muon")
+    assert r.returncode == 1 and "trained with optimizer(s)" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [fresh.name]
 
 
 @pytest.mark.parametrize("shape", [{"n_layers": 100_000_000}, {"d_model": 10 ** 9, "n_heads": 10 ** 6,

@@ -12,6 +12,9 @@ seed's old flat layout of ``*.pt`` files directly in the folder is one "legacy" 
     pick_checkpoint(path, say)                  a file as given; a folder: its best (else latest)
     resume_checkpoint(checkpoints_dir, spec, name=None, prefix=None)   ``--resume PATH|auto``
     resume_command_train(...) / resume_command_sft(...)   what the user runs to continue
+    with RunOutputs(run_dir, logs_dir, run) as out:   what train / sft train write for a run: a
+        logger = out.open_logger(...); ...           start that fails before out.begin() leaves
+        out.begin()                                  nothing new behind, nothing old changed
 
 Checkpoints (the one loader; the file format itself is ``utils/training/checkpoint.py``):
 
@@ -296,6 +299,98 @@ def resume_command_sft(argv: Sequence[str], latest: Path) -> str:
     arguments after ``sft train``)."""
     out = argv_without(list(argv), ("--resume", "--checkpoint"))
     return "python main.py sft train " + shlex.join(out + ["--resume", str(latest)])
+
+
+# --------------------------------------------------------------------------- run outputs
+class RunOutputs:
+    """What a training stage (train, sft train) writes for its run: the run folder (checkpoints,
+    its config, the tokenizer copy), ``logs/tensorboard/<run>/`` and
+    ``logs/raw_metrics/<run>.jsonl``, with the folders above them. Used around the stage's
+    set-up::
+
+        with RunOutputs(run_dir, logs_dir, run, enabled=is_main) as out:
+            logger = out.open_logger(tensorboard=..., jsonl=..., purge_step=...)
+            ...                    # the set-up that can still fail: data, model, resume state
+            ...                    # then the run's own files (config, tokenizer copy, config record)
+            out.begin()            # training starts: from here on everything written is kept
+
+    Contract: a start that fails before :meth:`begin` (an exception, Ctrl-C included) leaves
+    nothing new behind, and whatever existed before is never removed or changed. Creation is
+    lazy: the logger creates its folder and file at its first record, and the stage writes
+    the run's files after the last refusal a resume can meet (its training state loading), so
+    a refused start creates nothing. Whatever a start that fails later in its set-up did
+    create is removed on the way out: the files and folders of these places that did not exist
+    when the block was entered (the logger is closed first), then each folder above them that
+    the block created and that is empty. After :meth:`begin` nothing is removed: a run that
+    fails while training keeps its log and checkpoints, the record of what happened.
+    ``enabled=False`` (DDP ranks other than 0, which write nothing) watches nothing and gives a
+    logger that does nothing."""
+
+    def __init__(self, run_dir, logs_dir, run: str, enabled: bool = True):
+        from utils.training.logging_utils import log_paths
+        self.run, self.logs_dir, self.enabled = run, Path(logs_dir), enabled
+        self.places = [Path(run_dir), *log_paths(logs_dir, run)]
+        self.begun = False
+        self._logger = None
+        self._before: set = set()
+        self._new_parents: list = []
+
+    def __enter__(self) -> "RunOutputs":
+        if self.enabled:
+            for place in self.places:
+                self._before |= set(_tree(place))
+                parent = place.parent
+                while not parent.exists() and parent != parent.parent:
+                    self._new_parents.append(parent)
+                    parent = parent.parent
+        return self
+
+    def open_logger(self, **kw):
+        """The run's DualLogger (utils/training/logging_utils.py), closed on a failed start."""
+        from utils.training.logging_utils import DualLogger
+        self._logger = DualLogger(self.run, self.logs_dir, enabled=self.enabled, **kw)
+        return self._logger
+
+    def begin(self) -> None:
+        """Training starts: from here on, nothing the stage writes is removed."""
+        self.begun = True
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and self.enabled and not self.begun:
+            self._remove_new()
+        return False
+
+    def _remove_new(self) -> None:
+        if self._logger is not None:
+            try:
+                self._logger.close()
+            except Exception:   # noqa: BLE001 - the stage's own error is the one to report
+                pass
+        new = [p for place in self.places for p in _tree(place) if p not in self._before]
+        for p in sorted(new, key=lambda p: len(p.parts), reverse=True):   # contents first
+            try:
+                if p.is_dir() and not p.is_symlink():
+                    p.rmdir()               # emptied by the loop (contents first)
+                else:
+                    p.unlink()
+            except OSError:
+                pass
+        for d in sorted(set(self._new_parents), key=lambda p: len(p.parts), reverse=True):
+            try:
+                d.rmdir()
+            except OSError:                 # not empty (another run wrote there) or gone
+                pass
+
+
+def _tree(place: Path) -> list[Path]:
+    """``place`` and, for a folder, everything under it (links not followed); [] if absent."""
+    if not place.exists() and not place.is_symlink():
+        return []
+    out = [place]
+    if place.is_dir() and not place.is_symlink():
+        for root, dirs, files in os.walk(place):
+            out += [Path(root) / n for n in dirs + files]
+    return out
 
 
 # --------------------------------------------------------------------------- tokenizers

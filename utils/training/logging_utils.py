@@ -49,18 +49,30 @@ def json_safe(v: Any) -> Any:
     return v
 
 
+def log_paths(logs_dir: Path, run: str) -> tuple[Path, Path]:
+    """``(TensorBoard folder, JSONL file)`` of run ``run`` under ``logs_dir``."""
+    return Path(logs_dir) / "tensorboard" / run, Path(logs_dir) / "raw_metrics" / f"{run}.jsonl"
+
+
 class DualLogger:
-    """TensorBoard + JSONL logger of one run. ``enabled=False`` (non-main ranks) is a no-op."""
+    """TensorBoard + JSONL logger of one run. ``enabled=False`` (non-main ranks) is a no-op.
+    Its folders and files are created by the first record, not before: a stage that stops
+    before it logs anything has written nothing here."""
 
     def __init__(self, run: str, logs_dir: Path, *, tensorboard: bool = True, jsonl: bool = True,
                  enabled: bool = True, purge_step: Optional[int] = None):
         self.run, self.enabled = run, enabled
-        self.tb_dir = Path(logs_dir) / "tensorboard" / run
-        self.jsonl_path = Path(logs_dir) / "raw_metrics" / f"{run}.jsonl"
+        self.tb_dir, self.jsonl_path = log_paths(logs_dir, run)
         self._tb = None
         self._fh = None
-        if not enabled:
+        self._pending = (tensorboard, jsonl, purge_step) if enabled else None
+
+    def _open(self) -> None:
+        """Create the TensorBoard writer and open the JSONL file (once, at the first record)."""
+        if self._pending is None:
             return
+        tensorboard, jsonl, purge_step = self._pending
+        self._pending = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb_dir.mkdir(parents=True, exist_ok=True)
@@ -71,6 +83,7 @@ class DualLogger:
 
     # ------------------------------------------------------------------ writers
     def _line(self, record: dict) -> None:
+        self._open()
         if self._fh is not None:
             self._fh.write(json.dumps(json_safe(record), ensure_ascii=False) + "\n")
             self._fh.flush()
@@ -120,6 +133,7 @@ class DualLogger:
             self._fh.flush()
 
     def close(self) -> None:
+        self._pending = None            # nothing is opened after close
         if self._tb is not None:
             self._tb.close()
             self._tb = None
