@@ -25,7 +25,7 @@ import torch
 from tests.conftest import (SPM_MODEL, child_pids, offline_env, paused_env, popen_main, run_main, run_places,
                             wait_for_line, write_config)
 from utils.run import load_checkpoint
-from utils.training.logging_utils import latest_per_step, read_jsonl
+from utils.training.logging_utils import latest_per_step, read_jsonl, read_log
 from utils.training.scheduler import CosineWarmupScheduler, lr_factor
 
 FLAGS = ["--window", "32", "--batch-size", "2", "--eval-batches", "2", "--sample-tokens", "4",
@@ -286,10 +286,17 @@ def test_sigterm_exits_130_and_max_steps_is_the_run_total(root, cfg):
     step = load_checkpoint(ck, "resume")["step"]
     assert step == 2
     assert any(r.get("event") == "interrupted" for r in log_of(root, "term"))
+    log = root / "logs" / "raw_metrics" / "term.jsonl"
+    torn = len(log.read_bytes().splitlines()) + 1
+    with open(log, "ab") as f:                       # a record torn by a crash (SIGKILL mid-write)
+        f.write(b'{"type": "train", "step": 3, "lo')
     # --max-steps is the run's total, not "N more": the resumed run stops at step step + 3.
     ok(train(cfg, "--name", "term", "--max-steps", step + 3, "--resume", "auto"))
     assert load_checkpoint(ck, "resume")["step"] == step + 3
     assert sorted(losses(log_of(root, "term"))) == list(range(1, step + 4))
+    read = read_log(log)                             # the resume's records start their own line
+    assert read.bad_lines == [torn], read.bad_lines
+    assert sum(r.get("type") == "config" for r in read.records) == 2
 
 
 def running(pid: int) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,8 @@ class DualLogger:
         if jsonl:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.jsonl_path, "a", encoding="utf-8")
+            if self._fh.tell() and not _ends_a_line(self.jsonl_path):
+                self._fh.write("\n")       # a line torn by a crash: the next record starts its own
 
     # ------------------------------------------------------------------ writers
     def _line(self, record: dict) -> None:
@@ -177,6 +180,13 @@ def _what_is_wrong(line: bytes) -> str:
     except (ValueError, RecursionError):
         return "not JSON"
     return "JSON but not an object (a record is one JSON object per line)"
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Whether the (non-empty) file's last byte is a newline."""
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def read_log(path: Path) -> LogRead:
