@@ -5,6 +5,9 @@ Deterministic: the same series give the same bytes (fixed size, DPI and fonts, m
 own DejaVu Sans; the PNG carries no creation time and no software version, ``Software``
 metadata removed). A panel is a title, axis labels and lines ``(label, xs, ys, style)``;
 panels without a finite point are left out, and the grid shrinks to what is left.
+Every text (titles, axis labels, legend entries, marks) is shown literally (:func:`literal`):
+a run name such as ``m$^$m`` is neither parsed as mathtext nor, starting with ``_``, hidden
+from the legend.
 Cost: about 0.1-0.3 s per figure.
 """
 from __future__ import annotations
@@ -13,6 +16,8 @@ import io
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+from utils.training.logging_utils import finite
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 DPI = 100
@@ -45,7 +50,16 @@ class Panel:
 
 
 def _ok(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return finite(v)
+
+
+def literal(text) -> str:
+    """``text`` as matplotlib must be given it to show it as written: every ``$`` escaped, so
+    no part is parsed as mathtext (an even number of unescaped ``$`` turns on math mode, and
+    a name such as ``m$^$m`` would not even parse). The one helper for every string this
+    module hands to matplotlib. (A legend label that starts with ``_`` is hidden by legend()
+    when it collects labels itself; :func:`_draw` passes its handles and labels explicitly.)"""
+    return str(text).replace("$", r"\$")
 
 
 def figure_png(panels: Sequence[Panel], title: Optional[str] = None, cols: int = 3,
@@ -62,7 +76,7 @@ def figure_png(panels: Sequence[Panel], title: Optional[str] = None, cols: int =
                  dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     if title:
-        fig.suptitle(title, fontsize=15, fontweight="bold")
+        fig.suptitle(literal(title), fontsize=15, fontweight="bold")
     axes = fig.subplots(rows, cols, squeeze=False)
     for i, ax in enumerate(axes.flat):
         if i >= len(panels):
@@ -75,17 +89,20 @@ def figure_png(panels: Sequence[Panel], title: Optional[str] = None, cols: int =
 
 
 def _draw(ax, p: Panel) -> None:
+    handles, labels = [], []
     for ln in p.lines:
         pts = [(x, y) for x, y in zip(ln.xs, ln.ys) if _ok(x) and _ok(y)]
         if not pts:
             continue
         xs, ys = zip(*pts)
         sparse = len(pts) <= SPARSE_POINTS           # few points: show where they are
-        ax.plot(xs, ys, label=ln.label, color=ln.color, linewidth=ln.width, alpha=ln.alpha,
-                marker=ln.marker or ("o" if sparse else ""), markersize=4 if sparse else 3.5)
+        handles += ax.plot(xs, ys, color=ln.color, linewidth=ln.width, alpha=ln.alpha,
+                           marker=ln.marker or ("o" if sparse else ""),
+                           markersize=4 if sparse else 3.5)
+        labels.append(literal(ln.label))
     for x, label in p.marks:
         ax.axvline(x, color="#555555", linestyle=":", linewidth=1.2)
-        ax.annotate(label, xy=(x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
+        ax.annotate(literal(label), xy=(x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
                     textcoords="offset points", fontsize=10, color="#555555")
     if p.log_y and all(y > 0 for ln in p.lines for y in ln.ys if _ok(y)):
         ax.set_yscale("log")
@@ -95,12 +112,12 @@ def _draw(ax, p: Panel) -> None:
     if p.xlim and p.xlim[1] > p.xlim[0]:
         pad = 0.03 * (p.xlim[1] - p.xlim[0])
         ax.set_xlim(p.xlim[0] - pad, p.xlim[1] + pad)
-    ax.set_title(p.title, fontsize=13)
-    ax.set_xlabel(p.xlabel, fontsize=12)
-    ax.set_ylabel(p.ylabel, fontsize=12)
+    ax.set_title(literal(p.title), fontsize=13)
+    ax.set_xlabel(literal(p.xlabel), fontsize=12)
+    ax.set_ylabel(literal(p.ylabel), fontsize=12)
     ax.tick_params(labelsize=10.5)
     ax.grid(True, color="#e5e5e5", linewidth=0.8)
     if ax.get_yscale() == "linear":
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
-    if sum(1 for ln in p.lines if any(_ok(y) for y in ln.ys)) > 1:
-        ax.legend(fontsize=9.5, framealpha=0.85, edgecolor="#dddddd")
+    if len(handles) > 1:          # explicit labels: one starting with "_" is shown, not dropped
+        ax.legend(handles, labels, fontsize=9.5, framealpha=0.85, edgecolor="#dddddd")
