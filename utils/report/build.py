@@ -11,7 +11,7 @@ from typing import Optional
 
 from utils.report import facts as F
 from utils.report.document import (Bold, Bullets, Code, CodeBlock, Details, Heading, Image, Para,
-                                   Table)
+                                   Table, image_file)
 from utils.report.plots import COLORS, Line, Panel, figure_png
 from utils.training.logging_utils import finite
 from utils.training.scheduler import effective_warmup
@@ -352,11 +352,14 @@ def _sft(f: F.RunFacts, s: dict) -> list:
                      cs["state"]])
     out.append(Table(["run", "from", "examples (train / val)", "steps", "tokens",
                       "final val loss", "best val loss", "wall time", "state"], rows, "lllrrrrrl"))
+    taken = {"curves.png"}                        # the run's own curves are beside them
     for c in f.children:
         png = curves_png(c, f"{c.name}: fine-tuning curves")
         out.append(Heading(3, c.name))
         if png:
-            out.append(Image(f"{c.name}.png", f"fine-tuning curves of {c.name}", png))
+            name = image_file(c.name, taken)      # a folder's name: made safe and unique
+            taken.add(name)
+            out.append(Image(name, f"fine-tuning curves of {c.name}", png))
         out += [Para(f"Not available ({c.name}): {p}") for ps in c.problems.values() for p in ps]
         if c.log.bad_lines:
             out.append(Para(f"{c.name}: {len(c.log.bad_lines)} damaged log line(s) skipped."))

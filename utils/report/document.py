@@ -4,15 +4,19 @@ Blocks: :class:`Heading`, :class:`Para`, :class:`Bullets`, :class:`Table`, :clas
 :class:`CodeBlock`, :class:`Details` (a folded section). Inline text is a ``str`` (plain text,
 escaped by each renderer), :class:`Code` (a code span) or :class:`Bold`, or a list of these.
 Every string from a run (names, paths, sample text) is data: the Markdown renderer escapes
-what Markdown would read as markup, the HTML renderer escapes everything, and nothing from a
-run becomes a link. An :class:`Image` holds its PNG bytes: Markdown refers to the file beside
-the report, HTML inlines it as a ``data:`` URI, so the page needs nothing else.
+what Markdown would read as markup (a line break in inline text is a space), the HTML renderer
+escapes everything, and nothing from a run becomes a link. An :class:`Image` holds its PNG
+bytes: Markdown refers to the file beside the report (its name made by :func:`image_file`,
+the link target percent-encoded), HTML inlines it as a ``data:`` URI, so the page needs
+nothing else.
 """
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import re
+from urllib.parse import quote
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
@@ -55,9 +59,24 @@ class Table:
 
 @dataclass
 class Image:
-    filename: str            # beside the Markdown file
+    filename: str            # beside the Markdown file (image_file() for a name from a run)
     alt: str
     png: bytes
+
+
+_UNSAFE_FILE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def image_file(stem: str, taken=()) -> str:
+    """A PNG file name for ``stem`` (a run name: any characters) that is safe in a folder and
+    in a Markdown link: ``stem.png`` when ``stem`` is only letters, digits, ``.``, ``_`` and
+    ``-`` and the name is not in ``taken``; else the safe characters of ``stem`` and a hash of
+    it (``sft_x_img_src_x-3f2a9c0b1d.png``), so two names never share a file."""
+    safe = _UNSAFE_FILE.sub("_", stem).strip("._-")[:80]
+    if safe == stem and f"{stem}.png" not in taken:
+        return f"{stem}.png"
+    digest = hashlib.sha256(stem.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+    return f"{safe or 'image'}-{digest}.png"
 
 
 @dataclass
@@ -73,11 +92,12 @@ class Details:
 
 
 # ----------------------------------------------------------------------------- Markdown
-_MD_SPECIAL = re.compile(r"([\\`*_\[\]{}<>#|!~])")
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]{}<>#|!~&])")
 
 
 def _md_text(s: str) -> str:
-    s = _MD_SPECIAL.sub(r"\\\1", s)
+    s = re.sub(r"[\r\n]+", " ", s)                 # inline text is one line: no heading, list
+    s = _MD_SPECIAL.sub(r"\\\1", s)                 # or setext underline from a name
     return re.sub(r"^(\s*)([+\-]|\d+\.)(\s)", r"\1\\\2\3", s)   # no list marker at a line start
 
 
@@ -122,7 +142,7 @@ def _md_block(b) -> list[str]:
         lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in b.rows]
         return lines + [""]
     if isinstance(b, Image):
-        return [f"![{_md_text(b.alt)}]({b.filename})", ""]
+        return [f"![{_md_text(b.alt)}]({quote(b.filename, safe='')})", ""]
     if isinstance(b, CodeBlock):
         f = _fence(b.text)
         return [f + b.lang, b.text.rstrip("\n"), f, ""]
