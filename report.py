@@ -63,6 +63,8 @@ def write_run(facts, out: Path, html: bool) -> None:
     from utils.report import build_run, write_report
     written = write_report(out / facts.name, build_run(facts), f"Run report: {facts.name}", html)
     bad = f" ({len(facts.log.bad_lines)} damaged log line(s) skipped)" if facts.log.bad_lines else ""
+    if facts.out_of_range:
+        bad += f" ({sum(facts.out_of_range.values())} out-of-range value(s) left out)"
     print(f"report: {facts.name}: wrote {', '.join(str(p) for p in written)}{bad}")
 
 

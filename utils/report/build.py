@@ -51,9 +51,21 @@ def duration(s) -> str:
 
 
 def utc(t) -> str:
+    """A log time (seconds since 1970) as a UTC date; n/a for one that is not a date (the facts
+    leave such times out; this never raises on what a log holds)."""
     if not finite(t):
         return "n/a"
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        when = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc) + dt.timedelta(seconds=t)
+    except (OverflowError, ValueError):
+        return "n/a"
+    return when.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def out_of_range(f: F.RunFacts) -> str:
+    """'3 value(s) (time 2, step 1)': the log values the facts left out as out of range."""
+    by = ", ".join(f"{k} {n}" for k, n in sorted(f.out_of_range.items()))
+    return f"{sum(f.out_of_range.values())} value(s) ({by})"
 
 
 def rate(x) -> str:
@@ -136,6 +148,11 @@ def _intro(f: F.RunFacts, s: dict) -> list:
                          Code(str(f.log.path)), f" are not JSON records and were skipped "
                          f"(line {shown}); the numbers below come from the other "
                          f"{len(f.log.records)} records."]))
+    if f.out_of_range:
+        out.append(Para([Bold("Values out of range:"), f" {out_of_range(f)} in the log are numbers no "
+                         "stage writes (a time outside the years 1-9999, an integer beyond 64 bits, "
+                         f"a number beyond ±{F.NUMBER_LIMIT:.0e}) and were left out of the numbers "
+                         "and curves below."]))
     of = f" of {count(s['total_steps'])}" if s["total_steps"] else ""
     bpb = num(s["final_bpb"]) + (" (derived)" if s["bpb_derived"] else "")
     params = f.model_numbers["parameters"] if f.model_numbers else None
@@ -363,6 +380,8 @@ def _sft(f: F.RunFacts, s: dict) -> list:
         out += [Para(f"Not available ({c.name}): {p}") for ps in c.problems.values() for p in ps]
         if c.log.bad_lines:
             out.append(Para(f"{c.name}: {len(c.log.bad_lines)} damaged log line(s) skipped."))
+        if c.out_of_range:
+            out.append(Para(f"{c.name}: {out_of_range(c)} out of range left out."))
     return out
 
 

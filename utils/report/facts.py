@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -89,6 +90,7 @@ class RunFacts:
     children: list = field(default_factory=list)
     benchmarks: list = field(default_factory=list)
     problems: dict = field(default_factory=dict)              # section -> [one-line notes]
+    out_of_range: Counter = field(default_factory=Counter)    # log key -> values left out
 
     def note(self, section: str, text: str) -> None:
         self.problems.setdefault(section, []).append(text)
@@ -132,7 +134,52 @@ def collect(run: str, cfg: Config, children: bool = True) -> RunFacts:
     return f
 
 
+# Numbers a log can hold (JSON has no limits) that no stage writes and the report cannot show:
+# they are left out like values of the wrong type, and counted (RunFacts.out_of_range).
+NUMBER_LIMIT = 1e100                   # beyond it, axis ranges and spans overflow in the plots
+INT_LIMIT = 2 ** 63                    # steps, tokens, sizes: what numpy and torch hold
+TIME_RANGE = (-62135596800.0, 253402300799.0)     # 0001-01-01 .. 9999-12-31 23:59:59 UTC
+
+
+def _usable(key: str, v) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return True                    # not a number: the readers check the type they need
+    if key == "time":
+        return finite(v) and TIME_RANGE[0] <= v <= TIME_RANGE[1]
+    if isinstance(v, int):
+        return -INT_LIMIT < v < INT_LIMIT
+    return not math.isfinite(v) or abs(v) <= NUMBER_LIMIT    # NaN, inf: read as n/a already
+
+
+def in_range(record, counts: Counter, top: str = "", depth: int = 0):
+    """``record`` with every number out of range (:func:`_usable`) left out: a dict loses the
+    key, a list holds None in its place; each is counted under its record's top-level key.
+    Nesting deeper than any record the stages write (16) is kept as it is: nothing reads it
+    as a number."""
+    if depth > 16:
+        return record
+    if isinstance(record, dict):
+        out = {}
+        for k, v in record.items():
+            where = top or str(k)
+            if not _usable(str(k), v):
+                counts[where] += 1
+                continue
+            out[k] = in_range(v, counts, where, depth + 1)
+        return out
+    if isinstance(record, list):
+        out = []
+        for v in record:
+            if not _usable("", v):
+                counts[top] += 1
+                v = None
+            out.append(in_range(v, counts, top, depth + 1))
+        return out
+    return record
+
+
 def _read_log_parts(f: RunFacts) -> None:
+    f.log.records[:] = [in_range(r, f.out_of_range) for r in f.log.records]
     recs = f.log.records
     if not f.log.exists:
         f.note("training", f"no metrics log: {f.log.path} does not exist.")

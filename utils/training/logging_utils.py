@@ -224,7 +224,12 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def finite(x) -> bool:
     """A real number (not bool, NaN or infinity): what a logged metric value must be to count."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:          # an integer beyond float's range (JSON allows 4,300 digits)
+        return False
 
 
 def latest_per_step(records: list[dict], kind: str = "train") -> list[dict]:
