@@ -252,9 +252,11 @@ def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
         selected[t] = D.select(data.items, limits["perplexity" if t == "next_token" else t], b.seed)
         note = f" [{data.note}]" if data.note and data.note not in shown_notes else ""
         shown_notes.add(data.note)
+        repaired = getattr(data, "repaired", 0)
         print(f"  {t}: {len(selected[t])} of {len(data.items)} valid items"
-              f"{f' ({sum(data.skipped.values())} rows skipped)' if data.skipped else ''}{note}",
-              flush=True)
+              f"{f' ({sum(data.skipped.values())} rows skipped)' if data.skipped else ''}"
+              f"{f' ({repaired} rows with lone surrogates, read as U+FFFD)' if repaired else ''}"
+              f"{note}", flush=True)
     return loaded, selected
 
 
@@ -339,7 +341,8 @@ def write_report(cfg, args, tasks, limits, device, models, records, loaded) -> N
         "settings": settings, "versions": report.package_versions(),
         "models": models, "ranking": report.ranking(models) if len(models) > 1 else None,
         "data": {t: {"source": d.source, "note": d.note, "rows": d.rows,
-                     "valid": len(d.items), "skipped": dict(d.skipped)} for t, d in loaded.items()},
+                     "valid": len(d.items), "skipped": dict(d.skipped),
+                     "repaired": getattr(d, "repaired", 0)} for t, d in loaded.items()},
     }
     header = (f"Benchmark {payload['created']}  preset {b.preset}  seed {b.seed}  device {device}"
               f"  dtype {b.dtype}")

@@ -8,7 +8,9 @@ Sources (config ``benchmark.*_source``; ``None`` = the default named per task be
 
 Rows that cannot be scored (missing or empty fields, wrong number of endings, labels that
 are not numbers or out of range, lines that are not JSON) are skipped and counted by reason;
-they never cost the good rows. A source that cannot be read at all (missing, empty, truncated
+they never cost the good rows. Text is data: a lone surrogate in a row's strings (a JSON
+``"\\ud800"`` escape) becomes U+FFFD (utils.data.textio.replace_surrogates), and the rows so
+repaired are counted (``TaskData.repaired``). A source that cannot be read at all (missing, empty, truncated
 or damaged file) or has no valid row is refused with a :class:`PipelineError` naming the file.
 
 Item selection is fixed: with a limit N below the number of valid items, the N items are a
@@ -31,6 +33,7 @@ import numpy as np
 
 from utils.bench import tasks as T
 from utils.cli import PipelineError
+from utils.data.textio import replace_surrogates
 
 # Hub defaults (what lm-evaluation-harness reads) and the offline sample folders.
 HUB = {
@@ -77,6 +80,7 @@ class TaskData:
     source: str                     # what was read (path or hub name), for the results
     skipped: Counter = field(default_factory=Counter)
     rows: int = 0                   # rows read (valid + skipped)
+    repaired: int = 0               # rows whose text had lone surrogates, replaced by U+FFFD
     note: Optional[str] = None      # honest label for substitutes
 
 
@@ -111,6 +115,30 @@ def iter_jsonl(path: Path, skipped: Counter) -> Iterator[Any]:
                 yield row
     except (EOFError, OSError, zlib.error, UnicodeDecodeError) as e:
         raise _damaged(path, e) from e
+
+
+def valid_text(row: Any, depth: int = 0) -> tuple[Any, int]:
+    """``row`` with every string in it (dict values and keys, list items) made valid Unicode
+    (lone surrogates -> U+FFFD), and how many characters were replaced."""
+    if isinstance(row, str):
+        return replace_surrogates(row)
+    if depth > 8 or not isinstance(row, (dict, list)):
+        return row, 0              # deeper than any task's fields: nothing reads it as text
+    total = 0
+    if isinstance(row, list):
+        out = []
+        for v in row:
+            v, n = valid_text(v, depth + 1)
+            out.append(v)
+            total += n
+        return out, total
+    fixed = {}
+    for k, v in row.items():
+        k, n = valid_text(k, depth + 1)
+        v, m = valid_text(v, depth + 1)
+        fixed[k] = v
+        total += n + m
+    return fixed, total
 
 
 def read_rows(source: str, split: str, skipped: Counter) -> Iterator[Any]:
@@ -208,6 +236,8 @@ def load_task(task: str, source: Optional[str], samples_dir: Path, root: Path) -
     data = TaskData(task=task, items=[], source=src)
     build = BUILDERS[task]
     for i, row in enumerate(read_rows(src, split, data.skipped)):
+        row, n = valid_text(row)
+        data.repaired += n > 0
         try:
             data.items.append(build(row, i))
         except T.BadRow as e:

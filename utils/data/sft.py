@@ -7,7 +7,8 @@ Contract (docs/DESIGN.md sections 3 and 7; docs/sft_inference.md):
   "source": ...}``. :func:`read_jsonl_records` reads a local JSONL file into records and
   reports every malformed line as ``file:line: reason`` (:class:`Skips`); unambiguous
   repairs (UTF-8 BOM, CRLF line ends, ShareGPT-style ``{"from"/"role", "value"/"content"}``
-  turns, a JSON array saved as ``.jsonl``) are applied and counted as notes.
+  turns, a JSON array saved as ``.jsonl``, lone surrogates from ``"\\ud800"`` escapes read as
+  U+FFFD) are applied and counted as notes.
 - The chat template is data (:func:`default_template` from the ``sft`` config section),
   stored in ``metadata.json`` and in SFT checkpoints. Each exchange is ONE text,
   ``BOS + "User: {q}\\nAssistant: {answer}" + EOS``, encoded in one piece; a conversation is
@@ -51,6 +52,7 @@ import numpy as np
 
 from utils.cli import PipelineError
 from utils.config import json_error_text
+from utils.data.textio import replace_surrogates
 from utils.data.tok import encode_plain  # the one plain-text encoder (also used as sft.encode_plain)
 
 FORMAT_NAME = "sft-examples"
@@ -288,7 +290,13 @@ def normalize_record(obj: Any, loc: str, skips: Skips, max_turn_chars: int) -> O
         if len(t) > max_turn_chars:
             skips.skip("turn_too_long", loc, f"turn {i + 1} has {len(t):,} characters")
             return None
-    return {"conversations": list(conv), "source": obj.get("source", "unknown")}
+    texts = [*conv, obj.get("source", "unknown")]
+    for i, t in enumerate(texts):
+        if isinstance(t, str):
+            texts[i], n = replace_surrogates(t)     # a JSON "\ud800" escape: text is data
+            if n:
+                skips.note("lone_surrogates_replaced", n)
+    return {"conversations": texts[:-1], "source": texts[-1]}
 
 
 def read_jsonl_records(path: Path, max_turn_chars: int, skips: Skips) -> list[dict]:

@@ -4,6 +4,11 @@
 breaks survive in a reversible escaped form: a newline inside an article is written as the
 two characters ``\\n`` and a literal backslash as ``\\\\``. :func:`unescape_article`
 restores the exact text, so prep tokenizes articles with their real paragraph breaks.
+
+:func:`replace_surrogates` is the one repair of text that is not valid Unicode: a lone
+surrogate (JSON may carry ``"\\ud800"``; no tokenizer and no UTF-8 file takes it) becomes
+U+FFFD. The cleaner (utils.data.wikitext.sanitize), the tokenizer's encoder
+(utils.data.tok.encode_plain) and the benchmark's data reader use it.
 """
 from __future__ import annotations
 
@@ -12,6 +17,17 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from utils.cli import PipelineError
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def replace_surrogates(text: str) -> tuple[str, int]:
+    """``text`` with each lone surrogate (U+D800-U+DFFF: a ``str`` holds a valid pair as one
+    character, so every surrogate in it is lone) replaced by U+FFFD, and how many were."""
+    if text.isascii():
+        return text, 0
+    return _SURROGATE.subn("\ufffd", text)
 
 
 def escape_article(text: str) -> str:

@@ -520,17 +520,32 @@ def plain(tok):
 
 def encode_plain(tok, texts: Sequence[str]) -> list[list[int]]:
     """Ids of each text as ordinary text: no BOS/EOS, and no special id for a literal special-
-    token string inside it. ``tok`` is a transformers fast tokenizer or a tokenizers backend."""
+    token string inside it. ``tok`` is a transformers fast tokenizer or a tokenizers backend.
+    A lone surrogate (a JSON ``"\\ud800"`` escape: legal JSON, not Unicode text, refused by
+    the tokenizers library with a TypeError) is encoded as U+FFFD
+    (utils.data.textio.replace_surrogates); the good texts of a batch cost nothing extra."""
     texts = list(texts)
     if not texts:
         return []
     backend = backend_of(tok)
     if not hasattr(backend, "encode_batch"):   # a slow (Python) tokenizer
+        texts = [_valid_text(t) for t in texts]
         return [list(ids) for ids in tok(texts, add_special_tokens=False,
                                          split_special_tokens=True)["input_ids"]]
     backend.encode_special_tokens = True
     encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
-    return [e.ids for e in encode(texts, add_special_tokens=False)]
+    try:
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+    except TypeError:
+        repaired = [_valid_text(t) for t in texts]
+        if repaired == texts:
+            raise                              # not a surrogate: a caller's bug, not data
+    return [e.ids for e in encode(repaired, add_special_tokens=False)]
+
+
+def _valid_text(text):
+    from utils.data.textio import replace_surrogates
+    return replace_surrogates(text)[0] if isinstance(text, str) else text
 
 
 def special_merges(tok) -> list[tuple[str, str]]:

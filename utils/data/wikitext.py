@@ -52,10 +52,11 @@ from mwparserfromhell.parser import Builder, CTokenizer
 from mwparserfromhell.parser import tokens as tk
 from mwparserfromhell.parser.tokenizer import Tokenizer
 
+from utils.data.textio import replace_surrogates
+
 MARK = "\ufdd0"   # noncharacter: "markup was removed here"; never in input or output
 
 # --------------------------------------------------------------------------- plain text
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
 # C0/C1 controls that are not whitespace (whitespace ones collapse to a space), DEL,
 # and the noncharacters U+FDD0-U+FDEF, U+FFFE, U+FFFF.
 _CONTROL = re.compile(r"[\x00-\x08\x0e-\x1b\x7f-\x84\x86-\x9f\ufdd0-\ufdef\ufffe\uffff]")
@@ -99,7 +100,7 @@ def normalize_unicode(text: str, form: str) -> str:
 def sanitize(text: str, repairs: Optional[Counter] = None, keep_mark: bool = False) -> str:
     """Replace lone surrogates with U+FFFD and remove control characters (and stray
     sentinels unless ``keep_mark``); what was changed is counted into ``repairs``."""
-    text, n = _SURROGATE.subn("\ufffd", text)
+    text, n = replace_surrogates(text)
     if n and repairs is not None:
         repairs["lone surrogate replaced"] += n
     text, n = (_CONTROL_KEEP_MARK if keep_mark else _CONTROL).subn("", text)
