@@ -533,3 +533,37 @@ def test_ranking_orders_models_and_marks_best():
     assert "40.00 *" in ppl_row and "900.00 *" not in ppl_row
     colored = report.render_table(models, color=True)
     assert report.BOLD_GREEN in colored
+
+
+def test_lone_surrogates_in_task_rows_are_text(models, tmp_path):
+    """A row holding a lone surrogate (a JSON "\\ud800" escape: legal JSON, not Unicode text)
+    aborted the whole run with a TypeError from the tokenizers library. Such text is data: it
+    reads as U+FFFD, the rows so repaired are counted, and every row is scored."""
+    arc = {"id": "q1", "question": "What is 2+2?", "choices": {"text": ["3", "4"], "label": ["A", "B"]},
+           "answerKey": "B"}
+    files = {
+        "lambada": [{"text": "hello \ud800 world and the end"}, {"text": "the cat sat on the mat"}],
+        "hellaswag": [_hs(ctx_a="A cook \udfff stirs."), _hs(endings=["adds \ud800.", "b", "c", "d"]), _hs()],
+        "arc_easy": [{**arc, "question": "Why \udc80?"}, {**arc, "choices": {"text": ["\ud800", "4"],
+                                                                            "label": ["A", "B"]}}, arc],
+    }
+    cfg = {"tokenizer": {"name": str(ROOT / TOK_NAME)}, "benchmark": {}}
+    for task, rows in files.items():
+        f = tmp_path / f"{task}.jsonl"
+        f.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="ascii")
+        assert "\\ud800" in f.read_text() or "\\udfff" in f.read_text() or "\\udc80" in f.read_text()
+        cfg["benchmark"][f"{task}_source"] = str(f)
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    r = run_cli("--test", "--config", tmp_path / "cfg.json", models["a"], "--tasks",
+                ",".join(files), "--per-item", "--output-dir", out)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "unexpected" not in r.stderr
+    assert "(1 rows with lone surrogates, read as U+FFFD)" in r.stdout
+    payload = json.loads(next(out.glob("benchmark_*.json")).read_text())
+    for task, rows in files.items():
+        d = payload["data"][task]
+        assert d["valid"] == len(rows) and not d["skipped"], (task, d)
+        assert d["repaired"] == len(rows) - 1, (task, d)
+        items = payload["models"][0]["results"][task]["items"]
+        assert items["scored"] == len(rows), (task, items)

@@ -274,3 +274,97 @@ def test_missing_run_and_bad_names(work, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr and "unexpected" not in r.stderr
     assert f"cannot write the report to {blocker / 'base'}" in r.stderr
     assert blocker.read_text() == "keep me"
+
+
+def _log_copy(work, name: str, edit=None) -> None:
+    """The base run's log under another run name (no run folder), each record through ``edit``."""
+    logs = work["root"] / "logs" / "raw_metrics"
+    lines = []
+    for line in (logs / "base.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        lines.append(json.dumps(edit(rec) if edit else rec))
+    (logs / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_run_names_are_shown_literally_in_pictures(work):
+    """Run names are text in every PNG: 'm$^$m' made matplotlib's mathtext parser raise (the
+    report aborted after writing the runs before it), 'a$x$b' was drawn as math, and a name
+    starting with '_' was dropped from comparison.png's legend (so '_u' and '_w' drew the same
+    picture)."""
+    names = ["m$^$m", "m${$m", "a$x$b", "_u", "_w", "vv"]
+    for n in names:
+        _log_copy(work, n)
+    r = ok(report(work, "m$^$m", "m${$m", "a$x$b", "_u", out="literal"))
+    assert "Traceback" not in r.stderr and "unexpected" not in r.stderr
+    out = work["root"] / "literal"
+    for n in names[:4]:
+        assert (out / n / "curves.png").is_file(), n
+    assert len(list(out.glob("compare_*/comparison.png"))) == 1
+    ok(report(work, "_u", "vv", out="legend_u"))
+    ok(report(work, "_w", "vv", out="legend_w"))
+    u = (work["root"] / "legend_u" / "compare__u_vs_vv" / "comparison.png").read_bytes()
+    w = (work["root"] / "legend_w" / "compare__w_vs_vv" / "comparison.png").read_bytes()
+    assert u != w                        # the legend names each run, '_u' and '_w' included
+
+
+def test_hostile_sft_run_name_is_no_markup_and_no_broken_link(work):
+    """An SFT run folder named 'sft_x) <img src=x onerror=alert(1)>' (started from a copy of
+    the base run) put `![...](sft_x) <img src=x onerror=alert(1)>.png)` into report.md: live
+    raw HTML in CommonMark and a broken image link. Its picture now has a safe file name and
+    every image link points at a file beside the report."""
+    root = work["root"]
+    ck, logs = root / "checkpoints", root / "logs" / "raw_metrics"
+    shutil.copytree(ck / "base", ck / "host")
+    shutil.copy(logs / "base.jsonl", logs / "host.jsonl")
+    evil = "sft_x) <img src=x onerror=alert(1)>"
+    shutil.copytree(ck / work["sft"], ck / evil)
+    shutil.copy(logs / f"{work['sft']}.jsonl", logs / f"{evil}.jsonl")
+    sc = json.loads((ck / evil / "sft_config.json").read_text())
+    sc["base_checkpoint"] = str(ck / "host" / "checkpoint_best.pt")
+    (ck / evil / "sft_config.json").write_text(json.dumps(sc))
+    ok(report(work, "host", "--html", out="evil"))
+    folder = root / "evil" / "host"
+    md = (folder / "report.md").read_text()
+    outside_code = re.sub(r"`[^`\n]*`", "", md)
+    assert not re.search(r"(?<!\\)<img", outside_code), md   # escaped text, or in a code span
+    targets = re.findall(r"!\[[^\n]*?\]\(([^()\s]+)\)", md)
+    assert len(targets) == 2, md                               # curves.png + the SFT run's
+    from urllib.parse import unquote
+    for t in targets:
+        assert re.fullmatch(r"[A-Za-z0-9._-]+\.png", t), t
+        assert (folder / unquote(t)).is_file(), t
+    assert sorted(p.name for p in folder.glob("*.png")) == sorted(targets)
+    html = (folder / "report.html").read_text()
+    assert "<img src=x" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+
+
+def test_out_of_range_log_numbers_are_left_out_and_counted(work):
+    """A time of 1e300 or -1e12 (not a date) aborted the whole report with an OverflowError /
+    ValueError; a step beyond 64 bits, a loss near float's maximum and a 400-digit token count
+    are no better. Each is left out, counted, and the rest of the report is written."""
+    seen = {"train": 0}
+
+    def edit(rec):
+        if rec.get("type") == "train":
+            seen["train"] += 1
+            k = seen["train"]
+            if k == 1:
+                rec["time"] = 1e300
+            elif k == 2:
+                rec["time"] = -1e12
+            elif k == 3:
+                rec["step"] = 10 ** 30
+            elif k == 4:
+                rec["loss"] = 1.7e308
+        if rec.get("type") == "event" and rec.get("event") == "done":
+            rec["tokens_seen"] = 10 ** 400
+        return rec
+    _log_copy(work, "odd_numbers", edit)
+    r = ok(report(work, "odd_numbers", "base", "--html", out="odd"))
+    assert "Traceback" not in r.stderr and "unexpected" not in r.stderr
+    assert "odd_numbers: wrote" in r.stdout and "(5 out-of-range value(s) left out)" in r.stdout
+    md = (work["root"] / "odd" / "odd_numbers" / "report.md").read_text()
+    assert "**Values out of range:** 5 value(s) (loss 1, step 1, time 2, tokens\\_seen 1)" in md
+    assert cell(md, "steps") == f"{TOTAL} of {TOTAL}"
+    assert (work["root"] / "odd" / "odd_numbers" / "curves.png").is_file()
+    assert (work["root"] / "odd" / "compare_odd_numbers_vs_base" / "comparison.png").is_file()

@@ -561,3 +561,22 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(work):
     assert a["step"] == b["step"]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_prepare_reads_lone_surrogates_as_replacement_characters(tmp_path):
+    """A turn or source holding a lone surrogate (a JSON "\\ud800" escape) crashed prepare
+    writing its JSON files; it is text: U+FFFD, counted under converted."""
+    cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
+    src = tmp_path / "sur.jsonl"
+    src.write_text(json.dumps({"conversations": ["What is \ud800 this?", "A \udfff thing."],
+                               "source": "odd \udc80"}) + "\n"
+                   + json.dumps({"conversations": ["q", "a"]}) + "\n", encoding="ascii")
+    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "lone_surrogates_replaced (3)" in r.stdout
+    out = tmp_path / "data" / "post-training"
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["counts"]["kept"] == 2
+    tok = tokenizer()
+    text = tok.decode(np.load(out / "tokenized_examples.npy").tolist())
+    assert "What is \ufffd this?" in text and "A \ufffd thing." in text
