@@ -110,10 +110,14 @@ class ModelArgs:
             p.append(f"model.activation: {self.activation!r} is not one of {', '.join(HF_ACT_NAMES)}")
         if self.norm not in ("rmsnorm", "layernorm"):
             p.append(f"model.norm: {self.norm!r} is not one of 'rmsnorm', 'layernorm'")
-        if not 0.0 <= self.dropout < 1.0:
-            p.append(f"model.dropout: {self.dropout} must be in [0, 1)")
-        if not (self.norm_eps > 0 and self.rope_theta > 0 and self.init_std > 0):
-            p.append("model.norm_eps, model.rope_theta and model.init_std must be > 0")
+        for name in ("norm_eps", "rope_theta", "init_std", "dropout"):   # the float arguments
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                p.append(f"model.{name}: expected a finite number, got {v!r}")
+            elif name == "dropout" and not 0.0 <= v < 1.0:
+                p.append(f"model.dropout: {v} must be in [0, 1)")
+            elif name != "dropout" and v <= 0:
+                p.append(f"model.{name}: {v} must be > 0")
         if self.bos_id is not None and not 0 <= self.bos_id < self.vocab_size:
             p.append(f"model.bos_id: {self.bos_id} is outside the vocabulary (0..{self.vocab_size - 1})")
         if self.document_mask and self.bos_id is None:

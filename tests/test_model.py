@@ -99,6 +99,15 @@ def test_layer_count_of_weight_names_is_one_function():
     assert M.layer_count(["model.layers.4.mlp.w_up.weight"]) == 0       # not at the start: ours
 
 
+@pytest.mark.parametrize("field", ["norm_eps", "rope_theta", "init_std", "dropout"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), "big"])
+def test_model_args_refuse_a_float_that_is_not_a_finite_number(field, value):
+    """An import of a config with rope_theta Infinity used to pass (inf > 0) and then be
+    exported as "rope_theta": Infinity, which is not JSON."""
+    with pytest.raises(ConfigError, match=f"model.{field}: expected a finite number"):
+        tiny(**{field: value})
+
+
 @pytest.mark.parametrize("act,fn", [("swiglu", F.silu), ("geglu", F.gelu), ("reglu", F.relu)])
 def test_gated_mlp_math(act, fn):
     torch.manual_seed(0)

@@ -49,6 +49,11 @@ from utils.hf.mapping import hf_config, to_hf_state_dict
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _not_json(path: Path, constant: str):
+    raise ValueError(f"{path.name} would hold {constant}, which is not JSON (readers other than Python's "
+                     "refuse it): a setting is not finite")
+
+
 def llama_problems(args) -> list[str]:
     """What of ``args`` LlamaForCausalLM cannot express (empty: exportable), each naming the
     option and why."""
@@ -140,16 +145,18 @@ def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype
     hf.save_pretrained(folder, max_shard_size=max_shard_size, safe_serialization=True)
     conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     conf.update(rope_theta=float(args.rope_theta), torch_dtype=str(dtype).removeprefix("torch."))
-    (folder / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n",
+    (folder / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True, allow_nan=False) + "\n",
                                         encoding="utf-8")
     (hf_tok or hf_tokenizer(tok, chat_template)).save_pretrained(folder, save_jinja_files=False)
     tconf = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     for key in ("is_local", "local_files_only"):   # how a loaded tokenizer was read, not what it is
         tconf.pop(key, None)
-    (folder / "tokenizer_config.json").write_text(json.dumps(tconf, indent=2, ensure_ascii=False)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tconf, indent=2, ensure_ascii=False, allow_nan=False)
                                                   + "\n", encoding="utf-8")
-    (folder / INFO_FILE).write_text(json.dumps(export_info(tok, tok_name), indent=2,
-                                               ensure_ascii=False) + "\n", encoding="utf-8")
+    (folder / INFO_FILE).write_text(json.dumps(export_info(tok, tok_name), indent=2, ensure_ascii=False,
+                                               allow_nan=False) + "\n", encoding="utf-8")
+    for f in sorted(folder.glob("*.json")):     # those transformers wrote too: standard JSON only
+        json.loads(f.read_text(encoding="utf-8"), parse_constant=lambda c, f=f: _not_json(f, c))
     (folder / "README.md").write_text(card, encoding="utf-8")
     files = sorted(p for p in folder.iterdir() if p.is_file())
     mode = (folder / "README.md").stat().st_mode & 0o777      # what the umask gives a new file
