@@ -247,7 +247,7 @@ class Session:
                  note: Callable[[str], None] = lambda s: None) -> tuple[str, Stats]:
         """Stream one completion; Ctrl-C stops it (the partial text is kept)."""
         from utils.data import sft
-        from utils.generation.engine import TextDecoder
+        from utils.generation.engine import NonFiniteLogits, TextDecoder
         continues, lead = sft.answer_decoding(m.template) if m.chat else (False, "")
         text_out = TextDecoder(m.tok)
         t0 = time.perf_counter()
@@ -271,6 +271,8 @@ class Session:
             raise
         except KeyboardInterrupt:
             stopped = True
+        except NonFiniteLogits as e:
+            raise PipelineError(f"{m.path}: {e}.") from None
         finally:
             if stream is not None:
                 stream.close()

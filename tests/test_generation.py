@@ -128,6 +128,18 @@ def test_generation_rejects_bad_requests():
         Engine(m).generate([[1]], 3, top_p=0.0)
 
 
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_logits_that_overflow_are_a_named_error_not_a_token(temperature):
+    """Finite weights near float32's limit (3e38) overflow to inf, then NaN logits: greedy
+    argmax would pick a NaN's index and sampling failed inside torch.multinomial; the engine
+    raises NonFiniteLogits saying what happened (infer, benchmark and serve name the model)."""
+    m = build()
+    with torch.no_grad():
+        m.norm.weight.fill_(3e38)
+    with pytest.raises(E.NonFiniteLogits, match="not finite .* overflows"):
+        Engine(m).generate([[1, 5, 9]], 3, temperature=temperature)
+
 def test_bf16_generation_on_cpu():
     m = build(seed=6).to(torch.bfloat16)
     out = Engine(m).generate([[1, 2, 3], [4]], 8, temperature=0)

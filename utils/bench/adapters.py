@@ -176,12 +176,15 @@ class Adapter:
         returned); the prompt keeps its last ``max_length - max_new_tokens`` tokens, so prompt
         and continuation fit the model's context (the whole prompt for ``long_context``
         models). Runs in the weights' dtype (no autocast)."""
-        from utils.generation.engine import Engine
+        from utils.generation.engine import Engine, NonFiniteLogits
         if getattr(self, "_engine", None) is None:
             self._engine = Engine(self.model)
         keep = len(prompt_ids) if self.long_context else max(1, self.max_length - max_new_tokens)
-        return self._engine.generate([list(prompt_ids)[-keep:]], max_new_tokens, temperature=0,
-                                     eos_id=self.eos_id)[0]
+        try:
+            return self._engine.generate([list(prompt_ids)[-keep:]], max_new_tokens, temperature=0,
+                                         eos_id=self.eos_id)[0]
+        except NonFiniteLogits as e:
+            raise PipelineError(f"{self.name}: {e}.") from None
 
 
 # --------------------------------------------------------------------------- our checkpoints

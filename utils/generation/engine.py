@@ -120,6 +120,13 @@ of every sequence in the batch. The distribution at such a temperature is the ar
 token less likely by float32's smallest logit step gets e^-(10^13))."""
 
 
+class NonFiniteLogits(ArithmeticError):
+    """A step's logits hold NaN or inf: the model's arithmetic overflowed (weights near float32's
+    limit, 3e38, give inf activations and then NaN) or its weights are damaged. Nothing can be
+    sampled from them; the caller names the model (infer, benchmark: a PipelineError; serve: the
+    request's error)."""
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """(B, V) logits -> (B,) token ids. Temperature 0 (below ``GREEDY_BELOW``) is greedy
@@ -440,6 +447,11 @@ class Batcher:
             return self._sample(list(run), logits)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
+        if not bool(torch.isfinite(logits).all()):          # ~10 us a step; argmax would pick a NaN
+            raise NonFiniteLogits(
+                f"the model's logits are not finite (NaN or inf) at position {max(s.pos for s in seqs)}: its "
+                "arithmetic overflows (weights near float32's limit, 3e38, give inf, then NaN) or its "
+                "weights are damaged; nothing can be sampled from them")
         if all(s.params.greedy for s in seqs):
             toks = greedy(logits)
         else:
@@ -792,5 +804,5 @@ def estimated_weight_bytes(checkpoint_bytes: float, device_type: str) -> float:
 
 
 __all__ = ["Engine", "Batcher", "Sequence", "SamplingParams", "Event", "TextStream", "generate", "TextDecoder", "DecodePack", "PackedLayer",
-           "decode_pack_applies", "DECODE_PACK_MAX_BYTES", "sample_next", "top_k_filter",
+           "decode_pack_applies", "DECODE_PACK_MAX_BYTES", "NonFiniteLogits", "sample_next", "top_k_filter",
            "top_p_filter", "step_mode", "estimated_weight_bytes"]
