@@ -216,6 +216,7 @@ class Session:
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
         from utils.data import sft
+        from utils.data.tok import prompt_ids
         tok = m.tok
         limit = m.model.args.context            # None: Infini-attention, no limit
         if m.chat:
@@ -227,7 +228,10 @@ class Session:
                 m.history.pop(0)
                 note(f"(context full: dropped the oldest exchange; {len(m.history)} kept)")
         else:
-            ids = [tok.bos_token_id] + sft.encode_plain(tok, [text])[0]
+            ids = prompt_ids(tok, text)
+            if not ids:
+                raise UsageError("the prompt gives no tokens, and the model's tokenizer has no BOS token "
+                                 "to start from: give some text.")
         if limit is not None and len(ids) > limit:
             note(f"(prompt of {len(ids)} tokens shortened to its last {limit}: the model was "
                  f"trained on {limit}-token sequences)")

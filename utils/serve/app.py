@@ -92,8 +92,8 @@ class ServedModel:
         return self.lane.capacity
 
     def completion_ids(self, text: str) -> list[int]:
-        from utils.data.tok import encode_plain
-        return [self.tok.bos_token_id] + encode_plain(self.tok, [text])[0]
+        from utils.data.tok import prompt_ids
+        return prompt_ids(self.tok, text)
 
     def chat_ids(self, chat: Chat) -> list[int]:
         """The conversation through the checkpoint's own chat template (utils/data/sft.py);
