@@ -878,6 +878,210 @@ def test_damaged_folders_through_each_entry_point(foreign, work, tmp_path):
     assert not (work["root"] / "checkpoints" / "no").exists()
 
 
+
+# --------------------------------------------------------------------------- hostile input, by class
+def _edit_json(name: str, fn):
+    """Damage: file ``name`` of the folder rewritten as ``fn(its JSON)`` (fn edits in place or returns)."""
+    def damage(d: Path):
+        data = json.loads((d / name).read_text())
+        out = fn(data)
+        (d / name).write_text(json.dumps(data if out is None else out))
+    return damage
+
+
+def _head_dim_32(d: Path):
+    """head_dim 32 with q/k/v/o weights of that width (4 heads, 2 KV heads, width 64): a folder
+    consistent in itself whose heads are not hidden_size / num_attention_heads wide."""
+    def shapes(sd):
+        for i in range(2):
+            p = f"model.layers.{i}.self_attn"
+            sd[f"{p}.q_proj.weight"], sd[f"{p}.o_proj.weight"] = torch.zeros(128, 64), torch.zeros(64, 128)
+            sd[f"{p}.k_proj.weight"], sd[f"{p}.v_proj.weight"] = torch.zeros(64, 64), torch.zeros(64, 64)
+    _damage_weights(shapes)(d)
+    _damage_config(head_dim=32)(d)
+
+
+def _index_list(d: Path):
+    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": [1, 2]}))
+
+
+def _index_outside(d: Path):
+    (d / "model.safetensors").rename(d.parent / "elsewhere.safetensors")
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "../elsewhere.safetensors" for k in names}}))
+
+
+def _bin_only(d: Path):
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"PK\x03\x04 a pickle that is never opened")
+
+
+def _gguf_rewrite(src: Path, dst: Path, edit) -> None:
+    """``src`` written again by gguf's writer with its metadata edited: ``edit(fields)`` on
+    {key: (types, value)}."""
+    import gguf
+    r = gguf.GGUFReader(str(src))
+    fields = {k: (f.types, f.contents()) for k, f in r.fields.items()
+              if not k.startswith("GGUF.") and k != "general.architecture"}
+    edit(fields)
+    w = gguf.GGUFWriter(str(dst), arch="llama")
+    for k, (types, v) in fields.items():
+        w.add_key_value(k, v, types[0], sub_type=types[1] if len(types) > 1 else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _gguf_set(key: str, value):
+    """GGUF damage: the scalar ``key`` set in place."""
+    def damage(path: Path):
+        import gguf
+        gguf.GGUFReader(str(path), "r+").fields[key].parts[-1][0] = value
+    return damage
+
+
+def _gguf_first_dim_zero(path: Path):
+    import gguf
+    gguf.GGUFReader(str(path), "r+").tensors[1].field.parts[3][0] = 0     # parts: name, n_dims, dims, ...
+
+
+def _gguf_tensor_count_huge(path: Path):
+    raw = bytearray(path.read_bytes())
+    raw[8:16] = struct.pack("<Q", 1 << 62)
+    path.write_bytes(bytes(raw))
+
+
+def _gguf_edit(edit):
+    def damage(path: Path):
+        src = path.with_name("src.gguf")
+        path.rename(src)
+        _gguf_rewrite(src, path, edit)
+        src.unlink()
+    return damage
+
+
+def _ints_for_tokens(fields):
+    import gguf
+    n = len(fields["tokenizer.ggml.tokens"][1])
+    fields["tokenizer.ggml.tokens"] = ([gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32], list(range(n)))
+
+
+# name: (damage of a copy of the foreign folder, or of a GGUF file (name starts "gguf_"), words
+# the message must hold besides the path). Each was a traceback ("unexpected error ... may be a
+# bug") or a message naming neither file nor key before the checks in utils/hf/inputs.py.
+HOSTILE = {
+    "heads_zero": (_damage_config(num_attention_heads=0),
+                   ["config.json", "num_attention_heads: expected a positive integer, got 0"]),
+    "kv_heads_zero": (_damage_config(num_key_value_heads=0),
+                      ["config.json", "num_key_value_heads: expected a positive integer, got 0"]),
+    "head_dim_consistent": (_head_dim_32, ["head_dim 32", "hidden_size / num_attention_heads"]),
+    "quantized_gptq": (_damage_config(quantization_config={"quant_method": "gptq", "bits": 4}),
+                       ["quantization_config", "gptq", "unquantized weights"]),
+    "rope_theta_infinite": (_damage_config(rope_parameters={"rope_type": "default", "rope_theta": float("inf")}),
+                            ["config.json", "rope_theta: expected a finite number, got inf"]),
+    "tokenizer_config_a_list": (lambda d: (d / "tokenizer_config.json").write_text("[1]"),
+                                ["tokenizer_config.json", "holds a list, not a JSON object"]),
+    "tokenizer_config_bos_a_number": (_edit_json("tokenizer_config.json", lambda c: c.update(bos_token=5)),
+                                      ["tokenizer_config.json", "bos_token: expected a token string"]),
+    "index_weight_map_a_list": (_index_list, ["model.safetensors.index.json", "weight_map: expected an object"]),
+    "index_outside_the_folder": (_index_outside, ["model.safetensors.index.json", "../elsewhere.safetensors",
+                                                  "not the name of a .safetensors file in this folder"]),
+    "bin_weights_only": (_bin_only, ["no weights", "pytorch_model.bin", "convert them to safetensors"]),
+    "weights_overflow": (_damage_weights(lambda sd: sd["model.norm.weight"].fill_(3e38)),
+                         ["logits are not finite", "overflows"]),
+    "gguf_head_count_zero": (_gguf_set("llama.attention.head_count", 0),
+                             ["llama.attention.head_count: expected a positive integer, got 0"]),
+    "gguf_head_count_kv_zero": (_gguf_set("llama.attention.head_count_kv", 0),
+                                ["llama.attention.head_count_kv: expected a positive integer, got 0"]),
+    "gguf_bos_id_huge": (_gguf_set("tokenizer.ggml.bos_token_id", 10 ** 9),
+                         ["tokenizer.ggml.bos_token_id: 1000000000 is not a token id"]),
+    "gguf_tensor_count_huge": (_gguf_tensor_count_huge, ["GGUF.tensor_count", "truncated or damaged"]),
+    "gguf_tensor_dim_zero": (_gguf_first_dim_zero, ["tensor blk.0.attn_norm.weight: dimensions [0]"]),
+    "gguf_tokens_ints": (_gguf_edit(_ints_for_tokens), ["tokenizer.ggml.tokens: expected an array of strings"]),
+    "gguf_tokens_missing": (_gguf_edit(lambda F: F.pop("tokenizer.ggml.tokens")),
+                            ["tokenizer.ggml.tokens: missing"]),
+    "gguf_token_types_short": (_gguf_edit(lambda F: F.__setitem__("tokenizer.ggml.token_type", (
+        F["tokenizer.ggml.token_type"][0], F["tokenizer.ggml.token_type"][1][:10]))),
+        ["tokenizer.ggml.token_type: 10 entries for"]),
+}
+
+
+def _hostile_target(work, foreign, root: Path, case: str) -> Path:
+    from utils.hf.to_gguf import write_gguf
+    from utils.run import load_model
+    damage = HOSTILE[case][0]
+    if case.startswith("gguf_"):
+        target = root / case / "m.gguf"
+        target.parent.mkdir(parents=True)
+        ours, _ = load_model(work["bpe_ck"])
+        write_gguf(target, ours, work["bpe"], dtype="f32")
+    else:
+        target = root / case / "m"
+        shutil.copytree(foreign, target)
+    damage(target)
+    return target
+
+
+def test_hostile_folders_and_gguf_files_through_infer(work, foreign, tmp_path):
+    """Each class of hostile input `infer` refuses with exit 1 and one message naming the file
+    and the key (or, for weights that overflow float32, the model and what happened), never a
+    traceback or the "unexpected error" path: zero head counts (transformers divides by them),
+    a head_dim the model cannot take, quantized weights, a non-finite number, tokenizer and
+    index files of the wrong JSON types, pickled weights only, an index pointing outside the
+    folder, GGUF metadata of the wrong type or range and header counts past the end of the file.
+    The processes run side by side (the cases are independent)."""
+    targets = {case: _hostile_target(work, foreign, tmp_path, case) for case in HOSTILE}
+    pending, running, results = list(targets.items()), [], {}
+    while pending or running:
+        while pending and len(running) < 3:
+            case, target = pending.pop(0)
+            running.append((case, popen_main("infer", "--config", work["cfg_bpe"], "--checkpoint", target,
+                                             "--prompt", "The history of", "--max-new-tokens", "4")))
+        case, p = running.pop(0)
+        _, err = p.communicate(timeout=300)
+        results[case] = (p.returncode, err)
+    for case, (code, err) in results.items():
+        words = HOSTILE[case][1]
+        where = str(targets[case])
+        assert code == 1, (case, err[-2000:])
+        assert "Traceback" not in err and "unexpected error" not in err, (case, err[-2000:])
+        assert where in err and all(w in err for w in words), (case, words, err[-1500:])
+    assert len(results) == len(HOSTILE)
+
+
+def test_a_model_without_bos_runs_and_a_bad_generation_config_is_ignored(work, foreign, tmp_path):
+    """A tokenizer without BOS (bos_token null; Llama-architecture models trained without one
+    exist): infer's prompt is the text's ids alone (was: None in the prompt, a TypeError).
+    generation_config.json is never used (the config's inference section is), so one with
+    max_new_tokens -5 is ignored with one notice naming it (was: refused as if the weights were
+    bad). A folder with a non-finite rope_theta is not exported (the export would have written
+    "rope_theta": Infinity, which is not JSON)."""
+    from utils.data.tok import encode_plain
+    d = tmp_path / "no-bos"
+    shutil.copytree(foreign, d)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (d / name).is_file():
+            _edit_json(name, lambda c: c.pop("bos_token", None) and None)(d)
+    (d / "generation_config.json").write_text(json.dumps({"max_new_tokens": -5}))
+    r = run_main("infer", "--config", work["cfg_bpe"], "--checkpoint", d, "--prompt", "The history of",
+                 "--max-new-tokens", "3", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prompt_tokens"] == len(encode_plain(work["bpe"], ["The history of"])[0])
+    assert r.stderr.count("generation_config.json is ignored") == 1 and "max_new_tokens" in r.stderr
+    inf = tmp_path / "inf"
+    shutil.copytree(foreign, inf)
+    _damage_config(rope_parameters={"rope_type": "default", "rope_theta": float("inf")})(inf)
+    r = run_main("export", "--config", work["cfg_bpe"], "--checkpoint", inf, "--format", "hf",
+                 "--out", tmp_path / "out")
+    assert r.returncode == 1 and "rope_theta: expected a finite number" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
 def test_export_never_replaces_what_is_not_an_export(work, tmp_path):
     """--out checks (exit 1, or 2 for a malformed flag; nothing written, nothing lost): a file,
     the run folder or a folder above it (even with --force), a folder of other files with

@@ -69,9 +69,11 @@ def source_tokenizer(path):
     """The transformers tokenizer of a Hugging Face folder or .gguf file as transformers loads
     it (its own settings and chat template; what an export of the import writes again)."""
     from transformers import AutoTokenizer
+    from utils.hf.inputs import check_tokenizer_files
     folder, gguf = _split(Path(path))
     if gguf:
         return _gguf_tokenizer(folder / gguf, str(folder / gguf))
+    check_tokenizer_files(folder)
     return _read(lambda: AutoTokenizer.from_pretrained(folder, local_files_only=True),
                  f"the tokenizer of {folder}")
 
@@ -89,6 +91,17 @@ def llama_config_problems(c) -> list[str]:
     if getattr(c, "hidden_act", None) not in HF_ACT_NAMES.values():
         out.append(f"hidden_act '{getattr(c, 'hidden_act', None)}': the gated MLP supports "
                    f"{', '.join(HF_ACT_NAMES.values())}")
+    quant = getattr(c, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        out.append(f"quantization_config (quant_method {str(method)!r}): quantized weights (GPTQ, AWQ, "
+                   "bitsandbytes ...) are not imported; give the model's unquantized weights (float32, "
+                   "float16 or bfloat16 safetensors)")
+    hd, d, h = getattr(c, "head_dim", None), getattr(c, "hidden_size", None), getattr(c, "num_attention_heads", None)
+    if hd is not None and isinstance(d, int) and isinstance(h, int) and h > 0 and hd != d // h:
+        out.append(f"head_dim {hd} differs from hidden_size / num_attention_heads ({d} / {h} = {d // h}): "
+                   "this model's attention heads are hidden_size / num_attention_heads wide (a separate "
+                   "head_dim is not supported)")
     rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind not in (None, "default"):
@@ -101,14 +114,26 @@ def llama_config_problems(c) -> list[str]:
 def load_hf_llama(path) -> Imported:
     """The model and tokenizer of a local Hugging Face Llama folder or GGUF file."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from model import create_model
     from utils.data.tok import as_exported_from, describe, plain
+    from utils.hf.inputs import check_config_json, check_tokenizer_files, generation_config_notice
     from utils.hf.mapping import from_hf_state_dict
     folder, gguf = _split(Path(path))
-    kw = {"gguf_file": gguf} if gguf else {}
+    # the generation settings are the config's inference section's: the folder's
+    # generation_config.json is never read (a bad one is said once, not refused)
+    kw = {"gguf_file": gguf} if gguf else {"generation_config": GenerationConfig()}
     where = str(folder / gguf) if gguf else str(folder)
-    config = _read(lambda: AutoConfig.from_pretrained(folder, local_files_only=True, **kw),
+    if gguf:                    # the raw values first: transformers divides by them, indexes by them
+        _gguf_header(folder / gguf)
+    else:
+        check_config_json(folder)
+        check_tokenizer_files(folder)
+        note = generation_config_notice(folder)
+        if note:
+            print(f"notice: {note}", file=sys.stderr)
+    config = _read(lambda: AutoConfig.from_pretrained(folder, local_files_only=True,
+                                                      **({"gguf_file": gguf} if gguf else {})),
                    where if gguf else str(folder / "config.json"))
     problems = llama_config_problems(config)
     if problems:
@@ -185,8 +210,9 @@ def check_weight_files(folder: Path, config) -> None:
     import torch
     from safetensors import SafetensorError, safe_open
     from transformers import LlamaForCausalLM
+    from utils.hf.inputs import weight_files
     files = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
+    for f in weight_files(Path(folder)):
         try:
             with safe_open(str(f), "pt") as st:
                 files[f] = [(k, st.get_slice(k).get_dtype(), tuple(st.get_slice(k).get_shape()))
@@ -217,9 +243,9 @@ def _gguf_tokenizer(path: Path, where: str, say=lambda s: print(s, file=sys.stde
     import json
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    n = _gguf_header(path)[0]          # the header checked before transformers reads it
     tok = _read(lambda: AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True),
                 where)
-    n = _gguf_header(path)[0]
     n = len(tok) if n is None else n
     extra = sorted((i, t.content) for i, t in tok.added_tokens_decoder.items() if i >= n)
     if not extra or len(tok) - len(extra) != n:
@@ -249,8 +275,8 @@ def _gguf_header(path: Path) -> tuple[Optional[int], list[str]]:
 
 @functools.lru_cache(maxsize=4)
 def _gguf_header_of(path: str, mtime_ns: int, size: int) -> tuple[Optional[int], list[str]]:
-    import gguf
-    reader = _read(lambda: gguf.GGUFReader(path), path)
+    from utils.hf.inputs import read_gguf
+    reader = read_gguf(Path(path))
     field = reader.fields.get("tokenizer.ggml.tokens")
     return (None if field is None else len(field.data)), [t.name for t in reader.tensors]
 
