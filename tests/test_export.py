@@ -1034,7 +1034,8 @@ def test_hostile_folders_and_gguf_files_through_infer(work, foreign, tmp_path):
     a head_dim the model cannot take, quantized weights, a non-finite number, tokenizer and
     index files of the wrong JSON types, pickled weights only, an index pointing outside the
     folder, GGUF metadata of the wrong type or range and header counts past the end of the file.
-    The processes run side by side (the cases are independent)."""
+    The processes run side by side (the cases are independent). benchmark on the overflowing
+    weights stops with the same error (NaN logits scored top-1 100% before)."""
     targets = {case: _hostile_target(work, foreign, tmp_path, case) for case in HOSTILE}
     pending, running, results = list(targets.items()), [], {}
     while pending or running:
@@ -1052,6 +1053,10 @@ def test_hostile_folders_and_gguf_files_through_infer(work, foreign, tmp_path):
         assert "Traceback" not in err and "unexpected error" not in err, (case, err[-2000:])
         assert where in err and all(w in err for w in words), (case, words, err[-1500:])
     assert len(results) == len(HOSTILE)
+    r = run_main("benchmark", "--config", work["cfg_bpe"], "--test", targets["weights_overflow"], "--tasks",
+                 "next_token", "--output-dir", tmp_path / "bench", "--no-color", timeout=300)
+    assert r.returncode == 1 and "logits are not finite" in r.stderr, r.stderr[-2000:]   # was: top-1 100%
+    assert "Traceback" not in r.stderr and not list((tmp_path / "bench").glob("benchmark_*"))
 
 
 def test_a_model_without_bos_runs_and_a_bad_generation_config_is_ignored(work, foreign, tmp_path):

@@ -113,8 +113,14 @@ class Adapter:
     def _forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.amp is not None:
             with torch.autocast(device_type=self.device.type, dtype=self.amp):
-                return self.logits(idx)
-        return self.logits(idx)
+                logits = self.logits(idx)
+        else:
+            logits = self.logits(idx)
+        if not bool(torch.isfinite(logits).all()):     # NaN compares false: ranks and losses would be garbage
+            raise PipelineError(f"{self.name}: the model's logits are not finite (NaN or inf): its arithmetic "
+                                "overflows (weights near float32's limit, 3e38, give inf, then NaN) or its "
+                                "weights are damaged; nothing can be scored.")
+        return logits
 
     @torch.no_grad()
     def score(self, seqs: Sequence[Sequence[int]], n_score: Sequence[int], batch_size: int = 8,
