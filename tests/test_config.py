@@ -393,6 +393,17 @@ def test_blank_path_like_keys_are_refused_naming_each_key(tmp_path, value):
     assert "paths.root" in text and "the project root" in text
 
 
+def test_cli_a_nul_in_a_path_like_key_is_refused_naming_the_key(tmp_path):
+    """A NUL character in a path ("a\\u0000b", legal JSON) was an unexpected error from
+    Path.resolve ("embedded null byte"); it is a configuration error naming the key."""
+    for section, key in (("paths", "checkpoints_dir"), ("tokenizer", "name")):
+        cfg = write_config(tmp_path, {section: {key: "a\u0000b"}})
+        r = run_main("status", "--config", cfg)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"{section}.{key}" in r.stderr and "NUL character" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
+
+
 def test_cli_blank_tokenizer_name_and_path_flags_are_refused(tmp_path):
     """Through the CLI: tokenizer.name "" (or spaces, also given as --name) is a configuration
     error naming tokenizer.name (exit 2); an empty path flag (--output-dir "", --save-dir "",

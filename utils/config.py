@@ -526,6 +526,9 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
             return value, bad
         if meta.get("nonblank") and not value.strip():
             return value, _blank_problem(key, value, meta)
+        if meta.get("nonblank") and "\x00" in value:
+            return value, (f"{key}: {json.dumps(value)} holds a NUL character (\\u0000), which no file "
+                           f"or folder name can hold; give the path without it.")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         lo, hi = meta.get("min"), meta.get("max")
         if lo is not None and (value < lo or (meta.get("min_exclusive") and value == lo)):
