@@ -51,6 +51,7 @@ import json
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -361,11 +362,12 @@ class RunOutputs:
         return False
 
     def _remove_new(self) -> None:
+        kept: list[str] = []                # what could not be removed, said once
         if self._logger is not None:
             try:
                 self._logger.close()
-            except Exception:   # noqa: BLE001 - the stage's own error is the one to report
-                pass
+            except OSError as e:            # the stage's own error is the one to report
+                kept.append(f"the log ({e.strerror or e})")
         new = [p for place in self.places for p in _tree(place) if p not in self._before]
         for p in sorted(new, key=lambda p: len(p.parts), reverse=True):   # contents first
             try:
@@ -373,13 +375,16 @@ class RunOutputs:
                     p.rmdir()               # emptied by the loop (contents first)
                 else:
                     p.unlink()
-            except OSError:
-                pass
+            except OSError as e:
+                kept.append(f"{p} ({e.strerror or e})")
         for d in sorted(set(self._new_parents), key=lambda p: len(p.parts), reverse=True):
             try:
                 d.rmdir()
-            except OSError:                 # not empty (another run wrote there) or gone
+            except OSError:                 # not empty (another run wrote there: kept on purpose) or gone
                 pass
+        if kept:
+            print(f"note: the failed start could not remove what it created: {'; '.join(kept[:5])}"
+                  + (f" and {len(kept) - 5} more" if len(kept) > 5 else ""), file=sys.stderr)
 
 
 def _tree(place: Path) -> list[Path]:
