@@ -506,6 +506,42 @@ def test_head_answers_as_get_does_without_a_body(server):
     assert status == 200 and content == b"", content[:300]
 
 
+def test_answers_on_a_kept_alive_connection_do_not_wait_for_a_delayed_ack(server):
+    """Every answer after a connection's first (the openai client keeps its connections) used
+    to take 40+ ms: Nagle's algorithm was on (asyncio sets TCP_NODELAY only on sockets that name
+    IPPROTO_TCP, and serve's listening socket did not), so an answer's body waited for the
+    client's delayed ACK of its headers. /health and a one-token completion take ~1-3 ms here;
+    the bound is 10x that and still half of Linux's 40 ms minimum delayed ACK."""
+    import http.client
+    import socket
+    import statistics
+    import serve
+    sock = serve.bind("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()
+    conn = http.client.HTTPConnection(*_host_port(server.url), timeout=TIMEOUT)
+    body = json.dumps({"model": "base", "prompt": "The", "max_tokens": 1, "temperature": 0})
+    times = {"GET /health": [], "POST /v1/completions": []}
+    try:
+        for i in range(9):
+            for what in times:
+                method, path = what.split()
+                t0 = time.perf_counter()
+                conn.request(method, path, body if method == "POST" else None,
+                             {"Content-Type": "application/json"} if method == "POST" else {})
+                r = conn.getresponse()
+                assert r.status == 200, r.read()[:300]
+                r.read()
+                if i:                                     # the connection's first answer never waited
+                    times[what].append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+    for what, ts in times.items():
+        assert statistics.median(ts) < 0.02, (what, [round(t * 1000, 1) for t in ts])
+
+
 def test_length_errors_name_the_field_at_fault(server):
     """A prompt that alone fills the context names "prompt" (even with max_tokens sent); chat's
     max_completion_tokens too large names that field and the largest value that fits; a stop
