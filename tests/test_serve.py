@@ -1117,6 +1117,37 @@ def test_a_stop_signal_finishes_or_cuts_running_streams_and_exits_130(work, sig,
 
 
 
+def test_weights_that_overflow_end_each_request_with_an_error_naming_it_and_the_server_goes_on(work):
+    """A model whose arithmetic overflows (finite weights near float32's limit give inf, then
+    NaN logits): a plain request is a 500 engine_error saying the logits are not finite, a
+    stream ends with that error event and data: [DONE], the slot is free again, a sound model
+    beside it answers, and the server stops cleanly."""
+    from utils.run import load_checkpoint
+    from utils.training.checkpoint import save_checkpoint
+    bad = work["root"] / "checkpoints" / "overflow" / "checkpoint_best.pt"
+    ck = load_checkpoint(work["pre"])
+    ck["model"]["norm.weight"].fill_(3e38)
+    bad.parent.mkdir(parents=True)
+    save_checkpoint(bad, ck)
+    s = Server(work["root"], work["cfg"], "--checkpoint", bad, "--checkpoint", work["pre"])
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "overflow", "prompt": "The", "max_tokens": 4},
+                       timeout=TIMEOUT)
+        err = _err(r, 500, None, "engine_error")
+        assert "not finite" in err["message"] and "overflows" in err["message"], err
+        body = {"model": "overflow", "prompt": "The", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "not finite" in json.loads(events[-2])["error"]["message"], events
+        assert s.health()["models"]["overflow"]["active"] == 0
+        ok = s.client.completions.create(model="base", prompt="The", max_tokens=3, temperature=0)
+        assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 3
+        assert "engine step failed" in s.stderr() and "Traceback" not in s.stderr()
+    finally:
+        code = s.stop()
+    assert code == 130, s.stderr()
+
+
 def test_a_request_whose_body_arrives_after_sigterm_gets_503(work):
     """A request still uploading its body when SIGTERM comes: the engines stop (the server says
     so), then its body arrives and it is answered 503 shutting_down, not a 500; exit 130."""
