@@ -432,3 +432,27 @@ def test_engine_loop_runs_calls_and_every_model_on_one_thread():
     assert not loop._thread.is_alive()
     with pytest.raises(RuntimeError, match="not running"):
         loop.call(int)
+
+
+def test_prompt_logprobs_equal_the_full_forward_in_chunks_and_need_logprobs():
+    """SamplingParams.prompt_logprobs: each prompt token after the first with its
+    log-probability given the tokens before it and k alternatives, equal to the full forward
+    pass's, computed ``rows`` positions at a time (chunk edges crossed here), without changing
+    what is generated; asking for it without logprobs is refused."""
+    m = build(seed=2).eval()
+    torch.manual_seed(0)
+    prompt = torch.randint(0, V, (11,)).tolist()
+    eng = Engine(m)
+    b = eng.batcher(1, 32)
+    b.prompt_rows = 4                                           # 4 positions per block: 3 blocks
+    seq = b.add(E.Sequence(prompt, E.SamplingParams(5, 0.0, logprobs=3, prompt_logprobs=True)))
+    list(eng.run(b))
+    with torch.no_grad():
+        lp = m(torch.tensor([prompt]))[0][0].float().log_softmax(-1)
+    assert len(seq.prompt_logprobs) == len(prompt) - 1
+    for j, (t, got, top) in enumerate(seq.prompt_logprobs):
+        assert t == prompt[j + 1] and abs(got - float(lp[j, t])) < 1e-4
+        assert [a for a, _ in top] == lp[j].topk(3).indices.tolist()
+    assert seq.tokens == eng.generate([prompt], 5, temperature=0)[0]
+    with pytest.raises(ValueError, match="prompt_logprobs needs logprobs"):
+        eng.batcher(1, 32).add(E.Sequence(prompt, E.SamplingParams(1, 0.0, prompt_logprobs=True)))

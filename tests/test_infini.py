@@ -262,6 +262,24 @@ def test_greedy_generation_equals_the_full_forward(plen):
     assert Engine(m).generate([prompt], 30, temperature=0)[0] != out
 
 
+def test_prompt_logprobs_across_segments_equal_the_full_forward():
+    """Scoring a prompt (SamplingParams.prompt_logprobs, serve's echo + logprobs) of an infini
+    model: the prefill runs segment by segment, and each prompt token's log-probability and
+    top alternatives equal the full forward pass's, across the segment boundaries."""
+    m = build(seed=5, gates=2.0)
+    torch.manual_seed(3)
+    prompt = torch.randint(0, V, (21,)).tolist()                      # 3 segments of 8
+    b = Engine(m).batcher(1, 64)
+    seq = b.add(Sequence(prompt, SamplingParams(1, 0.0, logprobs=2, prompt_logprobs=True)))
+    b.step()
+    with torch.no_grad():
+        lp = m(torch.tensor([prompt]))[0][0].float().log_softmax(-1)
+    assert [t for t, _, _ in seq.prompt_logprobs] == prompt[1:]
+    for j, (t, got, top) in enumerate(seq.prompt_logprobs):
+        assert abs(got - float(lp[j, t])) < 1e-4, j
+        assert [a for a, _ in top] == lp[j].topk(2).indices.tolist(), j
+
+
 def test_continuous_batching_rows_join_and_leave_as_alone():
     """Two slots, five sequences of different lengths: rows join, finish and move slots (their
     memory and segment with them); each gets its lone greedy continuation."""

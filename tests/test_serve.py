@@ -269,6 +269,46 @@ def test_seeds_n_and_logprobs(server, work):
     assert all(len(e.top_logprobs) == 2 for e in chat.choices[0].logprobs.content)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(server, work):
+    """``echo`` + ``logprobs`` on completions (what lm-evaluation-harness's local-completions
+    sends to score a continuation: it sums token_logprobs[ctxlen:-1]): the logprobs cover the
+    prompt's tokens too, each given the tokens before it (BOS included, so the first has one),
+    equal to the model's own forward pass; text_offset indexes the echoed text; a stream sends
+    the prompt with its scores first. It used to return only the generated token's, so every
+    scored continuation summed to 0."""
+    from utils.run import load_model
+    tok = tokenizer()
+    context, continuation = "The cat sat on", " the mat"
+    text = context + continuation
+    ids = [tok.bos_token_id] + tok.encode(text, add_special_tokens=False)
+    model = load_model(work["pre"])[0].eval()
+    with torch.no_grad():
+        lp = model(torch.tensor([ids]))[0][0].float().log_softmax(-1)
+    want = [float(lp[j - 1, ids[j]]) for j in range(1, len(ids))]            # each text token given what precedes
+    c = server.client
+    got = c.completions.create(model="base", prompt=text, max_tokens=1, temperature=0, logprobs=2,
+                               echo=True).choices[0]
+    L = got.logprobs
+    n = len(ids) - 1
+    assert got.text.startswith(text) and len(L.tokens) == len(L.token_logprobs) == len(L.text_offset) == n + 1
+    assert max(abs(a - b) for a, b in zip(L.token_logprobs[:n], want)) < 1e-4, (L.token_logprobs[:n], want)
+    assert all(len(t) == 2 for t in L.top_logprobs)
+    assert L.text_offset[0] == 0 and L.text_offset[n] == len(text)
+    assert all(a < b for a, b in zip(L.text_offset, L.text_offset[1:]))
+    for j in range(1, n):                            # each token's text at its offset in the echo
+        assert text[L.text_offset[j]:].startswith(L.tokens[j]), (j, L.tokens[j], L.text_offset[j])
+    ctxlen = len(tok.encode(context, add_special_tokens=False))
+    assert abs(sum(L.token_logprobs[ctxlen:-1]) - sum(want[ctxlen:])) < 1e-3     # lm-eval's score
+    stream = list(c.completions.create(model="base", prompt=text, max_tokens=1, temperature=0, logprobs=2,
+                                       echo=True, stream=True))
+    first = stream[0].choices[0]
+    assert first.text == text and first.logprobs.tokens == L.tokens[:n]
+    assert max(abs(a - b) for a, b in zip(first.logprobs.token_logprobs, L.token_logprobs[:n])) < 1e-6
+    assert "".join(x.choices[0].text for x in stream if x.choices) == got.text
+    plain = c.completions.create(model="base", prompt=text, max_tokens=1, temperature=0, echo=True).choices[0]
+    assert plain.text == got.text and plain.logprobs is None
+
+
 def test_stop_strings_never_leak(server):
     c = server.client
     full = c.completions.create(model="base", prompt="The history of", max_tokens=30, temperature=0).choices[0].text
@@ -402,8 +442,10 @@ CHAT_REFUSED = [("tools", [{"type": "function", "function": {"name": "f", "param
                 ("tool_choice", "required"), ("functions", [{"name": "f", "parameters": {}}]),
                 ("function_call", {"name": "f"}), ("response_format", {"type": "json_object"}),
                 ("logit_bias", {"1": 5}), ("modalities", ["audio"]), ("audio", {}), ("prediction", {}),
-                ("web_search_options", {})]
-COMPLETION_REFUSED = [("logit_bias", {"1": 5}), ("best_of", 3), ("suffix", "x")]
+                ("web_search_options", {}), ("min_p", 0.1), ("repetition_penalty", 1.3),
+                ("guided_json", {"type": "object"})]
+COMPLETION_REFUSED = [("logit_bias", {"1": 5}), ("best_of", 3), ("suffix", "x"), ("ignore_eos", True),
+                      ("mirostat", 2), ("repetition_penalty", True)]
 
 
 @pytest.mark.parametrize("path,key,value",
@@ -422,7 +464,8 @@ def test_fields_the_server_cannot_honour_are_refused(server, path, key, value):
 def test_the_off_values_of_refused_fields_are_accepted(server):
     chat = {"model": "sft_chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
             "tools": [], "tool_choice": "auto", "response_format": {"type": "text"}, "modalities": ["text"],
-            "logit_bias": {}, "functions": [], "function_call": "none"}
+            "logit_bias": {}, "functions": [], "function_call": "none", "min_p": 0, "repetition_penalty": 1.0,
+            "ignore_eos": False, "skip_special_tokens": True, "guided_json": None}
     r = _post(server, "/v1/chat/completions", json.dumps(chat))
     assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
@@ -452,6 +495,18 @@ def test_request_bodies_uncompressed_utf8_json(server):
     assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
     r = _post(server, "/v1/completions", body, {"Content-Encoding": "identity"})
     assert r.status_code == 200, r.text
+    # a body too large is not read: the 413 says Connection: close, and the connection closes
+    # (what follows it is never taken for a request)
+    import socket
+    host, port = _host_port(server.url)
+    with socket.create_connection((host, port), timeout=TIMEOUT) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 50000000\r\n\r\n".encode() + b'{"prompt": "' + b"x" * 1000)
+        reply = b""
+        while part := sock.recv(65536):
+            reply += part
+    head = reply.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+    assert head.startswith("http/1.1 413") and "connection: close" in head, head
 
 
 def test_one_model_by_id(server):
@@ -999,6 +1054,11 @@ def test_api_key_int8_and_an_hf_folder_beside_a_checkpoint(work, hf_dir):
         r = httpx.get(s.url + "/v1/models", timeout=TIMEOUT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 200     # public
+        # the scheme's name is case-insensitive; the key is not, nor is another scheme taken
+        for header, status in (("bearer s3cret", 200), ("BEARER  s3cret", 200), ("Bearer S3CRET", 401),
+                               ("Basic s3cret", 401), ("s3cret", 401), ("Bearer", 401), ("Bearers3cret", 401)):
+            r = httpx.get(s.url + "/v1/models", headers={"Authorization": header}, timeout=TIMEOUT)
+            assert r.status_code == status, (header, r.text)
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0, timeout=TIMEOUT)
         models = {m.id: m for m in c.models.list().data}
         assert set(models) == {"base", "base-hf"}

@@ -161,7 +161,10 @@ class SamplingParams:
     """What one sequence asks for. ``stop_ids``: token ids that end it (EOS; never returned);
     ``stop``: strings that end it (need a tokenizer; never part of the text, even when split
     across tokens); ``logprobs``: None, or k >= 0 to return each new token's log-probability
-    and the k most likely alternatives (of the model's distribution, before temperature)."""
+    and the k most likely alternatives (of the model's distribution, before temperature);
+    ``prompt_logprobs``: also each prompt token's after the first (with ``logprobs``' k
+    alternatives), in ``Sequence.prompt_logprobs`` once the prompt is prefilled (scoring text,
+    as OpenAI's ``echo`` with ``logprobs``)."""
     max_new_tokens: int
     temperature: float = 1.0
     top_k: int = 0
@@ -170,6 +173,7 @@ class SamplingParams:
     stop_ids: frozenset = frozenset()
     stop: tuple = ()
     logprobs: Optional[int] = None
+    prompt_logprobs: bool = False
 
     def problems(self) -> list[str]:
         out = []
@@ -183,6 +187,8 @@ class SamplingParams:
             out.append("top_p must be in (0, 1]")
         if self.logprobs is not None and self.logprobs < 0:
             out.append("logprobs must be >= 0")
+        if self.prompt_logprobs and self.logprobs is None:
+            out.append("prompt_logprobs needs logprobs (the number of alternatives, 0 for none)")
         return out
 
     @property
@@ -213,6 +219,8 @@ class Sequence:
         self.pos = 0                    # positions in its cache slot
         self.finish: Optional[str] = None
         self.error: Optional[str] = None       # why, when finish == "error" (utils.generation.loop)
+        # params.prompt_logprobs: (token, logprob, [(id, logprob) x k]) of prompt[1:], set by the prefill
+        self.prompt_logprobs: Optional[list[tuple[int, float, list]]] = None
         self.cancelled = False
         self.generator: Optional[torch.Generator] = None
 
@@ -302,6 +310,8 @@ class Batcher:
     sums a 4-row block in another order than a single row: ~1e-6 relative), so a token could
     flip only where two candidates tie within that rounding (tests: never seen).
     Not thread-safe: one thread calls ``add`` / ``step`` (``utils.generation.loop`` runs one)."""
+
+    prompt_rows = 256           # positions per logits block when scoring a prompt (_prompt_logprobs)
 
     def __init__(self, engine: "Engine", slots: int, capacity: int):
         if slots < 1 or capacity < 2:
@@ -405,19 +415,46 @@ class Batcher:
         idx = torch.tensor([seq.prompt], dtype=torch.long, device=model.device)
         _, head, n_weights = self.weights()
         with step_mode(self.engine.step_threads(len(seq.prompt), n_weights)):
+            hs = []                                                         # (1, t, d_model) pieces
             if self.segment:                     # infini: a fresh memory, one segment at a time
                 for _, M, z in self.mem:
                     M[seq.slot].zero_()
                     z[seq.slot].zero_()
                 for s in range(0, idx.shape[1], self.segment):
                     caches = [_PrefillCache(k, v, seq.slot, m) for (k, v), m in zip(self.kv, self.mem)]
-                    h = model.trunk(idx[:, s:s + self.segment], None, AttnSpec("causal"), caches)
+                    hs.append(model.trunk(idx[:, s:s + self.segment], None, AttnSpec("causal"), caches))
             else:
                 caches = [_PrefillCache(k, v, seq.slot) for k, v in self.kv]
-                h = model.trunk(idx, None, AttnSpec("causal"), caches)      # (1, T, d_model)
+                hs.append(model.trunk(idx, None, AttnSpec("causal"), caches))    # (1, T, d_model)
+            h = hs[-1]
+            if seq.params.prompt_logprobs:
+                seq.prompt_logprobs = self._prompt_logprobs(seq, torch.cat(hs, dim=1)[0], head)
             logits = head(h[:, -1]).float()                                 # (1, V)
             seq.pos = len(seq.prompt)
             return self._sample([seq], logits)
+
+    def _prompt_logprobs(self, seq: Sequence, h: torch.Tensor, head) -> list:
+        """Each prompt token after the first: (id, its log-probability given the tokens before
+        it, the k most likely alternatives), from the prefill's hidden states h (T, d_model),
+        ``prompt_rows`` positions' logits at a time (a 2,048-token prompt's whole (T, V) logits
+        of a 32k vocabulary would be 256 MiB)."""
+        ids, k, rows = seq.prompt, seq.params.logprobs or 0, self.prompt_rows
+        out = []
+        for a in range(0, len(ids) - 1, rows):
+            lp = head(h[a:min(a + rows, len(ids) - 1)]).float().log_softmax(dim=-1)   # (r, V)
+            if not bool(torch.isfinite(lp).all()):
+                raise NonFiniteLogits(
+                    f"the model's logits are not finite (NaN or inf) at prompt position {a}: its "
+                    "arithmetic overflows or its weights are damaged; nothing can be scored with them")
+            nxt = torch.tensor(ids[a + 1:a + 1 + lp.shape[0]], device=lp.device)
+            got = lp.gather(1, nxt[:, None])[:, 0].tolist()
+            if k:
+                vals, alt = lp.topk(min(k, lp.shape[1]), dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(alt.tolist(), vals.tolist())]
+            else:
+                tops = [[] for _ in got]
+            out += [(t, g, top) for t, g, top in zip(ids[a + 1:], got, tops)]
+        return out
 
     def _decode(self) -> list[Event]:
         model, run = self.model, self.running

@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect
 
 from utils.config import json_error_text
 from utils.data import sft
-from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence
+from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence, TextDecoder
 from utils.generation.loop import Lane
 from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, clip, error_body, new_id, now,
                                   read_chat, read_completion, shown)
@@ -191,7 +191,8 @@ class Job:
             for i in range(s.n):
                 params = SamplingParams(max_tokens, s.temperature, s.top_k, s.top_p,
                                         None if s.seed is None else s.seed + i,
-                                        frozenset({m.tok.eos_token_id}), s.stop, s.logprobs)
+                                        frozenset({m.tok.eos_token_id}), s.stop, s.logprobs,
+                                        prompt_logprobs=s.echo and s.logprobs is not None)
                 self.seqs.append(Sequence(ids, params, tok=m.tok, sink=sink, tag=p * s.n + i,
                                            continues=continues, lead=lead))
         self.text = [""] * len(self.seqs)
@@ -254,6 +255,26 @@ class Job:
     # -- response shapes
     def reason(self, i: int) -> str:
         return "length" if self.finish[i] == "length" else "stop"
+
+    def lp_echo(self, i: int) -> dict:
+        """Choice i's echoed prompt as completion logprobs: each token of the prompt's text (BOS
+        left out: it has no text) with its log-probability given the tokens before it (BOS
+        included, so the first text token has one too; None only where nothing precedes it)
+        and its k alternatives; ``text_offset`` where the token starts in the prompt's text."""
+        seq = self.seqs[i]
+        scored = seq.prompt_logprobs or []
+        bos = self.m.tok.bos_token_id
+        items = ([] if bos is not None and seq.prompt[:1] == [bos] else [(seq.prompt[0], None, None)]) + scored
+        ids = [t for t, _, _ in items]
+        offsets, text = [], TextDecoder(self.m.tok)     # a token starts where the text shown so far ends
+        for t in ids:
+            offsets.append(len(text.shown))
+            text.push(t)
+        return {"tokens": [self.m.token_text(t) for t in ids],
+                "token_logprobs": [lp for _, lp, _ in items],
+                "top_logprobs": [None if top is None else {self.m.token_text(a): b for a, b in top}
+                                 for _, _, top in items],
+                "text_offset": offsets}
 
     def lp_completion(self, i: int, start: int = 0) -> Optional[dict]:
         if self.s.logprobs is None:
@@ -376,12 +397,14 @@ class _BearerAuth:
     ``@app.middleware("http")`` function relays every streamed chunk through another task."""
 
     def __init__(self, app, key: str):
-        self.app, self.want = app, f"Bearer {key}".encode()
+        self.app, self.want = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            got = Headers(scope=scope).get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(got, self.want):
+            scheme, _, token = Headers(scope=scope).get("authorization", "").strip().partition(" ")
+            # the scheme's name is case-insensitive (RFC 9110 11.1): "bearer KEY" is as good
+            if not (hmac.compare_digest(token.strip().encode("latin-1"), self.want)
+                    and scheme.lower() == "bearer"):
                 reply = ErrorResponse(error_body("missing or incorrect API key: send the header "
                                                  "'Authorization: Bearer <key>'.", code="invalid_api_key"),
                                       status_code=401)
@@ -402,7 +425,7 @@ async def _json(request: Request, limits: Limits, log: Callable[[str], None]):
                        "uncompressed (no Content-Encoding header).", None, "unsupported_content_encoding")
     cap = limits.max_body_bytes
     too_big = ApiError(413, f"the request body is larger than {cap} bytes (12 x serve.max_prompt_chars "
-                       "+ 1 MiB).", None, "request_too_large")
+                       "+ 1 MiB).", None, "request_too_large", headers={"Connection": "close"})  # the rest is unread
     if int(request.headers.get("content-length") or 0) > cap:
         raise too_big
     raw = bytearray()
@@ -494,7 +517,7 @@ async def _run(request: Request, job: Job, log):
         job.cancel()
         raise ApiError(503, "the server is shutting down and takes no new requests; send it to "
                        "another server, or again once this one is back.", None, "shutting_down",
-                       "server_error") from None
+                       "server_error", headers={"Connection": "close"}) from None
     if job.s.stream:
         return StreamingResponse(_sse(job, log), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -529,8 +552,10 @@ def _full_body(job: Job) -> dict:
                             "logprobs": job.lp_chat(i), "finish_reason": job.reason(i)})
         else:
             text = (job.texts[i // s.n] if s.echo else "") + job.text[i]
-            choices.append({"index": i, "text": text, "logprobs": job.lp_completion(i),
-                            "finish_reason": job.reason(i)})
+            lp = job.lp_completion(i)
+            if lp is not None and s.echo:
+                lp = {k: v + lp[k] for k, v in job.lp_echo(i).items()}
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": job.reason(i)})
     return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion",
             "created": created, "model": model, "choices": choices, "usage": job.usage()}
 
@@ -580,11 +605,24 @@ async def _sse(job: Job, log):
             return [chunk([delta(i, text, None, since[1])])]
         return [text_chunk(i, text)] if text else []
 
+    # echo with logprobs: a choice's prompt goes out with its scores, which exist once its
+    # prompt is prefilled: before the first thing that arrives for it
+    unechoed = set(range(len(job.seqs))) if s.echo and s.logprobs is not None else set()
+
+    def echo(i: int) -> list[str]:
+        if i not in unechoed:
+            return []
+        unechoed.discard(i)
+        return [chunk([{"index": i, "text": job.texts[i // s.n], "logprobs": job.lp_echo(i),
+                        "finish_reason": None}])]
+
     def wake_up(events: list[Event]) -> tuple[list[str], bool]:
         """The chunks of one wake-up's events, and whether the stream ends with them (an error)."""
         out, open_ = [], {}                       # choice -> (text length, logprobs) before its tokens
         for e in events:
             i = e.seq.tag
+            if e.finish not in ("error", "cancelled"):
+                out += echo(i)
             if e.finish in ("error", "cancelled"):
                 for j, since in open_.items():
                     out += piece(j, since)
@@ -610,7 +648,7 @@ async def _sse(job: Job, log):
         if job.chat:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(len(job.seqs))])
-        elif s.echo:
+        elif s.echo and not unechoed:
             yield chunk([delta(i, job.texts[i // s.n]) for i in range(len(job.seqs))])
         ended = False
         while not ended:

@@ -7,7 +7,9 @@ send instead (:class:`ApiError`). Fields read (docs/serve.md lists them and what
 - both: ``model``, ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature`` (0..2),
   ``top_p`` (0..1], ``top_k`` (extra field, >= 0), ``n``, ``seed``, ``stop`` (string or list of
   up to 4), ``stream``, ``stream_options.include_usage``; ``presence_penalty`` /
-  ``frequency_penalty`` only as 0 (refused otherwise: not implemented), ``user`` ignored.
+  ``frequency_penalty`` only as 0 (refused otherwise: not implemented), other servers' sampling
+  extras (``min_p``, ``repetition_penalty`` ...: :data:`SAMPLING_EXTRAS_OFF`) only as their
+  "off" value, their structured-output extras (``guided_json`` ...) not at all; ``user`` ignored.
 - completions: ``prompt`` (a string, or a list of one or more strings), ``logprobs`` (0..5),
   ``echo``; ``suffix``, ``best_of`` (beyond ``n``) and ``logit_bias`` refused.
 - chat: ``messages`` (roles system / user / assistant; content a string or a list of text
@@ -20,6 +22,8 @@ An error message quotes a client's value only through :func:`shown` / :func:`cli
 lone surrogates escaped), so every error body is short and encodes.
 """
 from __future__ import annotations
+
+import json
 
 import math
 import reprlib
@@ -190,6 +194,7 @@ def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
     if opts and not stream:
         raise ApiError(400, "'stream_options' is only allowed with \"stream\": true.", "stream_options",
                        "invalid_value")
+    _refuse_sampling_extras(body)
     seed = _num(body, "seed", None, integer=True)
     return Sampling(model, max_tokens, float(_num(body, "temperature", 1.0, lo=0, hi=2)),
                     float(_num(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)),
@@ -200,6 +205,29 @@ def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
 
 
 # --------------------------------------------------------------------------- refused fields
+# Sampling and decoding fields of other servers (vLLM, llama.cpp, text-generation-inference),
+# which their clients send as extra fields: each with the value that leaves sampling as it is.
+# Any other value is refused (this engine samples with temperature, top_k and top_p only); an
+# unknown field that is none of these is ignored.
+SAMPLING_EXTRAS_OFF = {"min_p": 0, "typical_p": 1, "tfs_z": 1, "top_a": 0, "repetition_penalty": 1,
+                       "repeat_penalty": 1, "length_penalty": 1, "dynatemp_range": 0, "mirostat": 0,
+                       "mirostat_mode": 0, "min_tokens": 0, "ignore_eos": False,
+                       "use_beam_search": False, "skip_special_tokens": True}
+GUIDED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema")
+
+
+def _refuse_sampling_extras(body: dict) -> None:
+    for key, off in SAMPLING_EXTRAS_OFF.items():
+        v = body.get(key)
+        same_kind = isinstance(v, bool) == isinstance(off, bool)       # true is not 1 here
+        if v is not None and not (same_kind and v == off):
+            raise _unsupported(key, f"{shown(v)} (another server's sampling option)",
+                               f"send {json.dumps(off)} or leave it out")
+    for key in GUIDED_EXTRAS:
+        if body.get(key) is not None:
+            raise _unsupported(key, "(structured output)", "leave it out, and ask for the format in the prompt")
+
+
 def _on(v: Any) -> bool:
     """Whether a field's value asks for something (null, "", [] and {} ask for nothing)."""
     return v is not None and not (isinstance(v, (str, list, dict)) and not v)
