@@ -67,6 +67,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise UsageError("serve.context (--context) 1: a request needs at least 2 positions (its prompt "
                          "and one new token); give 2 or more, or 0 for each model's own context.")
     api_key = resolve_api_key(args.api_key, os.environ.get(API_KEY_ENV))
+    from utils.serve.protocol import check_origins
+    if bad := check_origins(cfg.serve.cors_origins):
+        raise UsageError("; ".join(bad) + ".")
     sock = bind(cfg.serve.host, cfg.serve.port)
     from utils.generation.loop import EngineLoop
     loop = EngineLoop(log=say, name="engine").start()
@@ -179,8 +182,8 @@ def make_app(models: dict, cfg, api_key: Optional[str]):
     from utils.serve.protocol import Limits
     limits = Limits(cfg.serve.max_messages, cfg.serve.max_prompt_chars, cfg.serve.max_n,
                     cfg.serve.max_tokens, cfg.serve.read_timeout)
-    return create_app(models, limits, api_key, log=lambda s: print(f"serve: {s}", file=sys.stderr,
-                                                                   flush=True))
+    return create_app(models, limits, api_key, log=lambda s: print(f"serve: {s}", file=sys.stderr, flush=True),
+                      cors_origins=cfg.serve.cors_origins)
 
 
 def announce(sock: socket.socket, host: str, models: dict, api_key: Optional[str]) -> None:

@@ -1103,6 +1103,45 @@ def test_usage_errors_exit_2_before_loading(work):
         assert "model '" not in r.stderr and "listening on" not in r.stdout and "Traceback" not in r.stderr
 
 
+def test_cors_lets_the_listed_origins_call_the_api_from_a_browser(work, server):
+    """serve.cors_origins: a browser's preflight (OPTIONS, never carrying the key) from a listed
+    origin is answered before the key check, and the answers name the origin; another origin
+    gets no such header (the browser then blocks the page). Without the setting (the module's
+    server), nothing cross-origin is allowed. A malformed origin is a usage error naming it."""
+    from tests.conftest import run_main
+    page = "http://localhost:3000"
+    pre = {"Origin": page, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(server.url + "/v1/completions", headers=pre, timeout=TIMEOUT)
+    assert "access-control-allow-origin" not in r.headers, r.headers
+    cfg = write_config(work["root"], {"tokenizer": {"name": TOK_NAME}, "serve": {"cors_origins": [page]}},
+                       name="cors.json")
+    s = Server(work["root"], cfg, "--checkpoint", work["pre"], "--api-key", "k3y")
+    try:
+        r = httpx.options(s.url + "/v1/completions", headers=pre, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page, (r.status_code, r.headers)
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        body = {"model": "base", "prompt": "The", "max_tokens": 2}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT,
+                       headers={"Origin": page, "Authorization": "Bearer k3y"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page, r.headers
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT, headers={"Origin": page})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == page   # the page can read why
+        evil = {**pre, "Origin": "http://evil.example"}
+        r = httpx.options(s.url + "/v1/completions", headers=evil, timeout=TIMEOUT)
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT,
+                       headers={"Origin": "http://evil.example", "Authorization": "Bearer k3y"})
+        assert "access-control-allow-origin" not in r.headers
+    finally:
+        assert s.stop() == 130
+    bad = write_config(work["root"], {"tokenizer": {"name": TOK_NAME}, "serve": {"cors_origins": ["*", page + "/"]}},
+                       name="cors-bad.json")
+    r = run_main("serve", "--config", bad, "--port", "0", "--checkpoint", work["pre"], timeout=60)
+    assert r.returncode == 2 and "serve.cors_origins[1]" in r.stderr and "trailing /" in r.stderr, r.stderr
+    assert "model '" not in r.stderr and "Traceback" not in r.stderr
+
+
 def test_the_api_key_comes_from_the_flag_else_a_non_empty_variable(capsys):
     from serve import resolve_api_key
     from utils.cli import UsageError

@@ -370,6 +370,8 @@ class ServeConfig:
                              "after its last answer) stays open", min=0, min_exclusive=True)
     read_timeout: float = _f(30.0, "seconds a request has, from its first byte, to send its headers and "
                              "its whole body (beyond: HTTP 408, connection closed)", min=0, min_exclusive=True)
+    cors_origins: list[str] = _f([], "origins (scheme://host[:port], or \"*\" for any) whose web pages may "
+                                 "call the API from a browser (CORS); []: only the server's own chat page")
 
 
 @dataclass

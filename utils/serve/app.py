@@ -30,10 +30,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Callable, Optional
+from typing import Sequence as Sequence_
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -301,7 +303,10 @@ class Job:
 
 # --------------------------------------------------------------------------- the app
 def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional[str] = None,
-               log: Callable[[str], None] = print) -> FastAPI:
+               log: Callable[[str], None] = print, cors_origins: Sequence_[str] = ()) -> FastAPI:
+    """The API and the chat page. ``cors_origins`` (serve.cors_origins, checked by
+    :func:`utils.serve.protocol.check_origins`): pages of these origins may call it from a
+    browser; a preflight (OPTIONS, which never carries the key) is answered before the key check."""
     app = FastAPI(title="llm-pipeline serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -331,6 +336,10 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     if api_key:
         app.add_middleware(_BearerAuth, key=api_key)
+    if cors_origins:                                  # added last: the outermost, before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_credentials=False,
+                           allow_methods=["GET", "HEAD", "POST"], allow_headers=["Authorization", "Content-Type"],
+                           max_age=600)
 
     def get(path: str):
         """A GET route that answers HEAD too (load balancers and health checkers send HEAD):

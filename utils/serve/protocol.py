@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 
 import math
+import re
 import reprlib
 import time
 import uuid
@@ -378,3 +379,17 @@ def read_chat(body: dict, limits: Limits) -> tuple[Sampling, Chat]:
 
 def now() -> int:
     return int(time.time())
+
+
+ORIGIN = re.compile(r"https?://[^/?#\s]+")
+
+
+def check_origins(origins: list) -> list[str]:
+    """Problems of ``serve.cors_origins``: each must be "*" or an origin as a browser sends it,
+    ``scheme://host[:port]`` (no path, not even a trailing "/", which no Origin header has)."""
+    out = []
+    for i, o in enumerate(origins):
+        if o != "*" and not (isinstance(o, str) and ORIGIN.fullmatch(o)):
+            out.append(f"serve.cors_origins[{i}] {shown(o)}: expected \"*\" or an origin such as "
+                       "\"http://localhost:3000\" (scheme://host[:port], no path or trailing /)")
+    return out
