@@ -509,6 +509,33 @@ def test_request_bodies_uncompressed_utf8_json(server):
     assert head.startswith("http/1.1 413") and "connection: close" in head, head
 
 
+MALFORMED_HTTP = {
+    "bad chunk size": b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    "two Content-Lengths": b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    "Content-Length abc": b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Length: abc\r\n\r\n{}",
+    "NUL in a header": b"GET /health HTTP/1.1\r\nHost: h\r\nX-A: a\x00b\r\n\r\n",
+    "no Host": b"GET /health HTTP/1.1\r\n\r\n",
+    "not HTTP": b"HELLO\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED_HTTP)
+def test_bytes_that_are_not_http_get_an_openai_shaped_400_and_the_connection_closes(server, name):
+    """uvicorn answered these in plain text; every error of this server is OpenAI's shape."""
+    import socket
+    with socket.create_connection(_host_port(server.url), timeout=TIMEOUT) as sock:
+        sock.sendall(MALFORMED_HTTP[name])
+        reply = b""
+        while part := sock.recv(65536):                  # the server closes the connection
+            reply += part
+    head, _, content = reply.partition(b"\r\n\r\n")
+    head = head.decode("latin-1").lower()
+    assert head.startswith("http/1.1 400") and "connection: close" in head and "application/json" in head, reply
+    err = json.loads(content)["error"]
+    assert err["code"] == "invalid_http" and "not valid HTTP/1.1" in err["message"], err
+    assert server.health()["status"] == "ok"
+
+
 def test_one_model_by_id(server):
     """GET /v1/models/{id}: the model's entry of GET /v1/models; an unknown id is a 404."""
     listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"]}

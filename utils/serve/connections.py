@@ -134,20 +134,32 @@ class TimedH11Protocol(H11Protocol):
                      f"({self.read_timeout:g} s), after its answer: connection closed")
         self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP/1.1 (a malformed request line, header or
+        chunk size, conflicting Content-Length values, a header block over h11's limit ...), in
+        OpenAI's error shape instead of plain text, then the connection closed."""
+        self._answer(400, b"Bad Request", "the request is not valid HTTP/1.1 (a malformed request line, "
+                     "header, Content-Length or chunked body, or headers too large): send it with a "
+                     "standard HTTP client.", "invalid_http")
+
     def _answer_408(self) -> None:
         """A 408 in OpenAI's error shape for a request whose headers did not all come, then
         the connection closed."""
-        body = json.dumps(error_body(
-            f"the request's headers did not arrive within {self.read_timeout:g} s (serve.read_timeout): "
-            "send it without pausing.", code="request_timeout"), separators=(",", ":")).encode("ascii")
+        self._answer(408, b"Request Timeout", f"the request's headers did not arrive within "
+                     f"{self.read_timeout:g} s (serve.read_timeout): send it without pausing.", "request_timeout")
+        self.log(f"a client sent no complete request headers in serve.read_timeout ({self.read_timeout:g} s): "
+                 "answered 408, connection closed")
+
+    def _answer(self, status: int, reason: bytes, message: str, code: str) -> None:
+        """An error in OpenAI's shape with ``Connection: close`` where no request is being
+        answered (none came whole), then the connection closed."""
+        body = json.dumps(error_body(message, code=code), separators=(",", ":")).encode("ascii")
         headers = [*self.server_state.default_headers, (b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
         try:
-            out = self.conn.send(h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"))
+            out = self.conn.send(h11.Response(status_code=status, headers=headers, reason=reason))
             out += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
             self.transport.write(out)
         except h11.LocalProtocolError:                  # h11 cannot answer in this state: just close
             pass
-        self.log(f"a client sent no complete request headers in serve.read_timeout ({self.read_timeout:g} s): "
-                 "answered 408, connection closed")
         self.transport.close()
