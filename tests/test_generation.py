@@ -456,3 +456,50 @@ def test_prompt_logprobs_equal_the_full_forward_in_chunks_and_need_logprobs():
     assert seq.tokens == eng.generate([prompt], 5, temperature=0)[0]
     with pytest.raises(ValueError, match="prompt_logprobs needs logprobs"):
         eng.batcher(1, 32).add(E.Sequence(prompt, E.SamplingParams(1, 0.0, prompt_logprobs=True)))
+
+
+def test_a_step_failing_in_a_prefill_still_delivers_what_finished_before_it_and_counts_right():
+    """A step decodes first, then prefills: when a prefill raises (out of memory on a long
+    prompt), a sequence that finished in that step's decode has already left the batch. Its
+    finishing event still reaches its sink (the request used to hang, counted as active for
+    ever), then the exception propagates. A prefill that fails before the sequence takes its
+    slot (the KV cache's first allocation) leaves it waiting, not lost: in an EngineLoop it
+    ends with an error (it used to vanish: a request that never ended),
+    and the lane's active count has dropped when a finishing event reaches its sink (a
+    client's next request must not find its own finished one still counted)."""
+    import threading
+    from utils.generation.loop import EngineLoop
+    m = build(seed=2).eval()
+    b = Engine(m).batcher(2, 64)
+    heard = []
+    short = b.add(E.Sequence([1, 5, 9], E.SamplingParams(2, temperature=0), sink=heard.append, tag="short"))
+    b.step()                                                    # its prefill: token 1
+    b.add(E.Sequence([1, 2], E.SamplingParams(3, temperature=0), sink=heard.append, tag="late"))
+    real = b._prefill
+    b._prefill = lambda seq: (_ for _ in ()).throw(RuntimeError("out of memory (simulated)")) \
+        if seq.tag == "late" else real(seq)
+    with pytest.raises(RuntimeError, match="simulated"):
+        b.step()                                                # decode: token 2, "short" done; then the prefill
+    assert short.finish == "length" and heard[-1].seq is short and heard[-1].finish == "length"
+    assert short not in b.running
+
+    loop = EngineLoop(name="test-engine").start()
+    try:
+        lane = loop.add(Engine(m), slots=2, capacity=64)
+        counted, done = [], threading.Event()
+
+        def sink(e):
+            if e.finish is not None:
+                counted.append((e.seq.tag, e.finish, lane.active))
+                done.set()
+        fine = lane.batcher._prefill
+        lane.batcher._prefill = lambda seq: (_ for _ in ()).throw(RuntimeError("out of memory (simulated)")) \
+            if seq.tag == "late" else fine(seq)
+        lane.submit(E.Sequence([1, 5, 9], E.SamplingParams(3, temperature=0), sink=sink, tag="ok"))
+        assert done.wait(60)
+        done.clear()
+        lane.submit(E.Sequence([1, 2], E.SamplingParams(3, temperature=0), sink=sink, tag="late"))
+        assert done.wait(60)
+        assert counted == [("ok", "length", 0), ("late", "error", 0)], counted
+    finally:
+        loop.stop()

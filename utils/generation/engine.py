@@ -364,26 +364,37 @@ class Batcher:
 
     def step(self) -> list[Event]:
         """One step: drop cancelled sequences, decode one token for every running one, then
-        prefill waiting ones into the free slots (each gives its first token)."""
+        prefill waiting ones into the free slots (each gives its first token). Each event goes
+        to its sequence's sink, also when a later part of the step raises (a prefill out of
+        memory, also of the KV cache's first allocation): a sequence that finished before it has
+        left the batch, so only its sink hears of it; the exception then propagates, with the
+        failing sequence and the others still in the batch (``running`` or ``waiting``)."""
         events: list[Event] = []
-        for seq in [s for s in self.waiting if s.cancelled]:
-            self.waiting.remove(seq)
-            events.append(self._finish_event(seq, "cancelled"))
-        gone = [s for s in self.running if s.cancelled]
-        for seq in sorted(gone, key=lambda s: -s.slot):
-            events.append(self._finish_event(seq, "cancelled"))
-            self._release(seq)
-        if self.running:
-            events += self._decode()
-        while self.waiting and len(self.running) < self.slots:
-            seq = self.waiting.popleft()
-            if seq.params.max_new_tokens == 0:
-                events.append(self._finish_event(seq, "length"))
-                continue
-            events += self._prefill(seq)
-        for e in events:
-            if e.seq.sink is not None:
-                e.seq.sink(e)
+        try:
+            for seq in [s for s in self.waiting if s.cancelled]:
+                self.waiting.remove(seq)
+                events.append(self._finish_event(seq, "cancelled"))
+            gone = [s for s in self.running if s.cancelled]
+            for seq in sorted(gone, key=lambda s: -s.slot):
+                events.append(self._finish_event(seq, "cancelled"))
+                self._release(seq)
+            if self.running:
+                events += self._decode()
+            while self.waiting and len(self.running) < self.slots:
+                seq = self.waiting.popleft()
+                if seq.params.max_new_tokens == 0:
+                    events.append(self._finish_event(seq, "length"))
+                    continue
+                try:
+                    events += self._prefill(seq)
+                except BaseException:
+                    if seq not in self.running:         # e.g. the KV cache's first allocation failed
+                        self.waiting.appendleft(seq)    # still in the batch: whoever handles it sees it
+                    raise
+        finally:
+            for e in events:
+                if e.seq.sink is not None:
+                    e.seq.sink(e)
         return events
 
     # -- the forward passes

@@ -59,7 +59,20 @@ class Lane:
             raise ValueError("; ".join(bad))
 
     def submit(self, seq: Sequence) -> Sequence:
+        """Queue ``seq`` from any thread. It counts in ``active`` until its finishing event,
+        which leaves the count before the sequence's own sink sees it: a client that sends its
+        next request as soon as an answer ends never finds its own finished one still counted
+        (a spurious 429 at serve.max_queue, a busy /health)."""
         self.check(seq)
+        own = seq.sink
+
+        def sink(e: Event) -> None:
+            if e.finish is not None:
+                with self.loop._cond:
+                    self.active -= 1
+            if own is not None:
+                own(e)
+        seq.sink = sink
         with self.loop._cond:
             if self.loop._stopping:
                 raise RuntimeError("the engine is stopping")
@@ -155,11 +168,7 @@ class EngineLoop:
             with torch.no_grad():
                 events = lane.batcher.step()
         except Exception as e:          # noqa: BLE001 (reported to every request in the batch)
-            events = self._fail_all(lane, f"{type(e).__name__}: {e}")
-        done = sum(1 for e in events if e.finish is not None)
-        if done:
-            with self._cond:
-                lane.active -= done
+            self._fail_all(lane, f"{type(e).__name__}: {e}")
 
     def _fail_all(self, lane: Lane, message: str) -> list[Event]:
         b = lane.batcher
