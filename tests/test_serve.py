@@ -360,6 +360,13 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"model": "base", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}), 400, "stop"),
     ("/v1/completions", json.dumps({"model": "base", "prompt": "x", "max_tokens": -1}), 400, "max_tokens"),
     ("/v1/completions", json.dumps({"model": "base", "prompt": "word " * 400}), 400, "prompt"),
+    ("/v1/chat/completions", json.dumps({"model": "sft_chat", "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+                                           "tool_calls": [{"id": "1", "type": "function"}]},
+        {"role": "user", "content": "y"}]}), 400, "messages[1].tool_calls"),
+    ("/v1/completions", json.dumps({"model": "base", "prompt": "x", "logprobs": 1, "top_logprobs": 2}), 400, "top_logprobs"),
+    ("/v1/completions", json.dumps({"model": "base", "prompt": "x", "stream": True,
+                                    "stream_options": {"include_usage": "yes"}}), 400, "stream_options.include_usage"),
     ("/v1/nothing", b"{}", 404, None),
 ]
 

@@ -191,7 +191,11 @@ def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
     if opts is not None and not isinstance(opts, dict):
         raise ApiError(400, "'stream_options' must be an object.", "stream_options", "invalid_type")
     stream = _bool(body, "stream", False)
-    include_usage = _bool(opts or {}, "include_usage", False)
+    try:
+        include_usage = _bool(opts or {}, "include_usage", False)
+    except ApiError as e:                                    # name it by its path in the body
+        raise ApiError(400, e.message.replace("'include_usage'", "'stream_options.include_usage'"),
+                       "stream_options.include_usage", "invalid_type") from None
     if opts and not stream:
         raise ApiError(400, "'stream_options' is only allowed with \"stream\": true.", "stream_options",
                        "invalid_value")
@@ -264,7 +268,7 @@ def _refuse_chat_fields(body: dict) -> None:
                                "send \"none\" or \"auto\", or leave it out")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        kind = fmt.get("type", fmt) if isinstance(fmt, dict) else fmt
         raise _unsupported("response_format", f"{shown(kind)} (structured output)",
                            "send {\"type\": \"text\"} or leave it out, and ask for the format in "
                            "the messages")
@@ -299,6 +303,9 @@ def read_completion(body: dict, limits: Limits) -> tuple[Sampling, list[str]]:
     lp = body.get("logprobs")
     if lp is not None:
         s.logprobs = _num(body, "logprobs", None, lo=0, hi=5, integer=True)
+    if body.get("top_logprobs") is not None:                 # chat's field; completions count in logprobs
+        raise ApiError(400, "'top_logprobs' is a chat field: on /v1/completions send \"logprobs\": k, the "
+                       "number of alternatives (0..5).", "top_logprobs", "unsupported_parameter")
     s.echo = _bool(body, "echo", False)
     return s, prompts
 
@@ -350,6 +357,11 @@ def read_chat(body: dict, limits: Limits) -> tuple[Sampling, Chat]:
         if role not in ("system", "developer", "user", "assistant"):
             raise ApiError(400, f"messages[{i}].role is {shown(role)}; this server takes 'system', "
                            "'user' and 'assistant' (no tools).", f"messages[{i}].role", "invalid_value")
+        for key in ("tool_calls", "function_call"):      # an assistant turn that called tools
+            if _on(m.get(key)):
+                raise ApiError(400, f"messages[{i}].{key}: this server's models do not call tools; send "
+                               "the conversation without tool calls.", f"messages[{i}].{key}",
+                               "unsupported_parameter")
         text = _content(m, i)
         if role in ("system", "developer"):
             if turns:
