@@ -860,6 +860,63 @@ def test_import_names_what_is_damaged(work, foreign, tmp_path, case):
     assert str(target) in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
 
 
+# One damaged tokenizer file of an imported folder: (file, its new bytes from its path, what the
+# message must say). The checks are utils/data/tok.py's (tests/test_tokenizer.py has each for a
+# tokenizer.name folder); tokenizer.json is examined after transformers failed on it.
+IMPORT_TOKENIZER_DAMAGE = {
+    "tokenizer.json-garbage": ("tokenizer.json", lambda p: b"{oops", "is not valid JSON"),
+    "tokenizer.json-truncated": ("tokenizer.json", lambda p: p.read_bytes()[:3000], "looks truncated"),
+    "tokenizer.json-a-list": ("tokenizer.json", lambda p: b"[1]", "holds a JSON array, not an object"),
+    "tokenizer.json-null": ("tokenizer.json", lambda p: b"null", "holds a JSON null, not an object"),
+    "tokenizer.json-unknown-model": ("tokenizer.json", lambda p: json.dumps(
+        {**json.loads(p.read_text()), "model": {"type": "Nope"}}).encode(), "tokenizers library can read"),
+    "tokenizer_config.json-a-list": ("tokenizer_config.json", lambda p: b"[1]",
+                                     "holds a JSON array, not an object"),
+    "tokenizer_config.json-bos-number": ("tokenizer_config.json", lambda p: json.dumps(
+        {**json.loads(p.read_text()), "bos_token": 5}).encode(), "has 'bos_token' = number"),
+    "tokenizer_config.json-chat-template-number": ("tokenizer_config.json", lambda p: json.dumps(
+        {**json.loads(p.read_text()), "chat_template": 5}).encode(), "has 'chat_template' = number"),
+    "special_tokens_map.json-eos-list": ("special_tokens_map.json", lambda p: b'{"eos_token": [2]}',
+                                         "has 'eos_token' = array"),
+    "added_tokens.json-id-string": ("added_tokens.json", lambda p: b'{"<x>": "7"}', "maps '<x>' to string"),
+    "added_tokens.json-id-negative": ("added_tokens.json", lambda p: b'{"<x>": -1}', "maps '<x>' to -1"),
+}
+
+
+@pytest.mark.parametrize("case", list(IMPORT_TOKENIZER_DAMAGE))
+def test_import_names_a_damaged_tokenizer_file(foreign, tmp_path, case):
+    """A damaged tokenizer file of a Hugging Face folder: the import (and the tokenizer an export
+    of it reads) is one PipelineError naming the file and what is wrong, in the words a
+    tokenizer.name folder gets, with the advice of an import (the model's own files, not
+    tokenizer.name, which an import does not use)."""
+    from utils.cli import PipelineError
+    from utils.hf.import_hf import load_hf_llama, source_tokenizer
+    name, damage, why = IMPORT_TOKENIZER_DAMAGE[case]
+    target = tmp_path / "m"
+    shutil.copytree(foreign, target)
+    f = target / name
+    f.write_bytes(damage(f))
+    for load in (load_hf_llama, source_tokenizer):
+        with pytest.raises(PipelineError) as e:
+            load(target)
+        err = str(e.value)
+        assert f"tokenizer file {f} " in err and why in err, err
+        assert "download the model again" in err and "tokenizer.name" not in err, err
+
+
+def test_import_parses_a_sound_tokenizer_json_once(foreign, monkeypatch):
+    """A sound folder's tokenizer.json (several MB for real models) is read by transformers
+    alone: the checks read the small JSON files and examine tokenizer.json only after a failed
+    load (the import read it in full first, then transformers again)."""
+    from utils.hf.import_hf import load_hf_llama
+    read = []
+    read_bytes, read_text = Path.read_bytes, Path.read_text
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or read_bytes(self))
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: read.append(self.name) or read_text(self, *a, **k))
+    load_hf_llama(foreign)
+    assert "tokenizer_config.json" in read and "tokenizer.json" not in read, read
+
+
 def test_damaged_folders_through_each_entry_point(foreign, work, tmp_path):
     """infer, train --init-from-hf and export on a damaged folder: exit 1, the message, no
     traceback, no 'unexpected error', nothing written."""
@@ -973,7 +1030,8 @@ def _ints_for_tokens(fields):
 
 # name: (damage of a copy of the foreign folder, or of a GGUF file (name starts "gguf_"), words
 # the message must hold besides the path). Each was a traceback ("unexpected error ... may be a
-# bug") or a message naming neither file nor key before the checks in utils/hf/inputs.py.
+# bug") or a message naming neither file nor key before the checks in utils/hf/inputs.py (the
+# tokenizer files: utils/data/tok.py's, the same as for any tokenizer folder).
 HOSTILE = {
     "heads_zero": (_damage_config(num_attention_heads=0),
                    ["config.json", "num_attention_heads: expected a positive integer, got 0"]),
@@ -985,9 +1043,12 @@ HOSTILE = {
     "rope_theta_infinite": (_damage_config(rope_parameters={"rope_type": "default", "rope_theta": float("inf")}),
                             ["config.json", "rope_theta: expected a finite number, got inf"]),
     "tokenizer_config_a_list": (lambda d: (d / "tokenizer_config.json").write_text("[1]"),
-                                ["tokenizer_config.json", "holds a list, not a JSON object"]),
+                                ["tokenizer_config.json holds a JSON array, not an object",
+                                 "download the model again"]),
     "tokenizer_config_bos_a_number": (_edit_json("tokenizer_config.json", lambda c: c.update(bos_token=5)),
-                                      ["tokenizer_config.json", "bos_token: expected a token string"]),
+                                      ["tokenizer_config.json has 'bos_token' = number (expected a string"]),
+    "tokenizer_json_a_list": (lambda d: (d / "tokenizer.json").write_text("[1]"),      # named after
+                              ["tokenizer.json holds a JSON array, not an object"]),  # the failed load
     "index_weight_map_a_list": (_index_list, ["model.safetensors.index.json", "weight_map: expected an object"]),
     "index_outside_the_folder": (_index_outside, ["model.safetensors.index.json", "../elsewhere.safetensors",
                                                   "not the name of a .safetensors file in this folder"]),

@@ -604,6 +604,7 @@ DAMAGE = {
                                          "'eos_token' = array"),
     "added_tokens.json-garbage": ("added_tokens.json", lambda p: b"{bad", "not valid JSON"),
     "added_tokens.json-id-string": ("added_tokens.json", lambda p: b'{"<x>": "7"}', "maps '<x>' to string"),
+    "added_tokens.json-id-negative": ("added_tokens.json", lambda p: b'{"<x>": -1}', "maps '<x>' to -1"),
     "pipeline_tokenizer.json-conversion-number": ("pipeline_tokenizer.json",
                                                   lambda p: _edit_json(p, conversion=3),
                                                   "'conversion' = number"),

@@ -24,6 +24,12 @@ Contracts (docs/tokenizer.md):
 - A Hugging Face export's tokenizer folder (``export --format hf``) loads as the tokenizer it
   was exported from (:func:`as_exported_from`): same fingerprint, so the original's shards,
   SFT data and checkpoints accept it.
+- A damaged tokenizer file is one PipelineError naming the file, what is wrong with it (the
+  key, for a field of the wrong type) and what to do (docs/tokenizer.md). The same checks
+  (:func:`check_tokenizer_folder`, :func:`load_tokenizer_folder`) serve the tokenizer of a
+  Hugging Face model folder being imported (utils/hf/import_hf.py). The small JSON files are
+  checked before every load; tokenizer.json only after a load failed, so a sound one is parsed
+  once, by transformers.
 """
 from __future__ import annotations
 
@@ -232,30 +238,40 @@ def _check_saved_copy(d: Path) -> Optional[str]:
 # A tokenizer folder's files, each checked for what transformers or tokenizers would stumble on
 # (or silently misread): the message names the file, what is wrong and what to do. The small
 # JSON files are checked on every load (microseconds); tokenizer.json, the large one, only
-# when loading has failed, to find which file it was.
+# when loading has failed, to find which file it was. The same checks serve a tokenizer that
+# tokenizer.name names and the tokenizer of a Hugging Face model folder being imported
+# (``imported``, utils/hf/import_hf.py); only the advice differs (tokenizer.name plays no part
+# in an import).
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")
 _BOOL_KEYS = ("clean_up_tokenization_spaces", "add_bos_token", "add_eos_token",
               "split_special_tokens", "legacy", "add_prefix_space", "do_lower_case")
 
 
-def fix_advice(where: Path) -> str:
-    """What to do about a damaged tokenizer file or folder ``where``."""
+def fix_advice(where: Path, imported: bool = False) -> str:
+    """What to do about a damaged tokenizer file or folder ``where``; ``imported``: it belongs
+    to a Hugging Face model folder being imported (the model's own tokenizer)."""
     folder = where if where.is_dir() else where.parent
     other = ("point tokenizer.name in config.json to a valid tokenizer folder, tokenizer.json "
              "or SentencePiece .model file")
     if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        if imported:
+            return (f"It is in the Hugging Face cache: delete {folder.parent.parent} and download "
+                    "the model again.")
         return (f"It is in the Hugging Face cache: delete {folder.parent.parent} so that the next "
                 f"run with network downloads it again, or {other}.")
+    if imported:
+        return ("Replace the damaged or missing files with the model's own (download the model "
+                "again; for a folder `python main.py export --format hf` wrote, export it again).")
     if (folder / INFO_FILE).is_file():
         return (f"{folder} is a copy this pipeline saved: save it again with `python main.py "
                 f"tokenize` (add the --config you use), or {other}.")
     return f"Replace it with an undamaged copy of the tokenizer, or {other}."
 
 
-def _damaged(path: Path, why: str) -> PipelineError:
+def _damaged(path: Path, why: str, imported: bool = False) -> PipelineError:
     return PipelineError(f"tokenizer file {path} {why}, so the tokenizer cannot be loaded. "
-                         f"{fix_advice(path)}")
+                         f"{fix_advice(path, imported)}")
 
 
 def _why(e: BaseException) -> str:
@@ -263,25 +279,27 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _json_object(path: Path):
+def _json_object(path: Path, imported: bool = False):
     """The JSON object in ``path``; a PipelineError naming the file when it is not one."""
     if not path.is_file():
-        raise _damaged(path, "is not a regular file")
+        raise _damaged(path, "is not a regular file", imported)
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except OSError as e:
-        raise _damaged(path, f"cannot be read ({e.strerror or e})") from None
+        raise _damaged(path, f"cannot be read ({e.strerror or e})", imported) from None
     except UnicodeDecodeError as e:
-        raise _damaged(path, f"is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+        raise _damaged(path, f"is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})",
+                       imported) from None
     except json.JSONDecodeError as e:
         if not e.doc.strip():
-            raise _damaged(path, "is empty") from None
+            raise _damaged(path, "is empty", imported) from None
         end = " (it looks truncated)" if e.pos >= len(e.doc.rstrip()) else ""
-        raise _damaged(path, f"is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}{end}") from None
+        raise _damaged(path, f"is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}{end}",
+                       imported) from None
     except (ValueError, RecursionError) as e:
-        raise _damaged(path, f"is not valid JSON ({_why(e)})") from None
+        raise _damaged(path, f"is not valid JSON ({_why(e)})", imported) from None
     if not isinstance(data, dict):
-        raise _damaged(path, f"holds a JSON {_json_type(data)}, not an object")
+        raise _damaged(path, f"holds a JSON {_json_type(data)}, not an object", imported)
     return data
 
 
@@ -295,114 +313,135 @@ def _token_ok(v) -> bool:
     return isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str))
 
 
-def _check_token_fields(path: Path, data: dict) -> None:
+def _check_token_fields(path: Path, data: dict, imported: bool) -> None:
     for key in _SPECIAL_KEYS:
         if key in data and data[key] is not None and not _token_ok(data[key]):
             raise _damaged(path, f"has {key!r} = {_json_type(data[key])} (expected a string, "
-                                 "an object with a string 'content', or null)")
+                                 "an object with a string 'content', or null)", imported)
     for key in ("additional_special_tokens", "extra_special_tokens"):
         v = data.get(key)
         items = list(v.values()) if isinstance(v, dict) and key == "extra_special_tokens" else v
         if v is not None and (not isinstance(items, list) or not all(map(_token_ok, items))):
             raise _damaged(path, f"has {key!r} that is not a list of tokens (strings or objects "
-                                 "with a string 'content')")
+                                 "with a string 'content')", imported)
 
 
-def _check_tokenizer_config(path: Path) -> None:
-    data = _json_object(path)
-    _check_token_fields(path, data)
+def _check_tokenizer_config(path: Path, imported: bool) -> None:
+    data = _json_object(path, imported)
+    _check_token_fields(path, data, imported)
     decoder = data.get("added_tokens_decoder")
     if decoder is not None:
         if not isinstance(decoder, dict):
             raise _damaged(path, f"has 'added_tokens_decoder' = {_json_type(decoder)} (expected an "
-                                 "object of token id -> token)")
+                                 "object of token id -> token)", imported)
         for k, v in decoder.items():
             if not k.isdigit() or not _token_ok(v):
                 raise _damaged(path, f"has an 'added_tokens_decoder' entry {k[:40]!r} that is not "
-                                     "token id (digits) -> object with a string 'content'")
+                                     "token id (digits) -> object with a string 'content'", imported)
     mml = data.get("model_max_length")
     if mml is not None and (isinstance(mml, bool) or not isinstance(mml, (int, float))):
-        raise _damaged(path, f"has 'model_max_length' = {_json_type(mml)} (expected a number)")
+        raise _damaged(path, f"has 'model_max_length' = {_json_type(mml)} (expected a number)", imported)
     for key in _BOOL_KEYS:
         if data.get(key) is not None and not isinstance(data[key], bool):
-            raise _damaged(path, f"has {key!r} = {_json_type(data[key])} (expected true or false)")
+            raise _damaged(path, f"has {key!r} = {_json_type(data[key])} (expected true or false)", imported)
     for key in ("padding_side", "truncation_side"):
         if data.get(key) is not None and data[key] not in ("left", "right"):
             raise _damaged(path, f"has {key!r} = {str(data[key])[:40]!r} (expected \"left\" or "
-                                 "\"right\")")
+                                 "\"right\")", imported)
     if data.get("tokenizer_class") is not None and not isinstance(data["tokenizer_class"], str):
         raise _damaged(path, f"has 'tokenizer_class' = {_json_type(data['tokenizer_class'])} "
-                             "(expected a string)")
+                             "(expected a string)", imported)
     chat = data.get("chat_template")
     if chat is not None and not isinstance(chat, (str, list)):
-        raise _damaged(path, f"has 'chat_template' = {_json_type(chat)} (expected a string)")
+        raise _damaged(path, f"has 'chat_template' = {_json_type(chat)} (expected a template string or a "
+                             "list of named templates)", imported)
 
 
-def _check_special_tokens_map(path: Path) -> None:
-    _check_token_fields(path, _json_object(path))
+def _check_special_tokens_map(path: Path, imported: bool) -> None:
+    _check_token_fields(path, _json_object(path, imported), imported)
 
 
-def _check_added_tokens(path: Path) -> None:
-    for k, v in _json_object(path).items():
+def _check_added_tokens(path: Path, imported: bool) -> None:
+    for k, v in _json_object(path, imported).items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise _damaged(path, f"maps {k[:40]!r} to {_json_type(v)} (expected token -> id, "
-                                 "a non-negative integer)")
+            got = repr(v)[:40] if _json_type(v) == "number" else _json_type(v)     # -1, 2.5: the value
+            raise _damaged(path, f"maps {k[:40]!r} to {got} (expected token -> id, "
+                                 "a non-negative integer)", imported)
 
 
-def check_tokenizer_folder(d: Path) -> None:
+def check_tokenizer_folder(d: Path, imported: bool = False) -> None:
     """Refuse a tokenizer folder whose small JSON files (tokenizer_config.json,
-    special_tokens_map.json, added_tokens.json) are damaged, naming the file: not JSON, not
-    UTF-8, truncated, not an object, or a field of the wrong type."""
+    special_tokens_map.json, added_tokens.json) are damaged, naming the file: not a regular
+    file, not JSON, not UTF-8, truncated, not an object, or a field of the wrong type.
+    tokenizer.json is not read here (see :func:`load_tokenizer_folder`). ``imported``: ``d`` is
+    a Hugging Face model folder being imported (the advice in the message says so)."""
     for name, check in (("tokenizer_config.json", _check_tokenizer_config),
                         ("special_tokens_map.json", _check_special_tokens_map),
                         ("added_tokens.json", _check_added_tokens)):
         path = d / name
         if path.exists() or path.is_symlink():
-            check(path)
+            check(path, imported)
 
 
-def _check_spm_file(model: Path) -> None:
+def load_tokenizer_folder(d: Path, imported: bool = False):
+    """transformers' AutoTokenizer of folder ``d`` (local files only), its small JSON files
+    checked first (:func:`check_tokenizer_folder`). tokenizer.json, the large file, is examined
+    only when loading fails, to name the damaged file (a sound folder's tokenizer.json is parsed
+    by transformers alone); any failure is one PipelineError naming the file, or the folder with
+    transformers' reason. ``imported``: as for :func:`check_tokenizer_folder`."""
+    from transformers import AutoTokenizer
+    d = Path(d)
+    check_tokenizer_folder(d, imported)
+    try:
+        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - find the damaged file and name it
+        raise _diagnose_folder(d, e, imported) from None
+
+
+def _check_spm_file(model: Path, imported: bool = False) -> None:
     """Refuse a ``tokenizer.model`` that is not a SentencePiece model, naming it."""
     from utils.data import spm
     if not model.is_file():
-        raise _damaged(model, "is not a regular file")
+        raise _damaged(model, "is not a regular file", imported)
     try:
         spm.read_model(model)
     except OSError as e:
-        raise _damaged(model, f"cannot be read ({e.strerror or e})") from None
+        raise _damaged(model, f"cannot be read ({e.strerror or e})", imported) from None
     except PipelineError as e:
         why = str(e).split(" is not a SentencePiece model", 1)[-1].strip(" .")
-        raise _damaged(model, f"is not a SentencePiece model {why}".rstrip()) from None
+        raise _damaged(model, f"is not a SentencePiece model {why}".rstrip(), imported) from None
 
 
-def _diagnose_tokenizer_json(path: Path) -> Optional[PipelineError]:
-    """Why ``tokenizer.json`` cannot be loaded (a PipelineError naming it), or None if it can."""
-    data = _json_object(path) if path.exists() or path.is_symlink() else None
+def _diagnose_tokenizer_json(path: Path, imported: bool = False) -> Optional[PipelineError]:
+    """Why ``tokenizer.json`` cannot be loaded (a PipelineError naming it, raised when it is not
+    a JSON object, returned when the tokenizers library refuses it), or None if it can."""
+    data = _json_object(path, imported) if path.exists() or path.is_symlink() else None
     if data is None:
         return None
     from tokenizers import Tokenizer
     try:
         Tokenizer.from_str(json.dumps(data))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception
-        return _damaged(path, f"is not a tokenizer the tokenizers library can read ({_why(e)})")
+        return _damaged(path, f"is not a tokenizer the tokenizers library can read ({_why(e)})", imported)
     return None
 
 
-def _diagnose_folder(d: Path, error: BaseException) -> PipelineError:
+def _diagnose_folder(d: Path, error: BaseException, imported: bool = False) -> PipelineError:
     """The error for a tokenizer folder that transformers could not load: the damaged file
     named when one is found, else the folder with transformers' own reason."""
-    found = _diagnose_tokenizer_json(d / "tokenizer.json")
+    found = _diagnose_tokenizer_json(d / "tokenizer.json", imported)
     if found is not None:
         return found
     if not (d / "tokenizer.json").exists():
         model = d / "tokenizer.model"
         if model.exists():
-            _check_spm_file(model)          # raises, naming it, when it is damaged
+            _check_spm_file(model, imported)    # raises, naming it, when it is damaged
         else:
+            has = "tokenizer_config.json but " if (d / "tokenizer_config.json").exists() else ""
             return PipelineError(
-                f"{d} has tokenizer_config.json but neither tokenizer.json nor tokenizer.model, "
-                f"so the tokenizer cannot be loaded. {fix_advice(d)}")
-    return PipelineError(f"cannot load the tokenizer in {d} ({_why(error)}). {fix_advice(d)}")
+                f"{d} has {has}neither tokenizer.json nor tokenizer.model, so the tokenizer "
+                f"cannot be loaded. {fix_advice(d, imported)}")
+    return PipelineError(f"cannot load the tokenizer in {d} ({_why(error)}). {fix_advice(d, imported)}")
 
 
 def load_tokenizer_from(name: str, cfg: Optional[Config] = None):
@@ -430,15 +469,9 @@ def _load(name: str, cfg: Optional[Config]):
                     raise _diagnose_tokenizer_json(p) or _damaged(p, _why(e)) from None
             if p.is_dir():
                 if (p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists():
-                    from transformers import AutoTokenizer
-                    check_tokenizer_folder(p)
                     conversion = _check_saved_copy(p)
                     model = p / "tokenizer.model"
-                    try:
-                        loaded = AutoTokenizer.from_pretrained(str(p))
-                    except Exception as e:  # noqa: BLE001 - find the damaged file and name it
-                        raise _diagnose_folder(p, e) from None
-                    tok = as_exported_from(loaded, p)
+                    tok = as_exported_from(load_tokenizer_folder(p), p)
                     spm_model = model if conversion == SPM_CONVERSION and model.is_file() else None
                     if spm_model is not None:
                         _check_spm_file(spm_model)

@@ -14,9 +14,11 @@ de-quantization work as there) and renamed by utils/hf/mapping.py; the logits eq
 transformers' on the same input (tests/test_export.py).
 
 Damaged or inconsistent input is a PipelineError naming the file and the field or tensor:
-a config.json that is not JSON or has values of the wrong type or range, unreadable
-tokenizer files, weights that are missing, left over (a bias tensor in a bias-free model),
-of another shape than the config gives, not floating point, or not finite, a truncated file.
+a config.json that is not JSON or has values of the wrong type or range, damaged tokenizer
+files (checked as every tokenizer folder is, by utils.data.tok.load_tokenizer_folder: the
+small JSON files before transformers reads them, tokenizer.json when loading fails), weights
+that are missing, left over (a bias tensor in a bias-free model), of another shape than the
+config gives, not floating point, or not finite, a truncated file.
 transformers itself would fill a missing tensor with random values and drop an unexpected
 one with a warning; an import never does.
 """
@@ -68,14 +70,11 @@ def _split(path: Path) -> tuple[Path, Optional[str]]:
 def source_tokenizer(path):
     """The transformers tokenizer of a Hugging Face folder or .gguf file as transformers loads
     it (its own settings and chat template; what an export of the import writes again)."""
-    from transformers import AutoTokenizer
-    from utils.hf.inputs import check_tokenizer_files
+    from utils.data.tok import load_tokenizer_folder
     folder, gguf = _split(Path(path))
     if gguf:
         return _gguf_tokenizer(folder / gguf, str(folder / gguf))
-    check_tokenizer_files(folder)
-    return _read(lambda: AutoTokenizer.from_pretrained(folder, local_files_only=True),
-                 f"the tokenizer of {folder}")
+    return load_tokenizer_folder(folder, imported=True)
 
 
 def llama_config_problems(c) -> list[str]:
@@ -114,10 +113,10 @@ def llama_config_problems(c) -> list[str]:
 def load_hf_llama(path) -> Imported:
     """The model and tokenizer of a local Hugging Face Llama folder or GGUF file."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from model import create_model
-    from utils.data.tok import as_exported_from, describe, plain
-    from utils.hf.inputs import check_config_json, check_tokenizer_files, generation_config_notice
+    from utils.data.tok import as_exported_from, describe, load_tokenizer_folder, plain
+    from utils.hf.inputs import check_config_json, generation_config_notice
     from utils.hf.mapping import from_hf_state_dict
     folder, gguf = _split(Path(path))
     # the generation settings are the config's inference section's: the folder's
@@ -128,7 +127,6 @@ def load_hf_llama(path) -> Imported:
         _gguf_header(folder / gguf)
     else:
         check_config_json(folder)
-        check_tokenizer_files(folder)
         note = generation_config_notice(folder)
         if note:
             print(f"notice: {note}", file=sys.stderr)
@@ -138,9 +136,8 @@ def load_hf_llama(path) -> Imported:
     problems = llama_config_problems(config)
     if problems:
         raise PipelineError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
-    tok = _gguf_tokenizer(folder / gguf, where) if gguf else _read(
-        lambda: AutoTokenizer.from_pretrained(folder, local_files_only=True),
-        f"the tokenizer files in {folder} (tokenizer.json, tokenizer_config.json ...)")
+    # the folder's tokenizer files are checked by utils.data.tok, tokenizer.json only if loading fails
+    tok = _gguf_tokenizer(folder / gguf, where) if gguf else load_tokenizer_folder(folder, imported=True)
     tok = plain(tok if gguf else as_exported_from(tok, folder))
     if len(tok) > config.vocab_size:
         raise PipelineError(f"{where} cannot be imported: its tokenizer has {len(tok)} tokens but "

@@ -2,15 +2,15 @@
 reads them (library; no side effects; used by utils/hf/import_hf.py).
 
 transformers trusts what it reads: it divides by ``num_attention_heads`` while validating a
-config, calls ``.get`` on whatever tokenizer_config.json holds, reads a GGUF file's token list
-by index, and so on; a zero, a list where an object belongs or a count past the end of a file
-surfaces there as ZeroDivisionError, AttributeError or IndexError. Each function here reads the
-values themselves (JSON as parsed, the GGUF header through the ``gguf`` package's reader) and
-raises one PipelineError naming the file, the key or field and what is wrong with it.
+config, reads a GGUF file's token list by index, and so on; a zero, a list where an object
+belongs or a count past the end of a file surfaces there as ZeroDivisionError, AttributeError
+or IndexError. Each function here reads the values themselves (JSON as parsed, the GGUF header
+through the ``gguf`` package's reader) and raises one PipelineError naming the file, the key or
+field and what is wrong with it. The folder's tokenizer files are checked where every tokenizer
+folder is, by utils.data.tok.load_tokenizer_folder.
 
     read_json_object(path)            the parsed JSON object of a file (PipelineError otherwise)
     check_config_json(folder)         config.json's sizes and numbers (before AutoConfig)
-    check_tokenizer_files(folder)     tokenizer_config.json, tokenizer.json, special_tokens_map.json ...
     weight_files(folder)              the safetensors files transformers loads (model.safetensors
                                       or the index's shards), refusing .bin pickles by name
     generation_config_notice(folder)  None, or why generation_config.json is unusable (it is ignored)
@@ -31,7 +31,6 @@ CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "head_dim")
 CONFIG_NULLABLE = ("num_key_value_heads", "head_dim")
 CONFIG_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range", "attention_dropout")
-TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -100,36 +99,6 @@ def check_config_json(folder: Path) -> dict:
     if p:
         raise PipelineError(f"{path}: " + "; ".join(p) + ".")
     return conf
-
-
-def check_tokenizer_files(folder: Path) -> None:
-    """The JSON files transformers' tokenizer loader reads, each an object with fields of the
-    types it expects (it calls ``.get`` on them and uses the special tokens as strings)."""
-    folder = Path(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
-        path = folder / name
-        if not path.is_file():
-            continue
-        data = read_json_object(path)
-        p = []
-        if name in ("tokenizer_config.json", "special_tokens_map.json"):
-            for key in TOKEN_FIELDS:
-                v = data.get(key)
-                if not (v is None or isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str))):
-                    p.append(f"{key}: expected a token string (or an object with its \"content\"), got {v!r:.60}")
-        if name == "tokenizer_config.json":
-            for key, types, what in (("tokenizer_class", (str,), "a class name"),
-                                     ("chat_template", (str, list), "a template string or a list of them"),
-                                     ("added_tokens_decoder", (dict,), "an object"),
-                                     ("model_max_length", (int, float), "a number")):
-                v = data.get(key)
-                if v is not None and (isinstance(v, bool) or not isinstance(v, types)):
-                    p.append(f"{key}: expected {what}, got {_kind(v)}")
-        if name == "added_tokens.json":
-            p += [f"{k!r}: expected a token id, got {v!r:.40}" for k, v in data.items()
-                  if isinstance(v, bool) or not isinstance(v, int) or v < 0][:3]
-        if p:
-            raise PipelineError(f"{path}: " + "; ".join(p) + " (fix or replace the file).")
 
 
 def weight_files(folder: Path) -> list[Path]:
