@@ -31,6 +31,8 @@ CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "head_dim")
 CONFIG_NULLABLE = ("num_key_value_heads", "head_dim")
 CONFIG_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range", "attention_dropout")
+CONFIG_POSITIVE = ("rms_norm_eps", "rope_theta")            # of those, the ones only > 0 makes sense of
+CONFIG_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")   # true / false when present
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -77,8 +79,10 @@ def _finite(v) -> bool:
 
 
 def check_config_json(folder: Path) -> dict:
-    """config.json's object, its sizes positive integers and its numbers finite, checked on the
-    values as written (transformers divides by the head counts while it validates them)."""
+    """config.json's object, its sizes positive integers, its numbers finite (``rms_norm_eps``
+    and ``rope_theta`` above 0) and its flags true or false, checked on the values as written
+    (transformers divides by the head counts while it validates them, and words a wrong type
+    in its own terms)."""
     path = Path(folder) / "config.json"
     conf = read_json_object(path, "model_type, hidden_size")
     p = []
@@ -96,6 +100,11 @@ def check_config_json(folder: Path) -> dict:
     for key, v in numbers:
         if not _finite(v):
             p.append(f"{key}: expected a finite number, got {v!r}")
+        elif key.rsplit(".", 1)[-1] in CONFIG_POSITIVE and v <= 0:
+            p.append(f"{key}: expected a number above 0, got {v!r}")
+    for key in CONFIG_FLAGS:
+        if conf.get(key) is not None and not isinstance(conf[key], bool):
+            p.append(f"{key}: expected true or false, got {conf[key]!r}")
     if p:
         raise PipelineError(f"{path}: " + "; ".join(p) + ".")
     return conf
