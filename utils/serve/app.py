@@ -43,6 +43,7 @@ from utils.config import json_error_text
 from utils.data import sft
 from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence, TextDecoder
 from utils.generation.loop import Lane
+from utils.serve.connections import INVALID_HTTP
 from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, clip, error_body, new_id, now,
                                   read_chat, read_completion, shown)
 
@@ -324,8 +325,14 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request, e: ClientDisconnect):
-        """The client closed the connection before its body arrived: nobody to answer."""
-        log(f"a client left while sending its request to {clip(request.url.path)}; nothing was run")
+        """The client closed the connection before its body arrived, or the connection was
+        closed under the request because its body was not valid HTTP (utils/serve/connections.py
+        answered 400 invalid_http and marked the scope): nobody to answer."""
+        if request.scope.get(INVALID_HTTP):
+            log(f"the body of a request to {clip(request.url.path)} was not valid HTTP/1.1 (e.g. a malformed "
+                "chunk): answered 400 invalid_http, connection closed; nothing was run")
+        else:
+            log(f"a client left while sending its request to {clip(request.url.path)}; nothing was run")
         return Response(status_code=499)      # nginx's "client closed request"; never sent
 
     @app.exception_handler(Exception)

@@ -34,6 +34,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from utils.serve.protocol import clip, error_body
 
 IDLE, READING, HELD = "idle", "reading", "held"     # what a connection is doing (see _phase_now)
+INVALID_HTTP = "llm_pipeline.invalid_http"           # scope key: this request's bytes broke HTTP (app's log)
 
 
 def timed_protocol(idle: float, read: float, log: Callable[[str], None]) -> type[H11Protocol]:
@@ -137,7 +138,11 @@ class TimedH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes that are not HTTP/1.1 (a malformed request line, header or
         chunk size, conflicting Content-Length values, a header block over h11's limit ...), in
-        OpenAI's error shape instead of plain text, then the connection closed."""
+        OpenAI's error shape instead of plain text, then the connection closed. A request whose
+        body broke it is marked (``INVALID_HTTP`` in its scope): the app, which then sees the
+        connection gone, logs why instead of "a client left"."""
+        if self.scope is not None and self.cycle is not None and not self.cycle.response_complete:
+            self.scope[INVALID_HTTP] = True
         self._answer(400, b"Bad Request", "the request is not valid HTTP/1.1 (a malformed request line, "
                      "header, Content-Length or chunked body, or headers too large): send it with a "
                      "standard HTTP client.", "invalid_http")
