@@ -1042,6 +1042,8 @@ HOSTILE = {
                        ["quantization_config", "gptq", "unquantized weights"]),
     "rope_theta_infinite": (_damage_config(rope_parameters={"rope_type": "default", "rope_theta": float("inf")}),
                             ["config.json", "rope_theta: expected a finite number, got inf"]),
+    "config_a_list": (lambda d: (d / "config.json").write_text("[1]"),        # worded as tokenizer files
+                      ["config.json holds a JSON array, not an object (keys such as model_type"]),
     "rms_norm_eps_negative": (_damage_config(rms_norm_eps=-1),
                               ["config.json", "rms_norm_eps: expected a number above 0, got -1"]),
     "tie_word_embeddings_text": (_damage_config(tie_word_embeddings="no"),

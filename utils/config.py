@@ -646,6 +646,41 @@ def parse_json(text: str) -> Any:
     return decoder.decode(text)
 
 
+def json_type(v: Any) -> str:
+    """The JSON name of a parsed value's type: object, array, string, boolean, null or number."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
+            int: "number", float: "number"}.get(type(v), type(v).__name__)
+
+
+def read_json_object_file(path) -> tuple[Optional[dict], str]:
+    """(the JSON object in file ``path``, "") or (None, why not), the reason worded to follow
+    the file's name: "is not a regular file", "cannot be read (...)", "is empty", "is not UTF-8
+    text (byte 0x.. at offset N)", "is not valid JSON: <what> at line L, column C (it looks
+    truncated)", "is not valid JSON (nested too deeply)", "holds a JSON array, not an object".
+    The one reader of the JSON files other tools wrote (tokenizer and HF model folders)."""
+    path = Path(path)
+    if not path.is_file():
+        return None, "is not a regular file"
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except json.JSONDecodeError as e:
+        if not e.doc.strip():
+            return None, "is empty"
+        end = " (it looks truncated)" if e.pos >= len(e.doc.rstrip()) else ""
+        return None, f"is not valid JSON: {json_error_text(e)} at line {e.lineno}, column {e.colno}{end}"
+    except UnicodeDecodeError as e:
+        return None, f"is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+    except (ValueError, RecursionError) as e:          # 4,300+ digit integers, nesting too deep
+        return None, f"is not valid JSON ({json_error_text(e)})"
+    if not isinstance(data, dict):
+        return None, f"holds a JSON {json_type(data)}, not an object"
+    return data, ""
+
+
 def json_error_text(e: Exception) -> str:
     """Why ``json.loads`` refused a text, for any of the ways it can: a syntax error (json's
     message without its dangling " at"), nesting deeper than the parser's recursion limit

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from utils.cli import PipelineError
-from utils.config import Config
+from utils.config import Config, json_type, read_json_object_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SPECIAL_TOKENS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
@@ -206,7 +206,7 @@ def _read_info(d: Path) -> Optional[dict]:
                             "folder, tokenizer.json or SentencePiece .model file.") from e
     for key in ("conversion", "kind", "source", "fingerprint"):
         if info.get(key) is not None and not isinstance(info[key], str):
-            raise PipelineError(f"{info_file} has {key!r} = {_json_type(info[key])} (expected a "
+            raise PipelineError(f"{info_file} has {key!r} = {json_type(info[key])} (expected a "
                                 "string); re-save the tokenizer with `python main.py tokenize` "
                                 "(add the --config you use), or point tokenizer.name in "
                                 "config.json to a valid tokenizer folder, tokenizer.json or "
@@ -281,31 +281,10 @@ def _why(e: BaseException) -> str:
 
 def _json_object(path: Path, imported: bool = False):
     """The JSON object in ``path``; a PipelineError naming the file when it is not one."""
-    if not path.is_file():
-        raise _damaged(path, "is not a regular file", imported)
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise _damaged(path, f"cannot be read ({e.strerror or e})", imported) from None
-    except UnicodeDecodeError as e:
-        raise _damaged(path, f"is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})",
-                       imported) from None
-    except json.JSONDecodeError as e:
-        if not e.doc.strip():
-            raise _damaged(path, "is empty", imported) from None
-        end = " (it looks truncated)" if e.pos >= len(e.doc.rstrip()) else ""
-        raise _damaged(path, f"is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}{end}",
-                       imported) from None
-    except (ValueError, RecursionError) as e:
-        raise _damaged(path, f"is not valid JSON ({_why(e)})", imported) from None
-    if not isinstance(data, dict):
-        raise _damaged(path, f"holds a JSON {_json_type(data)}, not an object", imported)
+    data, why = read_json_object_file(path)
+    if data is None:
+        raise _damaged(path, why, imported)
     return data
-
-
-def _json_type(v) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
-            int: "number", float: "number"}.get(type(v), type(v).__name__)
 
 
 def _token_ok(v) -> bool:
@@ -316,7 +295,7 @@ def _token_ok(v) -> bool:
 def _check_token_fields(path: Path, data: dict, imported: bool) -> None:
     for key in _SPECIAL_KEYS:
         if key in data and data[key] is not None and not _token_ok(data[key]):
-            raise _damaged(path, f"has {key!r} = {_json_type(data[key])} (expected a string, "
+            raise _damaged(path, f"has {key!r} = {json_type(data[key])} (expected a string, "
                                  "an object with a string 'content', or null)", imported)
     for key in ("additional_special_tokens", "extra_special_tokens"):
         v = data.get(key)
@@ -332,7 +311,7 @@ def _check_tokenizer_config(path: Path, imported: bool) -> None:
     decoder = data.get("added_tokens_decoder")
     if decoder is not None:
         if not isinstance(decoder, dict):
-            raise _damaged(path, f"has 'added_tokens_decoder' = {_json_type(decoder)} (expected an "
+            raise _damaged(path, f"has 'added_tokens_decoder' = {json_type(decoder)} (expected an "
                                  "object of token id -> token)", imported)
         for k, v in decoder.items():
             if not k.isdigit() or not _token_ok(v):
@@ -340,20 +319,20 @@ def _check_tokenizer_config(path: Path, imported: bool) -> None:
                                      "token id (digits) -> object with a string 'content'", imported)
     mml = data.get("model_max_length")
     if mml is not None and (isinstance(mml, bool) or not isinstance(mml, (int, float))):
-        raise _damaged(path, f"has 'model_max_length' = {_json_type(mml)} (expected a number)", imported)
+        raise _damaged(path, f"has 'model_max_length' = {json_type(mml)} (expected a number)", imported)
     for key in _BOOL_KEYS:
         if data.get(key) is not None and not isinstance(data[key], bool):
-            raise _damaged(path, f"has {key!r} = {_json_type(data[key])} (expected true or false)", imported)
+            raise _damaged(path, f"has {key!r} = {json_type(data[key])} (expected true or false)", imported)
     for key in ("padding_side", "truncation_side"):
         if data.get(key) is not None and data[key] not in ("left", "right"):
             raise _damaged(path, f"has {key!r} = {str(data[key])[:40]!r} (expected \"left\" or "
                                  "\"right\")", imported)
     if data.get("tokenizer_class") is not None and not isinstance(data["tokenizer_class"], str):
-        raise _damaged(path, f"has 'tokenizer_class' = {_json_type(data['tokenizer_class'])} "
+        raise _damaged(path, f"has 'tokenizer_class' = {json_type(data['tokenizer_class'])} "
                              "(expected a string)", imported)
     chat = data.get("chat_template")
     if chat is not None and not isinstance(chat, (str, list)):
-        raise _damaged(path, f"has 'chat_template' = {_json_type(chat)} (expected a template string or a "
+        raise _damaged(path, f"has 'chat_template' = {json_type(chat)} (expected a template string or a "
                              "list of named templates)", imported)
 
 
@@ -364,7 +343,7 @@ def _check_special_tokens_map(path: Path, imported: bool) -> None:
 def _check_added_tokens(path: Path, imported: bool) -> None:
     for k, v in _json_object(path, imported).items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            got = repr(v)[:40] if _json_type(v) == "number" else _json_type(v)     # -1, 2.5: the value
+            got = repr(v)[:40] if json_type(v) == "number" else json_type(v)     # -1, 2.5: the value
             raise _damaged(path, f"maps {k[:40]!r} to {got} (expected token -> id, "
                                  "a non-negative integer)", imported)
 

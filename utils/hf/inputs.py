@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from utils.cli import PipelineError
+from utils.config import json_type, read_json_object_file
 
 # config.json's sizes: positive integers when present (None allowed where transformers derives one)
 CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -41,18 +42,12 @@ def _short(e: BaseException) -> str:
 
 
 def _json_object(path: Path, keys: str = "") -> tuple[Optional[dict], str]:
-    """(the JSON object in ``path``, "") or (None, what is wrong with the file)."""
-    try:
-        data = json.loads(Path(path).read_bytes().decode("utf-8"))
-    except OSError as e:
-        return None, f"cannot be read ({e.strerror or e})"
-    except UnicodeDecodeError as e:
-        return None, f"is not valid JSON: not UTF-8 text ({_short(e)})"
-    except (ValueError, RecursionError) as e:        # JSONDecodeError is a ValueError
-        return None, f"is not valid JSON ({type(e).__name__}: {_short(e)})"
-    if not isinstance(data, dict):
-        return None, f"holds {_kind(data)}, not a JSON object{f' (keys such as {keys})' if keys else ''}"
-    return data, ""
+    """(the JSON object in ``path``, "") or (None, what is wrong with the file), worded as
+    everywhere (``utils.config.read_json_object_file``); ``keys``: examples of what it holds."""
+    data, why = read_json_object_file(path)
+    if data is None and keys and why.endswith("not an object"):
+        why += f" (keys such as {keys})"
+    return data, why
 
 
 def read_json_object(path: Path, keys: str = "") -> dict:
@@ -66,8 +61,7 @@ def read_json_object(path: Path, keys: str = "") -> dict:
 
 
 def _kind(v) -> str:
-    return {list: "a list", str: "a string", bool: "true/false", type(None): "null", int: "a number",
-            float: "a number", dict: "an object"}.get(type(v), type(v).__name__)
+    return f"a JSON {json_type(v)}"
 
 
 def _positive_int(v) -> bool:
