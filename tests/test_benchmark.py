@@ -515,6 +515,22 @@ def test_bad_seed_output_folder_and_hf_paths_are_refused_before_scoring(models, 
     assert a_file.read_text() == "keep"
 
 
+def test_a_damaged_tokenizer_file_of_an_hf_folder_is_named(models, tmp_path):
+    """--hf-model DIR whose tokenizer_config.json is damaged: exit 1 naming the file, the key and
+    what to do (it was transformers' error naming only the model), nothing scored."""
+    import shutil
+    bad = tmp_path / "hf_bad"
+    shutil.copytree(models["hf"], bad)
+    conf = json.loads((bad / "tokenizer_config.json").read_text())
+    conf["bos_token"] = 5
+    (bad / "tokenizer_config.json").write_text(json.dumps(conf))
+    r = run_cli("--test", "--config", "configs/offline.json", "--hf-model", bad, "--tasks", "perplexity",
+                "--output-dir", tmp_path / "out", timeout=300)
+    assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
+    assert f"{bad / 'tokenizer_config.json'}" in r.stderr and "'bos_token' = number" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not list((tmp_path / "out").glob("benchmark_*"))
+
+
 def test_ranking_orders_models_and_marks_best():
     from utils.bench import report
 

@@ -326,8 +326,13 @@ def load_hf(spec: str, gguf_file: Optional[str] = None):
         raise PipelineError(f"--hf-model {spec}: no such folder or file.")
     else:
         where = spec
+    folder = p.is_dir() and not gguf_file
+    if folder:                                  # a damaged tokenizer file named, as an import names it
+        from utils.data.tok import load_tokenizer_folder
+        tok = load_tokenizer_folder(p, imported=True)
     try:
-        tok = AutoTokenizer.from_pretrained(where, **kw)
+        if not folder:
+            tok = AutoTokenizer.from_pretrained(where, **kw)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw)
     except Exception as e:
         hint = ("" if p.exists() else " Offline, pass a local folder saved with save_pretrained "
