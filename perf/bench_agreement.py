@@ -175,9 +175,15 @@ def first_items(task: str, n: int):
     return items, raw, data.source
 
 
-def ensure_lmeval_venv(venv: Path) -> Path:
+LMEVAL_NEEDS = {"lm_eval": "lm-eval", "gguf": "gguf", "accelerate": "accelerate"}   # import name: pip spec
+
+
+def ensure_lmeval_venv(venv: Path, needs: dict = LMEVAL_NEEDS) -> Path:
+    """The python of lm-eval's own environment ``venv``, created (or completed) with pip when
+    one of ``needs`` (import name: pip requirement) does not import there; torch and
+    transformers pinned to ours. perf/serve_lmeval.py uses it too."""
     py = venv / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import lm_eval, gguf, accelerate"],
+    if py.exists() and subprocess.run([str(py), "-c", f"import transformers, {', '.join(needs)}"],
                                       capture_output=True).returncode == 0:
         return py
     import torch
@@ -186,8 +192,7 @@ def ensure_lmeval_venv(venv: Path) -> Path:
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(py), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}",
-                    "lm-eval", f"transformers=={transformers.__version__}", "gguf", "accelerate"],
-                   check=True)
+                    f"transformers=={transformers.__version__}", *needs.values()], check=True)
     return py
 
 

@@ -23,7 +23,8 @@ numbers it would compute itself?
    the same is_greedy), 1 otherwise.
 
 lm-eval runs in its own virtual environment (``--lmeval-venv``, created with ``pip install
-torch==<ours> "lm-eval[api]" transformers==<ours> accelerate sentencepiece`` when missing); this
+torch==<ours> transformers==<ours> "lm-eval[api]" accelerate sentencepiece`` when missing, by
+perf/bench_agreement.py's ``ensure_lmeval_venv``); this
 script re-runs itself there as ``--lmeval-worker``, which imports only lm_eval.
 """
 from __future__ import annotations
@@ -77,20 +78,7 @@ def lmeval_worker(args) -> int:
 
 
 # =========================================================================== our side
-def ensure_lmeval_venv(venv: Path) -> Path:
-    py = venv / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import lm_eval, transformers, accelerate, sentencepiece"],
-                                      capture_output=True).returncode == 0:
-        return py
-    import torch
-    import transformers
-    print(f"creating lm-eval environment {venv} (pip) ...", flush=True)
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}",
-                    "lm-eval[api]", f"transformers=={transformers.__version__}", "accelerate", "sentencepiece"],
-                   check=True)
-    return py
+LMEVAL_NEEDS = {"lm_eval": "lm-eval[api]", "accelerate": "accelerate", "sentencepiece": "sentencepiece"}
 
 
 def main(argv=None) -> int:
@@ -108,7 +96,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "perf"))
     import serve_throughput as st
-    py = ensure_lmeval_venv(Path(args.lmeval_venv))
+    from bench_agreement import ensure_lmeval_venv
+    py = ensure_lmeval_venv(Path(args.lmeval_venv), LMEVAL_NEEDS)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     with tempfile.TemporaryDirectory(prefix="serve_lmeval_") as tmp:
         work = Path(tmp)
