@@ -18,7 +18,6 @@ folder is, by utils.data.tok.load_tokenizer_folder.
 """
 from __future__ import annotations
 
-import json
 import math
 import struct
 from pathlib import Path

@@ -24,7 +24,6 @@ lone surrogates escaped), so every error body is short and encodes.
 from __future__ import annotations
 
 import json
-
 import math
 import re
 import reprlib
@@ -101,12 +100,15 @@ def _num(body: dict, key: str, default, lo=None, hi=None, integer=False, lo_open
     return v
 
 
-def _bool(body: dict, key: str, default: bool) -> bool:
+def _bool(body: dict, key: str, default: bool, path: Optional[str] = None) -> bool:
+    """``body[key]`` as true/false; an error names it by ``path`` (its place in the request,
+    e.g. "stream_options.include_usage"), else by ``key``."""
     v = body.get(key, default)
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ApiError(400, f"'{key}' must be true or false, got {shown(v)}.", key, "invalid_type")
+        name = path or key
+        raise ApiError(400, f"'{name}' must be true or false, got {shown(v)}.", name, "invalid_type")
     return v
 
 
@@ -191,11 +193,7 @@ def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
     if opts is not None and not isinstance(opts, dict):
         raise ApiError(400, "'stream_options' must be an object.", "stream_options", "invalid_type")
     stream = _bool(body, "stream", False)
-    try:
-        include_usage = _bool(opts or {}, "include_usage", False)
-    except ApiError as e:                                    # name it by its path in the body
-        raise ApiError(400, e.message.replace("'include_usage'", "'stream_options.include_usage'"),
-                       "stream_options.include_usage", "invalid_type") from None
+    include_usage = _bool(opts or {}, "include_usage", False, "stream_options.include_usage")
     if opts and not stream:
         raise ApiError(400, "'stream_options' is only allowed with \"stream\": true.", "stream_options",
                        "invalid_value")
