@@ -257,17 +257,19 @@ def _signal_when(proc, out: Path, ready, sig: int) -> list[str]:
     the folder's names at that moment."""
     while True:
         assert _wait_for(proc, out, ready) is not None, "the run ended before the moment to signal"
+        sent = False
         try:
             os.killpg(proc.pid, signal.SIGSTOP)
             time.sleep(0.01)   # every process of the group is stopped by now
             names = _names(out)
-            if ready(names):
+            if ready(names):   # judged once, while frozen: after SIGCONT the run reacts to it
                 os.killpg(proc.pid, sig)
+                sent = True
         except ProcessLookupError:   # the run ended meanwhile: _wait_for says so
             continue
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGCONT)   # a pending SIGINT is taken now
-        if ready(names):
+        if sent:
             return names
 
 
