@@ -545,6 +545,31 @@ def test_bytes_that_are_not_http_get_an_openai_shaped_400_and_the_connection_clo
         _wait_for_log(server, "was not valid HTTP/1.1 (e.g. a malformed chunk): answered 400 invalid_http")
 
 
+def test_headers_over_the_limit_get_431_and_an_unknown_transfer_encoding_501(server):
+    """h11's own status for what it refuses, where uvicorn always said 400: a header block over
+    its limit (16 KiB) is a 431, a Transfer-Encoding other than chunked a 501; OpenAI's shape,
+    and the connection closes."""
+    import socket
+
+    def answer(*parts: bytes) -> tuple[str, dict]:
+        with socket.create_connection(_host_port(server.url), timeout=TIMEOUT) as sock:
+            for part in parts:                       # the last part crosses the limit: all read
+                sock.sendall(part)
+            reply = b""
+            while got := sock.recv(65536):
+                reply += got
+        head, _, content = reply.partition(b"\r\n\r\n")
+        return head.decode("latin-1").lower(), json.loads(content)["error"]
+
+    head, err = answer(b"GET /health HTTP/1.1\r\nHost: h\r\nX-Big: " + b"a" * 16000, b"a" * 1000)
+    assert head.startswith("http/1.1 431") and "connection: close" in head, head
+    assert err["code"] == "invalid_http" and "headers are larger" in err["message"], err
+    head, err = answer(b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip\r\n\r\n")
+    assert head.startswith("http/1.1 501") and "connection: close" in head, head
+    assert err["code"] == "invalid_http" and "Transfer-Encoding" in err["message"], err
+    assert server.health()["status"] == "ok"
+
+
 def test_one_model_by_id(server):
     """GET /v1/models/{id}: the model's entry of GET /v1/models; an unknown id is a 404."""
     listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"]}

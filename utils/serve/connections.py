@@ -35,6 +35,29 @@ from utils.serve.protocol import clip, error_body
 
 IDLE, READING, HELD = "idle", "reading", "held"     # what a connection is doing (see _phase_now)
 INVALID_HTTP = "llm_pipeline.invalid_http"           # scope key: this request's bytes broke HTTP (app's log)
+# h11's status for a request it refuses (its error_status_hint) -> the reason and what to do
+REFUSED_HTTP = {
+    400: (b"Bad Request", "the request is not valid HTTP/1.1 (a malformed request line, header, "
+                          "Content-Length or chunked body): send it with a standard HTTP client."),
+    431: (b"Request Header Fields Too Large", "the request's headers are larger than this server "
+                                              "reads (h11's limit): send fewer or shorter headers."),
+    501: (b"Not Implemented", "the request's Transfer-Encoding is not supported (only chunked, "
+                              "once): send the body with Content-Length or chunked."),
+}
+
+
+class _HintedConnection(h11.Connection):
+    """h11's connection, keeping the status h11 suggests for the last request it refused
+    (uvicorn drops the exception and always answers 400)."""
+
+    refused_status = 400
+
+    def next_event(self):
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.refused_status = e.error_status_hint if e.error_status_hint in REFUSED_HTTP else 400
+            raise
 
 
 def timed_protocol(idle: float, read: float, log: Callable[[str], None]) -> type[H11Protocol]:
@@ -55,6 +78,8 @@ class TimedH11Protocol(H11Protocol):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        limit = self.config.h11_max_incomplete_event_size   # as uvicorn's own connection has it
+        self.conn = _HintedConnection(h11.SERVER, *(() if limit is None else (limit,)))
         self._phase: Optional[str] = None
         self._deadline: Optional[asyncio.TimerHandle] = None
         self._overtime = False              # the app had its own read_timeout on top of ours
@@ -137,15 +162,16 @@ class TimedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes that are not HTTP/1.1 (a malformed request line, header or
-        chunk size, conflicting Content-Length values, a header block over h11's limit ...), in
-        OpenAI's error shape instead of plain text, then the connection closed. A request whose
-        body broke it is marked (``INVALID_HTTP`` in its scope): the app, which then sees the
-        connection gone, logs why instead of "a client left"."""
+        chunk size, conflicting Content-Length values ...), in OpenAI's error shape instead of
+        plain text, with the status h11 names (431 for a header block over its limit, 501 for
+        a Transfer-Encoding it does not implement, else 400), then the connection closed. A
+        request whose body broke it is marked (``INVALID_HTTP`` in its scope): the app, which
+        then sees the connection gone, logs why instead of "a client left"."""
         if self.scope is not None and self.cycle is not None and not self.cycle.response_complete:
             self.scope[INVALID_HTTP] = True
-        self._answer(400, b"Bad Request", "the request is not valid HTTP/1.1 (a malformed request line, "
-                     "header, Content-Length or chunked body, or headers too large): send it with a "
-                     "standard HTTP client.", "invalid_http")
+        status = getattr(self.conn, "refused_status", 400)
+        reason, message = REFUSED_HTTP[status]
+        self._answer(status, reason, message, "invalid_http")
 
     def _answer_408(self) -> None:
         """A 408 in OpenAI's error shape for a request whose headers did not all come, then
