@@ -570,6 +570,22 @@ def test_headers_over_the_limit_get_431_and_an_unknown_transfer_encoding_501(ser
     assert server.health()["status"] == "ok"
 
 
+def test_a_request_target_in_absolute_form_is_served_as_its_path(server):
+    """RFC 9112 3.2.2: a server must accept a target in absolute form (what a client sends to a
+    server it takes for its proxy); uvicorn routed the whole URL as a path, a 404."""
+    import socket
+    host, port = _host_port(server.url)
+    with socket.create_connection((host, port), timeout=TIMEOUT) as sock:
+        sock.sendall(f"GET HTTP://{host}:{port}/v1/models?x=1 HTTP/1.1\r\nHost: {host}\r\n"
+                     f"Connection: close\r\n\r\n".encode())
+        reply = b""
+        while got := sock.recv(65536):
+            reply += got
+    head, _, content = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), reply
+    assert {m["id"] for m in json.loads(content)["data"]} >= {"sft_chat", "script"}, content
+
+
 def test_one_model_by_id(server):
     """GET /v1/models/{id}: the model's entry of GET /v1/models; an unknown id is a 404."""
     listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"]}

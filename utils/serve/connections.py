@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
 from typing import Callable, Optional
 
 import h11
@@ -46,18 +47,27 @@ REFUSED_HTTP = {
 }
 
 
-class _HintedConnection(h11.Connection):
+class _Connection(h11.Connection):
     """h11's connection, keeping the status h11 suggests for the last request it refused
-    (uvicorn drops the exception and always answers 400)."""
+    (uvicorn drops the exception and always answers 400), and taking a request target in
+    absolute form (``GET http://host:8000/health``, which a client sends when it takes this
+    server for its proxy; RFC 9112 3.2.2: a server must accept it) as its path and query:
+    uvicorn routed the whole URL as a path, a 404."""
 
     refused_status = 400
 
     def next_event(self):
         try:
-            return super().next_event()
+            event = super().next_event()
         except h11.RemoteProtocolError as e:
             self.refused_status = e.error_status_hint if e.error_status_hint in REFUSED_HTTP else 400
             raise
+        if isinstance(event, h11.Request) and event.target[:8].lower().startswith((b"http://", b"https://")):
+            url = urllib.parse.urlsplit(event.target)
+            target = (url.path or b"/") + (b"?" + url.query if url.query else b"")
+            event = h11.Request(method=event.method, target=target, headers=event.headers,
+                                http_version=event.http_version)
+        return event
 
 
 def timed_protocol(idle: float, read: float, log: Callable[[str], None]) -> type[H11Protocol]:
@@ -79,7 +89,7 @@ class TimedH11Protocol(H11Protocol):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         limit = self.config.h11_max_incomplete_event_size   # as uvicorn's own connection has it
-        self.conn = _HintedConnection(h11.SERVER, *(() if limit is None else (limit,)))
+        self.conn = _Connection(h11.SERVER, *(() if limit is None else (limit,)))
         self._phase: Optional[str] = None
         self._deadline: Optional[asyncio.TimerHandle] = None
         self._overtime = False              # the app had its own read_timeout on top of ours
