@@ -404,6 +404,30 @@ def test_cli_a_nul_in_a_path_like_key_is_refused_naming_the_key(tmp_path):
         assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
 
 
+def test_cli_a_symlink_loop_in_a_path_is_refused_naming_the_flag_or_key(tmp_path):
+    """A symbolic link loop (a -> b -> a) given as a path flag, as --config, or as a relative
+    path-like key was an unexpected error from Path.resolve ("Symlink loop"); it is a usage
+    error naming the flag, or a configuration error naming the key (exit 2)."""
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    loop = str(tmp_path / "loop1")
+    cfg = write_config(tmp_path, {})
+    for args, named in ((["infer", "--config", cfg, "--checkpoint", loop, "--prompt", "x"], "argument --checkpoint"),
+                        (["status", "--config", loop], "argument --config"),
+                        (["prepare", "--config", cfg, "--input-dir", loop], "argument --input-dir")):
+        r = run_main(*args)
+        assert r.returncode == 2, (args, r.stdout + r.stderr)
+        assert named in r.stderr and "leads back to itself" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
+    root = tmp_path / "root"
+    root.mkdir()
+    cfg = write_config(tmp_path, {"paths": {"root": str(root), "checkpoints_dir": "../loop1/x"}})
+    r = run_main("status", "--config", cfg)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "paths.checkpoints_dir" in r.stderr and "leads back to itself" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
+
+
 def test_cli_blank_tokenizer_name_and_path_flags_are_refused(tmp_path):
     """Through the CLI: tokenizer.name "" (or spaces, also given as --name) is a configuration
     error naming tokenizer.name (exit 2); an empty path flag (--output-dir "", --save-dir "",

@@ -525,6 +525,28 @@ def test_cli_train_without_input_exits_1(samples, tmp_config):
     assert "--input" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_cli_train_refuses_a_huge_vocab_a_path_as_name_and_text_that_is_not_utf8(samples, tmp_path, tmp_config):
+    """Refused before anything runs or is written (exit 2, naming the flag or key): a vocab
+    size over 2^20 (2^31 made the Rust trainer abort the process on a 141 GB allocation), a
+    --train-name that is a path ("../../x" wrote outside tokenizers/), and --encode text whose
+    bytes are not UTF-8 (it was encoded as U+FFFD pieces, where --encode-file refuses them)."""
+    cfg = tmp_config()
+    out = tmp_path / "out"
+    proc = run_main("tokenize", "--config", cfg, "--train", "--input", NEWS, "--vocab-size", 2 ** 31,
+                    "--output", out)
+    assert proc.returncode == 2 and "tokenizer.train_vocab_size" in proc.stderr, proc.stderr
+    assert "must be <= 1048576" in proc.stderr and not out.exists()
+    escape = tmp_path / "a" / "b"
+    escape.mkdir(parents=True)
+    proc = run_main("tokenize", "--config", cfg, "--train", "--input", NEWS, "--vocab-size", 300,
+                    "--train-name", "../../escaped", cwd=escape)
+    assert proc.returncode == 2 and "tokenizer.train_name" in proc.stderr, proc.stderr
+    assert "not a folder name" in proc.stderr and not any(tmp_path.rglob("escaped"))
+    r = run_main("tokenize", "--config", cfg, "--encode", b"ab\xff\xfe".decode("utf-8", "surrogateescape"))
+    assert r.returncode == 2 and "argument --encode: holds bytes that are not UTF-8 text (at character 3)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_cli_unreachable_hub_name_exits_1(tmp_path, tmp_config):
     hf = tmp_path / "hf_home"
     hf.mkdir()

@@ -77,7 +77,11 @@ def cli_path(value: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{'empty' if not value else 'only spaces'}: as a path it would mean the current "
             f"folder ({os.getcwd()}) itself. Give a path.")
-    return str(Path(os.path.expanduser(value)).resolve())
+    try:
+        return str(Path(os.path.expanduser(value)).resolve())
+    except (RuntimeError, OSError) as e:   # a symlink loop (RuntimeError before Python 3.13)
+        raise argparse.ArgumentTypeError(f"'{value}' cannot be resolved ({e}): a symbolic link "
+                                         "that leads back to itself? Give the real path.") from None
 
 
 def cli_nonblank(value: str) -> str:
@@ -129,6 +133,7 @@ class StageParser(argparse.ArgumentParser):
 
     def parse(self, argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, Config]:
         args = self.parse_args(argv)
+        self._refuse_undecodable(args)
         _CONTEXT.name = self.prog.split()[-1]
         _CONTEXT.debug = _CONTEXT.debug or args.debug
         overrides: dict[str, Any] = {}
@@ -139,6 +144,24 @@ class StageParser(argparse.ArgumentParser):
         cfg = load_config(args.config, overrides=overrides, test=args.test)
         _CONTEXT.cfg = cfg
         return args, cfg
+
+    def _refuse_undecodable(self, args: argparse.Namespace) -> None:
+        """Text given on the command line must be UTF-8: bytes that are not (Python keeps them
+        in argv as lone surrogates) were encoded as U+FFFD by --encode, or broke a write of the
+        value later; a usage error naming the flag. Paths (``cli_path``, ``cli_nonblank``) may
+        hold any bytes, as file names may."""
+        for action in self._actions:
+            if action.type in (cli_path, cli_nonblank):
+                continue
+            value = getattr(args, action.dest, None)
+            for text in value if isinstance(value, list) else [value]:
+                if not isinstance(text, str):
+                    continue
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    self.error(f"argument {'/'.join(action.option_strings) or action.dest}: holds bytes "
+                               f"that are not UTF-8 text (at character {e.start + 1}); pass UTF-8 text.")
 
 
 def _on_stop(signum, frame):

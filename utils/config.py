@@ -58,15 +58,26 @@ class ConfigError(Exception):
 
 
 def _f(default: Any, help: str = "", *, min: float | None = None, max: float | None = None,
-       min_exclusive: bool = False, path: bool = False, nonblank: bool = False) -> Any:
+       min_exclusive: bool = False, path: bool = False, nonblank: bool = False,
+       folder: bool = False) -> Any:
     """A dataclass field with help text, optional numeric bounds, and markers: ``path`` for a
-    file or folder path, ``nonblank`` for a name that may be a path (a hub name or a path, a
-    folder name). Neither may be blank (:func:`_blank_problem`)."""
+    file or folder path, ``nonblank`` for a name that may be a path (a hub name or a path),
+    ``folder`` for one folder's name under a configured folder (never a path: ``../x`` or
+    ``a/b`` would write elsewhere). None may be blank (:func:`_blank_problem`)."""
     meta = {"help": help, "min": min, "max": max, "min_exclusive": min_exclusive, "path": path,
-            "nonblank": nonblank or path}
+            "nonblank": nonblank or path or folder, "folder": folder}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _resolved(path: Path, key: Optional[str] = None) -> Path:
+    """``path.resolve()``; a symbolic link loop on the way is a ConfigError naming the path."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as e:    # a symlink loop (RuntimeError before Python 3.13)
+        raise ConfigError([f"{key or 'a configured path'}: {path} cannot be resolved ({e}): a symbolic link that "
+                           "leads back to itself? Give the real path."]) from None
 
 
 # --------------------------------------------------------------------------- sections
@@ -93,10 +104,12 @@ class TokenizerConfig:
     save_dir: Optional[str] = _f(None, "where `tokenize` saves it (default tokenizers/<slug of name>)",
                                  path=True)
     sample_text: Optional[str] = _f(None, "text file for the compression-ratio report", path=True)
-    train_vocab_size: int = _f(8000, "vocabulary size for `tokenize --train`", min=16)
+    train_vocab_size: int = _f(8000, "vocabulary size for `tokenize --train` (at most 2^20: four times the "
+                                "largest released vocabularies; the trainer allocates memory per entry asked for)",
+                                min=16, max=1 << 20)
     train_min_frequency: int = _f(2, "minimum pair frequency for BPE training", min=1)
     train_name: str = _f("bpe", "directory name under tokenizers/ for a trained tokenizer",
-                         nonblank=True)
+                         folder=True)
     train_max_documents: Optional[int] = _f(None, "documents read by `tokenize --train` "
                                             "(null = all; --test reads at most 10,000)", min=1)
     sample_articles: int = _f(200, "documents read for the compression-ratio report", min=1)
@@ -191,7 +204,7 @@ class ModelConfig:
     preset: Literal["tiny", "default", "125m", "200m", "custom"] = _f(
         "default", "size preset giving the shape keys (tiny: CPU tests; default: the seed's ~25M; "
         "125m; 200m: seeds/000's Llama); non-null shape keys override it; custom: set them all")
-    vocab_size: Optional[int] = _f(None, "default: the tokenizer's vocabulary size", min=2)
+    vocab_size: Optional[int] = _f(None, "default: the tokenizer's vocabulary size (token ids are stored as uint32)", min=2, max=1 << 32)
     d_model: Optional[int] = _f(None, "hidden size (null: from the preset)", min=1)
     n_layers: Optional[int] = _f(None, "transformer blocks (null: from the preset)", min=1)
     n_heads: Optional[int] = _f(None, "query heads (null: from the preset)", min=1)
@@ -404,30 +417,32 @@ class Config:
     origins: dict = field(default_factory=dict, metadata={"internal": True})
 
     # ------------------------------------------------------------------ paths
-    def resolve(self, p: Optional[str | os.PathLike]) -> Optional[Path]:
-        """Resolve a configured path: absolute stays, relative is under paths.root."""
+    def resolve(self, p: Optional[str | os.PathLike], key: Optional[str] = None) -> Optional[Path]:
+        """Resolve a configured path: absolute stays, relative is under paths.root. ``key``:
+        the dotted key it came from, for the error of a path that cannot be resolved."""
         if p is None:
             return None
         p = Path(os.path.expanduser(str(p)))
         if p.is_absolute():
             return p
-        return (self.root / p).resolve()
+        return _resolved(self.root / p, key)
 
     @property
     def root(self) -> Path:
         r = Path(os.path.expanduser(self.paths.root))
-        return r if r.is_absolute() else (PROJECT_ROOT / r).resolve()
+        return r if r.is_absolute() else _resolved(PROJECT_ROOT / r, "paths.root")
 
     def path(self, dotted: str) -> Path:
         """``cfg.path("paths.cleaned_dir")`` -> resolved Path of that key."""
         sec, key = dotted.split(".", 1)
-        return self.resolve(getattr(getattr(self, sec), key))
+        return self.resolve(getattr(getattr(self, sec), key), dotted)
 
     def shard_dir(self, source: Optional[str] = None, test: Optional[bool] = None) -> Path:
         """The token shard directory for a source (wikipedia|fineweb) in test or full mode."""
         source = source or self.dataset.source
         test = self.test if test is None else test
-        return self.resolve(getattr(self.dataset, f"{source}_{'test' if test else 'full'}_dir"))
+        key = f"{source}_{'test' if test else 'full'}_dir"
+        return self.resolve(getattr(self.dataset, key), f"dataset.{key}")
 
     @property
     def stride(self) -> int:
@@ -531,6 +546,9 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
         if meta.get("nonblank") and "\x00" in value:
             return value, (f"{key}: {json.dumps(value)} holds a NUL character (\\u0000), which no file "
                            f"or folder name can hold; give the path without it.")
+        if meta.get("folder") and (value.strip() in (".", "..") or "/" in value or "\\" in value):
+            return value, (f"{key}: {json.dumps(value)} is not a folder name: give one name ({meta['help']}), "
+                           f"not a path.")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         lo, hi = meta.get("min"), meta.get("max")
         if lo is not None and (value < lo or (meta.get("min_exclusive") and value == lo)):
