@@ -458,8 +458,8 @@ def pack(job: PackJob, log: Callable[[str], None] = print) -> dict:
             old = None
         if old is None or old.get("settings") != job.settings():
             shutil.rmtree(staging)
-    staging.mkdir(exist_ok=True)
-    try:
+    try:                          # from the folder's making on: a Ctrl-C right after it removes it
+        staging.mkdir(exist_ok=True)
         meta = _pack(replace(job, out_dir=staging, force=False, on_complete=None), log)
     except KeyboardInterrupt:
         _drop_staging(staging, keep_resumable=True, log=log)
