@@ -111,27 +111,38 @@ def paused_env(step: int, **extra) -> dict:
 
 def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 240) -> list[str]:
     """Read ``proc``'s stdout (a text pipe) line by line until one contains ``needle``;
-    returns the lines read. Fails if the process ends or the deadline passes first."""
-    import selectors
-    lines: list[str] = []
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                break
-            line = proc.stdout.readline()
-            if not line:
-                out, err = proc.communicate(timeout=60)
-                pytest.fail(f"exit {proc.returncode} before {needle!r}:\n{''.join(lines)}{out}\n{err}")
-            lines.append(line)
+    returns the lines read. Fails if the process ends or the deadline passes first.
+
+    The lines are read by a thread, which stops right after the needle's line (the rest stays
+    for ``communicate``). Waiting with select() on the pipe and then reading the buffered text
+    stream lost the needle when a late read took two lines into Python's buffer at once: the
+    pipe then stayed empty while the needle waited in the buffer, unseen, until the deadline."""
+    import queue
+    import threading
+    got: queue.Queue = queue.Queue()                   # lines, then None at the end of output
+
+    def pump() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            got.put(line)
             if needle in line:
-                return lines
-    finally:
-        sel.close()
-    proc.kill()
-    pytest.fail(f"no {needle!r} within {timeout} s:\n{''.join(lines)}")
+                return
+        got.put(None)                                  # end of output
+
+    threading.Thread(target=pump, daemon=True).start()
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = got.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            pytest.fail(f"no {needle!r} within {timeout} s:\n{''.join(lines)}")
+        if line is None:
+            out, err = proc.communicate(timeout=60)
+            pytest.fail(f"exit {proc.returncode} before {needle!r}:\n{''.join(lines)}{out}\n{err}")
+        lines.append(line)
+        if needle in line:
+            return lines
 
 
 def child_pids(pid: int) -> list[int]:
