@@ -671,7 +671,7 @@ def test_answers_on_a_kept_alive_connection_do_not_wait_for_a_delayed_ack(server
     finally:
         conn.close()
     for what, ts in times.items():
-        assert statistics.median(ts) < 0.02, (what, [round(t * 1000, 1) for t in ts])
+        assert min(ts) < 0.02, (what, [round(t * 1000, 1) for t in ts])   # a delayed ACK delays every one
 
 
 def test_length_errors_name_the_field_at_fault(server):
