@@ -123,6 +123,8 @@ def test_pickled_code_is_refused_and_never_run(tmp_path, how):
         bad.write_bytes(pickle.dumps(obj, protocol=2))
     e = refused(bad, "refused")
     assert "Nothing from it was executed" in str(e) and "weights_only=False" not in str(e)
+    # the global named as the file holds it (pickle protocol 2 writes subprocess.call as commands.call)
+    assert "pickled Python objects (commands.call) that would run code" in str(e), str(e)
     assert not marker.exists()
 
 
@@ -193,6 +195,19 @@ def test_weights_that_are_not_real_floats_are_refused(tmp_path, dtype):
     refused(save_checkpoint(tmp_path / "odd.pt", p), f"{k} ({str(dtype).replace('torch.', '')})")
 
 
+@pytest.mark.parametrize("kind", ["sparse", "sparse_csr", "meta"])
+def test_weights_that_are_not_dense_tensors_are_refused(tmp_path, kind):
+    """A sparse or meta (shape-only) weight crashed the finiteness check with torch's own
+    error (a dispatcher listing for sparse, "Tensor.item() cannot be called on meta tensors"):
+    an unexpected error in infer, export and benchmark. Refused, naming the weight."""
+    p = payload()
+    k = next(k for k, v in p["model"].items() if v.dim() == 2)
+    w = p["model"][k]
+    p["model"][k] = {"sparse": w.to_sparse, "sparse_csr": w.to_sparse_csr,
+                     "meta": lambda: torch.empty_like(w, device="meta")}[kind]()
+    refused(save_checkpoint(tmp_path / "odd.pt", p), f"not dense tensors with values: {k} (")
+
+
 def test_cli_error_is_one_paragraph(tmp_path):
     """A stage reading a bad checkpoint exits 1 with the message, no traceback."""
     bad = tmp_path / "bad.pt"
@@ -203,6 +218,24 @@ def test_cli_error_is_one_paragraph(tmp_path):
                           cwd=Path(__file__).resolve().parent.parent, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert str(bad) in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("junk", [b"\x80\xeb" + b"junk" * 50, b"\x80\x02" + bytes(range(256)),
+                                  b"\x80\x02}q\x00(X\x05\x00\x00\x00modelq"], ids=["protocol-235", "opcodes", "cut"])
+def test_junk_after_a_pickle_header_is_called_damaged_not_code(tmp_path, junk):
+    """Bytes that start like a legacy torch file (0x80) and go on as junk: named as a damaged
+    file, not as "pickled objects that would run code" (no global was asked for), and torch's
+    warning about the junk's "pickle protocol" stays out of the user's terminal."""
+    bad = tmp_path / "junk.pt"
+    bad.write_bytes(junk)
+    code = ("import sys; from utils.cli import run_stage; from utils.run import "
+            f"load_checkpoint; run_stage(lambda a: load_checkpoint({str(bad)!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=120)
+    assert proc.returncode == 1 and str(bad) in proc.stderr, proc.stderr
+    assert ("not plain data and tensors" in proc.stderr or "corrupt or not a checkpoint" in proc.stderr), proc.stderr
+    assert "would run code" not in proc.stderr and "pickle protocol" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 # --------------------------------------------------------------------------- runs

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -128,16 +129,23 @@ def _sniff(path: Path) -> None:
 
 def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
     try:
-        return torch.load(path, map_location=map_location, weights_only=True,
-                          mmap=mmap and _is_zip_start(path))
+        with warnings.catch_warnings():   # junk bytes after 0x80 read as a "pickle protocol N"
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(path, map_location=map_location, weights_only=True,
+                              mmap=mmap and _is_zip_start(path))
     except pickle.UnpicklingError as e:
         msg = str(e)
-        found = re.findall(r"(?:GLOBAL|global|Unsupported global:)\s*([\w.]+(?:\s[\w.]+)?)", msg)
-        what = f" ({', '.join(sorted(set(found)))})" if found else ""
-        raise CheckpointError(path, f"refused: it contains pickled Python objects{what} that "
-                                    "would run code when loaded. A checkpoint must be plain data "
-                                    "and tensors; this file was not written by this pipeline "
-                                    "or has been tampered with. Nothing from it was executed.") from None
+        found = re.findall(r"\bGLOBAL ([\w.]+)", msg)     # torch names each global it refused so
+        if not found:                     # an opcode the safe unpickler does not take: junk or forged
+            raise CheckpointError(path, "refused: it is not plain data and tensors (the safe unpickler "
+                                        f"stopped at: {msg.splitlines()[0][:120] if msg else '?'}): a damaged "
+                                        "file, or one not written by this pipeline. Nothing from it was "
+                                        "executed.") from None
+        raise CheckpointError(path, f"refused: it contains pickled Python objects "
+                                    f"({', '.join(sorted(set(found)))}) that would run code when loaded. A "
+                                    "checkpoint must be plain data and tensors; this file was not written "
+                                    "by this pipeline or has been tampered with. Nothing from it was "
+                                    "executed.") from None
     except (zipfile.BadZipFile, EOFError) as e:
         raise CheckpointError(path, f"truncated or corrupt ({type(e).__name__}); the write was "
                                     "probably interrupted. Use another checkpoint of the run.") from None
@@ -156,8 +164,9 @@ def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
                                         "interrupted. Use another checkpoint of the run.") from None
         raise CheckpointError(path, f"cannot be read: {e.strerror or e}") from None
     except Exception as e:  # any other malformed content
-        raise CheckpointError(path, f"cannot be read ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        raise CheckpointError(path, f"corrupt or not a checkpoint: it cannot be read ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:200] if str(e) else ''}). Use another "
+                                    "checkpoint of the run.") from None
 
 
 def _is_zip_start(path: Path) -> bool:
@@ -201,6 +210,12 @@ def check_weights(path: Path, ckpt: dict, expected: Optional[dict]) -> None:
     if problems:
         raise CheckpointError(path, "; ".join(problems) + ". The weights do not belong to the "
                                     "model its model_args describe (edited or mixed-up file).")
+    unreal = [f"{k} ({'meta' if v.device.type == 'meta' else 'nested' if v.is_nested else v.layout})"
+              for k, v in sd.items() if v.layout != torch.strided or v.device.type == "meta" or v.is_nested]
+    if unreal:
+        raise CheckpointError(path, f"weights that are not dense tensors with values: {_few(unreal)}. "
+                                    "A checkpoint's weights are dense (strided) tensors; sparse, nested or "
+                                    "meta (shape-only) ones come from an edited or foreign file.")
     odd = [f"{k} ({str(v.dtype).replace('torch.', '')})" for k, v in sd.items()
            if v.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64)]
     if odd:
