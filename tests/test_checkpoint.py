@@ -177,7 +177,12 @@ def test_nan_weights_and_wrong_shapes_and_newer_format(tmp_path):
     ("config", "x", "entry 'config' is a str, not a dict"),
     ("metrics", [], "entry 'metrics' is a list, not a dict"),
     ("rng", 3, "entry 'rng' is a int, not a dict"),
-    ("best_val_loss", "low", "entry 'best_val_loss' is a str, not a number")])
+    ("best_val_loss", "low", "entry 'best_val_loss' is a str, not a number"),
+    ("kind", "weird", "entry 'kind' is 'weird', not one of pretrain, sft"),
+    ("chat_template", {"user": 5}, "entry 'chat_template' is damaged: name, user_prefix, assistant_prefix, "
+                                   "separator are not text"),
+    ("chat_template", {"name": "user-assistant-v2", "user_prefix": "U: ", "assistant_prefix": None,
+                       "separator": "\n"}, "entry 'chat_template' is damaged: assistant_prefix is not text")])
 def test_metadata_entries_of_the_wrong_type_are_refused_by_name(tmp_path, key, value, match):
     """A damaged or forged entry ('tokenizer': "x", 'step': -5) failed wherever a stage first
     read it: an unexpected error in infer, export, sft and resume, or, for step -5, a resumed

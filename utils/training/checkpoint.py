@@ -231,6 +231,28 @@ def check_weights(path: Path, ckpt: dict, expected: Optional[dict]) -> None:
                                     "and a lower training.lr.")
 
 
+KINDS = ("pretrain", "sft")                      # what the trainer writes (TrainSpec.kind)
+TEMPLATE_TEXTS = ("name", "user_prefix", "assistant_prefix", "separator")   # every template's text fields
+
+
+def _check_kind_and_template(path: Path, ckpt: dict) -> None:
+    """``kind`` is one the trainer writes (another ran as a pre-trained model, silently), and
+    a chat template holds its text fields as text (a damaged one was reported as a template
+    "None" from a newer pipeline). A template name this version does not know is left to
+    utils/data/sft.py ``template_version``, which asks for an update."""
+    kind = ckpt.get("kind")
+    if kind is not None and kind not in KINDS:
+        raise CheckpointError(path, f"entry 'kind' is {kind[:40]!r}, not one of {', '.join(KINDS)}: a "
+                                    "damaged checkpoint. Use another checkpoint of the run.")
+    template = ckpt.get("chat_template")
+    if template is not None:
+        bad = [k for k in TEMPLATE_TEXTS if not isinstance(template.get(k), str)]
+        if bad:
+            raise CheckpointError(path, f"entry 'chat_template' is damaged: {', '.join(bad)} "
+                                        f"{'is' if len(bad) == 1 else 'are'} not text. Use another "
+                                        "checkpoint of the run.")
+
+
 def _few(items: list, n: int = 4) -> str:
     shown = ", ".join(map(str, items[:n]))
     return shown + (f" (and {len(items) - n} more)" if len(items) > n else "")
@@ -288,6 +310,7 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
         if kind is int and v < 0:
             raise CheckpointError(path, f"entry {key!r} is {v}, below 0: a damaged checkpoint. Use "
                                         "another checkpoint of the run.")
+    _check_kind_and_template(path, ckpt)
     if purpose == "resume":
         missing = [k for k in RESUME_KEYS
                    if k not in ckpt or (ckpt[k] is None and k != "best_val_loss")]
