@@ -818,6 +818,9 @@ DAMAGED = {   # name: (damage, words the message must hold besides the file's pa
     "config_huge_int": (lambda d: (d / "config.json").write_text(json.dumps(
         {**json.loads((d / "config.json").read_text()), "hidden_size": "HUGE"}).replace('"HUGE"', "1" + "0" * 5000)),
         ["config.json", "digits"]),
+    "config_key_twice": (lambda d: (d / "config.json").write_text(                  # the last would win
+        (d / "config.json").read_text().rstrip().rstrip("}") + ', "hidden_size": 128}'),
+        ["config.json", "gives the key 'hidden_size' twice"]),
     "layers_thousand": (_damage_config(num_hidden_layers=1000),
                         ["config.json", "gives 1,000 layers but the weights hold 2"]),
     "layers_billion": (_damage_config(num_hidden_layers=10 ** 9),                 # refused before building
@@ -878,6 +881,8 @@ IMPORT_TOKENIZER_DAMAGE = {
         {**json.loads(p.read_text()), "chat_template": 5}).encode(), "has 'chat_template' = number"),
     "special_tokens_map.json-eos-list": ("special_tokens_map.json", lambda p: b'{"eos_token": [2]}',
                                          "has 'eos_token' = array"),
+    "tokenizer_config.json-key-twice": ("tokenizer_config.json", lambda p: p.read_bytes().rstrip().rstrip(b"}")
+                                        + b', "eos_token": "<s>"}', "gives the key 'eos_token' twice"),
     "added_tokens.json-id-string": ("added_tokens.json", lambda p: b'{"<x>": "7"}', "maps '<x>' to string"),
     "added_tokens.json-id-negative": ("added_tokens.json", lambda p: b'{"<x>": -1}', "maps '<x>' to -1"),
 }

@@ -670,11 +670,30 @@ def json_type(v: Any) -> str:
             int: "number", float: "number"}.get(type(v), type(v).__name__)
 
 
+class _RepeatedKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _object_without_repeats(pairs: list) -> dict:
+    """``object_pairs_hook`` for json.loads: the object, or _RepeatedKey for a key given twice
+    (the C scanner still does the parsing)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _RepeatedKey(k)
+        out[k] = v
+    return out
+
+
 def read_json_object_file(path) -> tuple[Optional[dict], str]:
     """(the JSON object in file ``path``, "") or (None, why not), the reason worded to follow
     the file's name: "is not a regular file", "cannot be read (...)", "is empty", "is not UTF-8
     text (byte 0x.. at offset N)", "is not valid JSON: <what> at line L, column C (it looks
     truncated)", "is not valid JSON (nested too deeply)", "holds a JSON array, not an object".
+    A key given twice in one object is "gives key 'k' twice in one object ..." (JSON readers
+    silently keep the last, so a hand-edited ``"hidden_size"`` added below the old one won).
     The one reader of the JSON files other tools wrote (tokenizer and HF model folders)."""
     path = Path(path)
     if not path.is_file():
@@ -684,7 +703,10 @@ def read_json_object_file(path) -> tuple[Optional[dict], str]:
     except OSError as e:
         return None, f"cannot be read ({e.strerror or e})"
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_object_without_repeats)
+    except _RepeatedKey as e:
+        return None, (f"gives the key {e.key[:60]!r} twice in one object (JSON readers would "
+                      "silently take the last one): keep only one")
     except json.JSONDecodeError as e:
         if not e.doc.strip():
             return None, "is empty"
