@@ -159,6 +159,7 @@ def test_a_missing_tokenizer_is_named_with_where_it_looked(run):
         assert "cannot find the tokenizer this checkpoint was trained with" in out
         assert str(run["tok_dir"] / "tokenizer.model") in out          # where it looked
         assert HUB_DEFAULT in out and "Traceback" not in out
+        assert ".;" not in out and ".." not in out.replace("...)", "").replace("(...)", ""), out   # one stop each
     assert not (run["root"] / "exports" / "nowhere").exists()
 
 

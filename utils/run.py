@@ -537,7 +537,9 @@ def tokenizer_for_checkpoint(ckpt: dict, cfg: Config, path: Path,
                 tok = load_tokenizer_from(spec, base)
                 cache[where] = (tok, fingerprint(tok))
         except PipelineError as e:
-            tried.append(f"{label} ({where}): {str(e).splitlines()[0][:200]}")
+            first = str(e).splitlines()[0]
+            first = (first[:200] + " (...)") if len(first) > 200 else first.rstrip(".")   # joined by "; "
+            tried.append(f"{label} ({where}): {first}")
             continue
         tok, fp = cache[where]
         if want is None or fp == want:
