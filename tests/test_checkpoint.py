@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
 import subprocess
 import sys
 import time
@@ -241,6 +242,35 @@ def test_junk_after_a_pickle_header_is_called_damaged_not_code(tmp_path, junk):
     assert ("not plain data and tensors" in proc.stderr or "corrupt or not a checkpoint" in proc.stderr), proc.stderr
     assert "would run code" not in proc.stderr and "pickle protocol" not in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bytes_damaged_inside_a_tensor_are_refused_by_the_stored_checksum(tmp_path, good):
+    """Flipped bytes inside a weight's data keep the zip's structure and load as finite, wrong
+    weights (torch.load does not check the CRC-32 torch.save stores): resume trained on and
+    infer generated from them, exit 0. The loader checks every record's CRC."""
+    import zipfile
+    with zipfile.ZipFile(good) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)          # the largest tensor
+    raw = bytearray(good.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)   # the local header's
+    start = info.header_offset + 30 + name_len + extra_len + 8                      # into the data
+    for i in range(start, start + 16):
+        raw[i] ^= 0xFF
+    bad = tmp_path / "flipped.pt"
+    bad.write_bytes(bytes(raw))
+    torch.load(bad, weights_only=True)                               # torch alone takes it
+    refused(bad, f"corrupt: the bytes of {info.filename} do not match the checksum", purpose="weights")
+    refused(bad, "corrupt", purpose="resume")
+
+
+def test_a_compressed_record_is_refused_before_it_is_read(tmp_path):
+    """torch.save writes stored records only; a deflated one (a zip bomb's way) is refused
+    before any of it is decompressed."""
+    import zipfile
+    bomb = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", b"\0" * 10_000_000)
+    refused(bomb, "is compressed, which torch.save never writes")
 
 
 # --------------------------------------------------------------------------- runs

@@ -127,12 +127,43 @@ def _sniff(path: Path) -> None:
                                 "PyTorch checkpoint written by this pipeline.")
 
 
+def _check_crc(path: Path) -> None:
+    """Every record of a zip-format checkpoint against the CRC-32 torch.save stored with it
+    (torch.load does not look): bytes damaged after the write (a bad copy, a failing disk)
+    keep the zip's structure and, in tensor data, load as finite, wrong weights. Costs one
+    read of the file: 0.22 s for a 538 MB checkpoint from the page cache here, 0.65 s cold
+    (torch.load then reads it from the cache). Records written without a CRC (0) are skipped."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if info.compress_type != zipfile.ZIP_STORED:   # nor read through a zip bomb
+                    raise CheckpointError(path, f"record {info.filename[:80]!r} is compressed, which "
+                                                "torch.save never writes: not a checkpoint of this "
+                                                "pipeline.")
+                if info.CRC == 0 or info.is_dir():
+                    continue
+                with z.open(info) as f:                 # zipfile checks the CRC at the end
+                    while f.read(1 << 24):
+                        pass
+    except zipfile.BadZipFile as e:
+        if "CRC" not in str(e):
+            raise
+        name = str(e).rsplit(" ", 1)[-1].strip("'")     # "Bad CRC-32 for file 'archive/data/0'"
+        raise CheckpointError(path, f"corrupt: the bytes of {name} do not match the checksum stored "
+                                    "when it was written (damaged since: a bad copy or disk). Use "
+                                    "another checkpoint of the run.") from None
+
+
 def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
     try:
+        if _is_zip_start(path):
+            _check_crc(path)
         with warnings.catch_warnings():   # junk bytes after 0x80 read as a "pickle protocol N"
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             return torch.load(path, map_location=map_location, weights_only=True,
                               mmap=mmap and _is_zip_start(path))
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as e:
         msg = str(e)
         found = re.findall(r"\bGLOBAL ([\w.]+)", msg)     # torch names each global it refused so
