@@ -74,11 +74,12 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
                             "`python main.py status` lists the runs.")
     log, problem = _read_log(log_path, run_dir)
     records = log.records
-    train = latest_per_step(records, "train")
-    val = latest_per_step(records, "val")
-    configs = [r for r in records if r.get("type") == "config"]
-    events = [r for r in records if r.get("type") == "event"]
-    hparams = (configs[-1].get("hparams") or {}) if configs else {}
+    # values of the wrong shape (a damaged or hand-edited log) are passed over, as NaNs are
+    train = [r for r in latest_per_step(records, "train") if 0 <= r["step"] < 1 << 63]
+    val = [r for r in latest_per_step(records, "val") if 0 <= r["step"] < 1 << 63]
+    configs = [r for r in records if r.get("type") == "config" and isinstance(r.get("hparams"), dict)]
+    events = [r for r in records if r.get("type") == "event" and isinstance(r.get("event"), str)]
+    hparams = configs[-1]["hparams"] if configs else {}
     total = hparams.get("total_steps")
 
     out: dict = {"run": run, "log": str(log_path), "run_dir": str(run_dir),
@@ -104,7 +105,7 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
             out.update(val_loss=good[-1]["val_loss"], perplexity=good[-1].get("perplexity"),
                        bits_per_byte=good[-1].get("bits_per_byte"),
                        best_val_loss=min(r["val_loss"] for r in good))
-    samples = [r for r in records if r.get("type") == "sample"]
+    samples = [r for r in records if r.get("type") == "sample" and isinstance(r.get("text"), str)]
     if samples:
         out["sample"] = {"step": samples[-1].get("step"), "prompt": samples[-1].get("prompt"),
                          "text": samples[-1].get("text")}

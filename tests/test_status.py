@@ -220,6 +220,30 @@ def test_damaged_lines_among_records_are_counted_and_skipped(tmp_path):
     assert listing.returncode == 0 and "[log: 2 damaged line(s) skipped]" in listing.stdout
 
 
+def test_records_of_the_wrong_shape_are_passed_over_not_a_failure(tmp_path):
+    """Values of the wrong shape in a log (a config record's "hparams" a list, a negative or
+    31-digit step, an event that is a number) are passed over, as NaNs are: the first ended
+    `status` with an unexpected error, for the listing of every run too; a negative step
+    showed "step -1 of 12". The other runs and records are shown."""
+    good = _log_run(tmp_path, "fine", [5, 4, 3])
+    path = _log_run(tmp_path, "odd", [5, 4, 3, 2], end_event="done")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    for r in recs:
+        if r.get("type") == "config":
+            r["hparams"] = [1]
+    recs += [{"type": "train", "step": -1, "loss": 1.0, "time": recs[-1]["time"]},
+             {"type": "train", "step": 10 ** 30, "loss": 1.0, "time": recs[-1]["time"]},
+             {"type": "event", "step": 40, "event": 7, "time": recs[-1]["time"]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    r = _run(tmp_path, "odd")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step         40" in r.stdout and "step -1" not in r.stdout, r.stdout
+    listing = _run(tmp_path)
+    assert listing.returncode == 0 and "fine" in listing.stdout and "odd" in listing.stdout, listing.stdout
+    assert "unexpected error" not in listing.stderr + r.stderr
+    assert good.exists()
+
+
 def test_status_writes_nothing(tmp_path):
     _log_run(tmp_path, "r", [3, 2, 1, 0.5])
     _ckpt_dir(tmp_path, "r")
