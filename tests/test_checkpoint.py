@@ -175,6 +175,8 @@ def test_nan_weights_and_wrong_shapes_and_newer_format(tmp_path):
     ("step", "x", "entry 'step' is a str, not a int"),
     ("step", -5, "entry 'step' is -5, below 0"),
     ("step", True, "entry 'step' is a bool"),
+    ("step", 10 ** 30, "entry 'step' is 100000000000000000000000..., beyond 64 bits"),
+    ("tokens_seen", 1 << 63, "entry 'tokens_seen' is 922337203685477580"),
     ("config", "x", "entry 'config' is a str, not a dict"),
     ("metrics", [], "entry 'metrics' is a list, not a dict"),
     ("rng", 3, "entry 'rng' is a int, not a dict"),

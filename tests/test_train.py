@@ -149,13 +149,16 @@ def test_a_run_name_that_is_a_path_is_refused_before_anything_is_written(root, c
         assert r.returncode == 2 and "is not a run name" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("damage", ["rng", "data_position", "step"])
+@pytest.mark.parametrize("damage", ["rng", "rng_without_ranks", "data_position", "step"])
 def test_a_damaged_training_state_stops_the_resume_with_what_to_do(root, cfg, full_run, damage):
-    """A checkpoint whose training state was damaged (rng.ranks a string, a data position
-    without its fields, step -5) was an unexpected error on --resume, or (step -5) trained on
-    from step -5. Exit 1 saying the state is damaged and what to do; nothing is trained."""
+    """A checkpoint whose training state was damaged (rng.ranks a string, an rng without ranks,
+    a data position without its fields, step -5) was an unexpected error on --resume, blamed
+    on the world size (no ranks: "written by 0 process(es)"), or (step -5) trained on from
+    step -5. Exit 1 saying the state is damaged and what to do; nothing is trained."""
     ck = load_checkpoint(root / "checkpoints" / "full" / "checkpoint_latest.pt", "resume")
-    ck[damage] = {"rng": {"world_size": 1, "ranks": "x"}, "data_position": {"index": "x"}, "step": -5}[damage]
+    key = damage.split("_without")[0]
+    ck[key] = {"rng": {"world_size": 1, "ranks": "x"}, "rng_without_ranks": {"python": "garbage"},
+               "data_position": {"index": "x"}, "step": -5}[damage]
     run = root / "checkpoints" / f"damaged_{damage}"
     from utils.training.checkpoint import save_checkpoint
     save_checkpoint(run / "checkpoint_latest.pt", ck)

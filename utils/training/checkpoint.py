@@ -341,6 +341,9 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
         if kind is int and v < 0:
             raise CheckpointError(path, f"entry {key!r} is {v}, below 0: a damaged checkpoint. Use "
                                         "another checkpoint of the run.")
+        if kind is int and v >= 1 << 63:
+            raise CheckpointError(path, f"entry {key!r} is {str(v)[:24]}..., beyond 64 bits: a damaged "
+                                        "checkpoint. Use another checkpoint of the run.")
     _check_kind_and_template(path, ckpt)
     if purpose == "resume":
         missing = [k for k in RESUME_KEYS

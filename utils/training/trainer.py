@@ -570,8 +570,9 @@ class Trainer:
         self._last_eval_step = int(m.get("last_eval_step", -1))
         if self.bytes_per_token is None:
             self.bytes_per_token = m.get("bytes_per_token")
-        rng = ckpt["rng"]
-        ranks = rng.get("ranks", [])
+        ranks = ckpt["rng"].get("ranks")
+        if not isinstance(ranks, list) or not ranks:   # damage, not another world size
+            raise ValueError("entry 'rng' holds no list of per-process RNG states")
         if len(ranks) != self.dist.world_size:
             raise PipelineError(f"the checkpoint was written by {len(ranks)} process(es) but this "
                                 f"run has {self.dist.world_size}; resume with the same world size "
