@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import sys
 from pathlib import Path
 from dataclasses import dataclass
@@ -420,7 +421,7 @@ def finish(trainer, start: Start, logger, proc: Process) -> int:
         best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
         proc.say(f"train: {result.reason} at step {result.step}; best val loss {best}; checkpoints "
                  f"in {start.run_dir}; metrics in {logger.jsonl_path}. Next: python main.py "
-                 f"status {start.run}")
+                 f"status {shlex.quote(start.run)}")
     D.shutdown()
     return 0
 

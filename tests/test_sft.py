@@ -270,6 +270,23 @@ def test_prepare_with_no_usable_example_fails_and_writes_nothing(tmp_path):
     assert not (tmp_path / "data" / "post-training" / "metadata.json").exists()
 
 
+def test_prepare_into_a_path_that_is_a_file_names_it_and_keeps_it(tmp_path):
+    """--output-dir naming a file (or a folder under one) was an unexpected FileExistsError /
+    NotADirectoryError; exit 1 naming the path and what to do, the file untouched."""
+    cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"conversations": ["What is two plus two?", "Four."]}) + "\n")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("keep me")
+    for out, words in ((blocker, "a file of that name is in the way"),
+                       (blocker / "sub", "a part of this path is a file, not a folder")):
+        r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(good), "--output-dir", str(out))
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert f"cannot use {blocker}" in r.stderr, r.stderr
+        assert words in r.stderr and "unexpected" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert blocker.read_text() == "keep me"
+
+
 def test_default_lima_source_offline_says_what_to_do(tmp_path):
     cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
     r = run_main("sft", "prepare", "--config", cfg)          # sft.dataset = GAIR/lima (the default)

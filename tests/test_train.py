@@ -196,12 +196,24 @@ def _refused_start(root: Path, case: str) -> tuple[list, int, str]:
         (root / "checkpoints" / "blocked").mkdir(parents=True, exist_ok=True)
         (root / "checkpoints" / "blocked" / "tokenizer").write_text("not a tokenizer folder")
         return ["--name", "blocked"], 1, "already exists"
+    if case == "run name too long":     # was an unexpected OSError (File name too long)
+        return ["--name", "x" * 300], 2, "is 300 bytes long: give at most 128"
+    if case == "control character in the run name":
+        return ["--name", "a\x01b"], 2, "is not a run name"
+    if case == "logs folder is a file":  # was an unexpected NotADirectoryError
+        (root / "elsewhere").mkdir(exist_ok=True)
+        (root / "elsewhere" / "logs_file").write_text("a file")
+        layer = write_config(root / "elsewhere", {"paths": {"logs_dir": str(root / "elsewhere" / "logs_file")}},
+                             "logs_file.json")
+        return (["--config", layer, "--name", "logs_blocked"], 1,
+                "logs_file/tensorboard/logs_blocked: Not a directory; a part of this path is a file")
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize("case", ["no such run", "truncated checkpoint", "weights of another shape",
                                   "another optimizer", "damaged state of an existing run",
-                                  "run file in the way"])
+                                  "run file in the way", "run name too long",
+                                  "control character in the run name", "logs folder is a file"])
 def test_a_start_that_fails_leaves_no_folder_or_file_behind(root, cfg, full_run, case):
     """A resume refused after the logger and the run folder were set up (another optimizer, a
     damaged training state) left a new run folder (config.json, tokenizer copy), a TensorBoard

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import os
 import signal
 import sys
@@ -278,6 +279,16 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
         code = e.exit_code
     except BrokenPipeError:
         code = EXIT_FAILURE
+    except OSError as e:
+        advice = _PATH_ERRORS.get(e.errno) if e.filename is not None else None
+        if advice is None:
+            report_unexpected(prog, e)
+            code = EXIT_FAILURE
+        else:
+            if _CONTEXT.debug:
+                traceback.print_exc()
+            print(f"{prog}: error: cannot use {e.filename}: {e.strerror}; {advice}", file=sys.stderr)
+            code = EXIT_FAILURE
     except Exception as e:  # noqa: BLE001 - the one place unexpected errors are reported
         report_unexpected(prog, e)
         code = EXIT_FAILURE
@@ -286,6 +297,23 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
     except (BrokenPipeError, OSError):
         pass
     sys.exit(code)
+
+
+# A file system's refusal of a path a stage was given (a flag, a paths.* key, a run name):
+# what to do about it. Any other OSError is an unexpected error.
+_PATH_ERRORS = {
+    errno.ENOTDIR: "a part of this path is a file, not a folder: give another path (the flag or "
+                   "paths.* key that sets it).",
+    errno.EEXIST: "a file of that name is in the way: give another path or move the file.",
+    errno.EISDIR: "it is a folder where a file was expected: give another path.",
+    errno.ENAMETOOLONG: "a name in it is longer than the file system takes (255 bytes): use a "
+                        "shorter name.",
+    errno.ENOSPC: "the disk is full: free space and run the command again.",
+    errno.EDQUOT: "the disk quota is used up: free space and run the command again.",
+    errno.EROFS: "the file system is read-only: give a writable folder.",
+    errno.EACCES: "permission denied: give a folder you can write to, or fix its permissions.",
+    errno.EPERM: "the operation is not permitted there: give another folder.",
+}
 
 
 def argv_without(argv: Sequence[str], flags: Sequence[str]) -> list[str]:

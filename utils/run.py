@@ -177,10 +177,17 @@ def check_run_name(name: str, what: str = "run name") -> str:
     """``name`` if it is a run name: one folder name under paths.checkpoints_dir, never a path
     (``../x``, ``/abs``, ``a/b``, ``.``: a run written there would land outside the
     checkpoints folder, or be the folder itself); else a UsageError naming ``what``."""
-    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+    if name in ("", ".", "..") or "/" in name or "\\" in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
         raise UsageError(f"{what} {name!r} is not a run name: give a folder name (letters, digits, "
                          "'.', '_', '-'; `python main.py status` lists the runs), not a path.")
+    if len(name.encode("utf-8", "surrogateescape")) > RUN_NAME_MAX_BYTES:
+        raise UsageError(f"{what} {name[:40]!r}... is {len(name.encode('utf-8', 'surrogateescape'))} bytes "
+                         f"long: give at most {RUN_NAME_MAX_BYTES} (its log and report file names add "
+                         "to it, and a file system takes 255 per name).")
     return name
+
+
+RUN_NAME_MAX_BYTES = 128
 
 
 def _ckpt_order(p: Path) -> tuple:
