@@ -450,9 +450,12 @@ class ResumableSampler(Sampler[int]):
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "num_windows", "world_size"):
             if key in state and state[key] != getattr(self, key):
+                why = {"seed": "dataset.seed", "world_size": "the number of processes (torchrun "
+                                                            "--nproc_per_node)"}.get(
+                    key, "dataset.window or dataset.stride, the shard set, or dataset.val_split")
                 raise PipelineError(f"cannot resume the data position: {key} is {state[key]} in the "
-                                    f"checkpoint but {getattr(self, key)} now (changed dataset, "
-                                    "split or world size?)")
+                                    f"checkpoint but {getattr(self, key)} now: {why} changed since it "
+                                    "was written. Resume with the run's settings, or start a new run.")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 

@@ -334,7 +334,13 @@ def build_model(cfg, start: Start, data: Data, proc: Process):
         start.init_weights = None
     model = model.to(proc.device)
     dtype = resolve_dtype(hp.dtype, proc.device)
-    origin = "imported" if start.imported else f"preset {cfg.model.preset}"
+    if start.imported:
+        origin = "imported"
+    elif start.ckpt is not None:            # resumed: the model is the checkpoint's, whatever model.* says now
+        was = ((start.ckpt.get("config") or {}).get("model") or {}).get("preset")
+        origin = f"the checkpoint's model{f', preset {was}' if isinstance(was, str) else ''}"
+    else:
+        origin = f"preset {cfg.model.preset}"
     proc.say(f"train: model {model.num_params():,} parameters ({origin}); "
              f"{data.total_steps} steps of {_effective_batch(cfg, proc)} x {cfg.dataset.window} "
              f"tokens ({data.steps_per_epoch or '?'} steps/epoch); {hp.optimizer}, lr {hp.lr:g} -> "
@@ -450,6 +456,13 @@ def _report_config_changes(old: dict, new: dict, say) -> None:
     if diffs:
         say("train: note: settings differ from the checkpoint's run (" + "; ".join(diffs)
             + "); the continuation follows the new settings and is not an exact replay.")
+    was, now = old.get("model"), new.get("model") or {}
+    if isinstance(was, dict):
+        model = [f"model.{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now))
+                 if was.get(k) != now.get(k)]
+        if model:
+            say("train: note: the model is the checkpoint's; these settings differ from its run and "
+                "are not used (" + "; ".join(model) + "). To train another model, start a new run.")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -169,6 +170,19 @@ def test_a_damaged_training_state_stops_the_resume_with_what_to_do(root, cfg, fu
     assert not (run / "checkpoint_best.pt").exists()
 
 
+def test_model_settings_on_a_resume_are_named_as_not_used(root, cfg, full_run):
+    """A resume's model is the checkpoint's: --preset default (or model.* keys) given with it
+    were ignored in silence, and the start line said "preset default" of the tiny model. A
+    note names each differing model.* setting; the start line names the checkpoint's."""
+    shutil.copytree(root / "checkpoints" / "full", root / "checkpoints" / "preset_changed")
+    r = ok(train(cfg, "--name", "preset_changed", "--resume", "auto", "--preset", "default",
+                 "--max-steps", TOTAL + 1))
+    out = r.stdout + r.stderr
+    assert "the model is the checkpoint's; these settings differ from its run and are not used" in out, out
+    assert "model.preset 'tiny' -> 'default'" in out and "(the checkpoint's model, preset tiny)" in out, out
+    assert "(preset default)" not in out
+
+
 def _refused_start(root: Path, case: str) -> tuple[list, int, str]:
     """(arguments, exit code, stderr text) of a start that cannot go ahead, set up in ``root``."""
     from utils.training.checkpoint import save_checkpoint
@@ -196,6 +210,9 @@ def _refused_start(root: Path, case: str) -> tuple[list, int, str]:
         (root / "checkpoints" / "blocked").mkdir(parents=True, exist_ok=True)
         (root / "checkpoints" / "blocked" / "tokenizer").write_text("not a tokenizer folder")
         return ["--name", "blocked"], 1, "already exists"
+    if case == "another window":        # the data position cannot be carried over: said why
+        return (["--name", "other_window", "--resume", full, "--window", "16"], 1,
+                "now: dataset.window or dataset.stride, the shard set, or dataset.val_split changed")
     if case == "run name too long":     # was an unexpected OSError (File name too long)
         return ["--name", "x" * 300], 2, "is 300 bytes long: give at most 128"
     if case == "control character in the run name":
@@ -213,7 +230,8 @@ def _refused_start(root: Path, case: str) -> tuple[list, int, str]:
 @pytest.mark.parametrize("case", ["no such run", "truncated checkpoint", "weights of another shape",
                                   "another optimizer", "damaged state of an existing run",
                                   "run file in the way", "run name too long",
-                                  "control character in the run name", "logs folder is a file"])
+                                  "control character in the run name", "logs folder is a file",
+                                  "another window"])
 def test_a_start_that_fails_leaves_no_folder_or_file_behind(root, cfg, full_run, case):
     """A resume refused after the logger and the run folder were set up (another optimizer, a
     damaged training state) left a new run folder (config.json, tokenizer copy), a TensorBoard
