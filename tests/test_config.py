@@ -78,6 +78,7 @@ def test_suite_ignores_the_users_config_json(tmp_path, monkeypatch):
     assert as_user.returncode == 0 and str(tmp_path / "mine") in as_user.stdout
     missing = run_main("samples", "--list", env=offline_env(**{BASE_CONFIG_ENV: str(tmp_path / "no.json")}))
     assert missing.returncode == 2 and "no.json: file not found" in missing.stderr
+    assert f"pass an existing file to ${BASE_CONFIG_ENV}" in missing.stderr, missing.stderr   # not --config
 
 
 # ----------------------------------------------------------------------------- value problems

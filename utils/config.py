@@ -757,12 +757,13 @@ def _syntax_hint(text: str, e: json.JSONDecodeError) -> str:
     return ""
 
 
-def read_json_file(path: Path) -> Any:
-    """Read and parse one config file; every way it can be unreadable is a ConfigError."""
+def read_json_file(path: Path, given_by: str = "--config") -> Any:
+    """Read and parse one config file; every way it can be unreadable is a ConfigError.
+    ``given_by``: what named the file (for a missing one)."""
     try:
         raw = Path(path).read_bytes()
     except FileNotFoundError:
-        raise ConfigError([f"{path}: file not found (pass an existing file to --config)"], str(path))
+        raise ConfigError([f"{path}: file not found (pass an existing file to {given_by})"], str(path))
     except OSError as e:
         raise ConfigError([f"{path}: cannot read ({e.strerror or e})"], str(path))
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
@@ -813,7 +814,8 @@ def load_config(config_file: Optional[str | os.PathLike | list] = None,
     cfg = Config(test=test)
     layers: list[tuple[str, Any]] = []   # (source, a function giving the parsed layer)
     if base_file is not None and (Path(base_file) != DEFAULT_CONFIG_FILE or Path(base_file).exists()):
-        layers.append((str(base_file), lambda p=Path(base_file): read_json_file(p)))
+        given_by = f"${BASE_CONFIG_ENV}" if os.environ.get(BASE_CONFIG_ENV) else "the base config"
+        layers.append((str(base_file), lambda p=Path(base_file): read_json_file(p, given_by)))
     files = config_file if isinstance(config_file, (list, tuple)) else [config_file]
     for cf in (Path(f) for f in files if f is not None):
         if base_file is None or cf.resolve() != Path(base_file).resolve():
