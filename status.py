@@ -70,6 +70,9 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
     log_path = logs_dir / "raw_metrics" / f"{run}.jsonl"
     run_dir = checkpoints_dir / run
     if not log_path.is_file() and not run_dir.is_dir():
+        if log_path.exists():
+            raise PipelineError(f"run '{run}': its log {log_path} is not a file (a folder?) and "
+                                f"{run_dir} does not exist; move it aside.")
         raise PipelineError(f"no run '{run}': neither {log_path} nor {run_dir} exists. "
                             "`python main.py status` lists the runs.")
     log, problem = _read_log(log_path, run_dir)

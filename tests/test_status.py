@@ -157,6 +157,9 @@ def test_cli_unknown_run_and_empty(tmp_path):
     proc = _run(tmp_path, "nope")
     assert proc.returncode == 1
     assert "no run 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "logs" / "raw_metrics" / "dir.jsonl").mkdir(parents=True)   # a folder where the log goes
+    proc = _run(tmp_path, "dir")
+    assert proc.returncode == 1 and "dir.jsonl is not a file" in proc.stderr, proc.stderr
 
 
 GARBAGE = {   # contents of a damaged log; the first bad line is line 2 in each (line 1 is blank)
