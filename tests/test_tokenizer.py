@@ -630,6 +630,11 @@ DAMAGE = {
     "pipeline_tokenizer.json-conversion-number": ("pipeline_tokenizer.json",
                                                   lambda p: _edit_json(p, conversion=3),
                                                   "'conversion' = number"),
+    "pipeline_tokenizer.json-vocab-size-text": ("pipeline_tokenizer.json",
+                                                lambda p: _edit_json(p, vocab_size="x"),
+                                                "'vocab_size' = string (expected a whole number)"),
+    "pipeline_tokenizer.json-keys-gone": ("pipeline_tokenizer.json", lambda p: b'{"vocab_size": 5}',
+                                          "none of the keys every saved copy records"),
 }
 
 

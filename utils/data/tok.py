@@ -204,13 +204,18 @@ def _read_info(d: Path) -> Optional[dict]:
                             "tokenizer with `python main.py tokenize` (add the --config you "
                             "use), or point tokenizer.name in config.json to a valid tokenizer "
                             "folder, tokenizer.json or SentencePiece .model file.") from e
-    for key in ("conversion", "kind", "source", "fingerprint"):
-        if info.get(key) is not None and not isinstance(info[key], str):
-            raise PipelineError(f"{info_file} has {key!r} = {json_type(info[key])} (expected a "
-                                "string); re-save the tokenizer with `python main.py tokenize` "
-                                "(add the --config you use), or point tokenizer.name in "
-                                "config.json to a valid tokenizer folder, tokenizer.json or "
-                                "SentencePiece .model file.")
+    resave = ("re-save the tokenizer with `python main.py tokenize` (add the --config you use), or "
+              "point tokenizer.name in config.json to a valid tokenizer folder, tokenizer.json or "
+              "SentencePiece .model file.")
+    for key, kind, name in (("conversion", str, "a string"), ("kind", str, "a string"),
+                            ("source", str, "a string"), ("fingerprint", str, "a string"),
+                            ("vocab_size", int, "a whole number")):
+        v = info.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):
+            raise PipelineError(f"{info_file} has {key!r} = {json_type(v)} (expected {name}); {resave}")
+    if not any(k in info for k in ("kind", "source", "fingerprint")):   # every save writes them
+        raise PipelineError(f"{info_file} is damaged: it has none of the keys every saved copy "
+                            f"records (kind, source, fingerprint); {resave}")
     return info
 
 
