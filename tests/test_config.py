@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -427,6 +428,16 @@ def test_cli_a_symlink_loop_in_a_path_is_refused_naming_the_flag_or_key(tmp_path
     assert r.returncode == 2, r.stdout + r.stderr
     assert "paths.checkpoints_dir" in r.stderr and "leads back to itself" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
+
+
+def test_cli_a_process_substitution_path_is_refused_saying_what_to_do(tmp_path):
+    """`--config <(echo ...)` gave "/proc/PID/fd/63: file not found": the stage (a child of
+    main.py) cannot read the shell's pipe. A usage error naming the flag and what to do."""
+    r = subprocess.run(["bash", "-c", f"{sys.executable} {ROOT / 'main.py'} status --config <(echo '{{}}')"],
+                       capture_output=True, text=True, env=offline_env(), timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "argument --config" in r.stderr and "process substitution" in r.stderr, r.stderr
+    assert "Write it to a file" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cli_blank_tokenizer_name_and_path_flags_are_refused(tmp_path):

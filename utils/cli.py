@@ -24,6 +24,7 @@ import argparse
 import datetime
 import errno
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -78,6 +79,11 @@ def cli_path(value: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{'empty' if not value else 'only spaces'}: as a path it would mean the current "
             f"folder ({os.getcwd()}) itself. Give a path.")
+    if re.match(r"/(dev|proc/self|proc/\d+)/fd/\d+$", value):
+        raise argparse.ArgumentTypeError(
+            f"'{value}' is an open pipe (a shell's <(...) process substitution): main.py runs "
+            "each stage as its own process, which cannot read it, and a stage may read a file "
+            "more than once. Write it to a file and pass that file's path.")
     try:
         return str(Path(os.path.expanduser(value)).resolve())
     except (RuntimeError, OSError) as e:   # a symlink loop (RuntimeError before Python 3.13)
