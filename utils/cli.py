@@ -317,7 +317,7 @@ _PATH_ERRORS = {
     errno.ENOSPC: "the disk is full: free space and run the command again.",
     errno.EDQUOT: "the disk quota is used up: free space and run the command again.",
     errno.EROFS: "the file system is read-only: give a writable folder.",
-    errno.EACCES: "permission denied: give a folder you can write to, or fix its permissions.",
+    errno.EACCES: "give a folder you can write to, or fix its permissions.",
     errno.EPERM: "the operation is not permitted there: give another folder.",
 }
 

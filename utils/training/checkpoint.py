@@ -132,7 +132,9 @@ def _check_crc(path: Path) -> None:
     (torch.load does not look): bytes damaged after the write (a bad copy, a failing disk)
     keep the zip's structure and, in tensor data, load as finite, wrong weights. Costs one
     read of the file: 0.22 s for a 538 MB checkpoint from the page cache here, 0.65 s cold
-    (torch.load then reads it from the cache). Records written without a CRC (0) are skipped."""
+    (torch.load then reads it from the cache). Records written without a CRC (0) are skipped.
+    Not done for a memory-mapped read (``mmap``: the report's look at a run's metadata), which
+    would otherwise read the optimizer's state it leaves on disk."""
     try:
         with zipfile.ZipFile(path) as z:
             for info in z.infolist():
@@ -156,7 +158,7 @@ def _check_crc(path: Path) -> None:
 
 def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
     try:
-        if _is_zip_start(path):
+        if _is_zip_start(path) and not mmap:   # mmap: a reader of the metadata (report)
             _check_crc(path)
         with warnings.catch_warnings():   # junk bytes after 0x80 read as a "pickle protocol N"
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
