@@ -68,7 +68,8 @@ class EndOfInput(Exception):
 
 def utf8_text(text: str, where: str) -> str:
     """``text`` if it is valid Unicode; bytes that were not UTF-8 (kept by Python as lone
-    surrogates in argv and a terminal's input) are a UsageError naming ``where``."""
+    surrogates in a terminal's input; argv is checked by utils.cli.StageParser) are a
+    UsageError naming ``where``."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -298,7 +299,7 @@ def _label(path: Path) -> str:
 def scripted(session: Session, args, params: Params) -> int:
     if not args.checkpoint:
         raise UsageError("--prompt needs --checkpoint PATH (scripted mode loads one checkpoint).")
-    text = read_stdin_text() if args.prompt == "-" else utf8_text(args.prompt, "--prompt")
+    text = read_stdin_text() if args.prompt == "-" else args.prompt   # UTF-8: StageParser checked it
     if args.prompt == "-":
         text = text.rstrip("\n")
     if not text.strip():

@@ -64,8 +64,6 @@ def run_names(checkpoints_dir: Path, logs_dir: Path) -> list[tuple[str, float]]:
 def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
               now: Optional[float] = None) -> dict:
     """Everything ``status RUN`` shows, as a dict (None where the log has no value yet)."""
-    from utils.training.logging_utils import latest_per_step
-
     now = time.time() if now is None else now
     log_path = logs_dir / "raw_metrics" / f"{run}.jsonl"
     run_dir = checkpoints_dir / run
@@ -77,11 +75,7 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
                             "`python main.py status` lists the runs.")
     log, problem = _read_log(log_path, run_dir)
     records = log.records
-    # values of the wrong shape (a damaged or hand-edited log) are passed over, as NaNs are
-    train = [r for r in latest_per_step(records, "train") if 0 <= r["step"] < 1 << 63]
-    val = [r for r in latest_per_step(records, "val") if 0 <= r["step"] < 1 << 63]
-    configs = [r for r in records if r.get("type") == "config" and isinstance(r.get("hparams"), dict)]
-    events = [r for r in records if r.get("type") == "event" and isinstance(r.get("event"), str)]
+    train, val, configs, events, samples = _usable(records)
     hparams = configs[-1]["hparams"] if configs else {}
     total = hparams.get("total_steps")
 
@@ -108,7 +102,6 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
             out.update(val_loss=good[-1]["val_loss"], perplexity=good[-1].get("perplexity"),
                        bits_per_byte=good[-1].get("bits_per_byte"),
                        best_val_loss=min(r["val_loss"] for r in good))
-    samples = [r for r in records if r.get("type") == "sample" and isinstance(r.get("text"), str)]
     if samples:
         out["sample"] = {"step": samples[-1].get("step"), "prompt": samples[-1].get("prompt"),
                          "text": samples[-1].get("text")}
@@ -125,6 +118,19 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
             out["checkpoints"].append({"file": p.name, "mb": round(st.st_size / 1e6, 1),
                                        "age_s": round(now - st.st_mtime, 1)})
     return out
+
+
+def _usable(records: list) -> tuple:
+    """(train, val, config, event, sample records) of a log, passing over values of the wrong
+    shape (a damaged or hand-edited log), as NaNs are: a step outside 0..2^63, a config record
+    whose hparams is not an object, an event or a sample text that is not text."""
+    from utils.training.logging_utils import latest_per_step
+    train = [r for r in latest_per_step(records, "train") if 0 <= r["step"] < 1 << 63]
+    val = [r for r in latest_per_step(records, "val") if 0 <= r["step"] < 1 << 63]
+    configs = [r for r in records if r.get("type") == "config" and isinstance(r.get("hparams"), dict)]
+    events = [r for r in records if r.get("type") == "event" and isinstance(r.get("event"), str)]
+    samples = [r for r in records if r.get("type") == "sample" and isinstance(r.get("text"), str)]
+    return train, val, configs, events, samples
 
 
 def _read_log(path: Path, run_dir: Path) -> tuple:

@@ -144,7 +144,7 @@ def test_scripted_odd_values_and_bytes(work):
     assert r.returncode == 2 and b"not UTF-8 text (byte 0xe9 at offset 3)" in r.stderr, r.stderr
     r = subprocess.run([*main_command("infer", "--config", cfg, "--checkpoint", pre, "--prompt"),
                         "café".encode("latin-1")], stdin=subprocess.DEVNULL, **run)
-    assert r.returncode == 2 and b"--prompt holds bytes that are not UTF-8" in r.stderr, r.stderr
+    assert r.returncode == 2 and b"argument --prompt: holds bytes that are not UTF-8" in r.stderr, r.stderr
     assert b"Traceback" not in r.stderr
 
 
