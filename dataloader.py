@@ -450,7 +450,7 @@ class ResumableSampler(Sampler[int]):
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "num_windows", "world_size"):
             if key in state and state[key] != getattr(self, key):
-                why = {"seed": "dataset.seed", "world_size": "the number of processes (torchrun "
+                why = {"seed": "dataset.seed", "world_size": "the world size (processes: torchrun "
                                                             "--nproc_per_node)"}.get(
                     key, "dataset.window or dataset.stride, the shard set, or dataset.val_split")
                 raise PipelineError(f"cannot resume the data position: {key} is {state[key]} in the "
