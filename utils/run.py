@@ -178,8 +178,9 @@ def check_run_name(name: str, what: str = "run name") -> str:
     (``../x``, ``/abs``, ``a/b``, ``.``: a run written there would land outside the
     checkpoints folder, or be the folder itself); else a UsageError naming ``what``."""
     if name in ("", ".", "..") or "/" in name or "\\" in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise UsageError(f"{what} {name!r} is not a run name: give a folder name (letters, digits, "
-                         "'.', '_', '-'; `python main.py status` lists the runs), not a path.")
+        raise UsageError(f"{what} {name!r} is not a run name: give one folder name, not a path (no "
+                         "'/' or '\\', not '.' or '..', no control characters; `python main.py status` "
+                         "lists the runs).")
     if len(name.encode("utf-8", "surrogateescape")) > RUN_NAME_MAX_BYTES:
         raise UsageError(f"{what} {name[:40]!r}... is {len(name.encode('utf-8', 'surrogateescape'))} bytes "
                          f"long: give at most {RUN_NAME_MAX_BYTES} (its log and report file names add "
