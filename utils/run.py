@@ -181,8 +181,9 @@ def check_run_name(name: str, what: str = "run name") -> str:
         raise UsageError(f"{what} {name!r} is not a run name: give one folder name, not a path (no "
                          "'/' or '\\', not '.' or '..', no control characters; `python main.py status` "
                          "lists the runs).")
-    if len(name.encode("utf-8", "surrogateescape")) > RUN_NAME_MAX_BYTES:
-        raise UsageError(f"{what} {name[:40]!r}... is {len(name.encode('utf-8', 'surrogateescape'))} bytes "
+    size = len(name.encode("utf-8", "surrogateescape"))
+    if size > RUN_NAME_MAX_BYTES:
+        raise UsageError(f"{what} {name[:40]!r}... is {size} bytes "
                          f"long: give at most {RUN_NAME_MAX_BYTES} (its log and report file names add "
                          "to it, and a file system takes 255 per name).")
     return name

@@ -195,18 +195,12 @@ def _read_info(d: Path) -> Optional[dict]:
     info_file = d / INFO_FILE
     if not info_file.is_file():
         return None
-    try:
-        info = json.loads(info_file.read_text(encoding="utf-8"))
-        if not isinstance(info, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError, RecursionError) as e:
-        raise PipelineError(f"cannot read {info_file} ({_why(e)}); re-save the "
-                            "tokenizer with `python main.py tokenize` (add the --config you "
-                            "use), or point tokenizer.name in config.json to a valid tokenizer "
-                            "folder, tokenizer.json or SentencePiece .model file.") from e
     resave = ("re-save the tokenizer with `python main.py tokenize` (add the --config you use), or "
               "point tokenizer.name in config.json to a valid tokenizer folder, tokenizer.json or "
               "SentencePiece .model file.")
+    info, why = read_json_object_file(info_file)
+    if info is None:
+        raise PipelineError(f"{info_file} {why}; {resave}")
     for key, kind, name in (("conversion", str, "a string"), ("kind", str, "a string"),
                             ("source", str, "a string"), ("fingerprint", str, "a string"),
                             ("vocab_size", int, "a whole number")):

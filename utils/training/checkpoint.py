@@ -157,13 +157,13 @@ def _check_crc(path: Path) -> None:
 
 
 def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
+    is_zip = _is_zip_start(path)
     try:
-        if _is_zip_start(path) and not mmap:   # mmap: a reader of the metadata (report)
+        if is_zip and not mmap:           # mmap: a reader of the metadata (report)
             _check_crc(path)
         with warnings.catch_warnings():   # junk bytes after 0x80 read as a "pickle protocol N"
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
-            return torch.load(path, map_location=map_location, weights_only=True,
-                              mmap=mmap and _is_zip_start(path))
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and is_zip)
     except CheckpointError:
         raise
     except pickle.UnpicklingError as e:
@@ -191,7 +191,7 @@ def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
                                         "checkpoint of the run.") from None
         raise CheckpointError(path, f"cannot be read: {msg.splitlines()[0][:200]}") from None
     except OSError as e:
-        if _is_zip_start(path):   # torch's reader hits an offset past the end of a cut file
+        if is_zip:                # torch's reader hits an offset past the end of a cut file
             raise CheckpointError(path, "truncated or corrupt (the zip archive is incomplete: "
                                         f"{e.strerror or e}); the write was probably "
                                         "interrupted. Use another checkpoint of the run.") from None
