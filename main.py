@@ -87,7 +87,11 @@ def resolve_stage(name: str) -> Optional[str]:
 
 
 def stage_command(stage: Stage, args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", stage.module, *args]
+    """``python -P -m MODULE ARGS``: ``-m`` alone would put the working directory first on the
+    module path, so a ``utils/`` package, ``model.py`` or ``train.py`` in the folder the user
+    runs from would be imported (run) instead of the pipeline's own; ``-P`` (Python 3.11+)
+    leaves it out, and the stage finds its code through ``PYTHONPATH`` (this folder)."""
+    return [sys.executable, "-P", "-m", stage.module, *args]
 
 
 def _wait_forwarding(proc: subprocess.Popen, waited: set, name: str, forwarded: list) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -60,6 +61,21 @@ def test_stage_exit_code_propagates(tmp_path):
     assert "training.lr: expected a number" in proc.stderr
     proc = run_main("samples", "--config", tmp_path / "missing.json")
     assert proc.returncode == 2 and "missing.json: file not found" in proc.stderr
+
+
+def test_stage_code_comes_from_the_pipeline_not_the_working_folder(tmp_path):
+    """A user runs main.py from their own project folder, which holds a ``utils/`` package and
+    a ``status.py`` of its own: the stage still runs the pipeline's code, not theirs."""
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "utils" / "__init__.py").write_text('raise SystemExit("the folder\'s utils ran")\n')
+    (tmp_path / "status.py").write_text('raise SystemExit("the folder\'s status.py ran")\n')
+    (tmp_path / "model.py").write_text('raise SystemExit("the folder\'s model.py ran")\n')
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"paths": {"root": str(tmp_path / "work")}}))
+    proc = run_main("status", "--config", cfg, cwd=tmp_path)
+    assert "ran" not in proc.stdout + proc.stderr, proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert "No training runs yet" in proc.stdout, proc.stdout
 
 
 def _open_fifo_writer(fifo: Path, timeout: float = 60.0) -> int:

