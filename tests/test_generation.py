@@ -295,6 +295,46 @@ def test_stop_strings_never_reach_the_text_even_across_tokens(samples):
         assert (out, hit) == (want, stop in text), stop
 
 
+def test_text_made_by_the_caller_equals_the_engine_s_own(samples):
+    """``Sequence(text_by_caller=True)`` (serve): the events carry no text, and the caller's
+    pushes of their tokens (and ``finish()`` at the end) give the engine's own pieces, event by
+    event, over sampled byte-fallback tokens (characters held back, replies cut inside one),
+    prompt continuations, a lead, EOS and max_tokens. With a stop string the engine keeps the
+    text: it decides when the sequence ends."""
+    from tests.conftest import SPM_MODEL
+    from utils.data.tok import load_tokenizer_from
+    tok = load_tokenizer_from(str(SPM_MODEL))
+    m = build(seed=3, vocab_size=600)          # ids 3..258 are the byte tokens: broken characters
+    P = E.SamplingParams
+
+    def run(by_caller: bool) -> dict:
+        b, pieces = Engine(m).batcher(3, 64), {}
+
+        def sink(e):
+            own = e.seq.caller_text
+            if own is None:
+                piece = e.text
+            else:
+                assert e.text == ""
+                piece = own.push(e.token)[0] if e.token is not None else ""
+                piece += own.finish() if e.finish not in (None, "cancelled", "error") else ""
+            pieces.setdefault(e.seq.tag, []).append(piece)
+        for i in range(8):
+            b.add(E.Sequence([1, 300 + i, 140 + 7 * i], P(6 + 5 * i, temperature=1.0, seed=i, stop_ids=frozenset({2})),
+                             tok=tok, sink=sink, tag=i, continues=i % 2 == 0, lead=" " if i % 3 == 0 else "",
+                             text_by_caller=by_caller))
+        with torch.no_grad():
+            while b.has_work():
+                b.step()
+        return pieces
+    own, caller = run(False), run(True)
+    assert caller == own and len(own) == 8
+    assert sum(p == "" for ps in own.values() for p in ps[:-1]) >= 3      # characters were held back
+    assert any("\ufffd" in "".join(ps) for ps in own.values())          # and some never completed
+    with_stop = E.Sequence([1, 5], P(4, stop=("ab",)), tok=tok, text_by_caller=True)
+    assert with_stop.text is not None and with_stop.caller_text is None
+
+
 def test_int8_generation_uses_the_fused_weights_and_batches_exactly():
     """A quantize_int8 model decodes with its fused int8 matrices (views of the modules'
     weights, no copy), agrees with a full recompute through the modules, and each row of a

@@ -1064,7 +1064,9 @@ def test_a_wake_up_s_tokens_go_out_as_one_chunk_per_choice(interval):
     from utils.serve.protocol import Sampling
     m = ServedModel("m", None, tokenizer(), "pretrain", None, SimpleNamespace(capacity=64), 0,
                     stream_interval=interval)
-    s = Sampling(None, 8, 0.0, 1.0, 0, 2, None, (), True, True, logprobs=1)
+    # a stop string: the engine makes the text and its events bring it, as these do (without
+    # one the Job makes it from the tokens: test_generation.py, text made by the caller)
+    s = Sampling(None, 8, 0.0, 1.0, 0, 2, None, ("<never>",), True, True, logprobs=1)
 
     async def drive():
         job = Job(m, s, [[1, 5]], ["x"], False, "cmpl-1")

@@ -215,16 +215,22 @@ class Sequence:
     "cancelled")."""
 
     def __init__(self, prompt: Sequence_[int], params: SamplingParams, tok=None, sink=None, tag=None,
-                 continues: bool = False, lead: str = ""):
+                 continues: bool = False, lead: str = "", text_by_caller: bool = False):
         self.prompt = [int(t) for t in prompt]
         self.params = params
         self.tokens: list[int] = []
         # continues: the text continues the prompt's (a completion, a v2 chat answer); lead: text
         # left out at its start (see TextDecoder)
-        self.text = TextStream(tok, params.stop, self.prompt[-1:] if continues else (), lead) \
+        stream = TextStream(tok, params.stop, self.prompt[-1:] if continues else (), lead) \
             if tok is not None else None
         if params.stop and tok is None:
             raise ValueError("stop strings need a tokenizer on the sequence")
+        # text_by_caller, without stop strings (they decide when the sequence ends, so the engine
+        # must read the text): the events carry no text and the caller feeds ``caller_text`` the
+        # tokens on its own thread (see Event)
+        own = not text_by_caller or bool(params.stop)
+        self.text: Optional[TextStream] = stream if own else None          # pushed by the engine
+        self.caller_text: Optional[TextStream] = None if own else stream   # pushed by the caller
         self.sink = sink                # called with each Event (from the thread that steps)
         self.tag = tag                  # the caller's own reference (a request id, a row)
         self.slot: Optional[int] = None
@@ -246,7 +252,13 @@ class Event:
     """What one step did to one sequence: a new token (None when it finished without one),
     the text that became final with it ("" without a tokenizer or while a character or a
     possible stop string is pending), the token's log-probability and top alternatives
-    (``(id, logprob)``, when asked for), and ``finish`` once it is done."""
+    (``(id, logprob)``, when asked for), and ``finish`` once it is done.
+
+    A sequence with ``caller_text`` gets no text here: its caller gives each new token to
+    ``seq.caller_text.push`` and, when it finishes other than "cancelled" or "error", adds
+    ``seq.caller_text.finish()`` (the same text, pieces and all, as the engine's own; ``serve``
+    does it on its event loop, a wake-up's tokens together, to keep ~20 us per token of
+    detokenization, and the caches it cools, off the engine's thread)."""
     seq: Sequence
     token: Optional[int]
     text: str = ""

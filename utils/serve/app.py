@@ -197,7 +197,7 @@ class Job:
                                         frozenset({m.tok.eos_token_id}), s.stop, s.logprobs,
                                         prompt_logprobs=s.echo and s.logprobs is not None)
                 self.seqs.append(Sequence(ids, params, tok=m.tok, sink=sink, tag=p * s.n + i,
-                                           continues=continues, lead=lead))
+                                          continues=continues, lead=lead, text_by_caller=True))
         self.text = [""] * len(self.seqs)
         self.finish: list[Optional[str]] = [None] * len(self.seqs)
         self.logprobs: list[list] = [[] for _ in self.seqs]
@@ -227,6 +227,11 @@ class Job:
         if e.token is not None and self.ttft is None:
             self.ttft = time.perf_counter() - self.t0
         self.text[i] += e.text
+        if (own := e.seq.caller_text) is not None:          # the text is ours to make (see Event)
+            if e.token is not None:
+                self.text[i] += own.push(e.token)[0]
+            if e.finish not in (None, "cancelled", "error"):
+                self.text[i] += own.finish()
         if e.logprob is not None:
             self.logprobs[i].append((e.token, e.logprob, e.top or []))
         if e.finish is not None:
