@@ -586,6 +586,31 @@ def test_a_request_target_in_absolute_form_is_served_as_its_path(server):
     assert {m["id"] for m in json.loads(content)["data"]} >= {"sft_chat", "script"}, content
 
 
+def test_the_asterisk_target_answers_options_about_the_server(server):
+    """RFC 9112 3.2.4 / RFC 9110 9.3.7: ``OPTIONS *`` asks about the server as a whole: 200,
+    ``Allow`` and ``Content-Length: 0``; any other method with that target is a 400 in OpenAI's
+    shape (both were a 404)."""
+    import socket
+    host, port = _host_port(server.url)
+    for method in ("OPTIONS", "GET"):
+        with socket.create_connection((host, port), timeout=TIMEOUT) as sock:
+            sock.sendall(f"{method} * HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            reply = b""
+            while got := sock.recv(65536):
+                reply += got
+        head, _, content = reply.partition(b"\r\n\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in
+                   (line.partition(b":") for line in head.split(b"\r\n")[1:])}
+        if method == "OPTIONS":
+            assert head.startswith(b"HTTP/1.1 200"), reply
+            assert headers[b"allow"] == b"GET, HEAD, POST, OPTIONS" and headers[b"content-length"] == b"0"
+            assert content == b""
+        else:
+            assert head.startswith(b"HTTP/1.1 400"), reply
+            error = json.loads(content)["error"]
+            assert error["code"] == "invalid_request_target" and "OPTIONS only" in error["message"]
+
+
 def test_one_model_by_id(server):
     """GET /v1/models/{id}: the model's entry of GET /v1/models; an unknown id is a 404."""
     listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"]}

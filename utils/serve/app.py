@@ -348,6 +348,7 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     if api_key:
         app.add_middleware(_BearerAuth, key=api_key)
+    app.add_middleware(_AsteriskForm)
     if cors_origins:                                  # added last: the outermost, before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_credentials=False,
                            allow_methods=["GET", "HEAD", "POST"], allow_headers=["Authorization", "Content-Type"],
@@ -411,6 +412,29 @@ class ErrorResponse(JSONResponse):
 
     def render(self, content) -> bytes:
         return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+class _AsteriskForm:
+    """The request target ``*`` (RFC 9112 3.2.4), which asks about the server as a whole:
+    ``OPTIONS *`` gets 200 with the methods the server takes (RFC 9110 9.3.7: ``Allow``, and
+    ``Content-Length: 0``); any other method a 400 in OpenAI's shape. Starlette routed ``*``
+    as a path, a 404."""
+
+    ALLOW = "GET, HEAD, POST, OPTIONS"
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "*":
+            return await self.app(scope, receive, send)
+        if scope["method"] == "OPTIONS":
+            reply = Response(status_code=200, headers={"Allow": self.ALLOW})
+        else:
+            reply = ErrorResponse(error_body(f"the request target '*' is for OPTIONS only, not "
+                                             f"{clip(scope['method'])}: send a path such as /v1/models.",
+                                             code="invalid_request_target"), status_code=400)
+        await reply(scope, receive, send)
 
 
 class _BearerAuth:
