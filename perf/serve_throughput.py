@@ -246,32 +246,41 @@ def http_one(base: str, model: str, new_tokens: int):
 def raw_one(base: str, model: str, new_tokens: int):
     """As :func:`http_one`, the same streaming request read with the standard library's
     ``http.client``: SSE lines are only scanned, and only the usage chunk is parsed (the
-    ``openai`` client builds a pydantic object per chunk, on the same cores as the server)."""
+    ``openai`` client builds a pydantic object per chunk, on the same cores as the server).
+    Each stream's thread keeps its connection, as the ``openai`` client keeps its own."""
     import http.client
+    import threading
     import urllib.parse
     u = urllib.parse.urlparse(base)
     body = {"model": model, "max_tokens": new_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    mine = threading.local()
 
     def one(prompt):
         t0 = time.perf_counter()
         ttft, n = None, 0
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+        conn = getattr(mine, "conn", None)
+        mine.conn = None                                   # back only once its answer was read whole
+        data = json.dumps({**body, "prompt": prompt})
         try:
-            conn.request("POST", f"{u.path}/completions", json.dumps({**body, "prompt": prompt}),
-                         {"Content-Type": "application/json"})
+            if conn is None:
+                raise ConnectionError("no connection yet")
+            conn.request("POST", f"{u.path}/completions", data, {"Content-Type": "application/json"})
             resp = conn.getresponse()
-            if resp.status != 200:
-                raise RuntimeError(f"{base}: HTTP {resp.status}: {resp.read()[:300]!r}")
-            for line in resp:
-                if not line.startswith(b"data: {"):
-                    continue
-                if ttft is None and any(c.get("text") for c in json.loads(line[6:]).get("choices", [])):
-                    ttft = time.perf_counter() - t0                 # parsed until the first text
-                if b'"completion_tokens"' in line:
-                    n = json.loads(line[6:])["usage"]["completion_tokens"]
-        finally:
-            conn.close()
+        except ConnectionError:                            # none yet, or the server closed an idle one
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+            conn.request("POST", f"{u.path}/completions", data, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"{base}: HTTP {resp.status}: {resp.read()[:300]!r}")
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            if ttft is None and any(c.get("text") for c in json.loads(line[6:]).get("choices", [])):
+                ttft = time.perf_counter() - t0                 # parsed until the first text
+            if b'"completion_tokens"' in line:
+                n = json.loads(line[6:])["usage"]["completion_tokens"]
+        mine.conn = conn
         return ttft if ttft is not None else float("nan"), n
     return one
 
