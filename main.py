@@ -237,7 +237,21 @@ def interactive() -> int:
         print()
 
 
+def python_too_old(version: Sequence[int]) -> Optional[str]:
+    """Why this interpreter cannot run the pipeline, or None: the stages need Python 3.11 (``-P``
+    in :func:`stage_command`, and the code); an older one failed with "Unknown option: -P"."""
+    if tuple(version[:2]) >= (3, 11):
+        return None
+    return (f"main.py: the pipeline needs Python 3.11 or newer; this is Python "
+            f"{'.'.join(map(str, version[:3]))} ({sys.executable}). Run it with python3.11 (or "
+            f"newer), e.g. the project's virtual environment: .venv/bin/python main.py")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    why = python_too_old(sys.version_info)
+    if why is not None:
+        print(why, file=sys.stderr)
+        return EXIT_FAILURE
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         # A person at a terminal: Ctrl-C must work even when SIGINT was ignored on entry.

@@ -78,6 +78,33 @@ def test_stage_code_comes_from_the_pipeline_not_the_working_folder(tmp_path):
     assert "No training runs yet" in proc.stdout, proc.stdout
 
 
+def test_python_older_than_3_11_is_named():
+    assert main.python_too_old((3, 11, 0)) is None and main.python_too_old((3, 13, 1, "final", 0)) is None
+    why = main.python_too_old((3, 10, 13, "final", 0))
+    assert "needs Python 3.11 or newer" in why and "Python 3.10.13" in why
+
+
+def test_an_older_python_running_main_py_gets_that_message_and_exit_1(tmp_path):
+    """With Python 3.10 the stages failed with "Unknown option: -P" (stage_command)."""
+    import glob
+    import shutil
+
+    def runs_older(path) -> bool:                      # a pyenv shim may name one it cannot run
+        r = subprocess.run([path, "-c", "import sys; print(sys.version_info < (3, 11))"],
+                           capture_output=True, text=True, timeout=30)
+        return r.returncode == 0 and r.stdout.strip() == "True"
+    found = [shutil.which(f"python3.{m}") for m in (10, 9, 8)]
+    found += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.[89]*/bin/python")))
+    found += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.10*/bin/python")))
+    old = next((p for p in found if p and runs_older(p)), None)
+    if old is None:
+        pytest.skip("no Python 3.8-3.10 installed to run main.py with")
+    proc = subprocess.run([old, str(ROOT / "main.py"), "status"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "needs Python 3.11 or newer" in proc.stderr and "Unknown option" not in proc.stderr
+
+
 def _open_fifo_writer(fifo: Path, timeout: float = 60.0) -> int:
     """Open a FIFO for writing once a reader has it open (i.e. the stage is blocked on it)."""
     deadline = time.monotonic() + timeout
