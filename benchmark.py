@@ -49,7 +49,7 @@ TASKS = ("perplexity", "next_token", "lambada", "hellaswag", "arc_easy", "arc_ch
 
 
 def build_parser() -> StageParser:
-    p = StageParser("main.py benchmark", __doc__.strip().splitlines()[0])
+    p = StageParser("main.py benchmark", (__doc__ or "benchmark").strip().splitlines()[0])   # -OO: no docstrings
     p.add_argument("models", nargs="*", metavar="CHECKPOINT", type=cli_nonblank,
                    help="checkpoint files, run folders or run names (default: newest pretrain "
                         "and SFT runs)")

@@ -20,15 +20,26 @@ marks as planned).
 """
 from __future__ import annotations
 
-import difflib
 import os
-import shlex
-import signal
-import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional, Sequence
+
+# An empty PYTHONPATH entry ("PYTHONPATH=$PYTHONPATH:/x" while it was unset) is the working
+# folder, ahead of the standard library: a difflib.py there would be imported as the router's
+# own. The router imports nothing of the user's, so that folder leaves its module path.
+if "" in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    try:
+        _here = os.getcwd()
+    except OSError:                         # the working folder was removed: nothing imports from it
+        _here = None
+    sys.path[1:] = [p for p in sys.path[1:] if p != _here]
+
+import difflib  # noqa: E402 (after the module path is cleaned)
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Optional, Sequence  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
@@ -129,7 +140,10 @@ def launch_stage(name: str, args: Sequence[str], report: bool = True) -> int:
               f"(an incomplete checkout?).", file=sys.stderr)
         return EXIT_FAILURE
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # the user's PYTHONPATH after ours, without empty entries: Python reads one as the working
+    # folder, which -P (stage_command) leaves out ("PYTHONPATH=$PYTHONPATH:/x" with it unset)
+    theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *theirs])
     env[ROUTER_PID_ENV] = str(os.getpid())
     # Signals ignored on entry stay ignored (the stage inherits that); the others are held
     # (blocked) while the stage runs and taken with sigwaitinfo, which tells who sent them.
@@ -248,6 +262,8 @@ def python_too_old(version: Sequence[int]) -> Optional[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from utils.stdio import open_standard_streams
+    open_standard_streams()                 # before a stage inherits them (utils/stdio.py)
     why = python_too_old(sys.version_info)
     if why is not None:
         print(why, file=sys.stderr)

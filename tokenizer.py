@@ -434,7 +434,7 @@ def name_arg(value: str) -> str:
 
 
 def build_parser() -> StageParser:
-    p = StageParser("main.py tokenize", __doc__.strip().splitlines()[0])
+    p = StageParser("main.py tokenize", (__doc__ or "tokenize").strip().splitlines()[0])   # -OO: no docstrings
     action = p.add_mutually_exclusive_group()
     action.add_argument("--encode", metavar="TEXT", help="print the token ids of TEXT")
     action.add_argument("--encode-file", metavar="FILE", type=cli_path,

@@ -5,6 +5,7 @@ import ast
 import errno
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,7 +15,8 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from tests.conftest import ROOT, default_signals, offline_env, run_main, stage_pid, wait_until_blocked
+from tests.conftest import (ROOT, default_signals, main_command, offline_env, run_main, stage_pid,
+                            wait_until_blocked)
 
 sys.path.insert(0, str(ROOT))
 import main  # noqa: E402
@@ -78,6 +80,30 @@ def test_stage_code_comes_from_the_pipeline_not_the_working_folder(tmp_path):
     assert "No training runs yet" in proc.stdout, proc.stdout
 
 
+@pytest.mark.parametrize("closed", [">&-", "2>&-", "<&-"])
+def test_a_stage_started_with_a_closed_standard_stream_runs_and_exits_0(tmp_path, closed):
+    """``main.py status >&-`` ended in an AttributeError traceback (a None sys.stdout flushed),
+    exit 1; the menu's input() failed on a closed stdin. Now a closed descriptor is /dev/null
+    (utils/stdio.py): the stage runs and says nothing where nothing can be read."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"paths": {"root": str(tmp_path / "work")}}))
+    cmd = " ".join(shlex.quote(str(a)) for a in main_command("status", "--config", cfg))
+    proc = subprocess.run(["/bin/sh", "-c", f"{cmd} {closed}"], capture_output=True, text=True,
+                          env=offline_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert ("No training runs yet" in proc.stdout) == (closed != ">&-"), proc.stdout
+
+
+def test_the_menu_with_stdin_closed_ends_as_at_end_of_input():
+    """``main.py <&-``: input() raised RuntimeError("lost sys.stdin"), a traceback."""
+    menu = " ".join(shlex.quote(str(a)) for a in main_command())
+    proc = subprocess.run(["/bin/sh", "-c", f"{menu} <&-"], capture_output=True, text=True,
+                          env=offline_env(), timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "LLM training pipeline" in proc.stdout
+
+
 def test_python_older_than_3_11_is_named():
     assert main.python_too_old((3, 11, 0)) is None and main.python_too_old((3, 13, 1, "final", 0)) is None
     why = main.python_too_old((3, 10, 13, "final", 0))
@@ -103,6 +129,46 @@ def test_an_older_python_running_main_py_gets_that_message_and_exit_1(tmp_path):
                           cwd=tmp_path, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "needs Python 3.11 or newer" in proc.stderr and "Unknown option" not in proc.stderr
+
+
+def test_an_empty_pythonpath_entry_does_not_let_the_working_folder_in(tmp_path):
+    """``PYTHONPATH=/x:`` (an empty entry: the working folder to Python) put a difflib.py of
+    the folder into the router and a numpy.py into the stage, ahead of the standard library
+    and the installed packages."""
+    for name in ("difflib", "numpy", "json"):
+        (tmp_path / f"{name}.py").write_text(f'raise SystemExit("the folder\'s {name}.py ran")\n')
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"paths": {"root": "%s"}}' % (tmp_path / "work"))
+    for pythonpath in (f"{tmp_path / 'elsewhere'}:", ":"):
+        env = offline_env(PYTHONPATH=pythonpath)
+        for args in (("status", "--config", cfg), ("nosuchstage",), ("tokenize", "--config", cfg, "--encode", "hi")):
+            proc = run_main(*args, cwd=tmp_path, env=env)
+            assert "ran" not in proc.stdout + proc.stderr, (args, proc.stderr)
+            assert proc.returncode in (0, 1, 2) and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert run_main("status", "--config", cfg, cwd=tmp_path, env=env).returncode == 0
+
+
+def test_an_unexpected_error_with_non_utf8_bytes_in_the_command_is_reported_and_logged(tmp_path):
+    """An unexpected error (here standard output refusing its bytes, /dev/full) in a command
+    whose --config path is not UTF-8: the error log's writer failed on the name's bytes
+    (UnicodeEncodeError), printed two tracebacks and left an empty log."""
+    cfg = Path(os.fsdecode(bytes(tmp_path) + b"/c\xff.json"))
+    cfg.write_text(json.dumps({"paths": {"root": str(tmp_path / "work")}}))
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(main_command("status", "--config", cfg), stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=offline_env(), timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "unexpected error in stage 'status'" in proc.stderr, proc.stderr
+    logs = list((tmp_path / "work" / "logs" / "errors").glob("status_*.log"))
+    assert len(logs) == 1 and "c\\xff.json" in logs[0].read_text() and "OSError" in logs[0].read_text()
+
+
+@pytest.mark.parametrize("stage", sorted(main.STAGES))
+def test_every_stage_parses_its_flags_under_python_oo(stage):
+    """PYTHONOPTIMIZE=2 (-OO) strips docstrings: three stages built their parser from theirs
+    (AttributeError on None)."""
+    proc = run_main(stage, "--help", env=offline_env(PYTHONOPTIMIZE="2"), timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
 
 
 def _open_fifo_writer(fifo: Path, timeout: float = 60.0) -> int:

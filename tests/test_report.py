@@ -189,6 +189,24 @@ def test_environment_is_recorded_for_new_runs(written):
         code.startswith("unknown ("), code
 
 
+def test_the_recorded_commit_is_the_checkout_s_even_with_git_dir_set(tmp_path, monkeypatch):
+    """Started from a git hook (which sets GIT_DIR), a run recorded the hook's repository's
+    commit as its own code's."""
+    import subprocess
+    from utils.environment import git_state
+    other = tmp_path / "other"
+    other.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(other)]
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "x"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    theirs = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    mine = git_state(tmp_path)                        # not a checkout: no commit
+    monkeypatch.setenv("GIT_DIR", str(other / ".git"))
+    monkeypatch.setenv("GIT_WORK_TREE", str(other))
+    got = git_state(tmp_path)
+    assert got.get("commit") != theirs and got == mine, got
+
+
 def test_damaged_log_and_missing_parts_are_said_not_fatal(work):
     """A copy of the run whose log has damaged lines (garbage, invalid UTF-8, a JSON array, a
     torn last line) and records of the wrong shape, whose config records carry no environment

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import (SPM_MODEL, child_pids, offline_env, paused_env, popen_main, run_main, run_places,
-                            wait_for_line, write_config)
+from tests.conftest import (SPM_MODEL, child_pids, main_command, offline_env, paused_env, popen_main, run_main,
+                            run_places, wait_for_line, write_config)
 from utils.run import load_checkpoint
 from utils.training.logging_utils import latest_per_step, read_jsonl, read_log
 from utils.training.scheduler import CosineWarmupScheduler, lr_factor
@@ -123,6 +123,20 @@ def test_allocator_opt_out_keeps_the_defaults(root, cfg):
                    env=allocator_env(**{OPT_OUT_ENV: "system"}))).stdout
     assert "restarting once" not in out
     assert f"{OPT_OUT_ENV}=system: glibc malloc defaults" in out
+
+
+def test_cpu_training_restarts_and_trains_with_stderr_closed(root, cfg):
+    """``train ... 2>&-``: the allocator's re-exec flushed a None sys.stderr (AttributeError,
+    exit 1, nothing trained); now the closed stream is /dev/null (utils/stdio.py) and the run
+    trains, its output to stdout intact."""
+    out = root / "closed_stderr.out"
+    with out.open("w") as f:
+        cmd = main_command("train", "--test", "--config", cfg, *FLAGS, "--name", "nostderr", "--max-steps", 1)
+        proc = subprocess.run(["/bin/sh", "-c", '"$@" 2>&-', "sh", *map(str, cmd)], stdout=f,
+                              stdin=subprocess.DEVNULL, env=allocator_env(), timeout=240)
+    text = out.read_text()
+    assert proc.returncode == 0, text
+    assert "AttributeError" not in text and (root / "checkpoints" / "nostderr" / "checkpoint_latest.pt").is_file()
 
 
 def test_reused_run_name_refused(root, cfg, full_run):

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from utils.config import PROJECT_ROOT, ConfigError, Config, load_config
+from utils.stdio import open_standard_streams
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -216,6 +217,16 @@ def _error_log_dir() -> Path:
     return base / "errors"
 
 
+def _readable_utf8(text: str) -> bytes:
+    """``text`` as UTF-8, a byte of a command line or file name that is not UTF-8 (Python's
+    surrogate for it) written as ``\\xNN``, any other lone surrogate as ``\\udNNN``."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace").encode("utf-8")
+
+
 def _write_error_log(stage: str, text: str) -> Optional[Path]:
     """Write the traceback to logs/errors/<stage>_<time>.log (or the temp dir); None if neither."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
@@ -225,7 +236,7 @@ def _write_error_log(stage: str, text: str) -> Optional[Path]:
         try:
             d.mkdir(parents=True, exist_ok=True)
             path = d / name
-            path.write_text(text, encoding="utf-8")
+            path.write_bytes(_readable_utf8(text))
             return path
         except OSError:
             continue
@@ -253,6 +264,7 @@ def report_unexpected(prog: str, exc: BaseException) -> None:
 def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
               argv: Optional[Sequence[str]] = None) -> None:
     """Run a stage's main and exit with the pipeline's exit-code contract (module docstring)."""
+    open_standard_streams()
     prog = Path(sys.argv[0]).name
     raw_args = list(sys.argv[1:] if argv is None else argv)
     _MAIN_PID[0] = os.getpid()

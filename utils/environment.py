@@ -41,9 +41,16 @@ def package_versions(names: Sequence[str] = PACKAGES) -> dict:
     return out
 
 
+# variables that point git at another repository than the one at -C (git hooks set GIT_DIR):
+# a run started from one recorded that repository's commit
+_GIT_LOCATORS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY",
+                 "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_COMMON_DIR", "GIT_NAMESPACE")
+
+
 def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in _GIT_LOCATORS}
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                          timeout=GIT_TIMEOUT_S, stdin=subprocess.DEVNULL)
+                          timeout=GIT_TIMEOUT_S, stdin=subprocess.DEVNULL, env=env)
 
 
 def git_state(root: Optional[Path] = None) -> dict:

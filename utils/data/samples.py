@@ -218,7 +218,7 @@ def build_fineweb_substitute(samples_dir: Path, log=print) -> Optional[Path]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = StageParser("main.py samples", __doc__.strip().splitlines()[0])
+    parser = StageParser("main.py samples", (__doc__ or "samples").strip().splitlines()[0])   # -OO: no docstrings
     parser.add_argument("--list", action="store_true", help="list the sample files and exit")
     args, cfg = parser.parse(argv)
     samples_dir = cfg.path("paths.samples_dir")
