@@ -630,6 +630,17 @@ def _host_port(url: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def test_the_chat_page_and_its_files_carry_security_headers(server):
+    """The page loads nothing but this server's files and may not be framed by another site
+    (it had no such headers: any page could frame it); its files are never type-sniffed."""
+    for path in ("/", "/static/chat.js", "/static/style.css"):
+        r = httpx.get(server.url + path, timeout=TIMEOUT)
+        assert r.status_code == 200, path
+        csp = {d.strip().split(" ")[0]: d.strip() for d in r.headers["content-security-policy"].split(";")}
+        assert csp["default-src"] == "default-src 'self'" and csp["frame-ancestors"] == "frame-ancestors 'none'"
+        assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
+
+
 def test_head_answers_as_get_does_without_a_body(server):
     """HEAD (load balancers, health checkers, link checkers) on the page, its files, /health
     and the model list: 200 with GET's headers (Content-Length included) and no body: the next
@@ -1431,6 +1442,23 @@ def test_chat_page_in_a_real_browser(work, tmp_path):
         assert len(chat_lines) == 2
         first, second = (int(re.search(r"prompt_tokens=(\d+)", line)[1]) for line in chat_lines)
         assert second > first + 3                                 # the second carried the first exchange
+        # a refused question (max tokens beyond the context) leaves the conversation and goes
+        # back to the input box: the next one is sent after the last answer, not after it (the
+        # page kept it, and every later send was a 400 for two user messages in a row)
+        box.clear()
+        box.send_keys("100000")
+        driver.find_element(By.ID, "input").send_keys("Too long?")
+        driver.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.error"))
+        assert "max_tokens" in driver.find_element(By.CSS_SELECTOR, ".msg.error").text
+        assert driver.find_element(By.ID, "input").get_property("value") == "Too long?"
+        box.clear()                                  # empty: the server's default, not max_tokens 0
+        driver.find_element(By.ID, "send").click()
+        n = len(reply(driver))
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")) == n)
+        assert len(driver.find_elements(By.CSS_SELECTOR, ".msg.error")) == 1
+        chat_lines = [line for line in s.stderr().splitlines() if "model=sft_chat" in line]
+        assert len(chat_lines) == 3 and int(re.search(r"prompt_tokens=(\d+)", chat_lines[2])[1]) > second
         driver.save_screenshot(str(tmp_path / "chat.png"))
         assert (tmp_path / "chat.png").stat().st_size > 10_000
         driver.find_element(By.ID, "clear").click()

@@ -48,6 +48,11 @@ from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, clip, error_
                                   read_chat, read_completion, shown)
 
 STATIC = Path(__file__).resolve().parent / "static"
+# the chat page and its files: scripts, styles and requests from this server only, no page of
+# another site may frame it (clickjacking), and no browser guesses another type for a file
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+                                           "form-action 'none'; object-src 'none'",
+                "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"}
 RETRY_AFTER = 1                     # seconds a 429 asks the client to wait (Retry-After)
 
 
@@ -362,7 +367,7 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     @get("/")
     async def _page():
-        return FileResponse(STATIC / "index.html", media_type="text/html")
+        return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
 
     @get("/static/{name}")
     async def _static(name: str):
@@ -370,7 +375,7 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
         if name not in {p.name for p in STATIC.iterdir()}:
             raise StarletteHTTPException(404)
         kind = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}.get(path.suffix)
-        return FileResponse(path, media_type=kind)
+        return FileResponse(path, media_type=kind, headers=PAGE_HEADERS)
 
     @get("/health")
     async def _health():

@@ -3,7 +3,8 @@
 // pre-trained models continue the text through /v1/completions. Replies stream (SSE).
 "use strict";
 const $ = (id) => document.getElementById(id);
-const state = { models: [], messages: [], controller: null };
+// conversation: which conversation a reply belongs to (Clear and a model change start another)
+const state = { models: [], messages: [], controller: null, conversation: 0 };
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -59,12 +60,13 @@ async function send(text) {
   bubble("user", text);
   const reply = bubble("assistant", "");
   const out = reply.querySelector(".text");
-  const chat = m.chat;
+  const chat = m.chat, conversation = state.conversation;
   if (chat) state.messages.push({ role: "user", content: text });
-  const body = {
-    model: m.id, stream: true, stream_options: { include_usage: true },
-    temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
-  };
+  const body = { model: m.id, stream: true, stream_options: { include_usage: true } };
+  for (const [field, id] of [["temperature", "temperature"], ["max_tokens", "max-tokens"]]) {
+    const v = $(id).value.trim();
+    if (v !== "") body[field] = Number(v);        // empty: the server's default
+  }
   if (chat) body.messages = state.messages; else body.prompt = text;
   const controller = new AbortController();
   state.controller = controller;
@@ -112,7 +114,14 @@ async function send(text) {
     state.controller = null;
     setBusy(false);
   }
-  if (chat && (out.textContent || !failed)) state.messages.push({ role: "assistant", content: out.textContent });
+  if (chat && conversation === state.conversation) {     // not after a Clear or a model change
+    if (out.textContent || !failed) {
+      state.messages.push({ role: "assistant", content: out.textContent });
+    } else {                                   // refused (too long, busy): the question leaves the
+      state.messages.pop();                    // conversation and goes back to the input box
+      if (!$("input").value) $("input").value = text;
+    }
+  }
   if (failed) bubble("error", failed);
   const secs = (performance.now() - t0) / 1000;
   const gen = first === null ? 0 : (performance.now() - first) / 1000;
@@ -139,11 +148,13 @@ $("input").addEventListener("keydown", (e) => {
 $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
 $("clear").addEventListener("click", () => {
   if (state.controller) state.controller.abort();
+  state.conversation += 1;
   state.messages = [];
   $("log").innerHTML = "";
   $("status").textContent = "conversation cleared";
 });
 $("model").addEventListener("change", () => {
+  state.conversation += 1;
   state.messages = [];
   if (!$("log").children.length) return;
   const note = document.createElement("p");
