@@ -29,6 +29,7 @@ at a prompt it ends the stage (exit 130). Details: docs/sft_inference.md.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from utils.cli import EXIT_INTERRUPTED, PipelineError, StageParser, Terminated, UsageError, cli_path, run_stage
+from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, Terminated, UsageError, cli_path, printable,
+                       run_stage)
 from utils.device import available_bytes
 
 ROOT = Path(__file__).resolve().parent
@@ -350,7 +352,7 @@ class UI:
         self.say(f"\n{c.bold}Training runs{c.reset} (most recent first):")
         for i, r in enumerate(runs, 1):
             age = age_text(time.time() - r.mtime)
-            line = f"  {i}) {r.name}  [{r.kind}]  {len(r.checkpoints)} checkpoint(s), {age} ago"
+            line = f"  {i}) {printable(r.name)}  [{r.kind}]  {len(r.checkpoints)} checkpoint(s), {age} ago"
             if i == 1:
                 line = f"{c.yellow}{c.bold}{line}  <- most recent{c.reset}"
             self.say(line)
@@ -358,7 +360,7 @@ class UI:
 
     def list_checkpoints(self, run) -> list:
         c = self.c
-        self.say(f"\n{c.bold}Checkpoints in {run.name}:{c.reset}")
+        self.say(f"\n{c.bold}Checkpoints in {printable(run.name)}:{c.reset}")
         for i, p in enumerate(run.checkpoints, 1):
             tag, color = "", ""
             if p.name == "checkpoint_best.pt":
@@ -366,7 +368,7 @@ class UI:
             elif p.name == "checkpoint_latest.pt":
                 tag, color = "  (latest)", c.blue
             size = p.stat().st_size / 1e6
-            self.say(f"{color}  {i}) {p.name}{tag}  {size:.1f} MB{c.reset if color else ''}")
+            self.say(f"{color}  {i}) {printable(p.name)}{tag}  {size:.1f} MB{c.reset if color else ''}")
         return run.checkpoints
 
     def pick_checkpoint(self) -> Path:
@@ -396,7 +398,8 @@ class UI:
         if got != "2":
             return d
         return Params(self._num("Max new tokens", d.max_new_tokens, int, lambda v: v >= 1),
-                      self._num("Temperature (0 = greedy)", d.temperature, float, lambda v: v >= 0),
+                      self._num("Temperature (0 = greedy)", d.temperature, float,
+                                lambda v: math.isfinite(v) and v >= 0),
                       self._num("Top-k (0 = off)", d.top_k, int, lambda v: v >= 0),
                       self._num("Top-p (1.0 = off)", d.top_p, float, lambda v: 0 < v <= 1),
                       d.seed)
@@ -429,16 +432,15 @@ class UI:
     def out(self, s: str) -> None:
         # generated text may hold control characters (\r, escape codes): never let them
         # drive the terminal
-        s = "".join(ch if ch in "\n\t" or ch.isprintable() else "\ufffd" for ch in s)
-        sys.stdout.write(s)
+        sys.stdout.write(printable(s, keep="\n\t"))
         sys.stdout.flush()
 
     def single(self, path: Optional[Path] = None) -> None:
         path = path or self.pick_checkpoint()
-        self.say(f"Loading {path} ...")
+        self.say(f"Loading {printable(str(path))} ...")
         m = self.session.load(path)
         mode = "chat (User/Assistant template)" if m.chat else "completion"
-        self.say(f"Loaded {m.label}: {m.n_params:,} parameters, {m.ckpt_kind}, {mode}, on "
+        self.say(f"Loaded {printable(m.label)}: {m.n_params:,} parameters, {m.ckpt_kind}, {mode}, on "
                  f"{self.session.device}.")
         while True:
             text = self.read_prompt(m.chat)
@@ -473,7 +475,7 @@ class UI:
                      f"fewer checkpoints if loading fails.{self.c.reset}")
         models = []
         for p in paths:
-            self.say(f"Loading {_label(p)} ...")
+            self.say(f"Loading {printable(_label(p))} ...")
             models.append(self.session.load(p))
         while True:
             text = self.read_prompt(False)
@@ -485,7 +487,7 @@ class UI:
             results = []
             for i, m in enumerate(models, 1):
                 m.history.clear()
-                self.say(f"\n{self.c.bold}[{i}] {m.label}{self.c.reset}")
+                self.say(f"\n{self.c.bold}[{i}] {printable(m.label)}{self.c.reset}")
                 try:
                     out, st = self.session.generate(m, text, prm, self.out, lambda s: self.say(s))
                 except UsageError as e:             # e.g. more new tokens than memory holds
@@ -499,19 +501,20 @@ class UI:
 
     def summary(self, results) -> None:
         c = self.c
-        w = max(len(m.label) for m, _, _ in results)
+        label = {id(m): printable(m.label) for m, _, _ in results}
+        w = max(map(len, label.values()))
         self.say(f"\n{c.bold}Comparison{c.reset}")
         self.say(f"  {'model'.ljust(w)}  tokens  seconds  tokens/s  first token  output")
         for m, out, st in results:
             ttft = f"{st.ttft:.3f}" if st.ttft is not None else "n/a"
-            snippet = " ".join(out.split())[:50]
-            self.say(f"  {m.label.ljust(w)}  {st.tokens:6d}  {st.seconds:7.2f}  {st.rate:8.1f}  "
+            snippet = printable(" ".join(out.split())[:50])
+            self.say(f"  {label[id(m)].ljust(w)}  {st.tokens:6d}  {st.seconds:7.2f}  {st.rate:8.1f}  "
                      f"{ttft:>11}  {snippet}")
         fastest = min(results, key=lambda r: r[2].seconds)
         most = max(results, key=lambda r: r[2].tokens)
         rate = max(results, key=lambda r: r[2].rate)
-        self.say(f"Fastest: {fastest[0].label}; most tokens: {most[0].label}; highest tokens/s: "
-                 f"{rate[0].label}.")
+        self.say(f"Fastest: {label[id(fastest[0])]}; most tokens: {label[id(most[0])]}; highest tokens/s: "
+                 f"{label[id(rate[0])]}.")
 
     def benchmark(self) -> None:
         if not (ROOT / "benchmark.py").is_file():

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
+from utils.cli import PipelineError, StageParser, UsageError, cli_path, printable, run_stage
 
 API_KEY_ENV = "LLM_SERVE_API_KEY"
 
@@ -84,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def say(msg: str) -> None:
-    print(f"serve: {msg}", file=sys.stderr, flush=True)
+    print(f"serve: {printable(msg)}", file=sys.stderr, flush=True)   # one line (a model id may hold a newline)
 
 
 def resolve_api_key(flag: Optional[str], env: Optional[str]) -> Optional[str]:
@@ -182,7 +182,7 @@ def make_app(models: dict, cfg, api_key: Optional[str]):
     from utils.serve.protocol import Limits
     limits = Limits(cfg.serve.max_messages, cfg.serve.max_prompt_chars, cfg.serve.max_n,
                     cfg.serve.max_tokens, cfg.serve.read_timeout)
-    return create_app(models, limits, api_key, log=lambda s: print(f"serve: {s}", file=sys.stderr, flush=True),
+    return create_app(models, limits, api_key, log=say,
                       cors_origins=cfg.serve.cors_origins)
 
 
@@ -190,7 +190,7 @@ def announce(sock: socket.socket, host: str, models: dict, api_key: Optional[str
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     print(f"serve: listening on http://{shown}:{port}", flush=True)
-    print(f"serve: OpenAI base URL http://{shown}:{port}/v1 (models: {', '.join(models)}); chat page "
+    print(f"serve: OpenAI base URL http://{shown}:{port}/v1 (models: {printable(', '.join(models))}); chat page "
           f"http://{shown}:{port}/ ; Ctrl-C stops", file=sys.stderr, flush=True)
     if not api_key and not is_loopback(host):
         print(f"serve: WARNING: listening on {host} without an API key: anyone who can reach this "

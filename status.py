@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from utils.cli import PipelineError, StageParser, run_stage
+from utils.cli import PipelineError, StageParser, printable, run_stage
 from utils.run import check_run_name, list_runs, run_checkpoints
 from utils.training.logging_utils import TERMINAL_EVENTS, finite as _finite, json_safe
 
@@ -291,7 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             problem = s["log_problem"]
             damaged = (f"  [log: {problem['damaged_lines']} damaged line(s) skipped]"
                        if problem is not None and not _is_unreadable(problem) else "")
-            print(f"  {name:<32} {s['state']:<12} {step:<18} loss {_num(s['loss'])}  "
+            print(f"  {printable(name):<32} {s['state']:<12} {step:<18} loss {_num(s['loss'])}  "
                   f"val {_num(s['val_loss'])}  {len(s['checkpoints'])} checkpoint(s){damaged}")
         return _fail_on_unreadable(summaries)
     s = summarize(check_run_name(args.run, "RUN"), ckdir, logs)

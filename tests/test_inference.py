@@ -190,6 +190,8 @@ def test_interactive_single_model_session(work):
     c.expect("Temperature")
     c.sendline("abc")                                 # invalid: asked again
     c.expect("not a valid value")
+    c.sendline("inf")                                 # not finite (scripted --temperature refuses it too)
+    c.expect("not a valid value")
     c.sendline("1.0")
     c.expect("Top-k")
     c.sendline("0")
@@ -279,6 +281,39 @@ def test_interactive_multi_model_comparison_with_colors(work):
     c.close()
     assert c.exitstatus == 130
     assert "Traceback" not in c.before
+
+
+def test_interactive_menus_and_comparison_never_pass_control_characters_to_the_terminal(tmp_path, samples):
+    """A run folder named with escape sequences and a newline, a model whose reply holds them
+    too: the menus, the loading lines, the streamed reply and the comparison table show each
+    control character as U+FFFD (the table and the menus wrote them raw: a reply could set the
+    window title or clear the screen, a name could add a line to the listing)."""
+    import io
+    from tests.test_serve import make_script_checkpoint
+    cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
+    run = tmp_path / "checkpoints" / "evil\x1b[2J\x1b]0;PWNED\x07\nline2"
+    make_script_checkpoint(run / "checkpoint_best.pt", "A\x1b]0;OWN\x07B\rZ\x0c")
+    env = offline_env(NO_COLOR="1")
+    c = spawn_main("infer", "--config", cfg, "--max-new-tokens", "12", "--temperature", "0", env=env, timeout=90)
+    c.logfile_read = seen = io.StringIO()
+    c.expect("Select a mode")
+    c.sendline("2")
+    c.expect("Select a run")
+    c.sendline("1")
+    c.expect("Select checkpoints")
+    c.sendline("all")
+    c.expect("Prompt")
+    c.sendline("Hi")
+    c.sendline("")                                    # default parameters
+    c.expect("Fastest: ")
+    c.expect("Prompt")
+    c.sendeof()
+    c.expect(pexpect.EOF)
+    c.close()
+    text = seen.getvalue()
+    assert "\x1b" not in text and "\x07" not in text, repr(text[-600:])
+    assert "evil\ufffd[2J\ufffd]0;PWNED\ufffd\ufffdline2" in text           # the run's name, one line
+    assert text.count("A\ufffd]0;OWN\ufffdB") >= 2                          # streamed, and in the table
 
 
 def test_free_memory_sources_and_the_note_said_once(monkeypatch):

@@ -28,9 +28,9 @@ TIMEOUT = 60
 SCRIPT = "Grüße aus 日本🧪 und café!"      # its emoji is four byte-fallback tokens
 
 
-def make_script_checkpoint(path: Path) -> list[int]:
-    """A checkpoint whose greedy continuation of any prompt is SCRIPT's tokens over and over
-    (returned; they are distinct): its block adds nothing (zero output projections), each
+def make_script_checkpoint(path: Path, text: str = SCRIPT) -> list[int]:
+    """A checkpoint whose greedy continuation of any prompt is ``text``'s tokens over and over
+    (returned; they must be distinct): its block adds nothing (zero output projections), each
     script token's embedding is a basis vector and the head row of the token after it points
     the same way (logit 80 against 0); any other token points at the first. Streamed UTF-8
     and stop strings across tokens are then deterministic to test."""
@@ -38,8 +38,8 @@ def make_script_checkpoint(path: Path) -> list[int]:
     from utils.data.tok import describe, encode_plain
     from utils.training.checkpoint import save_checkpoint
     tok = tokenizer()
-    ids = encode_plain(tok, [SCRIPT])[0]
-    assert len(set(ids)) == len(ids) < 63
+    ids = encode_plain(tok, [text])[0]
+    assert len(set(ids)) == len(ids) < 63, ids
     margs = model_lib.ModelArgs(vocab_size=len(tok), d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
                                 max_seq_len=512, bos_id=tok.bos_token_id, tie_embeddings=False)
     sd = model_lib.create_model(margs).state_dict()
@@ -628,6 +628,25 @@ def test_one_model_by_id(server):
 def _host_port(url: str) -> tuple[str, int]:
     host, port = url.split("//")[1].rsplit(":", 1)
     return host.strip("[]"), int(port)
+
+
+def test_a_model_id_with_control_characters_keeps_the_log_one_line_per_request(work, tmp_path):
+    """A run folder named with a newline and an escape sequence is a model id: the API gives
+    it as it is (JSON escapes it); the server's log showed it raw, which split the promised one
+    line per request and reached the operator's terminal."""
+    import shutil
+    odd = "odd\nid\x1b[31m"
+    shutil.copytree(work["pre"].parent, tmp_path / "checkpoints" / odd)
+    s = Server(work["root"], work["cfg"], "--checkpoint", tmp_path / "checkpoints" / odd)
+    try:
+        assert [m.id for m in s.client.models.list().data] == [odd]
+        s.client.completions.create(model=odd, prompt="Hi", max_tokens=2)
+    finally:
+        assert s.stop() == 130
+    log = s.stderr()
+    assert "\x1b" not in log
+    line = next(x for x in log.splitlines() if "prompt_tokens=" in x)
+    assert "model=odd\ufffdid\ufffd[31m prompt_tokens=" in line, line
 
 
 def test_the_chat_page_and_its_files_carry_security_headers(server):

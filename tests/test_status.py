@@ -151,6 +151,18 @@ def test_cli_lists_runs_newest_first_and_shows_one(tmp_path):
     assert js["step"] == 40 and js["state"] == "running"
 
 
+def test_a_run_name_with_control_characters_stays_on_its_own_row(tmp_path):
+    """A run folder named with a newline and an escape sequence: the listing printed it raw,
+    which made a fake row (and drove the terminal); each such character shows as U+FFFD."""
+    _ckpt_dir(tmp_path, "real\n  fake    finished\x1b[2J")
+    _ckpt_dir(tmp_path, "plain")
+    proc = _run(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("2 run(s)") and len(lines) == 3, proc.stdout
+    assert "\x1b" not in proc.stdout and any("real\ufffd  fake    finished\ufffd[2J" in x for x in lines)
+
+
 def test_cli_unknown_run_and_empty(tmp_path):
     proc = _run(tmp_path)
     assert proc.returncode == 0 and "No training runs yet" in proc.stdout

@@ -217,6 +217,16 @@ def _error_log_dir() -> Path:
     return base / "errors"
 
 
+def printable(text: str, keep: str = "") -> str:
+    """``text`` for a terminal or a log line: each character that is not printable (control
+    characters: escape sequences, carriage returns, newlines) shown as U+FFFD, except those in
+    ``keep``. A run folder's name or a model's reply could otherwise clear the screen, set the
+    window title, or add a line to a listing or to a log of one line per request."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or ch in keep else "\ufffd" for ch in text)
+
+
 def _readable_utf8(text: str) -> bytes:
     """``text`` as UTF-8, a byte of a command line or file name that is not UTF-8 (Python's
     surrogate for it) written as ``\\xNN``, any other lone surrogate as ``\\udNNN``."""
