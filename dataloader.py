@@ -82,7 +82,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from utils.cli import PipelineError, capped_workers
-from utils.config import PROJECT_ROOT, Config
+from utils.config import BASE_CONFIG_ENV, PROJECT_ROOT, Config
 from utils.data.shards import (ShardSetError, load_shards, open_shard, read_metadata, rebuild_command,
                           validate_metadata)
 
@@ -139,7 +139,9 @@ def run_prep(cfg: Config, force: bool, output_dir: Optional[Path] = None) -> Non
               f"; running python -m {module} --config <current config> {' '.join(flags)}",
               file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", module, "--config", str(cfg_file), *flags]
-        proc = subprocess.run(cmd, cwd=str(PROJECT_ROOT))
+        # the file reproduces cfg whole: no base layer under it (a relative
+        # $LLM_PIPELINE_BASE_CONFIG named a file of the caller's folder, not of this one)
+        proc = subprocess.run(cmd, cwd=str(PROJECT_ROOT), env={**os.environ, BASE_CONFIG_ENV: "none"})
     if proc.returncode != 0:
         raise PipelineError(f"dataset.auto_prepare: the prep stage `python -m {module}` failed "
                             f"(exit code {proc.returncode}); see its output above. Run "

@@ -469,6 +469,21 @@ def test_on_the_fly_hub_unreachable(tmp_path, tok):
 
 
 # --------------------------------------------------------------------------- auto_prepare
+def test_auto_prepare_with_a_relative_base_config_variable(tmp_path, tok, news_docs, monkeypatch):
+    """$LLM_PIPELINE_BASE_CONFIG relative to the user's folder: the prep stage, run from the
+    project's folder, looked for it there ("base.json: file not found", exit 2)."""
+    cleaned = tmp_path / "cleaned"
+    cleaned.mkdir()
+    (cleaned / "cleaned_news.txt").write_text("".join(d + "\n" for d in news_docs), encoding="utf-8")
+    (tmp_path / "base.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LLM_PIPELINE_BASE_CONFIG", "base.json")
+    d = tmp_path / "auto_shards"
+    cfg = make_cfg(tmp_path, d, dataset={"auto_prepare": True}, paths={"cleaned_dir": str(cleaned)})
+    dl.build_loaders(cfg, tok)
+    assert (d / "metadata.json").exists()
+
+
 def test_auto_prepare_builds_missing_set(tmp_path, tok, news_docs):
     cleaned = tmp_path / "cleaned"
     cleaned.mkdir()
