@@ -171,6 +171,15 @@ def test_every_stage_parses_its_flags_under_python_oo(stage):
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
 
 
+def test_utf8_text_under_an_ascii_locale_is_told_to_use_a_utf8_one(tmp_path):
+    """LC_ALL=C with PYTHONUTF8=0: Python reads argv as ASCII, so a UTF-8 run name was called
+    "bytes that are not UTF-8 text"; the advice now names the locale."""
+    env = offline_env(LC_ALL="C", PYTHONUTF8="0")
+    proc = subprocess.run(main_command("status", "démo"), capture_output=True, env=env, timeout=60, cwd=tmp_path)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2 and "LC_ALL=C.UTF-8" in err and "not UTF-8 text" not in err, err
+
+
 def _open_fifo_writer(fifo: Path, timeout: float = 60.0) -> int:
     """Open a FIFO for writing once a reader has it open (i.e. the stage is blocked on it)."""
     deadline = time.monotonic() + timeout

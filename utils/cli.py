@@ -168,8 +168,14 @@ class StageParser(argparse.ArgumentParser):
                 try:
                     text.encode("utf-8")
                 except UnicodeEncodeError as e:
-                    self.error(f"argument {'/'.join(action.option_strings) or action.dest}: holds bytes "
-                               f"that are not UTF-8 text (at character {e.start + 1}); pass UTF-8 text.")
+                    flag = "/".join(action.option_strings) or action.dest
+                    locale = sys.getfilesystemencoding()
+                    if locale.replace("-", "").lower() != "utf8":   # e.g. LC_ALL=C with PYTHONUTF8=0
+                        self.error(f"argument {flag}: holds bytes this process reads as {locale}, which "
+                                   f"takes no such bytes (at character {e.start + 1}): run with a UTF-8 "
+                                   f"locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1.")
+                    self.error(f"argument {flag}: holds bytes that are not UTF-8 text (at character "
+                               f"{e.start + 1}); pass UTF-8 text.")
 
 
 def _on_stop(signum, frame):
