@@ -139,6 +139,20 @@ def test_cpu_training_restarts_and_trains_with_stderr_closed(root, cfg):
     assert "AttributeError" not in text and (root / "checkpoints" / "nostderr" / "checkpoint_latest.pt").is_file()
 
 
+def test_a_link_planted_where_the_log_goes_is_refused_not_written_through(root, cfg, tmp_path):
+    """logs/raw_metrics/RUN.jsonl as a symbolic link to another file: records were appended to
+    that file (the log is opened for appending); now the run stops, naming the path."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    log = root / "logs" / "raw_metrics" / "linked.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.symlink_to(victim)
+    proc = train(cfg, "--name", "linked", "--max-steps", 1)
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot use {log}" in proc.stderr and "symbolic link" in proc.stderr, proc.stderr
+    assert victim.read_text() == "keep me\n" and "Traceback" not in proc.stderr
+
+
 def test_reused_run_name_refused(root, cfg, full_run):
     ck = root / "checkpoints" / "full" / "checkpoint_latest.pt"
     before = ck.stat().st_mtime_ns

@@ -347,6 +347,8 @@ _PATH_ERRORS = {
     errno.EROFS: "the file system is read-only: give a writable folder.",
     errno.EACCES: "give a folder you can write to, or fix its permissions.",
     errno.EPERM: "the operation is not permitted there: give another folder.",
+    errno.ELOOP: "a symbolic link is in the way (a loop, or a link where the pipeline writes a file "
+                 "of its own, which it does not write through): remove it or give another path.",
 }
 
 

@@ -80,7 +80,10 @@ class DualLogger:
             self._tb = SummaryWriter(str(self.tb_dir), purge_step=purge_step)
         if jsonl:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.jsonl_path, "a", encoding="utf-8")
+            # O_NOFOLLOW: a link planted where the log goes would have had records appended to
+            # whatever it points at (ELOOP, named by run_stage, instead)
+            fd = os.open(self.jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+            self._fh = os.fdopen(fd, "a", encoding="utf-8")
             if self._fh.tell() and not _ends_a_line(self.jsonl_path):
                 self._fh.write("\n")       # a line torn by a crash: the next record starts its own
 
