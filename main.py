@@ -25,8 +25,9 @@ import sys
 
 # An empty PYTHONPATH entry ("PYTHONPATH=$PYTHONPATH:/x" while it was unset) is the working
 # folder, ahead of the standard library: a difflib.py there would be imported as the router's
-# own. The router imports nothing of the user's, so that folder leaves its module path.
-if "" in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+# own. The router imports nothing of the user's, so that folder leaves its module path (only
+# when run as the program: a test importing this module keeps its own path).
+if __name__ == "__main__" and "" in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     try:
         _here = os.getcwd()
     except OSError:                         # the working folder was removed: nothing imports from it

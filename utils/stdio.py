@@ -29,8 +29,8 @@ def open_standard_streams() -> None:
     if sys.stdin is None:
         sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
     if sys.stdout is None:
-        sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), line_buffering=True)
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+                                      line_buffering=True)
     if sys.stderr is None:
         sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
                                       errors="backslashreplace", line_buffering=True)
-
