@@ -295,5 +295,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return launch_stage(name, rest)
 
 
+def _run() -> int:
+    """main(), its output flushed; standard output refusing it (``> /dev/full``) is said on
+    stderr with exit 1 (it was a traceback, then Python's own at exit)."""
+    from utils.stdio import mark_standard_output, refused_line, stdout_refused
+    mark_standard_output()
+    try:
+        code = main()
+        sys.stdout.flush()
+        return code
+    except OSError as e:
+        if not stdout_refused(e):
+            raise
+        print(refused_line("main.py", e), file=sys.stderr)
+        return EXIT_FAILURE
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run())

@@ -3,6 +3,8 @@ an error nobody planned for ends with one paragraph naming what failed and where
 the traceback goes into a log file that the message names, or to the terminal with --debug."""
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -48,6 +50,22 @@ def test_unexpected_error_is_one_paragraph_and_a_log(tmp_path):
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and "return 1 / n" in text
     assert "--debug" in err
+
+
+def test_an_unexpected_error_in_a_command_with_non_utf8_bytes_is_reported_and_logged(tmp_path):
+    """A --config path that is not UTF-8: the error log's writer failed on its bytes
+    (UnicodeEncodeError), printed two tracebacks and left an empty log; the byte is now
+    written as \\xff."""
+    script = tmp_path / "demo_stage.py"
+    script.write_text(STAGE)
+    cfg = Path(os.fsdecode(bytes(tmp_path) + b"/c\xff.json"))
+    cfg.write_text(json.dumps({"paths": {"logs_dir": str(tmp_path / "logs")}}))
+    proc = subprocess.run([sys.executable, str(script), "--config", str(cfg)], capture_output=True, text=True,
+                          timeout=120, env=offline_env(PYTHONPATH=ROOT), cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "unexpected error in stage" in proc.stderr and "ZeroDivisionError" in proc.stderr
+    logs = list((tmp_path / "logs" / "errors").glob("*.log"))
+    assert len(logs) == 1 and "c\\xff.json" in logs[0].read_text() and "return 1 / n" in logs[0].read_text()
 
 
 def test_debug_prints_the_traceback(tmp_path):

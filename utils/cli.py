@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from utils.config import PROJECT_ROOT, ConfigError, Config, load_config
-from utils.stdio import open_standard_streams
+from utils.stdio import mark_standard_output, open_standard_streams, refused_line, stdout_refused
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -281,6 +281,7 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
               argv: Optional[Sequence[str]] = None) -> None:
     """Run a stage's main and exit with the pipeline's exit-code contract (module docstring)."""
     open_standard_streams()
+    mark_standard_output()
     prog = Path(sys.argv[0]).name
     raw_args = list(sys.argv[1:] if argv is None else argv)
     _MAIN_PID[0] = os.getpid()
@@ -315,7 +316,10 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
         code = EXIT_FAILURE
     except OSError as e:
         advice = _PATH_ERRORS.get(e.errno) if e.filename is not None else None
-        if advice is None:
+        if stdout_refused(e):                      # > /dev/full: not a bug, nothing to log
+            print(refused_line(prog, e), file=sys.stderr)
+            code = EXIT_FAILURE
+        elif advice is None:
             report_unexpected(prog, e)
             code = EXIT_FAILURE
         else:
@@ -328,8 +332,12 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
         code = EXIT_FAILURE
     try:
         sys.stdout.flush()
-    except (BrokenPipeError, OSError):
+    except BrokenPipeError:
         pass
+    except OSError as e:                           # the last of the output refused
+        sys.stdout = open(os.devnull, "w")         # noqa: SIM115 (Python flushes it at exit)
+        print(refused_line(prog, e), file=sys.stderr)
+        code = code or EXIT_FAILURE
     sys.exit(code)
 
 
