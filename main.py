@@ -307,7 +307,8 @@ def _run() -> int:
     except OSError as e:
         if not stdout_refused(e):
             raise
-        print(refused_line("main.py", e), file=sys.stderr)
+        if not isinstance(e, BrokenPipeError):   # a reader that left (| head) wants no message
+            print(refused_line("main.py", e), file=sys.stderr)
         return EXIT_FAILURE
 
 
