@@ -64,8 +64,11 @@ def mark_standard_output() -> None:
         out.flush()
     except (OSError, ValueError):
         return
-    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_StandardOutput(1, "w", closefd=False)),
-                                  encoding=out.encoding, errors=out.errors,
+    raw = _StandardOutput(1, "w", closefd=False)
+    # python -u / PYTHONUNBUFFERED: Python's stdout has no buffer layer (each write goes out at
+    # once); keep it so, or lines a reader waits for would sit in a buffer
+    layer = raw if isinstance(getattr(out, "buffer", None), io.FileIO) else io.BufferedWriter(raw)
+    sys.stdout = io.TextIOWrapper(layer, encoding=out.encoding, errors=out.errors,
                                   line_buffering=out.line_buffering, write_through=out.write_through)
 
 
