@@ -263,8 +263,6 @@ def python_too_old(version: Sequence[int]) -> Optional[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from utils.stdio import open_standard_streams
-    open_standard_streams()                 # before a stage inherits them (utils/stdio.py)
     why = python_too_old(sys.version_info)
     if why is not None:
         print(why, file=sys.stderr)
@@ -298,7 +296,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run() -> int:
     """main(), its output flushed; standard output refusing it (``> /dev/full``) is said on
     stderr with exit 1 (it was a traceback, then Python's own at exit)."""
-    from utils.stdio import mark_standard_output, refused_line, stdout_refused
+    from utils.stdio import mark_standard_output, open_standard_streams, refused_line, stdout_refused
+    open_standard_streams()                 # before a stage inherits them (utils/stdio.py)
     mark_standard_output()
     try:
         code = main()

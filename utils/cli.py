@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from utils.config import PROJECT_ROOT, ConfigError, Config, load_config
-from utils.stdio import mark_standard_output, open_standard_streams, refused_line, stdout_refused
+from utils.stdio import (drop_standard_output, mark_standard_output, open_standard_streams, refused_line,
+                         stdout_refused)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -335,7 +336,7 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
     except BrokenPipeError:
         pass
     except OSError as e:                           # the last of the output refused
-        sys.stdout = open(os.devnull, "w")         # noqa: SIM115 (Python flushes it at exit)
+        drop_standard_output()
         print(refused_line(prog, e), file=sys.stderr)
         code = code or EXIT_FAILURE
     sys.exit(code)

@@ -77,8 +77,13 @@ def stdout_refused(e: BaseException) -> bool:
     /dev/null, so that Python's flush at exit does not fail once more."""
     if not getattr(e, "standard_output", False):
         return False
-    sys.stdout = open(os.devnull, "w")          # noqa: SIM115 (for the rest of the process)
+    drop_standard_output()
     return True
+
+
+def drop_standard_output() -> None:
+    """``sys.stdout`` to /dev/null for the rest of the process (Python flushes it at exit)."""
+    sys.stdout = open(os.devnull, "w")          # noqa: SIM115
 
 
 def refused_line(prog: str, e: OSError) -> str:
