@@ -12,8 +12,9 @@ for SFT checkpoints, ``POST /v1/completions`` for any model, ``GET /v1/models``,
 the first line on stdout is always ``serve: listening on http://HOST:PORT``.
 
 Each model has its own continuous-batching engine (utils/generation/engine.py,
-``serve.max_batch`` sequences decoded together; more wait for a slot); one engine thread
-opens the models and steps them all (utils/generation/loop.py). SIGINT / SIGTERM: stop
+``serve.max_batch`` sequences decoded together; more wait for a slot); one engine process,
+apart from the HTTP one, opens the models and steps them all (utils/generation/remote.py;
+ended unasked, it stops the server: exit 1). SIGINT / SIGTERM: stop
 accepting, give running streams ``serve.shutdown_grace`` seconds to finish, cut the rest with an error
 event (a request whose body arrives meanwhile gets 503), exit 130. A connection with no request
 under way is closed after ``serve.idle_timeout`` seconds; a request whose headers and body do not
@@ -71,15 +72,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if bad := check_origins(cfg.serve.cors_origins):
         raise UsageError("; ".join(bad) + ".")
     sock = bind(cfg.serve.host, cfg.serve.port)
-    from utils.generation.loop import EngineLoop
-    loop = EngineLoop(log=say, name="engine").start()
+    from utils.generation.remote import EngineGone, RemoteLoop
+    died: list[str] = []
+    loop = RemoteLoop(log=say, flush_interval=cfg.serve.stream_interval, on_death=died.append).start()
     try:
         models = open_models(args, cfg, loop)
         app = make_app(models, cfg, api_key)
         announce(sock, cfg.serve.host, models, api_key)
-        run_server(app, sock, loop, models, cfg.serve)
+        run_server(app, sock, loop, models, cfg.serve, died)
+    except EngineGone as e:
+        died.append(str(e))
     finally:
         loop.stop()
+    if died:
+        raise PipelineError(f"{died[0]}; the server stopped (its output is above). A killed engine is "
+                            "often out of memory: try a smaller serve.max_batch or serve.context.")
     return 0
 
 
@@ -134,47 +141,32 @@ def model_ids(paths: list[Path]) -> list[str]:
 
 
 def open_models(args, cfg, loop) -> dict:
-    """Each model opened on the engine thread (``loop.call``: see utils/generation/loop.py), with
-    its engine and decode weights, as a lane of ``loop``."""
+    """Each model opened in the engine process (utils/serve/engines.py, on its engine thread:
+    see utils/generation/loop.py), with its engine and decode weights, as a lane of ``loop``."""
     from utils.device import resolve_device
+    from utils.generation.engine import UNBOUNDED
     from utils.serve.app import ServedModel
+    from utils.serve.engines import open_engine
     paths = [Path(p) for p in list(args.checkpoint) + list(args.hf_model)]
     if not paths:
         raise UsageError("give at least one --checkpoint PATH (or --hf-model DIR) to serve.")
     device = resolve_device(cfg.serve.device, "serve.device")
-    ids, models, cache = model_ids(paths), {}, {}
+    ids, models = model_ids(paths), {}
     if len(set(ids)) < len(ids):
         raise UsageError(f"two models would have the same id ({', '.join(ids)}): serve distinct files.")
     for path in paths:                  # all checked before the first one loads
         if not path.exists():
             raise PipelineError(f"{path} does not exist (a checkpoint file, run folder, HF folder or .gguf).")
     for mid, path in zip(ids, paths):
-        o, engine = loop.call(open_engine, path, cfg, device, args.threads, cache)
-        own = o.model.args.context           # None: Infini-attention, no limit (docs/long_context.md)
-        context = min(cfg.serve.context, own or cfg.serve.context) if cfg.serve.context else own
-        lane = loop.add(engine, cfg.serve.max_batch, context)
-        models[mid] = ServedModel(mid, o.model, o.tok, o.kind, o.template, lane, int(time.time()),
+        lane, o = loop.open(open_engine, path, cfg, device, args.threads)
+        models[mid] = ServedModel(mid, o["tok"], o["kind"], o["template"], lane, int(time.time()),
                                   cfg.serve.quantize, cfg.serve.max_queue, cfg.serve.max_tokens,
                                   cfg.serve.stream_interval)
-        mb = lane.batcher.bytes_per_slot / 2 ** 20
-        shown = "unbounded (Infini-attention)" if context is None else lane.capacity
-        say(f"model '{mid}': {o.label} ({o.kind}{', chat' if o.template else ''}), context "
-            f"{shown}, {cfg.serve.max_batch} slots x {mb:.1f} MiB of KV cache")
+        mb = lane.bytes_per_slot / 2 ** 20
+        shown = "unbounded (Infini-attention)" if lane.capacity >= UNBOUNDED else lane.capacity
+        say(f"model '{mid}': {o['label']} ({o['kind']}{', chat' if o['template'] else ''}), context "
+            f"{shown}, {lane.slots} slots x {mb:.1f} MiB of KV cache")
     return models
-
-
-def open_engine(path: Path, cfg, device, threads: Optional[int], cache: dict):
-    """One model opened for generation (int8 if configured) and its Engine with the CPU decode
-    weights made now, not in the first request (run on the engine thread)."""
-    from utils.generation.engine import Engine
-    from utils.quant import quantize_int8
-    from utils.run import open_for_generation
-    o = open_for_generation(path, cfg, device, say=say, cache=cache)
-    if cfg.serve.quantize == "int8":
-        say(quantize_int8(o.model).line())
-    engine = Engine(o.model, threads=threads)
-    engine.decode_pack()
-    return o, engine
 
 
 def make_app(models: dict, cfg, api_key: Optional[str]):
@@ -207,19 +199,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def run_server(app, sock: socket.socket, loop, models: dict, sc) -> None:
+def run_server(app, sock: socket.socket, loop, models: dict, sc, died: list) -> None:
     """uvicorn on ``sock`` (``sc``: the config's serve section), its connections through
     utils/serve/connections.py: one with no request under way closes after
     ``sc.idle_timeout`` seconds, a request has ``sc.read_timeout`` seconds to arrive (then 408).
     SIGINT/SIGTERM: uvicorn stops accepting; running generations get ``sc.shutdown_grace``
     seconds to finish, then the engines stop, which ends each remaining stream with an error
-    event and ``[DONE]``; uvicorn then re-raises the signal, which run_stage turns into exit 130."""
+    event and ``[DONE]``; uvicorn then re-raises the signal, which run_stage turns into exit 130.
+    An engine process that ended unasked (``died`` holds why) stops the server the same way."""
     import asyncio
     import uvicorn
     from utils.serve.connections import timed_protocol
     grace = sc.shutdown_grace
 
     class Server(uvicorn.Server):
+        async def on_tick(self, counter: int) -> bool:
+            if died:
+                self.should_exit = True
+            return await super().on_tick(counter)
+
         async def shutdown(self, sockets=None):
             for server in self.servers:
                 server.close()                            # no new connections

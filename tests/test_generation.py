@@ -498,6 +498,25 @@ def test_prompt_logprobs_equal_the_full_forward_in_chunks_and_need_logprobs():
         eng.batcher(1, 32).add(E.Sequence(prompt, E.SamplingParams(1, 0.0, prompt_logprobs=True)))
 
 
+def test_a_failure_of_the_engine_loop_itself_is_logged_and_handed_to_on_crash():
+    """A failure outside a step (here the batcher refusing a sequence put past the lane's
+    check) would leave every request waiting for ever: the loop logs it with its traceback and
+    calls ``on_crash`` (serve's engine process exits, and the server with it)."""
+    import threading
+    from utils.generation.loop import EngineLoop
+    logs, crashed = [], threading.Event()
+    loop = EngineLoop(log=logs.append, name="test-engine", on_crash=crashed.set).start()
+    try:
+        lane = loop.add(Engine(build(seed=2)), slots=1, capacity=8)
+        with loop._cond:
+            lane.inbox.append(E.Sequence(list(range(1, 20)), E.SamplingParams(3, temperature=0)))
+            loop._cond.notify()
+        assert crashed.wait(60)
+        assert len(logs) == 1 and logs[0].startswith("the engine loop failed:\nTraceback") and "ValueError" in logs[0]
+    finally:
+        loop.stop()
+
+
 def test_a_step_failing_in_a_prefill_still_delivers_what_finished_before_it_and_counts_right():
     """A step decodes first, then prefills: when a prefill raises (out of memory on a long
     prompt), a sequence that finished in that step's decode has already left the batch. Its

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import re
 import signal
 import subprocess
@@ -757,7 +758,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_request_beyond_it_400_o
     from utils.serve.app import ServedModel, create_app
     from utils.serve.protocol import Limits
     lane = SimpleNamespace(capacity=64, active=3)
-    app = create_app({"m": ServedModel("m", None, tokenizer(), "pretrain", None, lane, 0, max_queue=4)},
+    app = create_app({"m": ServedModel("m", tokenizer(), "pretrain", None, lane, 0, max_queue=4)},
                      Limits(), log=lambda line: None)
 
     async def post(body):
@@ -783,7 +784,7 @@ def test_chat_logprob_bytes_are_each_token_s_own_bytes():
     from utils.serve.protocol import Sampling
     lane = SimpleNamespace(capacity=64)
     spm = tokenizer()
-    m = ServedModel("m", None, spm, "sft", sft.default_template(), lane, 0)
+    m = ServedModel("m", spm, "sft", sft.default_template(), lane, 0)
     assert not m.byte_level
     ids = spm.convert_tokens_to_ids
     assert m.token_bytes(ids("<0xF0>")) == b"\xf0"
@@ -799,7 +800,7 @@ def test_chat_logprob_bytes_are_each_token_s_own_bytes():
     assert bytes(b for e in content for b in e["bytes"]).endswith("🧪".encode())
     assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
     bpe = bpe_tokenizer()
-    b = ServedModel("b", None, bpe, "pretrain", None, lane, 0)
+    b = ServedModel("b", bpe, "pretrain", None, lane, 0)
     assert b.byte_level
     assert b.token_bytes(bpe.convert_tokens_to_ids("Ġthe")) == b" the"
     assert b.token_bytes(bpe.convert_tokens_to_ids("Ã")) == b"\xc3"             # half of a character
@@ -1043,9 +1044,12 @@ def test_concurrent_streams_equal_their_lone_runs_and_memory_stays_flat(server):
                 reason = ch.finish_reason or reason
         return "".join(parts), reason
 
-    def rss() -> int:
-        status = Path(f"/proc/{server_pid(server)}/status").read_text()
-        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+    def rss() -> int:                                   # the HTTP process and the engine's
+        total = 0
+        for pid in (server_pid(server), engine_pid(server)):
+            status = Path(f"/proc/{pid}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+        return total
 
     with cf.ThreadPoolExecutor(32) as ex:
         list(ex.map(stream, reqs))                         # warm-up: caches and pools allocated
@@ -1073,7 +1077,7 @@ def test_a_stream_sends_its_first_token_at_once_and_groups_the_next_within_its_i
     from utils.generation.engine import Event
     from utils.serve.app import Job, ServedModel
     from utils.serve.protocol import Sampling
-    m = ServedModel("m", None, tokenizer(), "pretrain", None, SimpleNamespace(capacity=64), 0,
+    m = ServedModel("m", tokenizer(), "pretrain", None, SimpleNamespace(capacity=64), 0,
                     stream_interval=30.0)
     s = Sampling(None, 8, 0.0, 1.0, 0, 1, None, (), True, False)
 
@@ -1117,7 +1121,7 @@ def test_a_wake_up_s_tokens_go_out_as_one_chunk_per_choice(interval):
     from utils.generation.engine import Event
     from utils.serve.app import Job, ServedModel, _sse
     from utils.serve.protocol import Sampling
-    m = ServedModel("m", None, tokenizer(), "pretrain", None, SimpleNamespace(capacity=64), 0,
+    m = ServedModel("m", tokenizer(), "pretrain", None, SimpleNamespace(capacity=64), 0,
                     stream_interval=interval)
     # a stop string: the engine makes the text and its events bring it, as these do (without
     # one the Job makes it from the tokens: test_generation.py, text made by the caller)
@@ -1237,6 +1241,19 @@ def test_usage_errors_exit_2_before_loading(work):
         assert "model '" not in r.stderr and "listening on" not in r.stdout and "Traceback" not in r.stderr
 
 
+def test_a_checkpoint_the_engine_process_cannot_open_is_named_exit_1(work):
+    """Models open in the engine process: the loader's own error comes back to the server,
+    which names the file and exits 1, no traceback, nothing served."""
+    from tests.conftest import run_main
+    bad = work["root"] / "checkpoints" / "garbage" / "checkpoint_best.pt"
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    bad.write_bytes(b"this is not a checkpoint\n" * 10)
+    r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--checkpoint", bad,
+                 timeout=300)
+    assert r.returncode == 1 and str(bad) in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "listening on" not in r.stdout and "engine process" not in r.stderr
+
+
 def test_cors_lets_the_listed_origins_call_the_api_from_a_browser(work, server):
     """serve.cors_origins: a browser's preflight (OPTIONS, never carrying the key) from a listed
     origin is answered before the key check, and the answers name the origin; another origin
@@ -1348,6 +1365,64 @@ def test_a_stop_signal_finishes_or_cuts_running_streams_and_exits_130(work, sig,
     assert code == 130, s.stderr()
     assert "generations get up to" in s.stderr() and f"received {sig.name}" in s.stderr()
 
+
+
+def engine_pid(server) -> int:
+    """The server's engine process (utils/generation/remote.py): the stage's one child."""
+    from tests.conftest import child_pids
+    kids = child_pids(server_pid(server))
+    assert len(kids) == 1, kids
+    assert "utils.generation.remote" in Path(f"/proc/{kids[0]}/cmdline").read_bytes().decode(), kids
+    return kids[0]
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True                         # exited, not yet reaped
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_an_engine_process_that_dies_mid_stream_ends_it_with_an_error_and_stops_the_server(work):
+    """The engine runs in a process of its own; killed (as the kernel's OOM killer would), a
+    running stream ends with an error event naming it and data: [DONE], and the server stops
+    with exit 1 and a message that says what happened, instead of refusing every request."""
+    s = Server(work["root"], work["cfg"], "--checkpoint", work["long"])
+    body = {"model": "long", "prompt": "The", "max_tokens": 1500, "temperature": 1.0, "seed": 1, "stream": True}
+    try:
+        engine = engine_pid(s)
+        assert engine != server_pid(s)
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            first, lines = _read_sse(r, 2)
+            os.kill(engine, signal.SIGKILL)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        events = first + rest
+        assert events[-1] == "[DONE]", events[-3:]
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "engine_error" and "killed by signal 9" in err["message"], err
+        code = s.proc.wait(timeout=60)
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
+    assert code == 1, s.stderr()
+    assert "serve.py: error: the engine process was killed by signal 9; the server stopped" in s.stderr()
+
+
+def test_the_engine_process_ends_with_a_server_that_was_killed(work):
+    """A stage killed outright (SIGKILL: no shutdown runs) leaves no engine process behind: it
+    ends when its socket to the server closes."""
+    s = Server(work["root"], work["cfg"], "--checkpoint", work["pre"])
+    try:
+        engine = engine_pid(s)
+        os.kill(server_pid(s), signal.SIGKILL)
+        assert _gone(engine, 30), "the engine process outlived its server"
+    finally:
+        s.stop()
 
 
 def test_weights_that_overflow_end_each_request_with_an_error_naming_it_and_the_server_goes_on(work):

@@ -218,6 +218,7 @@ class Sequence:
                  continues: bool = False, lead: str = "", text_by_caller: bool = False):
         self.prompt = [int(t) for t in prompt]
         self.params = params
+        self.continues, self.lead, self.text_by_caller = continues, lead, text_by_caller
         self.tokens: list[int] = []
         # continues: the text continues the prompt's (a completion, a v2 chat answer); lead: text
         # left out at its start (see TextDecoder)

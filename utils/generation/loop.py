@@ -16,8 +16,9 @@ on a thread of its own after loading on the main thread, 61 when that same threa
 it (2 cores). The thread steps each model's :class:`~utils.generation.engine.Batcher` in
 turn while any sequence waits or runs, and sleeps on a condition otherwise (no polling).
 Each sequence's ``sink`` is called on the loop thread with every
-:class:`~utils.generation.engine.Event`: a sink must be quick and must not block (``serve``
-hands events to its asyncio loop). A step that raises (out of memory, a bug) finishes every
+:class:`~utils.generation.engine.Event`: a sink must be quick and must not block (``serve``'s
+engine process, utils/generation/remote.py, collects them; ``after_pass``, called after each
+pass, sends them). A step that raises (out of memory, a bug) finishes every
 sequence of that model's batch with ``finish == "error"`` and the message in ``error``; the
 loop goes on with new requests.
 """
@@ -25,11 +26,25 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import traceback
 from typing import Callable, Optional
 
 import torch
 
 from utils.generation.engine import Engine, Event, Sequence
+
+
+def check_sequence(seq: Sequence, vocab_size: int, capacity: int) -> None:
+    """ValueError naming what a batcher of ``capacity`` positions would refuse in ``seq``."""
+    bad = seq.params.problems()
+    if not seq.prompt:
+        bad.append("the prompt is empty")
+    elif min(seq.prompt) < 0 or max(seq.prompt) >= vocab_size:
+        bad.append(f"the prompt holds a token id outside the vocabulary (0..{vocab_size - 1})")
+    elif len(seq.prompt) >= capacity:
+        bad.append(f"the prompt has {len(seq.prompt)} tokens; the context holds {capacity}")
+    if bad:
+        raise ValueError("; ".join(bad))
 
 
 class Lane:
@@ -45,18 +60,22 @@ class Lane:
     def capacity(self) -> int:
         return self.batcher.capacity
 
+    @property
+    def slots(self) -> int:
+        return self.batcher.slots
+
+    @property
+    def running(self) -> int:
+        """Sequences in the batch now (read from any thread: a count, not a guarantee)."""
+        return len(self.batcher.running)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.batcher.bytes_per_slot
+
     def check(self, seq: Sequence) -> None:
         """ValueError if the batcher would refuse ``seq`` (thread-safe: reads no batch state)."""
-        V = self.engine.model.args.vocab_size
-        bad = seq.params.problems()
-        if not seq.prompt:
-            bad.append("the prompt is empty")
-        elif min(seq.prompt) < 0 or max(seq.prompt) >= V:
-            bad.append(f"the prompt holds a token id outside the vocabulary (0..{V - 1})")
-        elif len(seq.prompt) >= self.capacity:
-            bad.append(f"the prompt has {len(seq.prompt)} tokens; the context holds {self.capacity}")
-        if bad:
-            raise ValueError("; ".join(bad))
+        check_sequence(seq, self.engine.model.args.vocab_size, self.capacity)
 
     def submit(self, seq: Sequence) -> Sequence:
         """Queue ``seq`` from any thread. It counts in ``active`` until its finishing event,
@@ -91,13 +110,17 @@ class Lane:
 
 
 class EngineLoop:
-    def __init__(self, log: Callable[[str], None] = lambda s: None, name: str = "engine"):
+    def __init__(self, log: Callable[[str], None] = lambda s: None, name: str = "engine",
+                 after_pass: Optional[Callable[[], None]] = None,
+                 on_crash: Optional[Callable[[], None]] = None):
         self.log = log
+        self.after_pass = after_pass    # called on the loop's thread after each pass (its sinks' events)
+        self.on_crash = on_crash        # called after the loop's own failure is logged (else it is raised)
         self.lanes: list[Lane] = []
         self._cond = threading.Condition()
         self._calls: list[tuple[Callable, cf.Future]] = []
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._guarded, name=name, daemon=True)
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -106,13 +129,17 @@ class EngineLoop:
     def call(self, fn: Callable, *args, **kw):
         """Run ``fn(*args, **kw)`` on the loop's thread and return its result (or raise its
         exception) here: model loading and quantizing go through it (see the module docstring)."""
+        return self.call_soon(fn, *args, **kw).result()
+
+    def call_soon(self, fn: Callable, *args, **kw) -> cf.Future:
+        """``call`` without waiting: the future of ``fn(*args, **kw)`` run on the loop's thread."""
         future: cf.Future = cf.Future()
         with self._cond:
             if self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the engine loop is not running")
             self._calls.append((lambda: fn(*args, **kw), future))
             self._cond.notify()
-        return future.result()
+        return future
 
     def add(self, engine: Engine, slots: int, capacity: Optional[int] = None) -> Lane:
         """A lane for ``engine``'s model (its model is put in eval mode)."""
@@ -132,6 +159,17 @@ class EngineLoop:
     # -- the thread
     def _idle(self) -> bool:
         return not self._calls and not self._stopping and not any(lane.has_work() for lane in self.lanes)
+
+    def _guarded(self) -> None:
+        """The thread: a failure of the loop itself (not of a step: see ``_step``) would leave
+        every sequence waiting forever; it is logged with its traceback, then ``on_crash``."""
+        try:
+            self._run()
+        except BaseException:
+            if self.on_crash is None:
+                raise
+            self.log(f"the engine loop failed:\n{traceback.format_exc()}")
+            self.on_crash()
 
     def _run(self) -> None:
         while True:
@@ -158,6 +196,8 @@ class EngineLoop:
                         seq.cancelled = True
                 if lane.batcher.has_work():
                     self._step(lane)
+            if self.after_pass is not None:
+                self.after_pass()
             if stopping and not any(lane.has_work() for lane in self.lanes):
                 for fn, future in self._calls:
                     future.cancel()

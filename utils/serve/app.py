@@ -42,7 +42,6 @@ from starlette.requests import ClientDisconnect
 from utils.config import json_error_text
 from utils.data import sft
 from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence, TextDecoder
-from utils.generation.loop import Lane
 from utils.serve.connections import INVALID_HTTP
 from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, clip, error_body, new_id, now,
                                   read_chat, read_completion, shown)
@@ -84,11 +83,10 @@ def _has_type(node: dict, name: str) -> bool:
 @dataclass
 class ServedModel:
     id: str
-    model: object
     tok: object
     kind: str                       # pretrain | sft | hf
     template: Optional[dict]        # chat template (SFT), None: completions only
-    lane: Lane
+    lane: object                    # a Lane (utils/generation/loop.py) or RemoteLane (remote.py)
     created: int
     quantize: str = "none"
     max_queue: int = 256
@@ -379,8 +377,8 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
 
     @get("/health")
     async def _health():
-        return {"status": "ok", "models": {k: {"active": m.lane.active, "slots": m.lane.batcher.slots,
-                                               "running": len(m.lane.batcher.running)}
+        return {"status": "ok", "models": {k: {"active": m.lane.active, "slots": m.lane.slots,
+                                               "running": m.lane.running}
                                            for k, m in models.items()}}
 
     @get("/v1/models")

@@ -1,0 +1,26 @@
+"""What serve's engine process opens (utils/generation/remote.py runs :func:`open_engine` there,
+on its engine thread): a model for generation, int8 if configured, its Engine with the CPU
+decode weights made now rather than in the first request, and the context a request gets."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+
+def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
+    """``(engine, tok, slots, capacity, info)`` for :meth:`RemoteLoop.open
+    <utils.generation.remote.RemoteLoop.open>`: ``capacity`` is ``serve.context`` capped by the
+    model's own (None: Infini-attention, no limit, docs/long_context.md); ``info`` what the
+    HTTP side needs (the tokenizer, kind, chat template, label)."""
+    from utils.generation.engine import Engine
+    from utils.quant import quantize_int8
+    from utils.run import open_for_generation
+    o = open_for_generation(path, cfg, device, say=worker.log, cache=worker.cache)
+    if cfg.serve.quantize == "int8":
+        worker.log(quantize_int8(o.model).line())
+    engine = Engine(o.model, threads=threads)
+    engine.decode_pack()
+    own = o.model.args.context
+    context = min(cfg.serve.context, own or cfg.serve.context) if cfg.serve.context else own
+    info = {"tok": o.tok, "kind": o.kind, "template": o.template, "label": o.label}
+    return engine, o.tok, cfg.serve.max_batch, context, info
