@@ -68,6 +68,39 @@ def test_an_unexpected_error_in_a_command_with_non_utf8_bytes_is_reported_and_lo
     assert len(logs) == 1 and "c\\xff.json" in logs[0].read_text() and "return 1 / n" in logs[0].read_text()
 
 
+def test_a_stop_signal_that_breaks_something_on_its_way_is_still_a_stop_exit_130(tmp_path):
+    """Ctrl-C in a stage's first seconds lands inside ``import torch``; its native modules then
+    fail with ImportError ("cannot load module more than once per process"), which was
+    reported as an unexpected error, exit 1, "may be a bug". A failure after the stop signal
+    is the stop: exit 130, naming what it cut short; the traceback is logged."""
+    script = tmp_path / "slow_import.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, time
+        from utils.cli import StageParser, run_stage
+
+        def main(argv=None):
+            StageParser("slow_import.py", "a stage whose import a signal breaks").parse(argv)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(30)
+            except KeyboardInterrupt:
+                raise ImportError("cannot load module more than once per process") from None
+
+        if __name__ == "__main__":
+            run_stage(main)
+    """))
+    cfg = write_config(tmp_path, {"paths": {"logs_dir": str(tmp_path / "logs")}})
+    proc = subprocess.run([sys.executable, str(script), "--config", str(cfg)], capture_output=True, text=True,
+                          timeout=120, env=offline_env(PYTHONPATH=ROOT), cwd=tmp_path)
+    assert proc.returncode == 130, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("slow_import.py: interrupted by user (Ctrl-C); it cut short ImportError: cannot load "
+                          "module more than once per process (traceback: "), err
+    assert "unexpected error" not in err and "Traceback" not in err
+    log = Path(re.search(r"\(traceback: (\S+?\.log)\)", err).group(1))
+    assert "raise ImportError" in log.read_text()
+
+
 def test_debug_prints_the_traceback(tmp_path):
     proc = _run(tmp_path, "--debug")
     assert proc.returncode == 1

@@ -498,6 +498,91 @@ def test_prompt_logprobs_equal_the_full_forward_in_chunks_and_need_logprobs():
         eng.batcher(1, 32).add(E.Sequence(prompt, E.SamplingParams(1, 0.0, prompt_logprobs=True)))
 
 
+# --------------------------------------------------------------------------- the engine process
+def tiny_opener(worker, seed: int):
+    """An opener for RemoteLoop (run in the engine process, imported there by name)."""
+    worker.log(f"opening seed {seed}")
+    return Engine(build(seed=seed)), None, 2, 64, {"seed": seed}
+
+
+def failing_opener(worker, path: str):
+    from utils.training.checkpoint import CheckpointError
+    raise CheckpointError(path, "is not a checkpoint (simulated)")
+
+
+def slow_opener(worker, seconds: float):
+    import time
+    time.sleep(seconds)
+
+
+def test_a_remote_loop_serves_sequences_from_its_own_process_as_a_lane_would():
+    """utils/generation/remote.py: a model opened in the engine process (its log lines and
+    info come back), sequences submitted from two threads at once each equal their lone run
+    in this process, ``active`` drops to 0, an opener's error comes back as its own type, and
+    ``stop`` ends the process."""
+    import threading
+    from utils.generation.remote import RemoteLoop
+    from utils.training.checkpoint import CheckpointError
+    logs = []
+    loop = RemoteLoop(log=logs.append).start()
+    try:
+        lane, info = loop.open(tiny_opener, 2)
+        assert info == {"seed": 2} and logs == ["opening seed 2"] and (lane.slots, lane.capacity) == (2, 64)
+        assert loop._proc.pid != __import__("os").getpid()
+        done, finished = threading.Event(), []
+
+        def sink(e):
+            if e.finish is not None:
+                finished.append(e.seq)
+                if len(finished) == 5:
+                    done.set()
+        seqs = [E.Sequence([1, 5, 9 + i], E.SamplingParams(12, temperature=0.9 if i % 2 else 0, seed=i),
+                           sink=sink) for i in range(5)]
+        threads = [threading.Thread(target=lane.submit, args=(s,)) for s in seqs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert done.wait(60)
+        lone = Engine(build(seed=2))
+        for i, seq in enumerate(seqs):
+            assert seq.tokens == lone.generate([seq.prompt], 12, temperature=0.9 if i % 2 else 0, seed=i)[0]
+            assert seq.finish == "length"
+        assert lane.active == 0
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            lane.submit(E.Sequence([1, V + 5], E.SamplingParams(3, temperature=0)))
+        with pytest.raises(CheckpointError, match="simulated") as caught:
+            loop.open(failing_opener, "x.pt")
+        assert "(in the engine process)" in caught.value.__notes__[0]
+    finally:
+        loop.stop()
+    assert loop._proc.poll() == 0
+
+
+def test_a_remote_loop_stopped_while_a_model_opens_ends_its_process_at_once():
+    """Ctrl-C while a model loads: ``stop`` does not wait for the load (it took the engine
+    thread's 10 s join, and the server as long to exit); the waiting ``open`` raises."""
+    import threading
+    import time
+    from utils.generation.remote import RemoteLoop
+    loop = RemoteLoop().start()
+    raised = []
+
+    def opening():
+        try:
+            loop.open(slow_opener, 60)
+        except RuntimeError as e:
+            raised.append(e)
+    t = threading.Thread(target=opening)
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    loop.stop()
+    t.join(30)
+    assert time.monotonic() - t0 < 10 and loop._proc.poll() is not None
+    assert len(raised) == 1, raised
+
+
 def test_a_failure_of_the_engine_loop_itself_is_logged_and_handed_to_on_crash():
     """A failure outside a step (here the batcher refusing a sequence put past the lane's
     check) would leave every request waiting for ever: the loop logs it with its traceback and

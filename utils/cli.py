@@ -190,12 +190,12 @@ def _on_stop(signum, frame):
         return
     if _STOPPING[0]:
         return
-    _STOPPING[0] = True
+    _STOPPING[0] = signum
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 _MAIN_PID = [os.getpid()]
-_STOPPING = [False]
+_STOPPING: list = [False]          # the stop signal's number once one arrived
 
 
 def _where(tb) -> str:
@@ -278,6 +278,21 @@ def report_unexpected(prog: str, exc: BaseException) -> None:
           f"it when you report the problem.", file=sys.stderr)
 
 
+def report_cut_short(prog: str, exc: BaseException) -> int:
+    """A stop signal arrived and then something else failed: most often the signal's own
+    doing (a Ctrl-C in the first seconds lands inside ``import torch``, whose native modules
+    then fail to load: "cannot load module more than once per process"). It is the stop the
+    user asked for (exit 130), said once with what it cut short; the traceback is logged."""
+    stage = _CONTEXT.name or Path(prog).stem
+    tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    log = _write_error_log(stage, f"command: {' '.join(sys.argv)}\ncwd: {os.getcwd()}\n\n{tb_text}")
+    how = "stopped by SIGTERM" if _STOPPING[0] == signal.SIGTERM else "interrupted by user (Ctrl-C)"
+    where = f" (traceback: {log})" if log else ""
+    print(f"\n{prog}: {how}; it cut short {type(exc).__name__}: {exc}{where}. Completed work is kept "
+          f"on disk.", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
               argv: Optional[Sequence[str]] = None) -> None:
     """Run a stage's main and exit with the pipeline's exit-code contract (module docstring)."""
@@ -320,6 +335,8 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
         if stdout_refused(e):                      # > /dev/full: not a bug, nothing to log
             print(refused_line(prog, e), file=sys.stderr)
             code = EXIT_FAILURE
+        elif advice is None and _STOPPING[0]:
+            code = report_cut_short(prog, e)
         elif advice is None:
             report_unexpected(prog, e)
             code = EXIT_FAILURE
@@ -329,8 +346,11 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
             print(f"{prog}: error: cannot use {e.filename}: {e.strerror}; {advice}", file=sys.stderr)
             code = EXIT_FAILURE
     except Exception as e:  # noqa: BLE001 - the one place unexpected errors are reported
-        report_unexpected(prog, e)
-        code = EXIT_FAILURE
+        if _STOPPING[0]:
+            code = report_cut_short(prog, e)
+        else:
+            report_unexpected(prog, e)
+            code = EXIT_FAILURE
     try:
         sys.stdout.flush()
     except BrokenPipeError:

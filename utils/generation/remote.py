@@ -153,13 +153,16 @@ class RemoteLoop:
         up to ``timeout`` seconds for it (then it is killed)."""
         with self._lock:
             self._stopping = True
-            if self._gone is None:
+            opening = bool(self._calls)
+            if self._gone is None and not opening:
                 try:
                     self._send(("stop",))
                 except OSError:           # it is already gone: the receiver says why
                     pass
         if self._proc is None:
             return
+        if opening:                       # a model still loading (Ctrl-C at start-up): nothing to keep
+            self._proc.kill()
         self._receiver.join(timeout)
         try:
             self._proc.wait(timeout if self._receiver.is_alive() else 1.0)
