@@ -116,12 +116,14 @@ def test_all_problems_reported_at_once_with_key_paths_and_hints(tmp_path):
 
 def test_nan_infinity_and_nan_strings_refused_for_numbers(tmp_path):
     bad = _write(tmp_path / "nan.json", '{"training": {"lr": NaN, "min_lr": -Infinity, '
-                                        '"weight_decay": 1e400, "beta1": "NaN"}}')
+                                        '"weight_decay": 1e400, "beta1": "NaN", "batch_size": -2E+999}}')
     text = _problems(bad)
-    assert "4 problem(s)" in text
-    assert "training.lr: expected a finite number, got NaN" in text
+    assert "5 problem(s)" in text
+    assert "training.lr: expected a finite number, got NaN (NaN and Infinity are not allowed)" in text
     assert "training.min_lr: expected a finite number, got -Infinity" in text
-    assert "training.weight_decay: expected a finite number, got Infinity" in text  # overflowed
+    # a number beyond a float's range is quoted as written, not as the Infinity it reads as
+    assert "training.weight_decay: expected a finite number, got 1e400 (beyond a float's range)" in text
+    assert "training.batch_size: expected an integer, got -2E+999" in text
     assert 'training.beta1: expected a number, got "NaN"' in text
     # Command-line flags are held to the same rule (argparse's float() accepts "nan").
     parser = StageParser("x", "test parser")

@@ -508,7 +508,9 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
             hint = _suggest(str(value), [str(c) for c in choices])
             return value, f"{key}: {value!r} is not {_type_name(tp)}{hint}"
         return value, None
-    shown = json.dumps(value)  # report the value as the user wrote it (NaN, Infinity included)
+    # report the value as the user wrote it (NaN, Infinity included; 1e400 as 1e400)
+    written = isinstance(value, _WrittenFloat)
+    shown = value.text if written else json.dumps(value)
     bad = f"{key}: expected {_type_name(tp)}, got {shown}"
     if tp is list or origin is list:
         if not isinstance(value, list):
@@ -536,8 +538,8 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
         except OverflowError:
             value = math.inf
         if not math.isfinite(value):
-            return value, (f"{key}: expected a finite number, got {shown} "
-                           f"(NaN and Infinity are not allowed)")
+            why = "beyond a float's range" if written else "NaN and Infinity are not allowed"
+            return value, f"{key}: expected a finite number, got {shown} ({why})"
     elif tp is str:
         if not isinstance(value, str):
             return value, bad
@@ -655,10 +657,27 @@ def _parse_object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, 
     return obj, end
 
 
+class _WrittenFloat(float):
+    """A JSON number beyond a float's range (``1e400`` reads as inf) that keeps the text the
+    user wrote, so a message quotes that and not "Infinity", which the file never said."""
+    text: str
+
+    def __new__(cls, text: str):
+        v = super().__new__(cls, text)
+        v.text = text
+        return v
+
+
+def _parse_float(text: str) -> float:
+    v = float(text)
+    return _WrittenFloat(text) if math.isinf(v) else v
+
+
 def parse_json(text: str) -> Any:
     """json.loads that keeps duplicated keys visible (see _JSONObject). NaN and Infinity are
-    parsed as floats so the validator can name the key that holds them."""
-    decoder = json.JSONDecoder()
+    parsed as floats so the validator can name the key that holds them; a number beyond a
+    float's range keeps its text (_WrittenFloat)."""
+    decoder = json.JSONDecoder(parse_float=_parse_float)
     decoder.parse_object = _parse_object
     decoder.scan_once = json.scanner.py_make_scanner(decoder)  # the C scanner ignores parse_object
     return decoder.decode(text)
