@@ -464,7 +464,10 @@ def test_interrupted_force_rebuild_keeps_only_resumable_work(big_env, prep_env, 
             return False
         if moment == "before-first-shard":
             return not any(n.startswith(SET_FILES) for n in staged)
-        return ".progress.json" in staged
+        try:                            # written atomically; it can record no shard yet
+            return bool(json.loads((out / ".rebuild" / ".progress.json").read_text()).get("shards"))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
 
     _signal_when(proc, out, ready, signal.SIGINT)
     stdout, err = proc.communicate(timeout=120)
