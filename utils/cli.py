@@ -260,12 +260,17 @@ def _write_error_log(stage: str, text: str) -> Optional[Path]:
     return None
 
 
-def report_unexpected(prog: str, exc: BaseException) -> None:
-    """Print the one-paragraph report of an unexpected exception; log its traceback."""
+def _log_exception(prog: str, exc: BaseException) -> tuple[str, str, Optional[Path]]:
+    """(stage, traceback text, the error log written with the command, or None)."""
     stage = _CONTEXT.name or Path(prog).stem
     tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    argv = " ".join(sys.argv)
-    log = _write_error_log(stage, f"command: {argv}\ncwd: {os.getcwd()}\n\n{tb_text}")
+    log = _write_error_log(stage, f"command: {' '.join(sys.argv)}\ncwd: {os.getcwd()}\n\n{tb_text}")
+    return stage, tb_text, log
+
+
+def report_unexpected(prog: str, exc: BaseException) -> None:
+    """Print the one-paragraph report of an unexpected exception; log its traceback."""
+    stage, tb_text, log = _log_exception(prog, exc)
     what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if _CONTEXT.debug:
         print(tb_text, file=sys.stderr, end="")
@@ -283,9 +288,7 @@ def report_cut_short(prog: str, exc: BaseException) -> int:
     doing (a Ctrl-C in the first seconds lands inside ``import torch``, whose native modules
     then fail to load: "cannot load module more than once per process"). It is the stop the
     user asked for (exit 130), said once with what it cut short; the traceback is logged."""
-    stage = _CONTEXT.name or Path(prog).stem
-    tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    log = _write_error_log(stage, f"command: {' '.join(sys.argv)}\ncwd: {os.getcwd()}\n\n{tb_text}")
+    log = _log_exception(prog, exc)[2]
     how = "stopped by SIGTERM" if _STOPPING[0] == signal.SIGTERM else "interrupted by user (Ctrl-C)"
     where = f" (traceback: {log})" if log else ""
     print(f"\n{prog}: {how}; it cut short {type(exc).__name__}: {exc}{where}. Completed work is kept "

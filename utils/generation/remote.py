@@ -67,6 +67,12 @@ def _ended(code: int) -> str:
     return f"the engine process {how}"
 
 
+def _send(conn: Connection, msg) -> None:
+    """One message to the other process (pickled whole before the write: a part that will not
+    pickle raises here, with nothing sent)."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _portable(e: BaseException) -> tuple:
     """An exception as (class, args, attributes): rebuilt without calling ``__init__``, so one
     whose constructor takes other arguments than its ``args`` (most of ours) crosses too."""
@@ -183,7 +189,7 @@ class RemoteLoop:
             raise RuntimeError("the engine is stopping")
 
     def _send(self, msg) -> None:
-        self._conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        _send(self._conn, msg)
 
     def _submit(self, lane: RemoteLane, seq: Sequence) -> Sequence:
         with self._lock:
@@ -306,7 +312,7 @@ class _Worker:
 
     def send(self, msg) -> None:
         with self._lock:
-            self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            _send(self.conn, msg)
 
     def log(self, text: str) -> None:
         self.send(("log", text))
@@ -393,7 +399,7 @@ class _Worker:
                 else:
                     self.started.discard(e[0])
             running = [(i, lane.running) for i, lane in enumerate(self.loop.lanes)]
-            self.conn.send_bytes(pickle.dumps(("events", events, running), protocol=pickle.HIGHEST_PROTOCOL))
+            _send(self.conn, ("events", events, running))
 
 
 def main(argv: list[str]) -> int:
