@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.conftest import ROOT, offline_env, write_config
+from tests.conftest import ROOT, default_signals, offline_env, write_config
 
 STAGE = textwrap.dedent("""
     import sys
@@ -91,7 +91,8 @@ def test_a_stop_signal_that_breaks_something_on_its_way_is_still_a_stop_exit_130
     """))
     cfg = write_config(tmp_path, {"paths": {"logs_dir": str(tmp_path / "logs")}})
     proc = subprocess.run([sys.executable, str(script), "--config", str(cfg)], capture_output=True, text=True,
-                          timeout=120, env=offline_env(PYTHONPATH=ROOT), cwd=tmp_path)
+                          timeout=120, env=offline_env(PYTHONPATH=ROOT), cwd=tmp_path,
+                          preexec_fn=default_signals)             # a Ctrl-C as a terminal's, even under nohup
     assert proc.returncode == 130, proc.stderr
     err = proc.stderr.strip()
     assert err.startswith("slow_import.py: interrupted by user (Ctrl-C); it cut short ImportError: cannot load "
