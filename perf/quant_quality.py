@@ -11,8 +11,9 @@ layers' bytes, and what generation holds (the weights, plus the decode copies th
 keeps for fp32 on CPU: the transposed weights and a oneDNN copy of the head; int8 decodes from
 its own buffers). Speed: ``Engine.generate`` greedy on
 one prompt, fp32 and int8 models alternating per repeat in this process, min / median / max
-new tokens/s; and the time to the first token of a ``--prompt-tokens`` prompt (its prefill). Perplexity: ``main.py benchmark --tasks perplexity`` with and without
-``--quantize int8`` on the same items (the offline held-out Wikipedia passages), from its JSON
+new tokens/s; and the time to the first token of a ``--prompt-tokens`` prompt (its prefill).
+Perplexity: ``main.py benchmark --tasks perplexity`` with and without ``--quantize int8`` on
+the same items (the offline held-out Wikipedia passages), from its JSON
 results. Timing on a shared machine moves with the other load.
 """
 from __future__ import annotations
