@@ -333,8 +333,13 @@ def test_free_memory_sources_and_the_note_said_once(monkeypatch):
             raise PermissionError(13, "Permission denied", path)
         return real_open(path, *a, **kw)
     monkeypatch.setattr(builtins, "open", no_proc)
+    real_sysconf = os.sysconf                     # free pages move from call to call: fixed here
+    monkeypatch.setattr(dev.os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": 5000}[name])
     pages, why = dev.available_bytes(cpu)
-    assert pages == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") and why == ""
+    assert pages == 4096 * 5000 and why == ""
+    monkeypatch.setattr(dev.os, "sysconf", real_sysconf)
+    pages, why = dev.available_bytes(cpu)
+    assert pages > 2 ** 20 and why == ""                                    # the real call
 
     def no_sysconf(name):
         raise ValueError(f"unrecognized configuration name {name}")
