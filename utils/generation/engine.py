@@ -31,13 +31,13 @@ layer) and the float32 memory (n_kv_heads x (head_dim + 1) x head_dim per layer)
 size is fixed by the segment length, whatever the context: prompts are prefilled one segment
 at a time, and the positions of a sequence are unbounded (``capacity`` only caps its length).
 With fp32 weights on CPU the engine also keeps a transposed, contiguous copy of the weights
-(``decode_pack``: ~2.2x faster tokens at batch 1, in column panels where steps run on several
-threads, and a oneDNN copy of the output head for steps of several rows: the weights' bytes
-once more plus the head's, bounded by ``DECODE_PACK_MAX_BYTES``); it is rebuilt when the
-weights change (storage or ``_version``: an optimizer step or ``load_state_dict``) and freed
-with the engine.
+(``decode_pack``: a one-row product over it streams the weights, see :meth:`Engine.decode_pack`;
+in column panels where steps run on several threads, and a oneDNN copy of the output head for
+steps of several rows: the weights' bytes once more plus the head's, bounded by
+``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights change (storage or ``_version``: an
+optimizer step or ``load_state_dict``) and freed with the engine.
 
-Decode steps (``Block.decode`` over the pack) pay ~2-3 us of dispatch per tensor operation on
+Decode steps (``Block.decode`` over the pack) pay a fixed dispatch cost per tensor operation on
 CPU, which is most of a small model's token: the step fuses projections, rotates q and k
 together, writes the cache with one ``index_copy_`` per tensor, skips the key mask when every
 row is at the same position and takes the greedy token with NumPy (utils/generation/cpu.py).
@@ -131,8 +131,8 @@ class NonFiniteLogits(ArithmeticError):
 def check_finite(logits: torch.Tensor, where: str, use: str = "sampled") -> None:
     """NonFiniteLogits naming ``where`` (e.g. "position 12") when ``logits`` hold NaN or inf.
     argmax would pick a NaN, multinomial fails on one. The sum is non-finite when an entry is
-    (or, never seen, when finite values overflow it: then the exact check clears them): ~7 us a
-    row of 32k here, where torch.isfinite(...).all() took 130 us."""
+    (or, never seen, when finite values overflow it: then the exact check clears them): one
+    reduction, where torch.isfinite(...).all() first writes a boolean copy of the logits."""
     if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
         raise NonFiniteLogits(
             f"the model's logits are not finite (NaN or inf) at {where}: its arithmetic overflows "
@@ -258,7 +258,7 @@ class Event:
     A sequence with ``caller_text`` gets no text here: its caller gives each new token to
     ``seq.caller_text.push`` and, when it finishes other than "cancelled" or "error", adds
     ``seq.caller_text.finish()`` (the same text, pieces and all, as the engine's own; ``serve``
-    does it on its event loop, a wake-up's tokens together, to keep ~20 us per token of
+    does it on its event loop, a wake-up's tokens together, to keep the per-token
     detokenization, and the caches it cools, off the engine's thread)."""
     seq: Sequence
     token: Optional[int]
@@ -426,8 +426,8 @@ class Batcher:
     def weights(self) -> tuple[Optional[DecodePack], object, int]:
         """(decode pack, head, weights multiplied per token) of this batcher's steps, read from
         the engine on the first step and kept: checking every parameter's version per step
-        cost ~0.1 ms per token of a 2-layer model (a batcher lives for one ``generate`` call or
-        one server, while the weights stay the same)."""
+        is a pass over all parameters per token, a visible share of a small model's token (a
+        batcher lives for one ``generate`` call or one server, while the weights stay the same)."""
         if self._weights is None:
             self._weights = (self.engine.decode_pack(), self.engine.head(), self.engine.n_weights())
         return self._weights
@@ -665,16 +665,16 @@ class Engine:
         ``nn.Linear`` on one or a few rows computes each output as a dot product over the
         input features, which BLAS runs far below memory bandwidth on CPU; ``x @ Wt`` with a
         contiguous (in, out) copy streams over the outputs with full vector FMAs, and the
-        query/key/value and gate/up projections each become one product. Measured on one
-        core here (perf/generate_throughput.py, 7.7M model, 32k vocabulary): the head's
-        product 1.8 -> 0.7 ms, a whole token 2.9 -> 1.6 ms. The copy is made on the first
+        query/key/value and gate/up projections each become one product (the gain:
+        perf/generate_throughput.py, docs/performance.md). The copy is made on the first
         call and kept while the weights stay the same (same storage, no in-place update
         since: an optimizer step or ``load_state_dict`` invalidates it), so interactive
         prompts pay it once; a call made on a model in training mode drops it on return.
         Where a one-token step runs on several threads (``pack_panels``), each matrix is
         stored as that many column panels, so a product of a few rows uses every thread
         (utils/generation/cpu.py); and the head is also packed by oneDNN for steps of 2 or
-        more rows (``RowsProduct``: 2-3x faster than MKL there).
+        more rows (``RowsProduct``: MKL's product of a few rows by a wide matrix is slow on some
+        CPUs).
         Cost: a second copy of the weights (and a third of the head) while the engine holds
         it, so models above ``DECODE_PACK_MAX_BYTES`` of weights are not packed. Sums run in
         another order, so logits can differ from the Linear's in the last bits. Not on CUDA
@@ -720,12 +720,11 @@ class Engine:
 
         Small steps: a few ms of work, of which a second thread saves little, while every
         op's parallel region waits for its worker, a scheduler time slice whenever that worker
-        was descheduled: on 2 cores shared with the server's event loop and a client, the
-        tiny (2.2M) model served 0.54x as many tokens/s with 2 threads as with 1 (5-8x slower
-        decode steps on cores shared with other work). Large models: a batch-1 step reads
-        >= 64 MB of weights, which one core cannot stream (MKL's fp32 products run one thread;
-        the decode pack's column panels and the int8 kernel spread over all): SmolLM2-135M
-        decodes 27 -> 37 tokens/s in fp32 and 41 -> 64 in int8 with a second core here."""
+        was descheduled: on cores shared with the server's event loop and a client, a tiny
+        model's server made fewer tokens/s with 2 threads than with 1. Large models: a batch-1
+        step reads >= 64 MB of weights, which one core cannot stream (MKL's fp32 products run
+        one thread; the decode pack's column panels and the int8 kernel spread over all), so a
+        second core speeds their decoding up (docs/performance.md, Generation)."""
         if self.threads is not None:
             return self.threads
         if self.model.device.type != "cpu":
@@ -758,7 +757,7 @@ class TextDecoder:
 
     Cost: each push decodes a short window (the tokens shown by the previous piece, those
     held back since, and the new one), not the whole sequence: a decode of everything per
-    token made a 4,000-token reply spend ~25 s in detokenization on the engine thread. The
+    token costs time in proportion to the reply's length, quadratic over a long reply. The
     window starts at a token boundary on both sides of the difference taken, so a
     SentencePiece word-start piece keeps its space.
 
