@@ -1,25 +1,22 @@
 """The CPU products and picks of generation steps, each chosen by measurement (library; no side
-effects): which kernel multiplies a few rows by a large matrix, and how the greedy token is
-found. Everything here computes the same numbers as the plain PyTorch call it replaces, up to
+effects; the measurements: docs/performance.md, Generation): which kernel multiplies a few
+rows by a large matrix, and how the greedy token is found. Everything here computes the same numbers as the plain PyTorch call it replaces, up to
 the order of float sums (so to rounding) or exactly where said.
 
 - :func:`panels` / :func:`panel_mm`: ``x @ w`` for a few rows with ``w`` (in, out) stored as P
   column panels (P, in, out / P). MKL runs a product of one or a few rows on one thread
-  whatever its thread count (memory-bound: 23.5 GB/s of fp32 weights on one core here, two
-  cores reading 54 GB/s), while a batched product over P panels spreads them across threads:
-  SmolLM2-135M's fp32 decode at batch 1 goes from 27 to 37 tokens/s on 2 threads (7.7M:
-  515 -> 665). With P = 1 it is the plain product (panels cost ~15% on one thread).
+  whatever its thread count, and such a product is memory-bound: one core streams the weights
+  more slowly than several do. A batched product over P panels spreads them across threads.
+  With P = 1 it is the plain product (panels cost time on one thread).
 - :func:`greedy`: the argmax of each row of the logits. ``torch.argmax`` over a 32k-49k
-  vocabulary is a scalar loop on CPU (27 us a row on the AVX-512 Zen 4 VM here, 215 us for 8
-  rows); NumPy's is vectorized (3 us a row) and gives the same index (the first maximum; NaN
-  counts as the maximum in both).
+  vocabulary is a scalar loop on CPU; NumPy's is vectorized, several times faster, and gives
+  the same index (the first maximum; NaN counts as the maximum in both).
 - :class:`RowsProduct`: ``x @ w`` for 2 or more rows by a oneDNN-packed copy of ``w``
   (``torch.ops.mkldnn._linear_pointwise``, the op PyTorch's own compiler emits for CPU
   linears). MKL's fp32 GEMM with a few rows and a wide output runs at a fraction of the
-  machine's speed here (an AMD CPU, where MKL does not take its AVX-512 paths): 8 rows by the
-  (576, 49152) output head of SmolLM2 take 20.5 ms with MKL and 7.3 ms packed; (192, 32000):
-  3.0 -> 1.4 ms; (64, 32000): 0.63 -> 0.35 ms. One row stays with MKL's transposed product
-  (faster there: 4.6 against 6.7 ms). The packed copy holds the matrix's bytes once more.
+  machine's speed on AMD CPUs, where MKL does not take its AVX-512 paths; oneDNN's packed
+  product does not have that gap. One row stays with MKL's transposed product, which is the
+  faster of the two for a single row. The packed copy holds the matrix's bytes once more.
 """
 from __future__ import annotations
 
