@@ -1,7 +1,8 @@
 """The CPU products and picks of generation steps, each chosen by measurement (library; no side
 effects; the measurements: docs/performance.md, Generation): which kernel multiplies a few
-rows by a large matrix, and how the greedy token is found. Everything here computes the same numbers as the plain PyTorch call it replaces, up to
-the order of float sums (so to rounding) or exactly where said.
+rows by a large matrix, and how the greedy token is found. Everything here computes the same
+numbers as the plain PyTorch call it replaces, up to the order of float sums (so to rounding)
+or exactly where said.
 
 - :func:`panels` / :func:`panel_mm`: ``x @ w`` for a few rows with ``w`` (in, out) stored as P
   column panels (P, in, out / P). MKL runs a product of one or a few rows on one thread
