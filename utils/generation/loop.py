@@ -11,10 +11,10 @@ starts on import; the thread runs from ``start()`` to ``stop()``).
 One thread does all of the models' tensor work, opening them included (``call``): an OpenMP
 thread team belongs to the thread that starts it, and a second thread running parallel
 regions next to the one that loaded the weights makes more OpenMP threads than cores, at
-which libgomp stops spin-waiting between regions: SmolLM2-135M in int8 decoded 32 tokens/s
-on a thread of its own after loading on the main thread, 61 when that same thread had loaded
-it (2 cores). The thread steps each model's :class:`~utils.generation.engine.Batcher` in
-turn while any sequence waits or runs, and sleeps on a condition otherwise (no polling).
+which libgomp stops spin-waiting between regions, and each region then waits for its threads
+to wake (SmolLM2-135M in int8 decoded at about half speed so; docs/performance.md, Serving).
+The thread steps each model's :class:`~utils.generation.engine.Batcher` in turn while any
+sequence waits or runs, and sleeps on a condition otherwise (no polling).
 Each sequence's ``sink`` is called on the loop thread with every
 :class:`~utils.generation.engine.Event`: a sink must be quick and must not block (``serve``'s
 engine process, utils/generation/remote.py, collects them; ``after_pass``, called after each

@@ -22,12 +22,11 @@ pass's events back in one message; a receiving thread here appends the tokens, s
 :class:`~utils.generation.engine.Event` of the mirror, as a Lane's thread would.
 
 Why: with the engine on a thread of the HTTP process, each event-loop wake-up (parsing a
-request, writing a chunk: ~0.3 ms) held the lock the engine's next step waited for. Measured
-side by side (2026-11-27, docs/serve.md): at 8-16 concurrent streams of the tiny and 7M models
-the engine process served 1.19-1.27x the tokens/s of the engine on a thread; at one stream,
-and for SmolLM2-135M, the same within the machine's noise. The cost here: a message's events
-are pickled once and written to a socket (~10-50 us), a request's submit is one message, and
-the process's start (~2 s of imports, beside the HTTP process's own).
+request, writing a chunk) held the interpreter lock the engine's next step waited for; in two
+processes they run side by side, which raises the aggregate at many concurrent streams and
+changes nothing measurable at one (docs/performance.md, Serving). The cost: a message's events
+are pickled once and written to a socket, a request's submit is one message, and the process
+starts once with its own imports (torch), beside the HTTP process's.
 
 The engine process runs in a session of its own (a terminal's Ctrl-C reaches the caller
 alone), ignores SIGINT and SIGTERM (its parent owns the shutdown: ``stop()``) and ends when its
