@@ -323,8 +323,8 @@ class Attention(nn.Module):
         call for a single query. ``key_bias`` (B, L): 0 for keys to attend, -inf for padding;
         None when every row attends over all L keys. ``packed``: this layer's decode weights
         (``utils.generation.engine.PackedLayer``: fused q|k|v and products by ``packed.mm``);
-        None: the Linear layers. A decode step pays per operation (~2-3 us of dispatch each on
-        CPU), so q and k are rotated together and the projections are fused."""
+        None: the Linear layers. A decode step pays a fixed dispatch cost per operation on CPU,
+        so q and k are rotated together and the projections are fused."""
         B = x.shape[0]
         H, Hkv, G, hd = self.n_heads, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
         if packed is not None:

@@ -12,21 +12,20 @@ token).
 
 The product, :func:`int8_mm`: on CPU ``torch._weight_int8pack_mm`` (PyTorch's int8
 weight-only kernel, the one torchao's int8 weight-only config also uses on CPU) with the
-activations rounded to bf16: its fp32 variant is a scalar loop, 10-20x slower than the bf16
-one here (AVX-512 Zen 4: 1.9 ms against 0.11 ms for a 576 x 1536 product at batch 1), while
-bf16 rounding of the activations and outputs (2^-9 relative, random from value to value) is
-below the weights' own int8 rounding. The kernel takes its scales in the activations' dtype,
-and a scale rounded to bf16 is a systematic error of its whole output channel (SmolLM2-135M on
-40 news passages: +0.24% perplexity against fp32 so, -0.03% with fp32 scales), so the kernel
-gets unit scales (``Int8Weight.unit``) and the fp32 scales multiply its bf16 output, the same
+activations rounded to bf16: its fp32 variant is a scalar loop, an order of magnitude slower
+than the bf16 one, while bf16 rounding of the activations and outputs (2^-9 relative, random
+from value to value) is below the weights' own int8 rounding. The kernel takes its scales in
+the activations' dtype, and a scale rounded to bf16 is a systematic error of its whole output
+channel (a bias, which shows in the perplexity, unlike random rounding), so the kernel gets
+unit scales (``Int8Weight.unit``) and the fp32 scales multiply its bf16 output, the same
 one operation as casting it back. Each row of a batch is computed on its own, so a row's
 result does not depend on the others (the engine's exactness). That kernel's time grows with
 the rows: a prompt's prefill and benchmark's batches (the modules' ``forward``,
 :func:`int8_matmul`) of ``MANY_ROWS`` rows or more instead widen each weight matrix to bf16
 for its product (int8 values are exact in bf16) and make one bf16 GEMM, the per-row scales
-applied to its output: 34 against 56 ms for 32 rows through SmolLM2-135M's blocks, 89
-against 195 ms for 128, on 2 cores here (the widened copy is transient: one matrix's at a
-time, 3.5 MB for SmolLM2's largest block matrix, 57 MB for its head). Decode steps always
+applied to its output, which from that many rows on is faster than the row-by-row kernel
+(docs/performance.md, int8 weights; the widened copy is transient: one matrix's at a time,
+3.5 MB for SmolLM2's largest block matrix, 57 MB for its head). Decode steps always
 use the row-by-row kernel, so a row's tokens never depend on how many rows share its step.
 On CUDA torchao's ``Int8WeightOnlyConfig`` is used when torchao is importable, else the
 same modules dequantize per product.
