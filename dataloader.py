@@ -43,8 +43,8 @@ Sampler (resumable, DDP-aware)
     (at most ``W - 1`` windows per epoch are skipped, different ones each epoch). The
     permutation is never materialized: :class:`IndexPermutation` (a keyed Feistel bijection
     with cycle-walking) computes ``perm[p]`` for a chunk of positions on demand: O(1) memory
-    and start-up at any N (``np.random.permutation`` of the 3.5M windows of 1e9 tokens took
-    0.35 s and 28 MB). :class:`TrainLoader` counts the batches the trainer has *consumed* (not the ones
+    and start-up at any N (``np.random.permutation`` would take time and memory in proportion
+    to N at every start and epoch). :class:`TrainLoader` counts the batches the trainer has *consumed* (not the ones
     worker processes prefetched) and its ``state_dict()`` is::
 
         {"epoch": e, "index": windows of this rank's epoch slice already consumed,
@@ -330,7 +330,7 @@ class ShardWindowDataset(Dataset):
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()         # (B, T), (B, T)
 
     def _check(self, rows: np.ndarray, shards: list[int]) -> None:
-        """Token ids below the vocabulary (~10 us a batch): start-up trusts each shard's
+        """Token ids below the vocabulary (one max over the batch): start-up trusts each shard's
         ``max_token_id`` in metadata.json instead of reading the data, and an id beyond the
         vocabulary was an IndexError deep in the model's embedding."""
         if self.vocab_size is None or not rows.size or int(rows.max()) < self.vocab_size:

@@ -430,8 +430,8 @@ def load_tokenizer_from(name: str, cfg: Optional[Config] = None):
 
 
 def _load(name: str, cfg: Optional[Config]):
-    # transformers is imported per branch: AutoTokenizer's import alone costs about 1 s, and a
-    # .model or tokenizer.json file does not need it (perf/loader.py's "user path").
+    # transformers is imported per branch: AutoTokenizer's import is a large part of a stage's
+    # start-up (perf/loader.py's "user path"), and a .model or tokenizer.json file does not need it.
     p = cfg.resolve(name) if cfg is not None else Path(name).expanduser().resolve()
     if p.exists() or looks_like_path(name):
         if not p.exists():
@@ -505,8 +505,8 @@ def backend_of(tok):
 def decode_fn(tok):
     """``ids -> tok.decode(ids, skip_special_tokens=True)``, calling the ``tokenizers`` backend
     directly where transformers' decode would add nothing (no ``clean_up_tokenization_spaces``):
-    a third of the cost per call (1 against 2.7 us here), which generation's incremental
-    detokenization pays twice per token."""
+    transformers' wrapper costs more per call than the decode itself, and generation's
+    incremental detokenization calls it twice per token."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None and not getattr(tok, "clean_up_tokenization_spaces", False):
         return lambda ids: backend.decode(ids, skip_special_tokens=True)

@@ -8,10 +8,10 @@ Contract:
   training step frees and re-allocates the same large activation and gradient buffers every
   step; with glibc's defaults each of them is unmapped and page-faulted in again (tens of
   thousands of minor faults per step; trim_threshold and top_pad without mmap_threshold
-  changed nothing measurable). Measured with
-  perf/train_throughput.py on 2 CPU cores: 1.1-1.35x more tokens/s, page faults per step from
-  ~25k-70k to ~0-5k, at a few percent more peak memory. (jemalloc via LD_PRELOAD was slower
-  here: its decay-based purging faults even more.)
+  changed nothing measurable). With the tunables they stay in the heap: more tokens/s and a
+  few page faults per step where there were tens of thousands, for a few percent more peak
+  memory (perf/train_throughput.py; docs/performance.md, Training step). (jemalloc via
+  LD_PRELOAD was slower: its decay-based purging faults even more.)
 - glibc reads ``GLIBC_TUNABLES`` only when a process starts, so a CPU training process
   has to be re-executed once (``os.execve``: same pid, the same interpreter flags and
   arguments (``sys.orig_argv``), signal mask and ignored signals kept) with the tunables

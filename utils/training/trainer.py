@@ -124,9 +124,9 @@ def build_optimizers(model: nn.Module, hp, device: torch.device, lr: Optional[fl
     gate_ids = {id(p) for p in gates}
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in gate_ids]
     special = _embedding_and_head_params(model)
-    # torch's fused AdamW (one kernel over all tensors) on CUDA and on CPU, where it takes a
-    # third of the time of the foreach form (3.8 vs 11.1 ms per step for a 7.7M model here,
-    # perf/train_throughput.py); the arithmetic is AdamW's either way.
+    # torch's fused AdamW (one kernel over all tensors) on CUDA and on CPU, where it is also
+    # faster than the foreach form (docs/performance.md, Training step); the arithmetic is
+    # AdamW's either way.
     kw = dict(lr=lr, betas=(hp.beta1, hp.beta2), eps=1e-8)
     if device.type in ("cuda", "cpu"):
         kw["fused"] = True
