@@ -13,7 +13,7 @@ report can say which code, packages and machine produced a run (``main.py report
 ``dirty`` is True when ``git status --porcelain`` lists anything: changed tracked files or
 new files git does not ignore (the pipeline's data, checkpoints and logs are git-ignored). Under
 torchrun only rank 0 logs, so a multi-node run records rank 0's machine. Cost: two ``git``
-calls (about 10-30 ms) and reading /proc; no network.
+calls and reading /proc; no network.
 """
 from __future__ import annotations
 

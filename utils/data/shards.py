@@ -16,7 +16,7 @@ shard atomically and returns its ``shards[i]`` record; :func:`shard_set_metadata
 would refuse; :func:`write_metadata` writes it, last; :func:`write_shard_set` does all three
 for a list of framed documents ("these documents -> a shard set").
 
-Reading is validation (README "Malformed and hostile input"; docs/data_stages.md). :func:`read_metadata` reads the JSON
+Reading is validation (docs/data_stages.md, malformed input). :func:`read_metadata` reads the JSON
 (never deleting anything it cannot read) and names every field of the wrong type at once;
 :func:`validate_metadata` compares it with the current tokenizer and model;
 :func:`load_shards` opens each shard with :func:`open_shard`, which parses the ``.npy``

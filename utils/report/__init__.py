@@ -11,7 +11,7 @@ it and, with ``html``, ``<run>/report.html`` (one self-contained page, pictures 
 several runs also ``compare_<A>_vs_<B>/``. Every file is written atomically
 (utils/atomic.py), and the same inputs give byte-identical files; PNGs a previous report left
 in the folder that this one does not write are removed. Cost: reading the log and one
-checkpoint (memory-mapped), and about 0.2 s per figure.
+checkpoint (memory-mapped), and drawing each figure with matplotlib.
 """
 from __future__ import annotations
 

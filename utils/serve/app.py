@@ -164,8 +164,8 @@ class Job:
     chunk (see :func:`_sse`). So a request's first token goes out at once, and a model faster
     than 1 / stream_interval tokens/s sends its tokens in groups (at serve.stream_interval
     0.02: at most 50 writes a second per request) instead of paying a thread hand-off, an
-    event-loop pass, a JSON chunk, a socket write and the client's parse per token: on 2 busy
-    cores that per-token cost was 15-30% of a 2M-parameter model's CPU time."""
+    event-loop pass, a JSON chunk, a socket write and the client's parse per token, which for a
+    small, fast model is a large share of its CPU time."""
 
     def __init__(self, m: ServedModel, s: Sampling, prompts: list[list[int]], texts: list[str],
                  chat: bool, rid: str):

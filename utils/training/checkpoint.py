@@ -131,10 +131,9 @@ def _check_crc(path: Path) -> None:
     """Every record of a zip-format checkpoint against the CRC-32 torch.save stored with it
     (torch.load does not look): bytes damaged after the write (a bad copy, a failing disk)
     keep the zip's structure and, in tensor data, load as finite, wrong weights. Costs one
-    read of the file: 0.22 s for a 538 MB checkpoint from the page cache here, 0.65 s cold
-    (torch.load then reads it from the cache). Records written without a CRC (0) are skipped.
-    Not done for a memory-mapped read (``mmap``: the report's look at a run's metadata), which
-    would otherwise read the optimizer's state it leaves on disk."""
+    read of the file, which leaves it in the page cache for torch.load's read. Records written
+    without a CRC (0) are skipped. Not done for a memory-mapped read (``mmap``: the report's look
+    at a run's metadata), which would otherwise read the optimizer's state it leaves on disk."""
     try:
         with zipfile.ZipFile(path) as z:
             for info in z.infolist():
