@@ -19,8 +19,7 @@ Contract (docs/DESIGN.md sections 3 and 7; docs/sft_inference.md):
   :func:`encode_prompt` (infer, serve, SFT's sample) frame the same texts the same way, and
   training keeps only exchanges whose ids begin with exactly the prompt's own ids, so
   inference prompts are exactly what training saw (that check encodes each prompt a second
-  time: about 1.3x the tokenizer time of template v1, 1.2 s -> 1.6 s median for the 1,869
-  offline QA records on 2 shared CPU cores). One-text exchanges are what a Hugging
+  time, which costs tokenizer time over template v1). One-text exchanges are what a Hugging
   Face / llama.cpp chat template renders and tokenizes (utils/hf/chat.py), so exports give
   these ids token for token. Text is encoded with ``utils.data.tok.encode_plain``
   semantics: a literal ``<s>`` / ``</s>`` typed in a turn is ordinary text, never a control id.
