@@ -22,7 +22,7 @@ model is trained on:
 - :func:`sanitize` replaces lone surrogates (from JSON ``\\ud800`` escapes) with U+FFFD and
   removes control characters, counting both.
 
-Costs (docs/performance.md, Cleaning, has the measurements): what is dropped anyway is cut out before
+Costs (docs/performance.md, Cleaning XML dumps, has the measurements): what is dropped anyway is cut out before
 parsing, as MediaWiki's preprocessor takes it out before its parser runs: <ref>s
 (:func:`cut_references`), then templates that carry no text and tables
 (:func:`cut_dropped_blocks`), found by brace and line matching that skips comments and tags
