@@ -1,6 +1,6 @@
 """A plain PyTorch loop over transformers' LlamaForCausalLM, lined up with the train stage.
 
-Used by perf/optimizer_study.py (loop-level parity, quoted in README and docs/training.md) and
+Used by perf/optimizer_study.py (loop-level parity, its output in docs/performance.md) and
 by tests/test_learning_parity.py. Given a finished run's resolved config and model args, it
 trains LlamaForCausalLM the way the stage trains ours, without re-implementing the stage:
 
