@@ -148,7 +148,7 @@ class Loaded:
     def __init__(self, path: Path, model, ckpt: dict, tok, tok_info: dict, hf_tok=None):
         self.path, self.model, self.ckpt, self.tok, self.tok_info = path, model, ckpt, tok, tok_info
         self.hf_tok = hf_tok
-        self.run = path.stem if hf_tok is not None else (path.parent.name or path.stem)
+        self.run = path.stem if ckpt.get("kind") == "imported" else (path.parent.name or path.stem)
 
     @property
     def kind(self) -> str:
@@ -166,7 +166,22 @@ def open_checkpoint(cfg, spec: str) -> Loaded:
                       hf_tok=source_tokenizer(spec))
     path = pick_checkpoint(spec, say=lambda s: print(f"export: {s}", file=sys.stderr))
     model, ckpt, tok, info = load_model_and_tokenizer(path, cfg, say=lambda m: print(m, file=sys.stderr))
-    return Loaded(path, model, ckpt, tok, info)
+    return Loaded(path, model, ckpt, tok, info, hf_tok=public_model_tokenizer(ckpt, tok))
+
+
+def public_model_tokenizer(ckpt: dict, tok):
+    """For a run started from a public model (its checkpoint recorded the model's rules,
+    utils/data/chat.py): the model's own tokenizer as transformers users load it (control tokens
+    read, its own BOS rule) carrying the checkpoint's chat template; None for models trained here
+    (their export frames text as we trained it)."""
+    if not ckpt.get("model_rules"):
+        return None
+    import copy
+    from utils.hf.chat import jinja_template
+    own = copy.deepcopy(tok)            # the backend's encode_special_tokens is not copied: off
+    own.split_special_tokens = False
+    own.chat_template = jinja_template(ckpt.get("chat_template"))
+    return own
 
 
 def is_export(folder: Path) -> bool:
@@ -245,10 +260,11 @@ def pause_if_asked() -> None:
 
 
 def chat_template_of(loaded: Loaded) -> Optional[dict]:
-    """An SFT checkpoint's chat template (None for other kinds); one of template v1 (trained on
-    SFT data format 1) is exported with a note: its text, not its token ids."""
+    """A checkpoint's chat template (SFT, or a run started from a public model with one; None
+    otherwise); one of template v1 (trained on SFT data format 1) is exported with a note: its
+    text, not its token ids."""
     from utils.data import sft
-    template = loaded.ckpt.get("chat_template") if loaded.kind == "sft" else None
+    template = loaded.ckpt.get("chat_template")
     if template and sft.template_version(template) == sft.TEMPLATE_V1:
         print(f"export: note: {loaded.path} was trained with chat template '{sft.TEMPLATE_V1}' "
               "(each prompt and answer encoded apart): the exported chat template renders its "

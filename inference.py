@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -145,6 +146,16 @@ class Params:
                 f"top-k {self.top_k}, top-p {self.top_p:g}"
                 + (f", seed {self.seed}" if self.seed is not None else ""))
 
+    def for_model(self, defaults: dict, flags: set, note: Callable[[str], None]) -> "Params":
+        """These parameters with the model's own generation defaults (the settings its
+        generation_config.json writes, utils/data/chat.py) in place of the config's, except
+        those given as flags (``flags``: their names)."""
+        taken = {k: v for k, v in defaults.items() if k not in flags and getattr(self, k) != v}
+        if taken:
+            note("(the model's generation_config.json sets " + ", ".join(f"{k} {v:g}" for k, v in taken.items())
+                 + ": used instead of the config's inference settings)")
+        return dataclasses.replace(self, **taken)
+
 
 @dataclass
 class Stats:
@@ -171,15 +182,28 @@ class Loaded:
     label: str
     model: object
     ckpt_kind: str
-    template: Optional[dict]
+    rules: object                # utils.data.chat.Rules: its template (None: completion), BOS, stop ids
     n_params: int
     tok: object                  # the tokenizer it was trained with (utils.run)
     engine: object = None        # its generation engine (utils.generation.engine.Engine)
     history: list = field(default_factory=list)
 
     @property
+    def template(self) -> Optional[dict]:
+        return self.rules.template
+
+    @property
     def chat(self) -> bool:
         return self.template is not None
+
+    @property
+    def mode(self) -> str:
+        """How prompts are framed, as the loading line says it."""
+        if not self.chat:
+            return "completion"
+        if self.template.get("name") == "jinja":
+            return "chat (the model's own template)"
+        return "chat (User/Assistant template)"
 
 
 def pick_device(name: str):
@@ -215,23 +239,24 @@ class Session:
             print(f"infer: {quantize_int8(o.model).line()}", file=self.err)
         engine = Engine(o.model)
         engine.decode_pack()            # the CPU decode weights now, as part of loading, not of the first reply
-        return Loaded(o.path, label or o.label, o.model, o.kind, o.template, n, o.tok, engine)
+        return Loaded(o.path, label or o.label, o.model, o.kind, o.rules, n, o.tok, engine)
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
-        from utils.data import sft
-        from utils.data.tok import prompt_ids
+        from utils.data.chat import ChatTemplateError, chat_prompt_ids
         tok = m.tok
         limit = m.model.args.context            # None: Infini-attention, no limit
         if m.chat:
             while True:
-                ids = sft.encode_prompt(tok, m.template, m.history, text, tok.bos_token_id,
-                                        tok.eos_token_id)
+                try:
+                    ids = chat_prompt_ids(tok, m.template, "", m.history, text)
+                except ChatTemplateError as e:
+                    raise UsageError(str(e)) from None
                 if limit is None or len(ids) + max_new <= limit or not m.history:
                     break
                 m.history.pop(0)
                 note(f"(context full: dropped the oldest exchange; {len(m.history)} kept)")
         else:
-            ids = prompt_ids(tok, text)
+            ids = m.rules.prompt_ids(tok, text)
             if not ids:
                 raise UsageError("the prompt gives no tokens, and the model's tokenizer has no BOS token "
                                  "to start from: give some text.")
@@ -253,9 +278,9 @@ class Session:
     def generate(self, m: Loaded, text: str, p: Params, on_text: Optional[Callable[[str], None]],
                  note: Callable[[str], None] = lambda s: None) -> tuple[str, Stats]:
         """Stream one completion; Ctrl-C stops it (the partial text is kept)."""
-        from utils.data import sft
+        from utils.data.chat import answer_decoding
         from utils.generation.engine import NonFiniteLogits, TextDecoder
-        continues, lead = sft.answer_decoding(m.template) if m.chat else (False, "")
+        continues, lead = answer_decoding(m.template) if m.chat else (False, "")
         text_out = TextDecoder(m.tok)
         t0 = time.perf_counter()
         ttft = None
@@ -267,7 +292,7 @@ class Session:
             text_out = TextDecoder(m.tok, ids[-1:] if continues else (), lead)
             stream = m.engine.stream(ids, max_new_tokens=p.max_new_tokens,
                                      temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                     eos_id=m.tok.eos_token_id, seed=p.seed)
+                                     eos_id=m.rules.stop_ids, seed=p.seed)
             for t in stream:
                 if ttft is None:
                     ttft = time.perf_counter() - t0
@@ -288,6 +313,9 @@ class Session:
         if on_text is not None and rest:
             on_text(rest)
         final = text_out.text()
+        if not stopped and not text_out.ids and p.max_new_tokens > 0:
+            note("(the model ended its reply immediately (end-of-turn token))" if m.chat else
+                 "(the model ended the text immediately (end-of-text token))")
         if m.chat and not stopped:
             m.history.append((text, final))
         return final, Stats(len(text_out.ids), seconds, ttft, stopped, len(ids))
@@ -309,6 +337,7 @@ def scripted(session: Session, args, params: Params) -> int:
                          "standard input).")
     m = session.load(Path(args.checkpoint))
     note = (lambda s: print(s, file=sys.stderr))
+    params = params.for_model(m.rules.defaults, flags_given(args), note)
     if args.json:
         out, st = session.generate(m, text, params, None, note)
         print(json.dumps({"text": out, "checkpoint": str(m.path), "kind": m.ckpt_kind,
@@ -327,8 +356,8 @@ def scripted(session: Session, args, params: Params) -> int:
 
 # --------------------------------------------------------------------------- interactive
 class UI:
-    def __init__(self, session: Session, defaults: Params):
-        self.session, self.defaults = session, defaults
+    def __init__(self, session: Session, defaults: Params, flags: set = frozenset()):
+        self.session, self.defaults, self.flags = session, defaults, flags
         self.c = Colors(use_color())
 
     def say(self, s: str = "") -> None:
@@ -439,9 +468,9 @@ class UI:
         path = path or self.pick_checkpoint()
         self.say(f"Loading {printable(str(path))} ...")
         m = self.session.load(path)
-        mode = "chat (User/Assistant template)" if m.chat else "completion"
-        self.say(f"Loaded {printable(m.label)}: {m.n_params:,} parameters, {m.ckpt_kind}, {mode}, on "
+        self.say(f"Loaded {printable(m.label)}: {m.n_params:,} parameters, {m.ckpt_kind}, {m.mode}, on "
                  f"{self.session.device}.")
+        self.defaults = self.defaults.for_model(m.rules.defaults, self.flags, self.say)
         while True:
             text = self.read_prompt(m.chat)
             if text is None:
@@ -549,6 +578,14 @@ def _estimate_bytes(path: Path, device=None) -> int:
 
 
 # --------------------------------------------------------------------------- main
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p")
+
+
+def flags_given(args) -> set:
+    """The sampling parameters given on the command line (their Params names)."""
+    return {k for k in SAMPLING_FLAGS if getattr(args, f"cfg__inference__{k}", None) is not None}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(argv)
     inf = cfg.inference
@@ -558,7 +595,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return scripted(session, args, params)
     if args.json:
         raise UsageError("--json needs --prompt (scripted mode).")
-    ui = UI(session, params)
+    ui = UI(session, params, flags_given(args))
     try:
         if args.checkpoint:
             ui.single(Path(args.checkpoint))

@@ -148,12 +148,10 @@ def prepare(argv: Sequence[str]) -> int:
     args, cfg = prepare_parser().parse(argv)
     if args.batch_size < 1:
         raise UsageError("--batch-size must be at least 1.")
-    from utils.data import sft
-    from utils.data.tok import describe, load_tokenizer, require_bos_eos
+    from utils.data.tok import describe, load_tokenizer
     tok = load_tokenizer(cfg)
     tok_info = describe(tok, cfg.tokenizer.name)
-    bos, eos = require_bos_eos(tok, cfg.tokenizer.name)
-    template = sft.default_template(cfg.sft)
+    template, bos, eos = choose_template(cfg, tok)
     src = read_records(cfg, args)
     enc = encode_records(tok, template, src, cfg.sft.max_length, args.batch_size, bos, eos)
     out = cfg.path("paths.post_training_dir")
@@ -162,6 +160,24 @@ def prepare(argv: Sequence[str]) -> int:
     write_examples_and_metadata(cfg, out, tok, tok_info, template, src, enc, arrays, copy_name)
     report_prepare(out, src, enc, arrays)
     return 0
+
+
+def choose_template(cfg, tok) -> tuple[dict, Optional[int], Optional[int]]:
+    """The data's chat template (``sft.template``: the tokenizer's own when it has one, else
+    ours; utils/data/chat.py) and the BOS and EOS ids our template frames exchanges with."""
+    from utils.data import chat, sft
+    from utils.data.tok import require_bos_eos
+    own, name = chat.template_source(tok), cfg.tokenizer.name
+    if cfg.sft.template == "tokenizer" and own is None:
+        raise PipelineError(f"sft.template is 'tokenizer' but tokenizer '{name}' has no chat template of its "
+                            "own; set sft.template to 'auto' or 'user-assistant' (our User/Assistant "
+                            "template), or point tokenizer.name at a model folder that has one.")
+    if own is not None and cfg.sft.template != "user-assistant":
+        print(f"sft prepare: chat template: the tokenizer's own ({name}); sft.template "
+              "'user-assistant' would use ours.", flush=True)
+        return chat.jinja_record(tok, own, name), tok.bos_token_id, tok.eos_token_id
+    bos, eos = require_bos_eos(tok, name)
+    return sft.default_template(cfg.sft), bos, eos
 
 
 @dataclass
@@ -205,17 +221,21 @@ def encode_records(tok, template, src: Records, max_len: int, batch_size: int, b
     call); longer than ``max_len`` dropped and counted, as are conversations whose answer
     merges into its prompt's last token (skip reason ``answer_joins_prompt``); none left is an
     error (nothing written)."""
-    from utils.data import sft
+    from utils.data import chat
     enc = Encoded([], [], [], [], 0, max_len)
     records = src.records
+    jinja = template.get("name") == chat.JINJA
+    reason, why = (("template_does_not_frame", "the rendered conversation does not begin with each "
+                    "assistant turn's generation prompt (the template rewrites earlier turns or refuses "
+                    "them, or an answer's first characters join the prompt's last token)") if jinja else
+                   ("answer_joins_prompt", "an answer's first characters join the assistant prefix's "
+                    "last token; end sft.assistant_prefix with a space"))
     for s in range(0, len(records), batch_size):
         batch = records[s:s + batch_size]
-        encoded = sft.encode_conversations(tok, template, [r["conversations"] for r in batch], bos, eos)
+        encoded = chat.encode_conversations(tok, template, [r["conversations"] for r in batch], bos, eos)
         for j, (rec, pair) in enumerate(zip(batch, encoded)):
             if pair is None:
-                src.skips.skip("answer_joins_prompt", f"record {s + j + 1}",
-                               "an answer's first characters join the assistant prefix's last "
-                               "token; end sft.assistant_prefix with a space")
+                src.skips.skip(reason, f"record {s + j + 1}", why)
                 continue
             ids, mask = pair
             if len(ids) > max_len:
@@ -379,6 +399,7 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
     examples = sft.load_examples(cfg.path("paths.post_training_dir"))
     start = open_sft_run(cfg, args, examples.meta)
     tok, tok_info, eos = open_run_tokenizer(cfg, start, examples.meta)
+    rules = run_rules(start, tok, examples.meta["template"])
     data = split_data(cfg, args, examples, tok, eos)
     optimizer, settings = sft_hyperparameters(cfg, args, data)
     from utils.run import RunOutputs, resume_command_sft
@@ -387,7 +408,7 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
     # leaves no new run folder, log or TensorBoard folder, and the resumed run's files unchanged.
     with RunOutputs(start.run_dir, cfg.path("paths.logs_dir"), start.run_dir.name) as outputs:
         model, device = build_model(cfg, start)
-        spec = sft_spec(cfg, args, model, start, data, optimizer, settings, tok, tok_info, eos)
+        spec = sft_spec(cfg, args, model, start, data, optimizer, settings, tok, tok_info, rules)
         logger = outputs.open_logger(tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.raw_metrics,
                                      purge_step=(int(start.resume["step"]) + 1) if start.resume else None)
         trainer = Trainer(spec, run_dir=start.run_dir, logger=logger, device=device,
@@ -486,8 +507,24 @@ def open_run_tokenizer(cfg, start: Start, meta: dict):
     require_same_tokenizer(tok_info, meta.get("tokenizer"), "the checkpoint's tokenizer",
                            f"the SFT data in {cfg.path('paths.post_training_dir')}",
                            "Re-run `python main.py sft prepare` with that tokenizer.")
-    _, eos = require_bos_eos(tok, tok_info.get("name") or cfg.tokenizer.name)
-    return tok, tok_info, eos
+    name = tok_info.get("name") or cfg.tokenizer.name
+    if meta["template"].get("name") != "jinja":
+        return tok, tok_info, require_bos_eos(tok, name)[1]
+    if tok.eos_token_id is None and tok.pad_token_id is None:     # a model's template frames its own turns
+        raise PipelineError(f"tokenizer '{name}' has neither an EOS nor a padding token: batches cannot be "
+                            "padded.")
+    return tok, tok_info, tok.eos_token_id
+
+
+def run_rules(start: Start, tok, template: dict):
+    """The run's rules (utils/data/chat.py): the base model's BOS rule, stop ids and generation
+    defaults (an imported model's own, else those its checkpoint recorded, else ours), with the
+    data's template and its end-of-turn token."""
+    from utils.data.chat import Rules, rules_of_checkpoint, stop_ids_of
+    base = (start.imported.rules if start.imported is not None
+            else rules_of_checkpoint(start.resume or start.ckpt, tok))
+    stops = tuple(dict.fromkeys(base.stop_ids + stop_ids_of(None, tok, template)))
+    return Rules(template, base.add_bos, stops, base.defaults, base.source)
 
 
 @dataclass
@@ -553,20 +590,20 @@ def build_model(cfg, start: Start):
     return net.to(device), device
 
 
-def sft_spec(cfg, args, model, start: Start, data: Data, optimizer, settings, tok, tok_info, eos):
+def sft_spec(cfg, args, model, start: Start, data: Data, optimizer, settings, tok, tok_info, rules):
     """SFT as a TrainSpec: the masked next-token loss on the conversations, one numbered
     checkpoint per epoch (``checkpoint_epoch_N.pt``), a sample answer to a fixed question."""
-    from utils.data import sft
+    from utils.data import chat
     from utils.training.trainer import RunRecord, TrainSpec
     from utils.training.trainer import resolve_dtype
     meta, spe, seed = data.examples.meta, data.steps_per_epoch, cfg.training.seed
-    q_ids = sft.encode_prompt(tok, meta["template"], [], SAMPLE_QUESTION, tok.bos_token_id, eos)
-    continues, lead = sft.answer_decoding(meta["template"])
+    q_ids = chat.chat_prompt_ids(tok, meta["template"], "", [], SAMPLE_QUESTION)
+    continues, lead = chat.answer_decoding(meta["template"])
 
     def sample_fn(m):
         from utils.generation.engine import TextDecoder, generate
         out = generate(m, [q_ids], max_new_tokens=args.sample_tokens, temperature=0.8, top_k=50,
-                       eos_id=eos, seed=seed)
+                       eos_id=rules.stop_ids, seed=seed)
         reply = TextDecoder(tok, q_ids[-1:] if continues else (), lead=lead)
         for t in out[0]:
             reply.push(t)
@@ -579,7 +616,8 @@ def sft_spec(cfg, args, model, start: Start, data: Data, optimizer, settings, to
           f"{model.device}; base {start.base_path}.", flush=True)
     record = RunRecord("sft", cfg.to_dict(), tok_info, chat_template=meta["template"],
                        extra={"sft": {"base_checkpoint": str(start.base_path),
-                                      "data_fingerprint": meta["data_fingerprint"]}})
+                                      "data_fingerprint": meta["data_fingerprint"]},
+                              "model_rules": rules.to_dict()})
     return TrainSpec(model, start.model_args, data.train, data.val, optimizer=optimizer,
                      settings=settings, record=record,
                      checkpoint_name=lambda step: f"checkpoint_epoch_{step // spe}.pt",

@@ -159,12 +159,12 @@ def open_models(args, cfg, loop) -> dict:
             raise PipelineError(f"{path} does not exist (a checkpoint file, run folder, HF folder or .gguf).")
     for mid, path in zip(ids, paths):
         lane, o = loop.open(open_engine, path, cfg, device, args.threads)
-        models[mid] = ServedModel(mid, o["tok"], o["kind"], o["template"], lane, int(time.time()),
+        models[mid] = ServedModel(mid, o["tok"], o["kind"], o["rules"], lane, int(time.time()),
                                   cfg.serve.quantize, cfg.serve.max_queue, cfg.serve.max_tokens,
                                   cfg.serve.stream_interval)
         mb = lane.bytes_per_slot / 2 ** 20
         shown = "unbounded (Infini-attention)" if lane.capacity >= UNBOUNDED else lane.capacity
-        say(f"model '{mid}': {o['label']} ({o['kind']}{', chat' if o['template'] else ''}), context "
+        say(f"model '{mid}': {o['label']} ({o['kind']}{', chat' if o['rules'].chat else ''}), context "
             f"{shown}, {lane.slots} slots x {mb:.1f} MiB of KV cache")
     return models
 

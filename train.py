@@ -227,6 +227,7 @@ class Start:
     ckpt: Optional[dict]
     init_weights: Optional[dict] = None      # --init-from-hf: the imported state dict
     imported: bool = False
+    rules: object = None                     # utils.data.chat.Rules of an imported model (kept on resume)
 
 
 def open_run(cfg, args, tok, tok_info, proc: Process, imported=None) -> Start:
@@ -263,8 +264,20 @@ def open_run(cfg, args, tok, tok_info, proc: Process, imported=None) -> Start:
     if ckpt is None and (run_dir / "checkpoint_latest.pt").exists():
         raise UsageError(f"{run_dir} already holds a run. Continue it with `--name {run} --resume "
                          "auto`, or choose another --name.")
-    return Start(run, run_dir, model_args, ckpt,
-                 imported.model.state_dict() if imported is not None else None)
+    return Start(run, run_dir, model_args, ckpt, imported.model.state_dict() if imported is not None else None,
+                 rules=model_rules(imported, ckpt, tok))
+
+
+def model_rules(imported, ckpt: Optional[dict], tok):
+    """The rules a run keeps (utils/data/chat.py): an imported model's (its chat template, BOS
+    rule, stop ids and generation defaults), or those its checkpoint recorded; None for a
+    model trained here from scratch (ours apply)."""
+    from utils.data.chat import rules_of_checkpoint
+    if imported is not None:
+        return imported.rules
+    if ckpt is not None and ckpt.get("model_rules"):
+        return rules_of_checkpoint(ckpt, tok)
+    return None
 
 
 @dataclass
@@ -382,7 +395,7 @@ def write_run_files(cfg, start: Start, data: Data, model, tok, tok_info, proc: P
 def pretraining_spec(cfg, model, start: Start, data: Data, tok, tok_info, proc: Process):
     """Pre-training as a TrainSpec: next-token loss on the windows, the ``training`` section's
     optimizer and numbers, a sample from ``training.sample_prompt`` at each validation."""
-    from utils.data.tok import encode_plain
+    from utils.data.chat import Rules
     from utils.training.metrics import measure_bytes_per_token
     from utils.training.trainer import OptimizerSpec, RunRecord, Settings, TrainSpec
     from utils.training import distributed as D
@@ -393,19 +406,22 @@ def pretraining_spec(cfg, model, start: Start, data: Data, tok, tok_info, proc: 
         if proc.dist.enabled:   # each rank measured its own, equally long val slice: average them
             bpt = D.all_reduce_sum(proc.dist, [bpt or 0.0], proc.device)[0] / proc.dist.world_size
     prompt = hp.sample_prompt
-    prompt_ids = [tok.bos_token_id] + encode_plain(tok, [prompt])[0]
+    rules = start.rules or Rules.ours(tok)
+    prompt_ids = rules.prompt_ids(tok, prompt)
 
     def sample_fn(m):
         from utils.generation.engine import generate
         out = generate(m, [prompt_ids], max_new_tokens=hp.sample_tokens, temperature=0.8, top_k=50,
-                       eos_id=tok.eos_token_id, seed=hp.seed)
+                       eos_id=rules.stop_ids, seed=hp.seed)
         return [(prompt, tok.decode(out[0], skip_special_tokens=True))]
 
     return TrainSpec(model, start.model_args, data.train, data.val,
                      optimizer=OptimizerSpec.from_config(hp),
                      settings=Settings.from_config(hp, cfg.logging, data.total_steps,
                                                    data.steps_per_epoch),
-                     record=RunRecord("pretrain", cfg.to_dict(), tok_info),
+                     record=RunRecord("pretrain", cfg.to_dict(), tok_info,
+                                      chat_template=start.rules.template if start.rules else None,
+                                      extra={"model_rules": start.rules.to_dict()} if start.rules else {}),
                      sample_fn=sample_fn if hp.sample_tokens > 0 else None, bytes_per_token=bpt)
 
 

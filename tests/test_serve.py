@@ -22,6 +22,7 @@ import torch
 
 from tests.conftest import offline_env, popen_main, wait_for_line, write_config
 from tests.test_sft import TOK_NAME, make_checkpoint, tokenizer
+from utils.data.chat import Rules
 
 TIMEOUT = 60
 
@@ -758,7 +759,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_request_beyond_it_400_o
     from utils.serve.app import ServedModel, create_app
     from utils.serve.protocol import Limits
     lane = SimpleNamespace(capacity=64, active=3)
-    app = create_app({"m": ServedModel("m", tokenizer(), "pretrain", None, lane, 0, max_queue=4)},
+    app = create_app({"m": ServedModel("m", tokenizer(), "pretrain", Rules.ours(tokenizer()), lane, 0, max_queue=4)},
                      Limits(), log=lambda line: None)
 
     async def post(body):
@@ -784,7 +785,7 @@ def test_chat_logprob_bytes_are_each_token_s_own_bytes():
     from utils.serve.protocol import Sampling
     lane = SimpleNamespace(capacity=64)
     spm = tokenizer()
-    m = ServedModel("m", spm, "sft", sft.default_template(), lane, 0)
+    m = ServedModel("m", spm, "sft", Rules.ours(spm, sft.default_template()), lane, 0)
     assert not m.byte_level
     ids = spm.convert_tokens_to_ids
     assert m.token_bytes(ids("<0xF0>")) == b"\xf0"
@@ -800,7 +801,7 @@ def test_chat_logprob_bytes_are_each_token_s_own_bytes():
     assert bytes(b for e in content for b in e["bytes"]).endswith("🧪".encode())
     assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
     bpe = bpe_tokenizer()
-    b = ServedModel("b", bpe, "pretrain", None, lane, 0)
+    b = ServedModel("b", bpe, "pretrain", Rules.ours(bpe), lane, 0)
     assert b.byte_level
     assert b.token_bytes(bpe.convert_tokens_to_ids("Ġthe")) == b" the"
     assert b.token_bytes(bpe.convert_tokens_to_ids("Ã")) == b"\xc3"             # half of a character
@@ -1077,7 +1078,7 @@ def test_a_stream_sends_its_first_token_at_once_and_groups_the_next_within_its_i
     from utils.generation.engine import Event
     from utils.serve.app import Job, ServedModel
     from utils.serve.protocol import Sampling
-    m = ServedModel("m", tokenizer(), "pretrain", None, SimpleNamespace(capacity=64), 0,
+    m = ServedModel("m", tokenizer(), "pretrain", Rules.ours(tokenizer()), SimpleNamespace(capacity=64), 0,
                     stream_interval=30.0)
     s = Sampling(None, 8, 0.0, 1.0, 0, 1, None, (), True, False)
 
@@ -1121,7 +1122,7 @@ def test_a_wake_up_s_tokens_go_out_as_one_chunk_per_choice(interval):
     from utils.generation.engine import Event
     from utils.serve.app import Job, ServedModel, _sse
     from utils.serve.protocol import Sampling
-    m = ServedModel("m", tokenizer(), "pretrain", None, SimpleNamespace(capacity=64), 0,
+    m = ServedModel("m", tokenizer(), "pretrain", Rules.ours(tokenizer()), SimpleNamespace(capacity=64), 0,
                     stream_interval=interval)
     # a stop string: the engine makes the text and its events bring it, as these do (without
     # one the Job makes it from the tokens: test_generation.py, text made by the caller)

@@ -314,8 +314,12 @@ class SFTConfig:
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f("auto", "autocast dtype (auto: bf16 on CUDA, "
                                                         "fp32 on CPU)")
     val_split: float = _f(0.1, "held-out fraction", min=0, max=1)
-    user_prefix: str = _f("User: ", "user turn marker")
-    assistant_prefix: str = _f("Assistant: ", "assistant turn marker")
+    template: Literal["auto", "user-assistant", "tokenizer"] = _f(
+        "auto", "chat template of the prepared data: the tokenizer's own (a public model's, "
+        "e.g. SmolLM2's ChatML) when it has one, else our User/Assistant template (auto); "
+        "always ours (user-assistant); or the tokenizer's, refused when it has none (tokenizer)")
+    user_prefix: str = _f("User: ", "user turn marker (our template)")
+    assistant_prefix: str = _f("Assistant: ", "assistant turn marker (our template)")
 
 
 @dataclass

@@ -127,25 +127,33 @@ class Opened:
     label: str             # run/checkpoint (HF: the folder or file name)
     model: object
     kind: str              # "pretrain", "sft" or "hf"
-    template: Optional[dict]   # the chat template (SFT checkpoints unless raw), else None
+    rules: object          # utils.data.chat.Rules: chat template (None with raw), BOS, stop ids, defaults
     tok: object
+
+    @property
+    def template(self) -> Optional[dict]:
+        """The chat template it chats with, or None (plain completions)."""
+        return self.rules.template
 
 
 def open_for_generation(path, cfg: Config, device="cpu", say: Callable[[str], None] = print,
                         raw: bool = False, cache: Optional[dict] = None) -> Opened:
     """A checkpoint file, a run folder (its best checkpoint, :func:`pick_checkpoint`), or a
     Hugging Face Llama folder / .gguf file (imported, utils/hf/import_hf.py), with its
-    tokenizer and, for SFT checkpoints, its chat template (None with ``raw``)."""
+    tokenizer and its rules (utils/data/chat.py): an SFT checkpoint's template, a public
+    model's own; ``raw``: no template (plain completions)."""
+    from utils.data.chat import rules_of_checkpoint
     from utils.hf.import_hf import is_hf_model, load_hf_llama
     path = Path(path)
     if is_hf_model(path):
         imported = load_hf_llama(path)
-        return Opened(path, path.name, imported.model.to(device), "hf", None, imported.tok)
+        rules = imported.rules.without_template() if raw else imported.rules
+        return Opened(path, path.name, imported.model.to(device), "hf", rules, imported.tok)
     path = pick_checkpoint(path, say=say)
     model, ckpt, tok, _ = load_model_and_tokenizer(path, cfg, device, say=say, cache=cache)
-    kind = ckpt.get("kind", "pretrain")
-    template = ckpt.get("chat_template") if (kind == "sft" and not raw) else None
-    return Opened(path, f"{path.parent.name}/{path.name}", model, kind, template, tok)
+    rules = rules_of_checkpoint(ckpt, tok)
+    return Opened(path, f"{path.parent.name}/{path.name}", model, ckpt.get("kind", "pretrain"),
+                  rules.without_template() if raw else rules, tok)
 
 
 # --------------------------------------------------------------------------- run folders

@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from utils.cli import PipelineError
+from utils.data.chat import adds_bos, rules_of_checkpoint, stop_ids_of
 from utils.data.tok import encode_plain
 
 TOPK = (1, 5, 10)
@@ -82,6 +83,12 @@ class Adapter:
     @property
     def eos_id(self) -> Optional[int]:
         return self.tok.eos_token_id
+
+    @property
+    def stop_ids(self) -> tuple:
+        """Where a greedy continuation ends: the model's stop ids (utils/data/chat.py), set by
+        the subclasses that know them; else EOS."""
+        return getattr(self, "_stop_ids", None) or ((self.eos_id,) if self.eos_id is not None else ())
 
     @property
     def prefix_token_id(self) -> int:
@@ -188,7 +195,7 @@ class Adapter:
         keep = len(prompt_ids) if self.long_context else max(1, self.max_length - max_new_tokens)
         try:
             return self._engine.generate([list(prompt_ids)[-keep:]], max_new_tokens, temperature=0,
-                                         eos_id=self.eos_id)[0]
+                                         eos_id=self.stop_ids)[0]
         except NonFiniteLogits as e:
             raise PipelineError(f"{self.name}: {e}.") from None
 
@@ -209,7 +216,8 @@ class CheckpointAdapter(Adapter):
         self.long_context = self.model.args.context is None
         self.tok, tok_info = tokenizer_for_checkpoint(   # ``tokenizers``: the caller's cache
             ckpt, cfg, self.path, say=lambda m: print(m, file=sys.stderr), cache=tokenizers)
-        self.add_bos = self.tok.bos_token_id is not None
+        rules = rules_of_checkpoint(ckpt, self.tok)
+        self.add_bos, self._stop_ids = rules.add_bos, rules.stop_ids
         self.name = _run_label(self.path)
         self.identity = {
             "kind": "checkpoint", "path": str(self.path), "checkpoint_kind": ckpt.get("kind"),
@@ -235,7 +243,7 @@ class ImportedAdapter(Adapter):
         self.model = imported.model.to(device).eval()
         self.device, self.amp = device, autocast_dtype(dtype, device)
         self.tok = imported.tok
-        self.add_bos = _adds_bos(self.tok)
+        self.add_bos, self._stop_ids = imported.rules.add_bos, imported.rules.stop_ids
         self.max_length = int(self.model.args.max_seq_len)
         self.name = f"{Path(imported.source).name} (imported)"
         self.identity = {"kind": "imported", "path": imported.source,
@@ -246,13 +254,6 @@ class ImportedAdapter(Adapter):
     def logits(self, idx):
         logits, _ = self.model(idx)
         return logits
-
-
-def _adds_bos(tok) -> bool:
-    """Whether the tokenizer puts BOS in front of a text by itself (its post-processor)."""
-    enc = tok.encode("a")
-    bare = tok.encode("a", add_special_tokens=False)
-    return tok.bos_token_id is not None and len(enc) > len(bare) and enc[0] == tok.bos_token_id
 
 
 def _run_label(path: Path) -> str:
@@ -282,7 +283,9 @@ class HFAdapter(Adapter):
             model, tok, spec = load_hf(spec, gguf_file)
         self.model = model.to(device).eval()
         self.tok = tok
-        self.add_bos = _adds_bos(tok)
+        self.add_bos = adds_bos(tok)
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        self._stop_ids = stop_ids_of(eos if eos is not None else model.config.eos_token_id, tok, None)
         c = model.config
         self.max_length = int(getattr(c, "max_position_embeddings", None) or 2048)
         from utils.data import tok as tok_lib
@@ -302,13 +305,13 @@ class HFAdapter(Adapter):
     @torch.no_grad()
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         ids = torch.tensor([prompt_ids[-self.max_length:]], dtype=torch.long, device=self.device)
+        stops = list(self.stop_ids)
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=max_new_tokens, eos_token_id=self.eos_id,
-                                  pad_token_id=self.eos_id if self.eos_id is not None else 0)
+                                  max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+                                  pad_token_id=stops[0] if stops else 0)
         new = out[0, ids.shape[1]:].tolist()
-        if self.eos_id is not None and self.eos_id in new:
-            new = new[:new.index(self.eos_id)]
-        return new
+        ends = [i for i, t in enumerate(new) if t in stops]
+        return new[:ends[0]] if ends else new
 
 
 def load_hf(spec: str, gguf_file: Optional[str] = None):

@@ -69,6 +69,7 @@ SKIP_EXAMPLES_KEPT = 50            # file:line reasons kept in metadata (all are
 # --------------------------------------------------------------------------- template
 TEMPLATE_V1 = "user-assistant-v1"     # prompt and answer encoded apart (old checkpoints)
 TEMPLATE_V2 = "user-assistant-v2"     # each exchange one text (format 2)
+TEMPLATE_JINJA = "jinja"              # a public model's own Jinja template (utils/data/chat.py)
 
 
 def default_template(sft_cfg=None) -> dict:
@@ -86,9 +87,10 @@ def default_template(sft_cfg=None) -> dict:
 def template_version(template: dict) -> str:
     """The template's name, if this version knows it (PipelineError otherwise)."""
     name = template.get("name") if isinstance(template, dict) else None
-    if name not in (TEMPLATE_V1, TEMPLATE_V2):
+    if name not in (TEMPLATE_V1, TEMPLATE_V2, TEMPLATE_JINJA):
         raise PipelineError(f"chat template {name!r} is not one this version of the pipeline "
-                            f"knows ({TEMPLATE_V1}, {TEMPLATE_V2}); update the pipeline (git pull).")
+                            f"knows ({TEMPLATE_V1}, {TEMPLATE_V2}, {TEMPLATE_JINJA}); update the pipeline "
+                            "(git pull).")
     return name
 
 

@@ -559,15 +559,6 @@ def _valid_text(text):
     return replace_surrogates(text)[0] if isinstance(text, str) else text
 
 
-def prompt_ids(tok, text: str) -> list[int]:
-    """A plain (non-chat) prompt's ids: BOS, when the tokenizer has one, then the text as
-    :func:`encode_plain` gives it. Where the tokenizer has no BOS (Llama-architecture models
-    with ``bos_token`` null exist: they were trained without one) the prompt is the text's ids
-    alone. The one place infer and serve frame a plain prompt."""
-    ids = encode_plain(tok, [text])[0]
-    return ids if tok.bos_token_id is None else [tok.bos_token_id] + ids
-
-
 def special_merges(tok) -> list[tuple[str, str]]:
     """BPE merges whose result is a special-token string (they would turn text into a special
     id even with special-token matching off); empty for a sound tokenizer."""

@@ -1,5 +1,8 @@
 """The SFT chat template as Jinja, for exported tokenizers (library; no side effects).
 
+A public model's own template (``{"name": "jinja", ...}``, utils/data/chat.py) is its Jinja
+source, returned as it is. Ours:
+
 Our template is data (utils/data/sft.py ``default_template``). For template
 ``user-assistant-v2`` the Jinja version renders, from OpenAI-style messages, exactly the
 texts our encoder frames, with the special tokens written as their strings:
@@ -41,6 +44,8 @@ def jinja_template(template: Optional[dict]) -> Optional[str]:
     if not template:
         return None
     from utils.data import sft
+    if sft.template_version(template) == sft.TEMPLATE_JINJA:      # a public model's own: as written
+        return template["template"]
     if sft.template_version(template) == sft.TEMPLATE_V1:
         return _jinja_v1(template)
     user = _lit(template["user_prefix"])

@@ -41,6 +41,7 @@ class Imported:
     tok_info: dict           # utils.data.tok.describe
     config: object           # the transformers config
     source: str              # what was read
+    rules: object            # utils.data.chat.Rules: its chat template, BOS rule, stop ids, defaults
 
 
 def is_hf_model(path: Path) -> bool:
@@ -115,14 +116,16 @@ def load_hf_llama(path) -> Imported:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from model import create_model
+    from utils.data.chat import adds_bos, rules_of_hf
     from utils.data.tok import as_exported_from, describe, load_tokenizer_folder, plain
     from utils.hf.inputs import check_config_json, generation_config_notice
     from utils.hf.mapping import from_hf_state_dict
     folder, gguf = _split(Path(path))
-    # the generation settings are the config's inference section's: the folder's
-    # generation_config.json is never read (a bad one is said once, not refused)
+    # generation_config.json is read by utils.data.chat (its stop ids and explicit sampling
+    # settings) when it is usable; a bad one is said once and ignored, not refused
     kw = {"gguf_file": gguf} if gguf else {"generation_config": GenerationConfig()}
     where = str(folder / gguf) if gguf else str(folder)
+    note = None
     if gguf:                    # the raw values first: transformers divides by them, indexes by them
         _gguf_header(folder / gguf)
     else:
@@ -138,6 +141,7 @@ def load_hf_llama(path) -> Imported:
         raise PipelineError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
     # the folder's tokenizer files are checked by utils.data.tok, tokenizer.json only if loading fails
     tok = _gguf_tokenizer(folder / gguf, where) if gguf else load_tokenizer_folder(folder, imported=True)
+    bos_rule = adds_bos(tok)             # before an export's own post-processor is put back
     tok = plain(tok if gguf else as_exported_from(tok, folder))
     if len(tok) > config.vocab_size:
         raise PipelineError(f"{where} cannot be imported: its tokenizer has {len(tok)} tokens but "
@@ -162,7 +166,8 @@ def load_hf_llama(path) -> Imported:
         raise PipelineError(f"{where}: weights do not fit the model its config describes "
                             f"(missing {missing[:4]}, unexpected {unexpected[:4]}).")
     model.eval()
-    return Imported(model, tok, describe(tok, where), config, where)
+    rules = rules_of_hf(tok, bos_rule, config, None if gguf else folder, where, generation_file_usable=note is None)
+    return Imported(model, tok, describe(tok, where), config, where, rules)
 
 
 def _read(load, what: str):

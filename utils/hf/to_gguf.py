@@ -13,18 +13,24 @@ What goes in (the ``llama`` architecture of llama.cpp):
   llama.cpp's own converter does; a tied head is left out (llama.cpp reuses ``token_embd``);
 - ``dtype``: f32, f16, bf16 or q8_0 for the 2-D weights; norms stay f32 (as llama.cpp's
   converter keeps 1-D tensors);
-- the tokenizer: a SentencePiece model as llama.cpp's ``llama`` tokenizer (pieces, scores,
-  piece types, BOS/EOS/UNK ids, add_bos, the dummy-prefix setting); the project's byte-level
-  BPE as ``gpt2`` (tokens, merges, pre-tokenizer ``gpt-2``); rows the model has beyond the
-  tokenizer's vocabulary become unused ``[PAD<i>]`` tokens; an SFT checkpoint's Jinja chat
-  template as ``tokenizer.chat_template``.
+- the tokenizer: a SentencePiece model of this project (its ``.model`` file) as llama.cpp's
+  ``llama`` tokenizer (pieces, scores, piece types, the dummy-prefix setting); a byte-level BPE
+  (this project's, or an imported model's own) as ``gpt2`` with the pre-tokenizer llama.cpp
+  knows it by, recognised from tokenizer.json itself (:func:`llama_cpp_pre`: GPT-2's ``gpt-2``,
+  SmolLM2's ``smollm``, Llama 3's ``llama-bpe``), its tokens, merges and token types (a special
+  added token CONTROL, another added token USER_DEFINED); BOS/EOS/UNK/PAD ids; ``add_bos`` as
+  the caller says (this project's models: true; an imported one: its tokenizer's own rule);
+  rows the model has beyond the tokenizer's vocabulary become unused ``[PAD<i>]`` tokens; the
+  Jinja chat template the caller gives as ``tokenizer.chat_template``.
 
 Refused (ValueError naming the option): what Llama cannot express (utils/hf/export.py);
 GeGLU and ReGLU models (:func:`gguf_problems`: llama.cpp's ``llama`` graph applies SiLU to the
 gate, whatever the file says, so it would compute another function; the Hugging Face export
 expresses them); a q8_0 export whose rows are not a multiple of 32 values; a tokenizer whose
-ids llama.cpp's tokenizers cannot reproduce (neither a SentencePiece model nor a byte-level
-BPE with GPT-2's pre-tokenizer exactly).
+ids llama.cpp's tokenizers would not reproduce, each part named (:func:`llama_cpp_pre`: a
+normalizer, another pre-tokenizer or merge rule, a SentencePiece-style tokenizer.json without
+its .model file, another decoder, added tokens that strip spaces; docs/export.md). Nothing is
+written before the tokenizer and the tensors have been accepted.
 """
 from __future__ import annotations
 
@@ -146,24 +152,37 @@ def write_gguf(path: Path, model, tok, dtype: str = "f16", name: str = "model",
 
 
 # --------------------------------------------------------------------------- tokenizers
+# Llama 3's split pattern (its tokenizer.json's Split step; llama.cpp's ``llama-bpe``).
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT2_BYTES = ("ByteLevel", "GPT-2's pattern")    # ByteLevel(use_regex): splits, then maps bytes
+_BYTES = ("ByteLevel", "no pattern")              # ByteLevel(use_regex false): maps bytes only
+
+# The byte-level BPE pre-tokenizers llama.cpp reproduces: tokenizer.json's pre-tokenizer steps
+# (as :func:`_pre_steps` spells them) -> (tokenizer.ggml.pre, llama.cpp's ``ignore_merges`` for
+# it). llama.cpp hard-codes a split pattern and that merge rule per name (src/llama-vocab.cpp:
+# gpt-2 splits with GPT-2's pattern; smollm each digit first, then GPT-2's pattern; llama-bpe
+# with Llama 3's pattern and takes a word found whole in the vocabulary before any merge), so
+# a tokenizer is written only when its own steps and merge rule are exactly one of these.
+LLAMA_CPP_PRE = {
+    (_GPT2_BYTES,): ("gpt-2", False),
+    (("Digits", "each digit"), _GPT2_BYTES): ("smollm", False),
+    (("Split", LLAMA3_PATTERN, "Isolated"), _BYTES): ("llama-bpe", True),
+}
+
+
 def _add_tokenizer(w, tok, vocab_size: int, add_bos: bool) -> None:
     from utils.data.tok import SPM_CONVERSION, backend_of, conversion_of, spm_model_of
-    backend = backend_of(tok)
-    data = json.loads(backend.to_str())
-    model_type = (data.get("model") or {}).get("type")
     source = spm_model_of(tok)
     if conversion_of(tok) == SPM_CONVERSION and source is not None:
         _add_spm(w, source, vocab_size)
-    elif model_type == "BPE" and _is_byte_level(data):
-        _add_byte_bpe(w, data, tok, vocab_size)
     elif conversion_of(tok) == SPM_CONVERSION:
         raise ValueError("the tokenizer was converted from a SentencePiece model, but that "
                          ".model file is not at hand (a saved copy from before copies kept it): "
                          "re-save it with `python main.py tokenize`, or export --format hf")
     else:
-        raise ValueError("the tokenizer is neither a SentencePiece model of this project nor a "
-                         "byte-level BPE with GPT-2's pre-tokenizer; llama.cpp's GGUF tokenizers "
-                         "would give other ids (export --format hf)")
+        data = json.loads(backend_of(tok).to_str())
+        _add_byte_bpe(w, data, len(tok), vocab_size, llama_cpp_pre(data))
     for key, tid in (("bos", tok.bos_token_id), ("eos", tok.eos_token_id), ("unk", tok.unk_token_id),
                      ("pad", tok.pad_token_id)):
         if tid is not None:
@@ -191,32 +210,103 @@ def _add_spm(w, source, vocab_size: int) -> None:
                     gguf.GGUFValueType.BOOL)
 
 
-def _is_byte_level(data: dict) -> bool:
-    """GPT-2's byte-level BPE exactly (llama.cpp's ``gpt-2`` pre-tokenizer): one ByteLevel
-    pre-tokenizer with GPT-2's split pattern and no prefix space, no normalizer. A sequence
-    (digits split apart, another pattern: SmolLM2, Llama 3 ...) splits text otherwise."""
-    pre = data.get("pre_tokenizer") or {}
-    return (pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-            and not pre.get("add_prefix_space") and not data.get("normalizer"))
+def _pre_steps(pre: Optional[dict]) -> tuple:
+    """tokenizer.json's pre-tokenizer as a tuple of steps, each spelled as LLAMA_CPP_PRE's keys
+    are (what changes no id, such as ``trim_offsets``, left out); a step of another kind or
+    setting keeps its JSON, so it matches no key."""
+    steps = [] if pre is None else pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    out = []
+    for s in steps:
+        kind = s.get("type")
+        if kind == "ByteLevel" and not s.get("add_prefix_space"):
+            out.append(_GPT2_BYTES if s.get("use_regex", True) else _BYTES)
+        elif kind == "Digits" and s.get("individual_digits"):
+            out.append(("Digits", "each digit"))
+        elif kind == "Split" and not s.get("invert") and "Regex" in (s.get("pattern") or {}):
+            out.append(("Split", s["pattern"]["Regex"], s.get("behavior")))
+        else:
+            out.append((kind, json.dumps(s, sort_keys=True)))
+    return tuple(out)
 
 
-def _add_byte_bpe(w, data: dict, tok, vocab_size: int) -> None:
+def _spelled(part: Optional[dict]) -> str:
+    """A tokenizer.json component (normalizer, pre-tokenizer, decoder) in short: its type and
+    settings, a long pattern cut."""
+    if not part:
+        return "none"
+    if part.get("type") == "Sequence":
+        inner = next((v for k, v in part.items() if k != "type" and isinstance(v, list)), [])
+        return "Sequence[" + ", ".join(_spelled(p) for p in inner) + "]"
+    kw = ", ".join(f"{k}={json.dumps(v)[:48]}" for k, v in part.items() if k not in ("type", "trim_offsets"))
+    return f"{part.get('type')}({kw})"
+def llama_cpp_pre(data: dict) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` under which its BPE tokenizer gives the ids that
+    tokenizer.json ``data`` gives (LLAMA_CPP_PRE), read from the tokenizer's own definition:
+    a BPE model without byte fallback, dropout or word affixes, no normalizer, one of the
+    pre-tokenizers llama.cpp knows with its merge rule (``ignore_merges``), a ByteLevel decoder
+    and added tokens matched as written. Anything else is a ValueError naming each part
+    llama.cpp would treat otherwise (docs/export.md lists them)."""
+    model = data.get("model") or {}
+    kind = model.get("type")
+    if kind != "BPE":
+        raise ValueError(f"tokenizer.json's model is {kind}: llama.cpp reads a Llama's vocabulary as "
+                         "byte-level BPE or as a SentencePiece model (.model file) only; export --format hf")
+    if model.get("byte_fallback"):
+        raise ValueError("tokenizer.json is a SentencePiece-style BPE (byte_fallback): llama.cpp's "
+                         "SentencePiece tokenizer merges pieces by their SentencePiece scores, which "
+                         "tokenizer.json does not hold (a .model file does); export --format hf")
+    problems = [f"{k} {model[k]!r}: llama.cpp's BPE has no such setting" for k in
+                ("dropout", "continuing_subword_prefix", "end_of_word_suffix") if model.get(k)]
+    if data.get("normalizer"):
+        problems.append(f"normalizer {_spelled(data['normalizer'])}: llama.cpp's BPE tokenizers "
+                        "normalize no text")
+    steps = _pre_steps(data.get("pre_tokenizer"))
+    pre, ignore_merges = LLAMA_CPP_PRE.get(steps, (None, None))
+    if pre is None:
+        problems.append(f"pre-tokenizer {_spelled(data.get('pre_tokenizer'))}: llama.cpp splits "
+                        "text by a pattern fixed per pre-tokenizer, and this one is none of those "
+                        "it knows (byte-level: GPT-2's ByteLevel, SmolLM2's Digits + ByteLevel, "
+                        "Llama 3's Split + ByteLevel)")
+    elif bool(model.get("ignore_merges")) != ignore_merges:
+        problems.append(f"ignore_merges is {bool(model.get('ignore_merges'))}, but llama.cpp's {pre} "
+                        f"tokenizer {'takes' if ignore_merges else 'never takes'} a word found whole "
+                        "in the vocabulary before merging")
+    if (data.get("decoder") or {}).get("type") != "ByteLevel":
+        problems.append(f"decoder {_spelled(data.get('decoder'))}: llama.cpp turns byte-level "
+                        "tokens back into their bytes (a ByteLevel decoder)")
+    for a in data.get("added_tokens", []):
+        flags = [f for f in ("lstrip", "rstrip", "single_word") if a.get(f)]
+        if flags:
+            problems.append(f"added token {a.get('content')!r} has {'/'.join(flags)}: a GGUF "
+                            "vocabulary matches an added token as written only")
+    if problems:
+        raise ValueError("llama.cpp's tokenizers would give other ids than this tokenizer ("
+                         + "; ".join(problems[:4]) + "); export --format hf")
+    return pre
+
+
+def _add_byte_bpe(w, data: dict, n_tokens: int, vocab_size: int, pre: str) -> None:
+    """The byte-level BPE as llama.cpp's ``gpt2`` tokenizer model with pre-tokenizer ``pre``.
+    Token types as llama.cpp reads them: a special added token CONTROL (its string in text is
+    that token only when special tokens are parsed), any other added token USER_DEFINED (always
+    matched, as transformers does), the rest NORMAL."""
     import gguf
-    vocab = data["model"]["vocab"]
-    by_id = {i: t for t, i in vocab.items()}
-    specials = {a["id"]: a["content"] for a in data.get("added_tokens", [])}
+    by_id = {i: t for t, i in data["model"]["vocab"].items()}
+    added = {a["id"]: a for a in data.get("added_tokens", [])}
     tokens, scores, types = [], [], []
-    for i in range(len(tok)):
-        t = specials.get(i, by_id.get(i))
+    for i in range(n_tokens):
+        a = added.get(i)
+        t = a["content"] if a else by_id.get(i)
         if t is None:
             raise ValueError(f"the tokenizer has no token with id {i}")
         tokens.append(t)
         scores.append(0.0)
-        types.append(int(gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL))
+        types.append(int(gguf.TokenType.NORMAL if a is None else
+                         gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED))
     _pad(tokens, scores, types, vocab_size)
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"].get("merges", [])]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)

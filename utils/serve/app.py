@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from utils.config import json_error_text
-from utils.data import sft
+from utils.data.chat import ChatTemplateError, answer_decoding, chat_prompt_ids
 from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence, TextDecoder
 from utils.serve.connections import INVALID_HTTP
 from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, clip, error_body, new_id, now,
@@ -85,7 +85,7 @@ class ServedModel:
     id: str
     tok: object
     kind: str                       # pretrain | sft | hf
-    template: Optional[dict]        # chat template (SFT), None: completions only
+    rules: object                   # utils.data.chat.Rules: chat template (None: completions only), BOS, stops
     lane: object                    # a Lane (utils/generation/loop.py) or RemoteLane (remote.py)
     created: int
     quantize: str = "none"
@@ -97,25 +97,31 @@ class ServedModel:
     def context(self) -> int:
         return self.lane.capacity
 
+    @property
+    def template(self) -> Optional[dict]:
+        return self.rules.template
+
     def completion_ids(self, text: str) -> list[int]:
-        from utils.data.tok import prompt_ids
-        return prompt_ids(self.tok, text)
+        return self.rules.prompt_ids(self.tok, text)
 
     def chat_ids(self, chat: Chat) -> list[int]:
-        """The conversation through the checkpoint's own chat template (utils/data/sft.py);
-        a system message's text opens the first user turn, followed by a blank line."""
+        """The conversation through the model's own chat template (utils/data/chat.py: a public
+        model's Jinja template, or ours, where a system message's text opens the first user turn)."""
         if self.template is None:
             raise ApiError(400, f"model '{self.id}' is a pre-trained ({self.kind}) model without a chat "
                            "template: use POST /v1/completions with a plain prompt, or serve an SFT "
                            "checkpoint for chat.", "model", "chat_not_supported")
-        history, question = [list(p) for p in chat.history], chat.question
-        if chat.system:
-            if history:
-                history[0][0] = f"{chat.system}\n\n{history[0][0]}"
-            else:
-                question = f"{chat.system}\n\n{question}"
-        return sft.encode_prompt(self.tok, self.template, [tuple(p) for p in history], question,
-                                 self.tok.bos_token_id, self.tok.eos_token_id)
+        try:
+            return chat_prompt_ids(self.tok, self.template, chat.system, chat.history, chat.question)
+        except ChatTemplateError as e:
+            raise ApiError(400, f"{e}.", "messages", "invalid_value") from None
+
+    def sampling(self, s: Sampling) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p) of a request: its own fields, else the model's
+        generation_config.json defaults, else OpenAI's (1, off, 1)."""
+        d = self.rules.defaults
+        pick = lambda v, k, off: v if v is not None else d.get(k, off)   # noqa: E731
+        return float(pick(s.temperature, "temperature", 1.0)), int(pick(s.top_k, "top_k", 0)), float(pick(s.top_p, "top_p", 1.0))
 
     def token_text(self, token: int) -> str:
         piece = self.tok.convert_ids_to_tokens(int(token))
@@ -191,13 +197,14 @@ class Job:
                 except RuntimeError:      # the event loop closed (shutdown): nobody is waiting
                     pass
         self.seqs: list[Sequence] = []
-        continues, lead = sft.answer_decoding(m.template) if chat else (True, "")
+        continues, lead = answer_decoding(m.template) if chat else (True, "")
+        temperature, top_k, top_p = m.sampling(s)
         for p, ids in enumerate(prompts):
             max_tokens = s.max_tokens or min(m.default_max_tokens, m.context - len(ids))
             for i in range(s.n):
-                params = SamplingParams(max_tokens, s.temperature, s.top_k, s.top_p,
+                params = SamplingParams(max_tokens, temperature, top_k, top_p,
                                         None if s.seed is None else s.seed + i,
-                                        frozenset({m.tok.eos_token_id}), s.stop, s.logprobs,
+                                        frozenset(m.rules.stop_ids), s.stop, s.logprobs,
                                         prompt_logprobs=s.echo and s.logprobs is not None)
                 self.seqs.append(Sequence(ids, params, tok=m.tok, sink=sink, tag=p * s.n + i,
                                           continues=continues, lead=lead, text_by_caller=True))

@@ -11,7 +11,8 @@ def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
     """``(engine, tok, slots, capacity, info)`` for :meth:`RemoteLoop.open
     <utils.generation.remote.RemoteLoop.open>`: ``capacity`` is ``serve.context`` capped by the
     model's own (None: Infini-attention, no limit, docs/long_context.md); ``info`` what the
-    HTTP side needs (the tokenizer, kind, chat template, label)."""
+    HTTP side needs (the tokenizer, kind, rules (utils/data/chat.py: chat template, BOS,
+    stop ids, generation defaults), label)."""
     from utils.generation.engine import Engine
     from utils.quant import quantize_int8
     from utils.run import open_for_generation
@@ -22,5 +23,5 @@ def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
     engine.decode_pack()
     own = o.model.args.context
     context = min(cfg.serve.context, own or cfg.serve.context) if cfg.serve.context else own
-    info = {"tok": o.tok, "kind": o.kind, "template": o.template, "label": o.label}
+    info = {"tok": o.tok, "kind": o.kind, "rules": o.rules, "label": o.label}
     return engine, o.tok, cfg.serve.max_batch, context, info

@@ -159,12 +159,13 @@ def _text(s: str, param: str) -> str:
 
 @dataclass
 class Sampling:
-    """The generation fields shared by both endpoints."""
+    """The generation fields shared by both endpoints (sampling fields the request leaves out
+    are None: the served model's defaults apply, :meth:`ServedModel.sampling`)."""
     model: Optional[str]
     max_tokens: Optional[int]
-    temperature: float
-    top_p: float
-    top_k: int
+    temperature: Optional[float]
+    top_p: Optional[float]
+    top_k: Optional[int]
     n: int
     seed: Optional[int]
     stop: tuple
@@ -199,9 +200,9 @@ def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
                        "invalid_value")
     _refuse_sampling_extras(body)
     seed = _num(body, "seed", None, integer=True)
-    return Sampling(model, max_tokens, float(_num(body, "temperature", 1.0, lo=0, hi=2)),
-                    float(_num(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)),
-                    _num(body, "top_k", 0, lo=0, integer=True),
+    temperature, top_p = _num(body, "temperature", None, lo=0, hi=2), _num(body, "top_p", None, lo=0, hi=1, lo_open=True)
+    return Sampling(model, max_tokens, None if temperature is None else float(temperature),
+                    None if top_p is None else float(top_p), _num(body, "top_k", None, lo=0, integer=True),
                     _num(body, "n", 1, lo=1, hi=limits.max_n, integer=True),
                     None if seed is None else int(seed) % (1 << 63),
                     _stop(body), stream, include_usage, max_tokens_param=max_tokens_param)

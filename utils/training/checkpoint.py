@@ -15,7 +15,9 @@ Format (``FORMAT_VERSION``): ``torch.save`` of a dict of plain data and tensors 
     scheduler, grad_scaler, step, epoch, tokens_seen, data_position (the loader's state_dict:
     plain ints), rng ({"ranks": [per-rank {"python", "numpy", "torch", "cuda"}]}: tensors and
     plain types), best_val_loss, config (resolved config dict), tokenizer (utils.data.tok.describe),
-    chat_template (SFT only; None otherwise), metrics (smoothing window, patience, ...).
+    chat_template (SFT, or a run started from a public model with one; None otherwise),
+    model_rules (a run started from a Hugging Face model: its BOS rule, stop ids and generation
+    defaults, utils/data/chat.py), metrics (smoothing window, patience, ...).
 
 A "weights" load needs format_version, model and model_args; a "resume" load needs the
 training state too. Every defect of a file becomes one :class:`CheckpointError` (exit 1)
@@ -47,7 +49,8 @@ _PREFIXES = ("_orig_mod.", "module.")
 CHECKPOINT_GLOB = "checkpoint_*.pt"
 # The metadata entries' types (None allowed, as an entry may be absent): a damaged or forged
 # value is refused here, by name, instead of failing wherever a stage first reads it.
-ENTRY_TYPES = {"kind": str, "tokenizer": dict, "config": dict, "chat_template": dict, "metrics": dict,
+ENTRY_TYPES = {"kind": str, "tokenizer": dict, "config": dict, "chat_template": dict, "model_rules": dict,
+               "metrics": dict,
                "optimizer": dict, "scheduler": dict, "grad_scaler": dict, "data_position": dict,
                "rng": dict, "step": int, "epoch": int, "tokens_seen": int, "best_val_loss": (int, float)}
 
@@ -264,7 +267,8 @@ def check_weights(path: Path, ckpt: dict, expected: Optional[dict]) -> None:
 
 
 KINDS = ("pretrain", "sft")                      # what the trainer writes (TrainSpec.kind)
-TEMPLATE_TEXTS = ("name", "user_prefix", "assistant_prefix", "separator")   # every template's text fields
+TEMPLATE_TEXTS = ("name", "user_prefix", "assistant_prefix", "separator")   # every template of ours: its texts
+JINJA_TEXTS = ("name", "template")                                         # a public model's template
 
 
 def _check_kind_and_template(path: Path, ckpt: dict) -> None:
@@ -278,11 +282,28 @@ def _check_kind_and_template(path: Path, ckpt: dict) -> None:
                                     "damaged checkpoint. Use another checkpoint of the run.")
     template = ckpt.get("chat_template")
     if template is not None:
-        bad = [k for k in TEMPLATE_TEXTS if not isinstance(template.get(k), str)]
+        texts = JINJA_TEXTS if template.get("name") == "jinja" else TEMPLATE_TEXTS
+        bad = [k for k in texts if not isinstance(template.get(k), str)]
         if bad:
             raise CheckpointError(path, f"entry 'chat_template' is damaged: {', '.join(bad)} "
                                         f"{'is' if len(bad) == 1 else 'are'} not text. Use another "
                                         "checkpoint of the run.")
+
+
+def _check_model_rules(path: Path, ckpt: dict) -> None:
+    """``model_rules`` (utils/data/chat.py) holds what its reader takes: a true/false BOS rule,
+    token ids, and sampling settings of the right types (a damaged one is named here)."""
+    rules = ckpt.get("model_rules")
+    if rules is None:
+        return
+    stops, defaults = rules.get("stop_ids", []), rules.get("defaults", {})
+    ok = (isinstance(rules.get("add_bos", False), bool) and isinstance(stops, list)
+          and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stops)
+          and isinstance(defaults, dict)
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in defaults.values()))
+    if not ok:
+        raise CheckpointError(path, "entry 'model_rules' is damaged (add_bos must be true or false, stop_ids "
+                                    "token ids, defaults numbers). Use another checkpoint of the run.")
 
 
 def _few(items: list, n: int = 4) -> str:
@@ -346,6 +367,7 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
             raise CheckpointError(path, f"entry {key!r} is {str(v)[:24]}..., beyond 64 bits: a damaged "
                                         "checkpoint. Use another checkpoint of the run.")
     _check_kind_and_template(path, ckpt)
+    _check_model_rules(path, ckpt)
     if purpose == "resume":
         missing = [k for k in RESUME_KEYS
                    if k not in ckpt or (ckpt[k] is None and k != "best_val_loss")]

@@ -1,0 +1,284 @@
+"""A model's own rules for framing text: its chat template, BOS rule, stop tokens and generation
+defaults (library; no side effects). The one place infer, serve, benchmark, sft and export
+learn how a model wants its prompts.
+
+    rules = rules_of_hf(tok, add_bos, config, folder, where)    an imported Hugging Face model
+    rules = rules_of_checkpoint(ckpt, tok)                      a checkpoint of ours
+    rules.prompt_ids(tok, text)                                 a plain (completion) prompt
+    chat_prompt_ids(tok, rules.template, system, history, q)    a chat prompt, generation prompt added
+    encode_conversations(tok, template, conversations, bos, eos)   SFT examples: (ids, loss mask)
+
+Contracts (docs/sft_inference.md, "Public models"):
+
+- **Templates are data.** Ours (``user-assistant-v1``/``-v2``, utils/data/sft.py) is the default for
+  models trained here. A public model's own Jinja template is stored as
+  ``{"name": "jinja", "template": SOURCE, "end_of_turn": TOKEN or None, "source": WHERE}`` (in SFT
+  metadata and in checkpoints) and rendered by transformers' ``apply_chat_template`` exactly as the
+  model's authors wrote it: for the same messages the ids equal
+  ``tokenizer.apply_chat_template(messages, tokenize=True)``. One difference, on purpose: a control
+  token typed inside a message (``"<|im_end|>"`` in a user's text) is encoded as ordinary text
+  (transformers' ``sanitize_control_tokens``), so a message can never close its own turn or open
+  another; only the template writes control tokens.
+- **BOS.** A plain prompt starts with BOS when the model's tokenizer puts one there itself
+  (transformers' rule: SmolLM2's tokenizer does not, Llama's does); models trained here always do
+  (every training document is BOS + text + EOS). A chat prompt has exactly what its template writes.
+- **Stop tokens.** Generation ends at any of the model's stop ids: its generation_config.json's
+  ``eos_token_id`` (a number or a list, as transformers reads it), else config.json's, else the
+  tokenizer's EOS; plus, for a model with a Jinja template, the token that ends an assistant turn
+  in that template (the last control token of a rendered assistant turn), as llama.cpp adds its
+  end-of-turn tokens.
+- **Generation defaults.** The sampling settings a model's generation_config.json writes
+  explicitly (temperature, top_k, top_p, max_new_tokens; as vLLM applies them) replace the
+  ``inference`` section's; flags on the command line and fields of a request still win.
+- **SFT loss with a model's template.** Each assistant turn is trained on from the end of its
+  generation prompt (what ``add_generation_prompt`` renders) through the last control token of its
+  rendering (SmolLM2: the answer and ``<|im_end|>``, not the newline after it), which is what the
+  model generates before it stops. A conversation whose rendering does not begin with each of its
+  generation prompts' ids (a template that rewrites earlier turns, or an answer whose first
+  characters join the prompt's last token) is skipped, as our own template's are.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from jinja2 import TemplateError
+
+from utils.cli import PipelineError
+from utils.data import sft
+from utils.data.tok import encode_plain
+
+JINJA = sft.TEMPLATE_JINJA
+GENERATION_KEYS = ("temperature", "top_k", "top_p", "max_new_tokens")   # read from generation_config.json
+_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+class ChatTemplateError(PipelineError):
+    """The model's template refused the messages (its own ``raise_exception``) or failed to render."""
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How one model frames text (see the module docstring)."""
+    template: Optional[dict]                 # chat template as data; None: plain completions only
+    add_bos: bool                            # a plain prompt starts with BOS
+    stop_ids: tuple = ()                     # generation ends at any of these
+    defaults: dict = field(default_factory=dict)   # explicit generation_config.json settings
+    source: str = "trained here"
+
+    @property
+    def chat(self) -> bool:
+        return self.template is not None
+
+    def prompt_ids(self, tok, text: str) -> list[int]:
+        """A plain prompt's ids: BOS when the model's rule says so, then the text as ordinary text."""
+        ids = encode_plain(tok, [text])[0]
+        return [tok.bos_token_id] + ids if self.add_bos and tok.bos_token_id is not None else ids
+
+    def to_dict(self) -> dict:
+        """The checkpoint entry ``model_rules`` (the template is the entry ``chat_template``)."""
+        return {"add_bos": self.add_bos, "stop_ids": list(self.stop_ids), "defaults": dict(self.defaults),
+                "source": self.source}
+
+    @classmethod
+    def ours(cls, tok, template: Optional[dict] = None) -> "Rules":
+        """The rules of a model trained here: BOS in front of a prompt, stop at EOS (and at the
+        end of a turn of ``template``)."""
+        return cls(template, tok.bos_token_id is not None, stop_ids_of(None, tok, template))
+
+    def without_template(self) -> "Rules":
+        return Rules(None, self.add_bos, self.stop_ids, self.defaults, self.source)
+
+
+# --------------------------------------------------------------------------- building the rules
+def template_source(tok) -> Optional[str]:
+    """The tokenizer's own chat template (its default one when it has several), or None."""
+    src = getattr(tok, "chat_template", None)
+    if isinstance(src, dict):
+        src = src.get("default")
+    return src if isinstance(src, str) and src.strip() else None
+
+
+def jinja_record(tok, source: str, where: str) -> dict:
+    """A model's Jinja template as the data stored in SFT metadata and checkpoints."""
+    record = {"name": JINJA, "template": source, "end_of_turn": None, "source": where,
+              "encoding": "rendered by transformers' apply_chat_template; control tokens inside "
+                          "messages are encoded as text",
+              "loss": "each assistant turn from the end of its generation prompt through its last "
+                      "control token"}
+    span = _assistant_span(tok, record, _PROBE)
+    specials = set(tok.all_special_ids)
+    ends = [t for t in (span or []) if t in specials]
+    record["end_of_turn"] = tok.convert_ids_to_tokens(ends[-1]) if ends else None
+    return record
+
+
+def _assistant_span(tok, template: dict, messages: list[dict]) -> Optional[list[int]]:
+    """The ids the template adds for the last (assistant) message, or None when it will not say."""
+    try:
+        prompt = render_ids(tok, template, messages[:-1], add_generation_prompt=True)
+        full = render_ids(tok, template, messages, add_generation_prompt=False)
+    except ChatTemplateError:
+        return None
+    return full[len(prompt):] if full[:len(prompt)] == prompt else None
+
+
+def stop_ids_of(eos, tok, template: Optional[dict]) -> tuple[int, ...]:
+    """The stop ids: ``eos`` (an id, a list, or None: the tokenizer's EOS), plus the template's
+    end-of-turn token."""
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not ids and tok.eos_token_id is not None:
+        ids = [tok.eos_token_id]
+    turn_end = (template or {}).get("end_of_turn")
+    if turn_end is not None:
+        ids.append(tok.convert_tokens_to_ids(turn_end))
+    return tuple(dict.fromkeys(int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool)))
+
+
+def adds_bos(tok) -> bool:
+    """Whether the tokenizer, as transformers loads it, puts BOS in front of a text by itself."""
+    enc = tok.encode("a")
+    bare = tok.encode("a", add_special_tokens=False)
+    return tok.bos_token_id is not None and len(enc) > len(bare) and enc[0] == tok.bos_token_id
+
+
+_SETTING_OK = {"temperature": lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+               "top_k": lambda v: isinstance(v, int) and v >= 0,
+               "top_p": lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
+               "max_new_tokens": lambda v: isinstance(v, int) and v >= 1}
+
+
+def generation_file_settings(folder: Optional[Path]) -> tuple[dict, object, list[str]]:
+    """(sampling settings written explicitly in the folder's generation_config.json, its
+    ``eos_token_id`` or None, the settings left out for a value out of range). Call only once
+    utils.hf.inputs.generation_config_notice found the file usable (or absent)."""
+    path = Path(folder) / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}, None, []
+    data = json.loads(path.read_text(encoding="utf-8"))
+    written = {k: data[k] for k in GENERATION_KEYS if data.get(k) is not None}
+    settings = {k: v for k, v in written.items() if not isinstance(v, bool) and _SETTING_OK[k](v)}
+    bad = [f"{k} {written[k]!r}" for k in written if k not in settings]
+    if data.get("do_sample") is False and "temperature" in settings:
+        settings["temperature"] = 0.0           # transformers samples only with do_sample true
+    return settings, data.get("eos_token_id"), bad
+
+
+def rules_of_hf(tok, add_bos: bool, config, folder: Optional[Path], where: str,
+                generation_file_usable: bool = True) -> Rules:
+    """The rules of a Hugging Face folder or GGUF file: ``tok`` is the pipeline's copy of its
+    tokenizer (its chat template kept), ``add_bos`` what :func:`adds_bos` says of the tokenizer
+    as transformers loads it, ``config`` the transformers config; ``folder`` holds
+    generation_config.json (None for a GGUF file)."""
+    source = template_source(tok)
+    template = jinja_record(tok, source, where) if source else None
+    settings, eos, bad = generation_file_settings(folder) if generation_file_usable else ({}, None, [])
+    if bad:
+        print(f"notice: {folder}/generation_config.json: {', '.join(bad)} left out (out of range); the "
+              "inference section's value is used instead.", file=sys.stderr)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    return Rules(template, add_bos, stop_ids_of(eos, tok, template), settings, where)
+
+
+def rules_of_checkpoint(ckpt: dict, tok) -> Rules:
+    """A checkpoint's rules: those it recorded (a run started from a Hugging Face model), else
+    ours (BOS, stop at EOS); the template is its ``chat_template`` entry."""
+    template = ckpt.get("chat_template")
+    stored = ckpt.get("model_rules") or {}
+    stops = tuple(int(i) for i in stored.get("stop_ids") or ()) or stop_ids_of(None, tok, template)
+    return Rules(template, bool(stored.get("add_bos", tok.bos_token_id is not None)), stops,
+                 dict(stored.get("defaults") or {}), str(stored.get("source", "trained here")))
+
+
+# --------------------------------------------------------------------------- rendering
+def _chat_tokenizer(tok):
+    """A copy of ``tok`` that reads control tokens (the pipeline's own has special-token matching
+    off, utils.data.tok.plain), made once per tokenizer."""
+    view = getattr(tok, "pipeline_chat_view", None)
+    if view is None:
+        view = copy.deepcopy(tok)          # the backend's encode_special_tokens is not copied: off
+        view.split_special_tokens = False
+        tok.pipeline_chat_view = view
+    return view
+
+
+def render_ids(tok, template: dict, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
+    """The ids of ``messages`` (``{"role", "content"}`` dicts) through a Jinja template record."""
+    try:
+        ids = _chat_tokenizer(tok).apply_chat_template(
+            list(messages), chat_template=template["template"], tokenize=True, return_dict=False,
+            add_generation_prompt=add_generation_prompt, sanitize_control_tokens=True)
+    except TemplateError as e:
+        raise ChatTemplateError(f"the model's chat template refused the conversation: {e}") from None
+    return list(ids)
+
+
+def messages_of(system: str, history: Sequence[tuple[str, str]], question: Optional[str]) -> list[dict]:
+    out = [{"role": "system", "content": system}] if system else []
+    for q, a in history:
+        out += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    if question is not None:
+        out.append({"role": "user", "content": question})
+    return out
+
+
+def chat_prompt_ids(tok, template: dict, system: str, history: Sequence[tuple[str, str]], question: str) -> list[int]:
+    """A chat prompt (earlier exchanges, the new question, the generation prompt). Our template
+    has no system role: the system text opens the first user turn, separated by a blank line."""
+    if template.get("name") == JINJA:
+        return render_ids(tok, template, messages_of(system, history, question), add_generation_prompt=True)
+    history = [list(p) for p in history]
+    if system:
+        if history:
+            history[0][0] = f"{system}\n\n{history[0][0]}"
+        else:
+            question = f"{system}\n\n{question}"
+    return sft.encode_prompt(tok, template, [tuple(p) for p in history], question, tok.bos_token_id,
+                             tok.eos_token_id)
+
+
+def answer_decoding(template: Optional[dict]) -> tuple[bool, str]:
+    """``(continues, lead)`` for utils.generation.engine.TextDecoder: a completion continues its
+    prompt; an answer through a model's template is decoded on its own (as transformers users
+    decode ``output[len(prompt):]``); ours as utils/data/sft.py says."""
+    if template is None:
+        return True, ""
+    if template.get("name") == JINJA:
+        return False, ""
+    return sft.answer_decoding(template)
+
+
+# --------------------------------------------------------------------------- SFT examples
+def encode_conversations(tok, template: dict, conversations: Sequence[Sequence[str]], bos_id, eos_id
+                         ) -> list[Optional[tuple[list[int], list[int]]]]:
+    """``(ids, mask)`` of each conversation (user, assistant, ... turns), or None for one that
+    cannot be framed exactly (see the module docstring); ours: utils/data/sft.py."""
+    if template.get("name") != JINJA:
+        return sft.encode_conversations(tok, template, conversations, bos_id, eos_id)
+    specials = set(tok.all_special_ids)
+    return [_jinja_example(tok, template, turns, specials) for turns in conversations]
+
+
+def _jinja_example(tok, template: dict, turns: Sequence[str], specials: set) -> Optional[tuple[list[int], list[int]]]:
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    try:
+        full = render_ids(tok, template, messages, add_generation_prompt=len(turns) % 2 == 1)
+        mask = [0] * len(full)
+        for k in range(1, len(messages), 2):
+            prompt = render_ids(tok, template, messages[:k], add_generation_prompt=True)
+            upto = render_ids(tok, template, messages[:k + 1], add_generation_prompt=False)
+            if full[:len(prompt)] != prompt or full[:len(upto)] != upto or len(upto) <= len(prompt):
+                return None
+            span = upto[len(prompt):]
+            ends = [i for i, t in enumerate(span) if t in specials]
+            stop = len(prompt) + (ends[-1] + 1 if ends else len(span))
+            mask[len(prompt):stop] = [1] * (stop - len(prompt))
+    except ChatTemplateError:
+        return None
+    return full, mask
