@@ -31,7 +31,7 @@ CONVERSATIONS = [
 def smol(samples) -> Path:
     """The SmolLM2 folder the samples stage derives from the wheel's GGUF."""
     if not (SMOL / "config.json").is_file():
-        from tests.conftest import run_main
+        from tests.conftest import run_stage
         r = run_main("samples", timeout=900)
         assert r.returncode == 0, r.stdout + r.stderr
     return SMOL
@@ -183,3 +183,44 @@ def test_generation_config_defaults_apply_unless_a_flag_says_otherwise(tiny, tmp
     params = json.loads(out.out)["params"]
     assert params["temperature"] == 0.0001 and params["max_new_tokens"] == 3 and params["top_p"] == 0.5
     assert "generation_config.json sets temperature 0.0001, max_new_tokens 3: used instead" in out.err
+
+
+# --------------------------------------------------------------------------- sft -> infer -> export
+def test_sft_with_the_models_own_template_then_infer_and_export(tiny, tmp_path, capsys):
+    """`sft prepare` with the stand-in's tokenizer takes its ChatML template (sft.template auto);
+    `sft train --init-from-hf` keeps the template and the model's rules in the checkpoint;
+    `infer` on the SFT checkpoint frames the prompt as transformers does; `export --format hf`
+    writes a folder whose tokenizer, template, BOS rule and stop ids give the same ids and
+    transformers' greedy tokens equal ours."""
+    import export
+    import inference
+    import post_training
+    from utils.data import sft
+    from utils.run import load_checkpoint
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(tiny)}, "sft": {"max_length": 256}})
+    assert post_training.main(["prepare", "--config", str(cfg), "--dataset", "samples", "--limit", "24"]) == 0
+    meta = json.loads((tmp_path / "data" / "post-training" / sft.METADATA_FILE).read_text())
+    assert meta["template"]["name"] == "jinja" and meta["template"]["end_of_turn"] == "<|im_end|>"
+    example = json.loads((tmp_path / "data" / "post-training" / sft.EXAMPLES_FILE).read_text())[0]
+    assert example["formatted"].startswith("<|im_start|>system\n") and example["trained_on"].endswith("<|im_end|>")
+    assert post_training.main(["train", "--config", str(cfg), "--init-from-hf", str(tiny), "--max-steps", "2",
+                               "--batch-size", "2", "--sample-tokens", "4", "--name", "smol"]) == 0
+    run = next((tmp_path / "checkpoints").glob("sft_smol_*"))
+    ckpt = load_checkpoint(run / "checkpoint_latest.pt")
+    assert ckpt["chat_template"] == meta["template"]
+    assert ckpt["model_rules"]["add_bos"] is False and ckpt["model_rules"]["stop_ids"] == [2]
+    capsys.readouterr()
+    q = "Why is the sky blue?"
+    assert inference.main(["--checkpoint", str(run / "checkpoint_latest.pt"), "--prompt", q, "--temperature", "0",
+                           "--max-new-tokens", "20", "--json"]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    out = tmp_path / "exports" / "smol-hf"
+    assert export.main(["--config", str(cfg), "--checkpoint", str(run / "checkpoint_latest.pt"), "--format", "hf",
+                        "--out", str(out)]) == 0
+    tok = AutoTokenizer.from_pretrained(out)
+    prompt = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True,
+                                     return_dict=False)
+    assert prompt == AutoTokenizer.from_pretrained(tiny).apply_chat_template(
+        [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ours["prompt_tokens"] == len(prompt) and tok("Hi there").input_ids == [26843, 665]   # no BOS
+    assert ours["text"] == tok.decode(hf_greedy(out, prompt, 20), skip_special_tokens=True)
