@@ -224,3 +224,77 @@ def test_sft_with_the_models_own_template_then_infer_and_export(tiny, tmp_path, 
         [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ours["prompt_tokens"] == len(prompt) and tok("Hi there").input_ids == [26843, 665]   # no BOS
     assert ours["text"] == tok.decode(hf_greedy(out, prompt, 20), skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------- serve: client and page
+@pytest.fixture(scope="module")
+def smol_server(smol, tmp_path_factory):
+    """`main.py serve --hf-model SMOLLM2` on a free loopback port."""
+    import openai
+    from tests.conftest import popen_main, wait_for_line
+    root = tmp_path_factory.mktemp("smol-serve")
+    cfg = write_config(root, {"serve": {"max_batch": 2}})
+    log = open(root / "serve.log", "w")
+    proc = popen_main("serve", "--config", cfg, "--port", "0", "--hf-model", smol, stderr=log)
+    try:
+        url = wait_for_line(proc, "listening on", timeout=240)[-1].split("listening on ")[1].strip()
+        yield {"url": url, "log": root / "serve.log",
+               "client": openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)}
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 130
+        log.close()
+
+
+def test_serve_chats_with_smollm2_through_the_openai_client(smol, smol_server):
+    """/v1/chat/completions with the model's own template: the prompt is transformers' ids
+    (usage.prompt_tokens, with a system message and an earlier exchange), the greedy reply is
+    transformers' and says Paris, streamed or not."""
+    ref = AutoTokenizer.from_pretrained(smol)
+    client, model = smol_server["client"], SMOL.name
+    assert client.models.list().data[0].model_dump()["chat"] is True
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    want = ref.decode(hf_greedy(smol, ref.apply_chat_template(q, add_generation_prompt=True, return_dict=False), 24),
+                      skip_special_tokens=True)
+    r = client.chat.completions.create(model=model, messages=q, temperature=0, max_tokens=24)
+    assert r.choices[0].message.content == want and "Paris" in want and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(ref.apply_chat_template(q, add_generation_prompt=True, return_dict=False))
+    streamed = client.chat.completions.create(model=model, messages=q, temperature=0, max_tokens=24, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want
+    longer = [{"role": "system", "content": "You are terse."}, *q, {"role": "assistant", "content": want},
+              {"role": "user", "content": "And of Italy?"}]
+    r = client.chat.completions.create(model=model, messages=longer, temperature=0, max_tokens=4)
+    assert r.usage.prompt_tokens == len(ref.apply_chat_template(longer, add_generation_prompt=True, return_dict=False))
+
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+
+
+@pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+                    reason="no browser installed: apt-get install chromium chromium-driver (make test installs them)")
+def test_the_chat_page_answers_with_smollm2(smol_server, tmp_path):
+    """Headless Chromium on the chat page: ask SmolLM2 a question, read a real answer."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--window-size=1000,700", f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(a)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
+    try:
+        driver.get(smol_server["url"] + "/")
+        wait = WebDriverWait(driver, 120, poll_frequency=0.1)
+        temp = driver.find_element(By.ID, "temperature")
+        temp.clear()
+        temp.send_keys("0")
+        driver.find_element(By.ID, "input").send_keys("What is the capital of France?")
+        driver.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta"))
+        assert "Paris" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .text").text
+        driver.save_screenshot(str(tmp_path / "smollm2-chat.png"))
+    finally:
+        driver.quit()
