@@ -298,3 +298,23 @@ def test_the_chat_page_answers_with_smollm2(smol_server, tmp_path):
         driver.save_screenshot(str(tmp_path / "smollm2-chat.png"))
     finally:
         driver.quit()
+
+
+# --------------------------------------------------------------------------- the whole flow, real model
+def test_smollm2_fine_tuned_exports_to_gguf_and_answers_in_llama_cpp(smol, tmp_path):
+    """examples/finetune_public_model.py as a user runs it: SmolLM2 from its Hugging Face folder
+    through `sft prepare` (its own template), `sft train --init-from-hf` (2 steps), `export`
+    (HF and GGUF f16); the GGUF's own chat template in llama.cpp gives transformers' prompt ids
+    on the exported folder, and llama.cpp's greedy answer is transformers' token for token."""
+    import subprocess
+    import sys
+    from tests.conftest import ROOT, offline_env
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_public_model.py"), "--model", str(smol),
+                        "--workdir", str(tmp_path), "--steps", "2", "--records", "24"],
+                       capture_output=True, text=True, timeout=900, env=offline_env(), cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(r.stdout.split("result: ", 1)[1].splitlines()[0])
+    assert result["prompt_ids_equal"] and result["answer_ids_equal"] and result["answer_tokens"] >= 3
+    assert result["llama_cpp"] == result["transformers"] and "Paris" in result["transformers"]
+    meta = json.loads((tmp_path / "data" / "post-training" / "metadata.json").read_text())
+    assert meta["template"]["name"] == "jinja"
