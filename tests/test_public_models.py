@@ -328,3 +328,31 @@ def test_smollm2_fine_tuned_exports_to_gguf_and_answers_in_llama_cpp(smol, tmp_p
     assert result["llama_cpp"] == result["transformers"] and "Paris" in result["transformers"]
     meta = json.loads((tmp_path / "data" / "post-training" / "metadata.json").read_text())
     assert meta["template"]["name"] == "jinja"
+
+
+def test_interactive_infer_keeps_a_conversation_in_the_models_template(smol):
+    """`infer --checkpoint SMOLLM2` on a real terminal: the model's own template, two turns
+    (the second prompt carries the first exchange, as its template renders it), /clear."""
+    import pexpect
+    from tests.conftest import spawn_main
+    c = spawn_main("infer", "--checkpoint", smol, "--temperature", "0", "--max-new-tokens", "12", timeout=240)
+    c.expect(r"chat \(the model's own template\)")
+    lengths = []
+    for question in ("What is the capital of France?", "And of Italy?"):
+        c.expect("Prompt")
+        c.sendline(question)
+        c.expect(r"Parameters: 1\) defaults")
+        c.sendline("")
+        c.expect(r"(\d+) tokens in [\d.]+ s .*prompt (\d+) tokens")
+        lengths.append(int(c.match.group(2)))
+    c.expect("Prompt")
+    c.sendline("/clear")
+    c.expect("conversation cleared")
+    c.sendline("/quit")
+    c.expect(pexpect.EOF)
+    ref = AutoTokenizer.from_pretrained(smol)
+    first = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = ref.apply_chat_template(first, add_generation_prompt=True, return_dict=False)
+    answer = ref.decode(hf_greedy(smol, prompt, 12), skip_special_tokens=True)
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
+    assert lengths == [len(prompt), len(ref.apply_chat_template(second, add_generation_prompt=True, return_dict=False))]
