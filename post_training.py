@@ -54,6 +54,9 @@ def prepare_parser() -> StageParser:
                        "SciQ + ARC question/answer pairs converted into LIMA's schema)")
     p.config_flag("--max-length", key="sft.max_length", type=int, metavar="N",
                   help="drop examples longer than this many tokens")
+    p.config_flag("--template", key="sft.template", choices=["auto", "user-assistant", "tokenizer"],
+                  help="chat template: the tokenizer's own when it has one (auto), ours (user-assistant), "
+                       "or the tokenizer's, refused without one (tokenizer)")
     p.add_argument("--batch-size", type=int, default=100, metavar="N",
                    help="conversations tokenized per tokenizer call (the fast tokenizer encodes "
                         "a batch on all cores; the result does not depend on it)")

@@ -356,3 +356,22 @@ def test_interactive_infer_keeps_a_conversation_in_the_models_template(smol):
     answer = ref.decode(hf_greedy(smol, prompt, 12), skip_special_tokens=True)
     second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
     assert lengths == [len(prompt), len(ref.apply_chat_template(second, add_generation_prompt=True, return_dict=False))]
+
+
+def test_sft_template_choice(tiny, tmp_path):
+    """`sft prepare --template user-assistant` keeps our template for a model that has its own;
+    `--template tokenizer` with a tokenizer that has none is refused by name, nothing written."""
+    import post_training
+    from tests.conftest import SPM_MODEL
+    from utils.cli import PipelineError
+    from utils.data import sft
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(tiny)}})
+    assert post_training.main(["prepare", "--config", str(cfg), "--dataset", "samples", "--limit", "8",
+                               "--template", "user-assistant"]) == 0
+    meta = json.loads((tmp_path / "data" / "post-training" / sft.METADATA_FILE).read_text())
+    assert meta["template"]["name"] == sft.TEMPLATE_V2
+    (tmp_path / "spm").mkdir()
+    other = write_config(tmp_path / "spm", {"tokenizer": {"name": str(SPM_MODEL)}})
+    with pytest.raises(PipelineError, match="sft.template is 'tokenizer' but tokenizer .* has no chat template"):
+        post_training.main(["prepare", "--config", str(other), "--dataset", "samples", "--template", "tokenizer"])
+    assert sorted(p.name for p in (tmp_path / "spm").iterdir()) == ["config.json"]
