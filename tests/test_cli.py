@@ -149,3 +149,35 @@ def test_argv_without_drops_flags_and_their_values():
     argv = ["--test", "--resume", "auto", "--name=x", "--lr", "1e-3", "--resume=p.pt", "--name", "y"]
     assert argv_without(argv, ("--resume", "--name")) == ["--test", "--lr", "1e-3"]
     assert argv_without(["--resumeX", "1"], ("--resume",)) == ["--resumeX", "1"]
+
+
+def test_no_flag_of_any_stage_states_its_default_twice(monkeypatch):
+    """A help text that wrote its default itself ("... (default: other)") got the formatter's
+    added too: `export --help` said "(default: other) (default: other)". Every stage's parsers
+    are built in process (parse stops at once) and every flag's help is expanded as --help
+    prints it."""
+    import importlib
+
+    import pytest
+
+    import main as router
+    from utils.cli import StageParser
+    parsers = []
+
+    class Built(Exception):
+        pass
+
+    def built(self, argv=None):
+        parsers.append(self)
+        raise Built
+
+    monkeypatch.setattr(StageParser, "parse", built)
+    for name, stage in router.STAGES.items():
+        module = importlib.import_module(stage.module)
+        for argv in ([["prepare"], ["train"]] if name == "sft" else [[]]):
+            with pytest.raises(Built):
+                module.main(argv)
+    assert len(parsers) == len(router.STAGES) + 1
+    twice = [f"{p.prog} {'/'.join(a.option_strings)}: {text}" for p in parsers for a in p._actions
+             if a.help and (text := p._get_formatter()._expand_help(a)).count("(default:") > 1]
+    assert not twice, twice

@@ -103,12 +103,13 @@ def cli_nonblank(value: str) -> str:
 
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """Show a flag's default only when it means something (not None/False: those defer to config)."""
+    """Show a flag's default only when it means something (not None/False: those defer to
+    config) and its help does not already say it (``%(default)s`` or a written "(default")."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
-                and "%(default)" not in text):
+                and "%(default)" not in text and "(default" not in text):
             text += " (default: %(default)s)"
         return text
 
