@@ -279,7 +279,8 @@ class Session:
                  note: Callable[[str], None] = lambda s: None) -> tuple[str, Stats]:
         """Stream one completion; Ctrl-C stops it (the partial text is kept)."""
         from utils.data.chat import answer_decoding
-        from utils.generation.engine import NonFiniteLogits, TextDecoder
+        from utils.generation.detok import TextDecoder
+        from utils.generation.engine import NonFiniteLogits
         continues, lead = answer_decoding(m.template) if m.chat else (False, "")
         text_out = TextDecoder(m.tok)
         t0 = time.perf_counter()
@@ -571,9 +572,9 @@ class UI:
 
 
 def _estimate_bytes(path: Path, device=None) -> int:
-    """The weights in memory while generating (utils.generation.engine), plus 20% for
+    """The weights in memory while generating (utils.generation.pack), plus 20% for
     activations."""
-    from utils.generation.engine import estimated_weight_bytes
+    from utils.generation.pack import estimated_weight_bytes
     return int(estimated_weight_bytes(path.stat().st_size, getattr(device, "type", "cpu")) * 1.2)
 
 

@@ -604,7 +604,8 @@ def sft_spec(cfg, args, model, start: Start, data: Data, optimizer, settings, to
     continues, lead = chat.answer_decoding(meta["template"])
 
     def sample_fn(m):
-        from utils.generation.engine import TextDecoder, generate
+        from utils.generation.detok import TextDecoder
+        from utils.generation.engine import generate
         out = generate(m, [q_ids], max_new_tokens=args.sample_tokens, temperature=0.8, top_k=50,
                        eos_id=rules.stop_ids, seed=seed)
         reply = TextDecoder(tok, q_ids[-1:] if continues else (), lead=lead)

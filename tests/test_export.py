@@ -253,7 +253,7 @@ def test_sft_export_chat_template_gives_our_ids_in_transformers(work, kind):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from types import SimpleNamespace
     from utils.data import sft
-    from utils.generation.engine import TextDecoder
+    from utils.generation.detok import TextDecoder
     from utils.serve.app import ServedModel
     from utils.serve.protocol import Chat
     run = _chat_run(work, kind)

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import utils.generation.engine as E
+import utils.generation.pack as pack_module
 from tests.test_model import V, build
-from utils.generation.engine import Engine, TextDecoder
+from utils.generation.detok import TextDecoder, TextStream
+from utils.generation.engine import Engine
 
 def _greedy_without_cache(m, prompt, n, eos=None):
     ids = list(prompt)
@@ -71,7 +73,7 @@ def test_cpu_decode_pack_follows_the_weights(monkeypatch, tie, act):
     assert pack is not None and len(pack.layers) == 2
     assert gen() == packed and eng._pack is pack      # reused
     with monkeypatch.context() as mp:
-        mp.setattr(E, "DECODE_PACK_MAX_BYTES", 0)                                    # over the cap
+        mp.setattr(pack_module, "DECODE_PACK_MAX_BYTES", 0)                          # over the cap
         assert gen() == packed and eng._pack is None  # Linear path
     eng.generate(prompts, 1)
     other = build(seed=8, tie_embeddings=tie, activation=act)
@@ -281,7 +283,7 @@ def test_stop_strings_never_reach_the_text_even_across_tokens(samples):
     text = "The quick brown fox jumps over the lazy dog."
     ids = encode_plain(tok, [text])[0]
     for stop in ("k bro", "fox", "lazy dog.", "o", "dog. and more"):
-        ts = E.TextStream(tok, [stop, "@@"])
+        ts = TextStream(tok, [stop, "@@"])
         out, hit = "", False
         for t in ids:
             piece, hit = ts.push(t)

@@ -78,7 +78,7 @@ def test_scripted_sft_checkpoint_uses_the_chat_template_and_json(work):
     ids = sft.encode_prompt(tok, sft.default_template(), [], "Why is the sky blue?",
                             tok.bos_token_id, tok.eos_token_id)
     want = Engine(_model(work["chat"])).generate([ids], 8, temperature=0, eos_id=tok.eos_token_id)[0]
-    from utils.generation.engine import TextDecoder      # the reply: after the prompt, no lead
+    from utils.generation.detok import TextDecoder       # the reply: after the prompt, no lead
     continues, lead = sft.answer_decoding(sft.default_template())
     reply = TextDecoder(tok, ids[-1:] if continues else (), lead)
     for t in want:

@@ -24,7 +24,8 @@ import torch
 import model as M
 from model import ModelArgs, create_model
 from utils.config import ConfigError, load_config
-from utils.generation.engine import Engine, SamplingParams, Sequence, TextDecoder
+from utils.generation.detok import TextDecoder
+from utils.generation.engine import Engine, SamplingParams, Sequence
 from utils.infini import InfiniMemory, gate_parameters, gate_value, sigma
 
 V = 61

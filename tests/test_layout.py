@@ -45,14 +45,15 @@ def test_no_library_module_imports_a_stage_script():
 
 
 def test_the_network_and_the_file_format_know_nothing_above_them():
-    """model.py imports no generation, run, training or HF code; the engine does not import
-    model.py (it drives any model with the network's interface); checkpoint I/O does not
-    import the model (the run layer builds it)."""
+    """model.py imports no generation, run, training or HF code; the engine and the modules
+    beside it do not import model.py (they drive any model with the network's interface);
+    checkpoint I/O does not import the model (the run layer builds it)."""
     model_imports = {m for m, _ in _imports(ROOT / "model.py")}
     assert not {m for m in model_imports if m.startswith(("utils.run", "utils.training",
                                                           "utils.hf", "utils.bench",
                                                           "utils.generation"))}, model_imports
-    assert "model" not in {m for m, _ in _imports(ROOT / "utils" / "generation" / "engine.py")}
+    for path in (ROOT / "utils" / "generation").glob("*.py"):
+        assert "model" not in {m for m, _ in _imports(path)}, path.name
     ckpt_imports = {m for m, _ in _imports(ROOT / "utils" / "training" / "checkpoint.py")}
     assert "model" not in ckpt_imports and not any(m.startswith("utils.run") for m in ckpt_imports)
 
@@ -72,14 +73,14 @@ def test_generation_lives_in_the_engine_only():
 
 def test_no_process_side_effects_in_library_modules():
     """No exec of a process and no change of torch's global thread count outside the engine's
-    step scope; importing every library module leaves the environment, the thread count and
-    the signal handlers as they were."""
+    step scope (utils/generation/threads.py); importing every library module leaves the
+    environment, the thread count and the signal handlers as they were."""
     bad = [f"{p.relative_to(ROOT)}:{line} {name}" for p in LIBRARY
            for name, line in _calls(p, {"execve", "execv", "execvp", "system"})]
     assert not bad, bad
     threads = [f"{p.relative_to(ROOT)}:{line}" for p in LIBRARY
                for name, line in _calls(p, {"set_num_threads"})
-               if p != ROOT / "utils" / "generation" / "engine.py"]
+               if p != ROOT / "utils" / "generation" / "threads.py"]
     assert not threads, threads
     modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
                for p in LIBRARY]

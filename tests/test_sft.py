@@ -84,7 +84,7 @@ def test_each_exchange_is_one_text_and_the_mask_is_exactly_its_answer(kind):
     the prompt infer/serve send for it (encode_prompt), the mask is 0 there and 1 on the rest
     and the EOS, and the masked tokens decode (as the reply is decoded) to exactly the answer."""
     from utils.data import sft
-    from utils.generation.engine import TextDecoder
+    from utils.generation.detok import TextDecoder
     tok = tokenizer() if kind == "spm" else bpe_tokenizer()
     tpl = sft.default_template()
     assert tpl["name"] == sft.TEMPLATE_V2

@@ -183,8 +183,8 @@ def quantize_int8(model: nn.Module) -> QuantReport:
 
 def int8_decode_weights(model: nn.Module) -> Optional[tuple[list[tuple], Int8Weight]]:
     """For a model :func:`quantize_int8` made on CPU (or on CUDA without torchao): each block's
-    (qkv, wo, gate_up, down) :class:`Int8Weight` (the engine's ``PackedLayer`` fields) and the
-    head's; None for any other model."""
+    (qkv, wo, gate_up, down) :class:`Int8Weight` (the decode pack's ``PackedLayer`` fields,
+    utils/generation/pack.py) and the head's; None for any other model."""
     if not isinstance(getattr(model, "lm_head", None), Int8Linear):
         return None
     return [b.int8_decode for b in model.layers], model.lm_head.weight8

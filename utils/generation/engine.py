@@ -1,6 +1,7 @@
-"""The generation engine: continuous batching over per-slot KV caches, CPU decode weights,
-thread policy, sampling and stop conditions, incremental detokenization (library; no side
-effects).
+"""The generation engine: continuous batching over per-slot KV caches, sampling and stop
+conditions (library; no side effects). Beside it: the CPU decode weights (pack.py, over the
+products of cpu.py), the thread policy of a step (threads.py) and incremental detokenization
+(detok.py).
 
     engine = Engine(model)                                  keep it to reuse its decode weights
     engine.generate(prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
@@ -13,14 +14,15 @@ effects).
 Contract: greedy (temperature 0, or below ``GREEDY_BELOW``), temperature, top-k (0 disables),
 top-p (1.0 disables); each sequence samples with a private ``torch.Generator`` seeded by its
 ``seed`` (the global RNG is untouched; None draws a fresh seed; ``generate`` gives row r
-``seed + r``); EOS (one id or several) ends a row and is never returned; stop strings end it and never
-appear in its text (:class:`TextStream`). Every call goes through :class:`Batcher`: a prompt is
-prefilled alone into its own cache slot, then all running rows decode together, each at its own
-position, and rows join and leave at step boundaries; each row gets what it would get alone (to
-float rounding, see Batcher). The model is put in eval mode for a call and back in its previous
-mode after; each step runs in inference mode with its own thread count (``step_threads``), both
-restored before the caller's code runs again, so ``stream`` can yield between steps and torch's
-global thread count is never left changed.
+``seed + r``); EOS (one id or several) ends a row and is never returned; stop strings end it
+and never appear in its text (detok.py ``TextStream``). Every call goes through
+:class:`Batcher`: a prompt is prefilled alone into its own cache slot, then all running rows
+decode together, each at its own position, and rows join and leave at step boundaries; each
+row gets what it would get alone (to float rounding, see Batcher). The model is put in eval
+mode for a call and back in its previous mode after; each step runs in inference mode with its
+own thread count (threads.py ``step_threads``), both restored before the caller's code runs
+again, so ``stream`` can yield between steps and torch's global thread count is never left
+changed.
 
 Memory: a batcher's KV cache is slots x (layers x 2 x n_kv_heads x capacity x head_dim)
 values in the weights' dtype, allocated once (``generate``: one slot per prompt, capacity
@@ -31,65 +33,33 @@ layer) and the float32 memory (n_kv_heads x (head_dim + 1) x head_dim per layer)
 size is fixed by the segment length, whatever the context: prompts are prefilled one segment
 at a time, and the positions of a sequence are unbounded (``capacity`` only caps its length).
 With fp32 weights on CPU the engine also keeps a transposed, contiguous copy of the weights
-(``decode_pack``: a one-row product over it streams the weights, see :meth:`Engine.decode_pack`;
-in column panels where steps run on several threads, and a oneDNN copy of the output head for
-steps of several rows: the weights' bytes once more plus the head's, bounded by
-``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights change (storage or ``_version``: an
-optimizer step or ``load_state_dict``) and freed with the engine.
+(:meth:`Engine.decode_pack`, utils/generation/pack.py: the weights' bytes once more plus the
+head's, bounded by ``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights change (storage
+or ``_version``: an optimizer step or ``load_state_dict``) and freed with the engine.
 
 Decode steps (``Block.decode`` over the pack) pay a fixed dispatch cost per tensor operation on
 CPU, which is most of a small model's token: the step fuses projections, rotates q and k
 together, writes the cache with one ``index_copy_`` per tensor, skips the key mask when every
 row is at the same position and takes the greedy token with NumPy (utils/generation/cpu.py).
-
-:class:`TextDecoder` turns the stream of ids into text pieces without ever cutting a UTF-8
-character (or a multi-token grapheme the tokenizer has not finished) in two.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, NamedTuple, Optional
+from typing import Iterable, Iterator, Optional
 from typing import Sequence as Sequence_
 
 import torch
 
 from utils.attention import AttnSpec
-from utils.data.tok import decode_fn
-from utils.generation.cpu import RowsProduct, greedy, panel_mm, panels, rows_product
+from utils.generation import threads as thread_policy
+from utils.generation.cpu import greedy
+from utils.generation.detok import TextStream
+from utils.generation.pack import DecodePack, build_pack, pack_head, pack_key
 from utils.infini import InfiniCache
 
-DECODE_PACK_MAX_BYTES = 1 << 30   # models with more weights generate without a transposed copy
 UNBOUNDED = 1 << 62               # positions per sequence of an Infini-attention batcher by default
-
-
-def decode_pack_applies(device_type: str, dtype: torch.dtype, weight_bytes: float) -> bool:
-    """Whether generation keeps a transposed copy of the weights (``Engine.decode_pack``):
-    fp32 weights on CPU, at most DECODE_PACK_MAX_BYTES of them."""
-    return device_type == "cpu" and dtype == torch.float32 and weight_bytes <= DECODE_PACK_MAX_BYTES
-
-
-# --------------------------------------------------------------------------- state of a call
-class PackedLayer(NamedTuple):
-    """One block's weights for CPU decoding and their product ``mm(x, w)`` (x (B, in)):
-    transposed to (in, out) and contiguous with ``torch.mm``, or an int8 model's
-    ``utils.quant.Int8Weight`` with ``utils.quant.int8_mm``."""
-    qkv: torch.Tensor      # (d_model, (n_heads + 2 n_kv_heads) * head_dim): wq | wk | wv
-    wo: torch.Tensor       # (n_heads * head_dim, d_model)
-    gate_up: torch.Tensor  # (d_model, 2 hidden): w_gate | w_up
-    down: torch.Tensor     # (hidden, d_model)
-    mm: Callable = torch.mm
-
-
-class DecodePack(NamedTuple):
-    """The weights generation steps multiply by on CPU, see ``Engine.decode_pack``."""
-    key: tuple
-    layers: list
-    head: torch.Tensor     # (d_model, vocab), multiplied by ``mm``
-    head_rows: Optional[RowsProduct] = None   # the head for 2 or more rows (utils/generation/cpu.py)
-    mm: Callable = torch.mm
 
 
 # --------------------------------------------------------------------------- sampling
@@ -148,23 +118,6 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
         return logits.argmax(dim=-1)
     logits = top_p_filter(top_k_filter(logits.float() / temperature, top_k), top_p)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
-
-
-@contextlib.contextmanager
-def step_mode(threads: Optional[int]):
-    """Inference mode, and ``threads`` intra-op threads (None: unchanged), for one generation
-    step; both are restored before the caller's code runs again (``Engine.stream`` yields
-    between steps)."""
-    prev = torch.get_num_threads()
-    change = threads is not None and threads != prev
-    if change:
-        torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            yield
-    finally:
-        if change:
-            torch.set_num_threads(prev)
 
 
 # --------------------------------------------------------------------------- requests
@@ -450,7 +403,7 @@ class Batcher:
         self.running.append(seq)
         idx = torch.tensor([seq.prompt], dtype=torch.long, device=model.device)
         _, head, n_weights = self.weights()
-        with step_mode(self.engine.step_threads(len(seq.prompt), n_weights)):
+        with thread_policy.step_mode(self.engine.step_threads(len(seq.prompt), n_weights)):
             hs = []                                                         # (1, t, d_model) pieces
             if self.segment:                     # infini: a fresh memory, one segment at a time
                 for _, M, z in self.mem:
@@ -499,7 +452,7 @@ class Batcher:
         pack, head, n_weights = self.weights()
         packs = pack.layers if pack is not None else [None] * len(model.layers)
         Hkv = model.args.n_kv_heads
-        with step_mode(self.engine.step_threads(n, n_weights)):
+        with thread_policy.step_mode(self.engine.step_threads(n, n_weights)):
             pos = torch.tensor(at, device=device)                           # (n,) the new tokens' positions
             cos, sin = model.decode_rope(cos_all, sin_all, pos)            # (n, 1, hd)
             key_bias = None                                                 # rows at one position see all keys
@@ -650,92 +603,34 @@ class Engine:
         """The output projection of generation steps, x (n, d_model) -> (n, vocab): the decode
         pack's (its oneDNN copy for 2 or more rows, where it has one) or the model's."""
         pack = self.decode_pack()
-        if pack is None:
-            return self.model.lm_head
-        mm, w, rows = pack.mm, pack.head, pack.head_rows
-        if rows is None:
-            return lambda x: mm(x, w)
-        return lambda x: mm(x, w) if x.shape[0] == 1 else rows(x)
-
+        return self.model.lm_head if pack is None else pack_head(pack)
 
     def decode_pack(self) -> Optional[DecodePack]:
-        """The weights of generation steps, transposed, on CPU in fp32; an int8 model's fused
-        int8 weights (``utils.quant.int8_decode_weights``, no copy); None elsewhere.
-
-        ``nn.Linear`` on one or a few rows computes each output as a dot product over the
-        input features, which BLAS runs far below memory bandwidth on CPU; ``x @ Wt`` with a
-        contiguous (in, out) copy streams over the outputs with full vector FMAs, and the
-        query/key/value and gate/up projections each become one product (the gain:
-        perf/generate_throughput.py, docs/performance.md). The copy is made on the first
-        call and kept while the weights stay the same (same storage, no in-place update
-        since: an optimizer step or ``load_state_dict`` invalidates it), so interactive
-        prompts pay it once; a call made on a model in training mode drops it on return.
-        Where a one-token step runs on several threads (``pack_panels``), each matrix is
-        stored as that many column panels, so a product of a few rows uses every thread
-        (utils/generation/cpu.py); and the head is also packed by oneDNN for steps of 2 or
-        more rows (``RowsProduct``: MKL's product of a few rows by a wide matrix is slow on some
-        CPUs).
-        Cost: a second copy of the weights (and a third of the head) while the engine holds
-        it, so models above ``DECODE_PACK_MAX_BYTES`` of weights are not packed. Sums run in
-        another order, so logits can differ from the Linear's in the last bits. Not on CUDA
-        (its GEMV has no such gap) nor for bf16/fp16 weights (slower transposed on CPU)."""
-        model = self.model
-        if getattr(model, "quantized", None):            # int8 (utils/quant.py): its fused int8 weights
-            if self._pack is None or self._pack.key != ("int8",):
-                from utils.quant import int8_decode_weights, int8_mm
-                got = int8_decode_weights(model)
-                self._pack = got and DecodePack(("int8",), [PackedLayer(*w, mm=int8_mm) for w in got[0]], got[1],
-                                                mm=int8_mm)
-            return self._pack
-        w = model.lm_head.weight
-        params = list(model.parameters())
-        if not decode_pack_applies(w.device.type, w.dtype, sum(p.numel() * p.element_size() for p in params)):
-            self._pack = None                                                # e.g. moved to CUDA since
-            return None
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        if self._pack is not None and self._pack.key == key:
-            return self._pack
-        self._pack = None                                                    # free the old copy first
-        p = self.pack_panels()
-        t = lambda *ws: panels(torch.cat([x.detach() for x in ws]).t().contiguous(), p)  # noqa: E731
-        layers = [PackedLayer(t(b.attn.wq.weight, b.attn.wk.weight, b.attn.wv.weight), t(b.attn.wo.weight),
-                              t(b.mlp.w_gate.weight, b.mlp.w_up.weight), t(b.mlp.w_down.weight), panel_mm)
-                  for b in model.layers]
-        self._pack = DecodePack(key, layers, t(w), rows_product(w), panel_mm)
+        """The weights of generation steps on CPU (utils/generation/pack.py): fp32 weights
+        transposed, in ``pack_panels`` column panels; an int8 model's fused int8 weights (no
+        copy); None elsewhere. Made on the first call and kept while the weights stay the same
+        (``pack_key``: same storage, no in-place update since), so interactive prompts pay it
+        once; a call made on a model in training mode drops it on return (``run``)."""
+        key = pack_key(self.model)
+        if self._pack is None or self._pack.key != key:
+            self._pack = None                                                # free the old copy first
+            self._pack = build_pack(self.model, key, self.pack_panels()) if key is not None else None
         return self._pack
 
     def n_weights(self) -> int:
-        """Weights a token multiplies by: the parameters and an int8 model's int8 buffers."""
-        n = self.model.num_params()
-        if getattr(self.model, "quantized", None):
-            n += sum(b.numel() for b in self.model.buffers() if b.dtype == torch.int8)
-        return n
+        """Weights a token multiplies by (utils/generation/threads.py ``n_weights``)."""
+        return thread_policy.n_weights(self.model)
 
     def step_threads(self, n_tokens: int, n_weights: int) -> Optional[int]:
-        """Intra-op threads for one generation step over ``n_tokens`` tokens of a model that
-        multiplies by ``n_weights`` weights per token: on CPU, 1 for a small model's small step
-        (fewer than 2^26 weights and at most 2^28 multiply-adds: up to 8 decode rows or a
-        32-token prompt of a 7M model), else unchanged (None: all of torch's threads).
-        ``threads`` given to the engine overrides the rule.
-
-        Small steps: a few ms of work, of which a second thread saves little, while every
-        op's parallel region waits for its worker, a scheduler time slice whenever that worker
-        was descheduled: on cores shared with the server's event loop and a client, a tiny
-        model's server made fewer tokens/s with 2 threads than with 1. Large models: a batch-1
-        step reads >= 64 MB of weights, which one core cannot stream (MKL's fp32 products run
-        one thread; the decode pack's column panels and the int8 kernel spread over all), so a
-        second core speeds their decoding up (docs/performance.md, Generation)."""
-        if self.threads is not None:
-            return self.threads
-        if self.model.device.type != "cpu":
-            return None
-        return 1 if n_weights < 1 << 26 and n_tokens * n_weights <= 1 << 28 else None
+        """Intra-op threads for one step over ``n_tokens`` tokens of this engine's model, which
+        multiplies by ``n_weights`` weights per token: the engine's ``threads`` when given, else
+        the rule of utils/generation/threads.py ``step_threads``."""
+        return thread_policy.step_threads(self.model, n_tokens, n_weights, self.threads)
 
     def pack_panels(self) -> int:
-        """Column panels of the fp32 decode pack (utils/generation/cpu.py ``panels``): the
-        threads of a one-token step (the product of a few rows then uses them all), 1 when such
-        a step runs on one thread."""
-        return self.step_threads(1, self.n_weights()) or torch.get_num_threads()
+        """Column panels of the fp32 decode pack: the threads of a one-token step
+        (utils/generation/threads.py ``pack_panels``)."""
+        return thread_policy.pack_panels(self.model, self.threads)
 
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
@@ -744,132 +639,5 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, **kw) -> list
     return Engine(model).generate(prompts, max_new_tokens, **kw)
 
 
-# --------------------------------------------------------------------------- text
-class TextDecoder:
-    """Incremental detokenization: ``push(id)`` returns the text that became final with that
-    token ("" while a character is still incomplete: the decoded tail ends in U+FFFD, or the
-    new text would change what was already shown), ``finish()`` the rest. Joined, the pieces
-    equal ``tok.decode(ids, skip_special_tokens=True)``, except where that decode changes text
-    already shown: byte-fallback tokens of a character cut short at the end (max_tokens) decode
-    together with the byte tokens before them, one U+FFFD each, so a shown "\n" (``<0x0A>``)
-    would turn into U+FFFD. Then what was shown stays and the held-back tokens' own text
-    follows (it repeated the whole text after a newline before).
-
-    Cost: each push decodes a short window (the tokens shown by the previous piece, those
-    held back since, and the new one), not the whole sequence: a decode of everything per
-    token costs time in proportion to the reply's length, quadratic over a long reply. The
-    window starts at a token boundary on both sides of the difference taken, so a
-    SentencePiece word-start piece keeps its space.
-
-    ``prefix``: token ids the new ones continue (e.g. the prompt's last token): the text is
-    then what the new ids add after the prefix's text, so a SentencePiece word-start piece
-    keeps its leading space (a completion that continues a prompt mid-sentence).
-    ``lead``: text the new ids are expected to start with, left out of the text (a chat
-    answer's space after the assistant prefix, utils/data/sft.py ``answer_decoding``)."""
-
-    def __init__(self, tok, prefix: Sequence_[int] = (), lead: str = ""):
-        self.tok = tok
-        self.dec = decode_fn(tok)                      # tok.decode(ids, skip_special_tokens=True)
-        self.prefix = [int(t) for t in prefix]
-        self.skip = len(self.dec(self.prefix)) if self.prefix else 0
-        self.lead = lead
-        self._held: Optional[str] = "" if lead else None   # raw text while it may still be the lead
-        self.ids: list[int] = []
-        self.shown = ""
-        self._all = list(self.prefix)                  # prefix + ids
-        self._start, self._read = 0, len(self._all)    # the window, see push
-
-    def _decode(self) -> str:
-        text = self.dec(self.prefix + self.ids)[self.skip:] if self.prefix else self.dec(self.ids)
-        return self._without_lead(text)
-
-    def _without_lead(self, text: str) -> str:
-        """``text`` without the lead: "" while it is the lead or the start of it; whole when it
-        does not start with the lead."""
-        if self.lead and self.lead.startswith(text):
-            return ""
-        return text[len(self.lead):] if self.lead and text.startswith(self.lead) else text
-
-    def push(self, token: int) -> str:
-        self.ids.append(int(token))
-        self._all.append(int(token))
-        window = self._all[self._start:]                # _all[_start:_read] is already shown
-        before = self.dec(window[:self._read - self._start])
-        now = self.dec(window)
-        if now.endswith("\ufffd") or len(now) <= len(before) or not now.startswith(before):
-            return ""
-        piece = now[len(before):]
-        self._start, self._read = self._read, len(self._all)
-        if self._held is not None:                      # the lead is not settled yet
-            held = self._held + piece
-            self._held = held if self.lead.startswith(held) else None
-            piece = self._without_lead(held)
-        self.shown += piece
-        return piece
-
-    def text(self) -> str:
-        return self._decode()
-
-    def finish(self) -> str:
-        final = self.text()
-        if final == self.shown:
-            return ""
-        if final.startswith(self.shown):
-            piece = final[len(self.shown):]
-        else:                                           # see the class docstring
-            window = self._all[self._start:]
-            before, now = self.dec(window[:self._read - self._start]), self.dec(window)
-            piece = now[len(before):] if now.startswith(before) else self.dec(self._all[self._read:])
-        self.shown += piece
-        self._start = self._read = len(self._all)      # all shown: a second finish() gives ""
-        return piece
-
-
-class TextStream:
-    """Text of one sequence with stop strings: ``push(id) -> (text, stopped)`` gives the text
-    that became final, holding back any tail that could still grow into a stop string, so a
-    stop string never reaches the caller, even split across tokens; once one appears, the text
-    before it is returned with ``stopped`` True. ``finish()`` returns what was held back."""
-
-    def __init__(self, tok, stop: Sequence_[str] = (), prefix: Sequence_[int] = (), lead: str = ""):
-        self.decoder = TextDecoder(tok, prefix, lead)
-        self.stop = [s for s in stop if s]
-        self.pending = ""
-
-    def push(self, token: int) -> tuple[str, bool]:
-        return self._cut(self.pending + self.decoder.push(token))
-
-    def _cut(self, buf: str) -> tuple[str, bool]:
-        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            self.pending = ""
-            return buf[:min(hits)], True
-        keep = 0                                   # the longest tail that starts a stop string
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(buf)), keep, -1):
-                if buf.endswith(s[:n]):
-                    keep = n
-                    break
-        self.pending = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
-
-    def finish(self) -> str:
-        text, _ = self._cut(self.pending + self.decoder.finish())
-        rest, self.pending = self.pending, ""
-        return text + rest
-
-
-def estimated_weight_bytes(checkpoint_bytes: float, device_type: str) -> float:
-    """Memory a checkpoint's model takes to generate: its fp32 weights (about a third of a
-    training checkpoint, which also holds AdamW's two moments), 2.5 times that where the
-    engine keeps a transposed copy and a second copy of the head (``decode_pack_applies``;
-    the head is up to half the weights of a small model with a 32k vocabulary)."""
-    weights = checkpoint_bytes / 3
-    if decode_pack_applies(device_type, torch.float32, weights):
-        weights *= 2.5
-    return weights
-
-
-__all__ = ["Engine", "Batcher", "Sequence", "SamplingParams", "Event", "TextStream", "generate", "TextDecoder", "DecodePack", "PackedLayer",
-           "decode_pack_applies", "DECODE_PACK_MAX_BYTES", "NonFiniteLogits", "sample_next", "top_k_filter",
-           "top_p_filter", "step_mode", "estimated_weight_bytes"]
+__all__ = ["Engine", "Batcher", "Sequence", "SamplingParams", "Event", "generate", "NonFiniteLogits",
+           "sample_next", "top_k_filter", "top_p_filter", "check_finite", "GREEDY_BELOW", "UNBOUNDED"]

@@ -41,7 +41,8 @@ from starlette.requests import ClientDisconnect
 
 from utils.config import json_error_text
 from utils.data.chat import ChatTemplateError, answer_decoding, chat_prompt_ids
-from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence, TextDecoder
+from utils.generation.detok import TextDecoder
+from utils.generation.engine import UNBOUNDED, Event, SamplingParams, Sequence
 from utils.serve.connections import INVALID_HTTP
 from utils.serve.protocol import (ApiError, Chat, Limits, Sampling, clip, error_body, new_id, now,
                                   read_chat, read_completion, shown)
