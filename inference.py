@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, Terminated, UsageError, cli_path, printable,
-                       run_stage)
+                       run_stage, wrapped_for)
 from utils.device import available_bytes
 
 ROOT = Path(__file__).resolve().parent
@@ -228,11 +228,15 @@ class Session:
             self._memory_note_said = True
             note(f"({why}: the KV cache is not checked against free memory)")
 
+    def note(self, msg: str) -> None:
+        """``msg`` on the error stream, wrapped at word boundaries to a terminal's width."""
+        print(wrapped_for(self.err, f"infer: {msg}", " " * len("infer: ")), file=self.err)
+
     def load(self, path: Path, label: Optional[str] = None) -> Loaded:
         from utils.generation.engine import Engine
         from utils.run import open_for_generation
         o = open_for_generation(path, self.cfg, self.device, raw=self.raw, cache=self._tokenizers,
-                                say=lambda msg: print(f"infer: {msg}", file=self.err))
+                                say=self.note)
         n = sum(p.numel() for p in o.model.parameters())
         if self.quantize == "int8":
             from utils.quant import quantize_int8

@@ -94,12 +94,14 @@ def popen_main(*args, env=None, cwd=None, **kw) -> subprocess.Popen:
                             cwd=cwd or ROOT, preexec_fn=default_signals, **kw)
 
 
-def spawn_main(*args, cwd=None, env=None, preexec_fn=default_signals, timeout: float = 120):
-    """`python main.py ARGS` on a real pty (pexpect), with default signal handling."""
+def spawn_main(*args, cwd=None, env=None, preexec_fn=default_signals, timeout: float = 120,
+               dimensions=(50, 200)):
+    """`python main.py ARGS` on a real pty (pexpect) of ``dimensions`` (rows, columns), with
+    default signal handling."""
     import pexpect
     return pexpect.spawn(sys.executable, [str(ROOT / "main.py"), *map(str, args)],
                          cwd=str(cwd or ROOT), env=env or offline_env(), encoding="utf-8",
-                         timeout=timeout, dimensions=(50, 200), preexec_fn=preexec_fn)
+                         timeout=timeout, dimensions=dimensions, preexec_fn=preexec_fn)
 
 
 def paused_env(step: int, **extra) -> dict:

@@ -81,11 +81,18 @@ def test_sft_train_and_infer_its_checkpoint_without_the_config(run):
 
 
 def test_interactive_infer_opens_a_run_without_its_config(run):
+    """On a terminal of 160 columns the note on the tokenizer, longer than that, wraps at word
+    boundaries to the width (the terminal itself would cut it mid-word)."""
     import pexpect
     env = offline_env(NO_COLOR="1")
     c = spawn_main("infer", "--config", run["plain"], "--checkpoint", run["ckpt"],
-                   "--max-new-tokens", "4", env=env, timeout=120)
-    c.expect("was trained with tokenizer")
+                   "--max-new-tokens", "4", env=env, timeout=120, dimensions=(50, 160))
+    c.expect(r"infer: note: [\s\S]*?'\)\.")
+    lines, words = c.after.splitlines(), " ".join(c.after.split())
+    assert words == (f"infer: note: {run['ckpt']} was trained with tokenizer "
+                     f"{run['tok_dir'] / 'tokenizer.model'}; using it (the configuration names "
+                     f"'{HUB_DEFAULT}').")
+    assert len(words) > 160 and len(lines) > 1 and max(map(len, lines)) <= 160, lines
     c.expect("Prompt")
     c.sendline("The history of")
     c.expect("Parameters: 1\\) defaults")

@@ -25,9 +25,11 @@ import datetime
 import errno
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
+import textwrap
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -233,6 +235,21 @@ def printable(text: str, keep: str = "") -> str:
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() or ch in keep else "\ufffd" for ch in text)
+
+
+def wrapped_for(stream, text: str, indent: str = "") -> str:
+    """``text`` as ``stream`` should show it: on a terminal, each line wrapped at word
+    boundaries to the terminal's width (continuation lines start with ``indent``), since the
+    terminal itself would cut a long line mid-word; elsewhere (a pipe, a log file) unchanged, one
+    line per message for grep. A word wider than the terminal (a long path) stays whole."""
+    if not getattr(stream, "isatty", lambda: False)():
+        return text
+    try:
+        width = os.get_terminal_size(stream.fileno()).columns       # stderr may be the terminal alone
+    except (AttributeError, OSError, ValueError):
+        width = shutil.get_terminal_size().columns
+    return "\n".join(textwrap.fill(line, width, subsequent_indent=indent, break_long_words=False,
+                                    break_on_hyphens=False) or line for line in text.split("\n"))
 
 
 def _readable_utf8(text: str) -> bytes:
