@@ -1,4 +1,4 @@
-"""The model: a Llama-style decoder-only transformer and its loss (the network only).
+"""The model: a Llama-style decoder-only transformer (the network only).
 
 Contract (docs/DESIGN.md section 7; details and presets in docs/model.md):
 
@@ -7,12 +7,10 @@ Contract (docs/DESIGN.md section 7; details and presets in docs/model.md):
   ``model`` section (preset first, explicit keys over it) and reports bad combinations as
   configuration errors (exit 2) before anything is allocated. ``create_model(args)``.
 - ``Transformer.forward(idx, targets=None, loss_mask=None, return_logits=True)`` ->
-  ``(logits, loss)``. Targets equal to -100 are ignored; ``loss_mask`` (0/1 or fractional
-  weights) weights each position; the loss is the weighted mean over counted positions (0
-  when none count). With ``return_logits=False`` the loss is computed by a fused, chunked
-  linear + cross-entropy that never holds the (B, T, vocab) logits nor their fp32 copy: the
-  gradient of each chunk is computed right away (training pays no extra matmul), which is
-  where most of a small model's step memory goes on a 32k vocabulary.
+  ``(logits, loss)``. The loss is utils/loss.py's: targets equal to -100 are ignored,
+  ``loss_mask`` (0/1 or fractional weights) weights each position, the loss is the weighted
+  mean over counted positions (0 when none count). ``return_logits=False`` computes it by the
+  fused, chunked linear + cross-entropy that never holds the (B, T, vocab) logits.
 - Generation (KV cache, sampling, the step loop) is ``utils/generation/engine.py``; the
   network offers it ``trunk(idx, positions, spec, caches)`` (the prefill: caches filled
   through ``Attention.forward``) and each block's one-token ``decode`` step.
@@ -47,8 +45,7 @@ from utils.activations import HF_ACT_NAMES, GatedMLP, llama_ffn_hidden
 from utils.attention import AttnSpec
 from utils.config import ConfigError, attention_shape_problems, infini_problems
 from utils.infini import GATES, InfiniMemory
-
-IGNORE_INDEX = -100
+from utils.loss import cross_entropy, linear_cross_entropy, loss_weights
 
 
 MAX_POSITIONS = 1 << 22     # max_seq_len limit: RoPE tables of 4M positions x head_dim 128 take 2 GiB
@@ -367,75 +364,6 @@ class Block(nn.Module):
         return x + (self.mlp(h) if packed is None else self.mlp.packed(h, packed.gate_up, packed.down, packed.mm))
 
 
-class _ChunkedLinearCE(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T, y_i) over row chunks, with the gradients computed in the
-    same pass (softmax - onehot, scaled by w_i): the full (N, vocab) logits never exist.
-
-    ``grad`` is the caller's grad mode (``torch.is_grad_enabled()`` at the call): inside
-    ``forward`` grad mode is always off and ``ctx.needs_input_grad`` only says which inputs
-    require grad, which the head weight does under ``torch.no_grad()`` too. Without grad
-    (evaluation, inference_mode) the loss alone is computed: no (vocab, d) gradient buffer,
-    one matmul per chunk instead of three."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, w, chunk: int, grad: bool):
-        dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-        need_h, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
-        with torch.autocast(h.device.type, enabled=False):
-            hc_all = h.to(dtype)
-            wc = weight.to(dtype)
-            loss = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty_like(hc_all) if need_h else None
-            new = torch.empty if h.shape[0] else torch.zeros                 # every row chunk writes
-            grad_w = new(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
-            safe_t = targets.clamp(min=0)
-            for s in range(0, h.shape[0], chunk):
-                hc = hc_all[s:s + chunk]
-                logits = (hc @ wc.t()).float()                             # (n, V)
-                t = safe_t[s:s + chunk, None]
-                wt = w[s:s + chunk, None]
-                tgt = logits.gather(1, t)
-                mx = logits.amax(dim=-1, keepdim=True)
-                p = logits.sub_(mx).exp_()                                 # in place: one (n, V) buffer
-                z = p.sum(dim=-1, keepdim=True)
-                loss += ((mx + z.log() - tgt) * wt).sum()                  # logsumexp - target logit
-                if need_h or need_w:
-                    g = p.mul_(wt / z)                                     # w * softmax
-                    g.scatter_add_(1, t, -wt)                              # w * (softmax - onehot)
-                    g = g.to(dtype)
-                    if need_h:
-                        torch.mm(g, wc, out=grad_h[s:s + chunk])
-                    if need_w:                                             # the first chunk writes, the rest add
-                        if dtype == torch.float32:
-                            torch.mm(g.t(), hc, out=grad_w) if s == 0 else grad_w.addmm_(g.t(), hc)
-                        elif s == 0:
-                            grad_w.copy_(g.t() @ hc)
-                        else:
-                            grad_w += (g.t() @ hc).float()
-        ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
-        ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        saved = list(ctx.saved_tensors)
-        one = grad_loss.device.type == "cpu" and bool(grad_loss == 1)     # the usual case: no copy
-
-        def scaled(g, dtype):
-            return g.to(dtype) if one else g.mul(grad_loss).to(dtype)
-        grad_h = scaled(saved.pop(0), ctx.h_dtype) if ctx.needs_input_grad[0] else None
-        grad_w = scaled(saved.pop(0), ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None, None, None
-
-
-def _loss_weights(targets: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Per-position weights (N,) fp32 summing to 1 over counted positions (all 0 if none)."""
-    w = (targets != IGNORE_INDEX).float()
-    if loss_mask is not None:
-        w = w * loss_mask.reshape(-1).float()
-    return w / w.sum().clamp_min(torch.finfo(torch.float32).tiny)
-
-
 # --------------------------------------------------------------------------- the model
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -544,15 +472,13 @@ class Transformer(nn.Module):
         h = self.trunk(idx, positions, spec)
         if targets is None:
             return self.lm_head(h), None
-        w = _loss_weights(targets.reshape(-1), loss_mask)
+        w = loss_weights(targets.reshape(-1), loss_mask)                    # (B*T,) utils/loss.py
         if return_logits:
-            logits = self.lm_head(h)
-            ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                                 ignore_index=IGNORE_INDEX, reduction="none")
-            return logits, (ce * w).sum()
-        loss = _ChunkedLinearCE.apply(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
-                                      w, self.loss_chunk_rows, torch.is_grad_enabled())
-        return None, loss
+            logits = self.lm_head(h)                                          # (B, T, vocab)
+            return logits, cross_entropy(logits, targets, w)
+        return None, linear_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                          w, self.loss_chunk_rows)            # no (B, T, vocab) logits
+
 
 LAYER_KEY = r"layers\.(\d+)\."    # a Transformer state-dict name of block N: layers.N.<...>
 
