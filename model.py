@@ -4,8 +4,10 @@ Contract (docs/DESIGN.md section 7; details and presets in docs/model.md):
 
 - ``ModelArgs`` (dataclass, ``to_dict`` / ``from_dict``) fully describes a model; checkpoints
   store it. ``model_args_from_config(cfg, vocab_size, bos_id)`` builds it from config.json's
-  ``model`` section (preset first, explicit keys over it) and reports bad combinations as
-  configuration errors (exit 2) before anything is allocated. ``create_model(args)``.
+  ``model`` section (preset first, explicit keys over it). A model's shape is checked in one
+  place, ``utils.config.model_problems``, which config.json, that translation and ModelArgs
+  itself run: a bad combination is a configuration error (exit 2) naming its ``model.<key>``,
+  before anything is allocated. ``create_model(args)``.
 - ``Transformer.forward(idx, targets=None, loss_mask=None, return_logits=True)`` ->
   ``(logits, loss)``. The loss is utils/loss.py's: targets equal to -100 are ignored,
   ``loss_mask`` (0/1 or fractional weights) weights each position, the loss is the weighted
@@ -41,15 +43,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from utils import attention
-from utils.activations import HF_ACT_NAMES, GatedMLP, llama_ffn_hidden
+from utils.activations import GatedMLP, llama_ffn_hidden
 from utils.attention import AttnSpec
-from utils.config import ConfigError, attention_shape_problems, infini_problems
-from utils.infini import GATES, InfiniMemory
+from utils.config import ConfigError, model_arguments, model_problems
+from utils.infini import InfiniMemory
 from utils.loss import cross_entropy, linear_cross_entropy, loss_weights
-
-
-MAX_POSITIONS = 1 << 22     # max_seq_len limit: RoPE tables of 4M positions x head_dim 128 take 2 GiB
-MAX_PARAMS = 10 ** 12        # a model of more weights is refused before anything is built (4 TB in fp32)
 
 
 @dataclass
@@ -64,7 +62,7 @@ class ModelArgs:
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     rope_theta: float = 10_000.0
-    max_seq_len: int = 512          # at most MAX_POSITIONS
+    max_seq_len: int = 512          # at most utils.config.MAX_POSITIONS
     dropout: float = 0.0
     tie_embeddings: bool = True
     document_mask: bool = False
@@ -81,67 +79,13 @@ class ModelArgs:
         if self.attention == "infini":
             self.infini_gate = self.infini_gate or "hard_sigmoid"
             self.infini_delta_rule = True if self.infini_delta_rule is None else self.infini_delta_rule
-        problems = self.problems()
+        problems = model_problems(self.to_dict())       # utils/config.py: the one check of a model's shape
         if problems:
             raise ConfigError(problems, "the model arguments")
-
-    def problems(self) -> list[str]:
-        p = []
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
-                     "max_seq_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                p.append(f"model.{name}: expected a positive integer, got {v!r}")
-        if p:
-            return p
-        if self.max_seq_len > MAX_POSITIONS:
-            p.append(f"model.max_seq_len: {self.max_seq_len:,} positions is beyond the {MAX_POSITIONS:,} this "
-                     "model supports (its RoPE tables cover max_seq_len positions)")
-        p += attention_shape_problems(self.d_model, self.n_heads, self.n_kv_heads)
-        if not p and self.weight_count() > MAX_PARAMS:
-            p.append(f"model: vocab_size {self.vocab_size:,}, d_model {self.d_model:,}, n_layers "
-                     f"{self.n_layers:,} and ffn_hidden {self.ffn_hidden:,} make {self.weight_count():.3g} "
-                     f"weights, beyond the {MAX_PARAMS:.0e} this pipeline builds (building them layer by "
-                     "layer hung or ran out of memory); lower them")
-        if self.activation not in HF_ACT_NAMES:
-            p.append(f"model.activation: {self.activation!r} is not one of {', '.join(HF_ACT_NAMES)}")
-        if self.norm not in ("rmsnorm", "layernorm"):
-            p.append(f"model.norm: {self.norm!r} is not one of 'rmsnorm', 'layernorm'")
-        for name in ("norm_eps", "rope_theta", "init_std", "dropout"):   # the float arguments
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                p.append(f"model.{name}: expected a finite number, got {v!r}")
-            elif name == "dropout" and not 0.0 <= v < 1.0:
-                p.append(f"model.dropout: {v} must be in [0, 1)")
-            elif name != "dropout" and v <= 0:
-                p.append(f"model.{name}: {v} must be > 0")
-        if self.bos_id is not None and not 0 <= self.bos_id < self.vocab_size:
-            p.append(f"model.bos_id: {self.bos_id} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if self.document_mask and self.bos_id is None:
-            p.append("model.document_mask: needs the tokenizer's BOS id (documents start at BOS)")
-        if self.attention not in ("standard", "infini"):
-            p.append(f"model.attention: {self.attention!r} is not one of 'standard', 'infini'")
-        elif self.attention == "infini" and self.segment_length is not None and (
-                isinstance(self.segment_length, bool) or not isinstance(self.segment_length, int)
-                or self.segment_length < 1):
-            p.append(f"model.segment_length: expected a positive integer, got {self.segment_length!r}")
-        elif self.attention == "infini" and self.infini_gate not in GATES:
-            p.append(f"model.infini_gate: {self.infini_gate!r} is not one of {', '.join(GATES)}")
-        p += infini_problems(self.attention, self.segment_length, self.infini_gate,
-                             self.infini_delta_rule, self.document_mask)
-        return p
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
-
-    def weight_count(self) -> int:
-        """The model's parameters, from the arguments alone (no model built): embeddings (and an
-        untied head), per layer the attention and gated-MLP products and two norms, the final norm."""
-        d, hd = self.d_model, self.d_model // self.n_heads
-        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-        layer = attn + 3 * d * self.ffn_hidden + 2 * d
-        return self.n_layers * layer + self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
 
     @property
     def segment(self) -> Optional[int]:
@@ -166,28 +110,6 @@ class ModelArgs:
         if "vocab_size" not in d:
             raise ConfigError(["model.vocab_size: missing"], "the model arguments")
         return cls(**d)
-
-
-def model_args_from_config(cfg, vocab_size: Optional[int], bos_id: Optional[int] = None) -> ModelArgs:
-    """ModelArgs from ``cfg.model`` (a Config or a ModelConfig): the preset fills the shape
-    keys left null, explicit keys win; the vocabulary comes from the tokenizer
-    (``vocab_size``) unless ``model.vocab_size`` sets a larger one. Raises ConfigError (exit 2).
-    """
-    m = dataclasses.replace(getattr(cfg, "model", cfg))
-    problems = m.resolve_preset()
-    vocab = m.vocab_size if m.vocab_size is not None else vocab_size
-    if vocab is None:
-        problems.append("model.vocab_size: unknown (set it, or load the tokenizer to use its size)")
-    elif vocab_size is not None and vocab < vocab_size:
-        problems.append(f"model.vocab_size: {vocab} is smaller than the tokenizer's vocabulary "
-                        f"({vocab_size}); token ids would fall outside the embedding (use null)")
-    if m.document_mask and bos_id is None:
-        problems.append("model.document_mask: the tokenizer has no BOS token to find documents by")
-    if problems:
-        raise ConfigError(problems, "the model configuration")
-    derived = {"vocab_size": vocab, "bos_id": bos_id}           # not config keys: from the tokenizer
-    return ModelArgs(**derived, **{f.name: getattr(m, f.name) for f in dataclasses.fields(ModelArgs)
-                                   if f.name not in derived})
 
 
 # --------------------------------------------------------------------------- RoPE (pure functions)
@@ -499,3 +421,12 @@ def create_model(args: ModelArgs | dict, device: torch.device | str | None = Non
         args = ModelArgs.from_dict(args)
     model = Transformer(args)
     return model.to(device) if device is not None else model
+
+
+def model_args_from_config(cfg, vocab_size: Optional[int], bos_id: Optional[int] = None) -> ModelArgs:
+    """ModelArgs from config.json's ``model`` section (``cfg``: a Config or its ModelConfig)
+    for a tokenizer of ``vocab_size`` tokens and BOS id ``bos_id``: the preset fills the shape
+    keys left null, explicit keys win (utils/config.py's ``model_arguments``, which checks
+    them). Raises ConfigError (exit 2)."""
+    values = model_arguments(getattr(cfg, "model", cfg), vocab_size, bos_id)
+    return ModelArgs(**{f.name: values[f.name] for f in dataclasses.fields(ModelArgs)})

@@ -883,40 +883,149 @@ def _with_origins(cfg: Config, problem: str) -> str:
                                       for src, ks in by_source.items()) + "]"
 
 
-def attention_shape_problems(d_model: int, n_heads: int, n_kv_heads: int) -> list[str]:
-    """Head arithmetic shared by the config check and model.ModelArgs."""
-    p = []
-    if n_heads % n_kv_heads:
-        p.append(f"model.n_kv_heads: {n_kv_heads} must divide model.n_heads ({n_heads})")
-    if d_model % n_heads:
-        p.append(f"model.d_model: {d_model} must be divisible by model.n_heads ({n_heads})")
-    elif (d_model // n_heads) % 2:
-        p.append(f"model.d_model: head size {d_model // n_heads} must be even for RoPE")
-    return p
-
-
-INFINI_MODEL_KEYS = ("segment_length", "infini_gate", "infini_delta_rule")
+# --------------------------------------------------------------------------- the model's shape
+MAX_POSITIONS = 1 << 22     # model.max_seq_len limit: RoPE tables of 4M positions x head_dim 128 take 2 GiB
+MAX_PARAMS = 10 ** 12       # a model of more weights is refused before anything is built (4 TB in fp32)
+MODEL_INT_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len")
+# The values of the model's named settings. ModelConfig's Literal types are the one list;
+# utils/activations.py and utils/infini.py implement each (tests/test_layout.py checks it).
+_MODEL_HINTS = typing.get_type_hints(ModelConfig)
+ACTIVATIONS = typing.get_args(_MODEL_HINTS["activation"])
+NORMS = typing.get_args(_MODEL_HINTS["norm"])
+ATTENTIONS = typing.get_args(_MODEL_HINTS["attention"])
+INFINI_GATES = typing.get_args(typing.get_args(_MODEL_HINTS["infini_gate"])[0])   # Optional[Literal]
 INFINI_TRAINING_KEYS = ("gate_lr", "gate_weight_decay")
 
 
-def infini_problems(attention: str, segment_length: Optional[int], gate: Optional[str],
-                    delta_rule: Optional[bool], document_mask: bool,
-                    window: Optional[int] = None) -> list[str]:
-    """Infini-attention's settings, shared by the config check and model.ModelArgs."""
-    p = []
-    if attention != "infini":
-        given = {"segment_length": segment_length, "infini_gate": gate, "infini_delta_rule": delta_rule}
-        p += [f"model.{k}: is an Infini-attention setting, but model.attention is '{attention}' "
-              "(set model.attention to 'infini', or leave the key null)"
-              for k, v in given.items() if v is not None]
+def model_arguments(m: ModelConfig, vocab_size: Optional[int], bos_id: Optional[int]) -> dict[str, Any]:
+    """The translation of config.json's ``model`` section for a tokenizer of ``vocab_size``
+    tokens (None: unknown) whose BOS id is ``bos_id`` (None: it has none): the section's keys
+    by name (model.ModelArgs' fields, plus preset and ffn_multiple_of) with the preset filling
+    the shape keys left null (explicit keys win), the vocabulary the tokenizer's unless
+    model.vocab_size sets a larger one, and bos_id the tokenizer's. ``m`` is not changed.
+    Raises ConfigError (exit 2) listing every problem (:func:`model_problems`)."""
+    m = dataclasses.replace(m)
+    problems = m.resolve_preset()
+    vocab = m.vocab_size if m.vocab_size is not None else vocab_size
+    if vocab is None:
+        problems.append("model.vocab_size: unknown (set it, or load the tokenizer to use its size)")
+    elif vocab_size is not None and vocab < vocab_size:
+        problems.append(f"model.vocab_size: {vocab} is smaller than the tokenizer's vocabulary "
+                        f"({vocab_size}); token ids would fall outside the embedding (use null)")
+    values = {**dataclasses.asdict(m), "vocab_size": vocab, "bos_id": bos_id}
+    problems += model_problems(_known(values))
+    if problems:
+        raise ConfigError(problems, "the model configuration")
+    return values
+
+
+def _known(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` without the keys whose null means "not known yet": the shape keys a custom
+    preset leaves unset, a vocabulary left to the tokenizer."""
+    return {k: v for k, v in values.items() if v is not None or k not in (*MODEL_SHAPE_KEYS, "vocab_size")}
+
+
+def model_problems(m: dict[str, Any], window: Optional[int] = None) -> list[str]:
+    """Every problem of a model's arguments, each naming its ``model.<key>`` and what is wrong:
+    the one check of a model's shape, behind config.json's ``model`` section
+    (:func:`cross_checks`, with ``dataset.window``), its translation for a tokenizer
+    (:func:`model_arguments`) and ``model.ModelArgs`` (checkpoints, Hugging Face imports).
+    ``m`` maps ModelArgs' field names to values; a key absent from ``m`` is not known yet and
+    the checks that need it are skipped (config.json leaves vocab_size and bos_id to the
+    tokenizer). Integers that are not positive are reported alone: the other checks divide
+    and multiply by them."""
+    p = [f"model.{k}: expected a positive integer, got {m[k]!r}" for k in MODEL_INT_KEYS
+         if k in m and not _positive_int(m[k])]
+    if p:
         return p
+    p = _size_problems(m)
+    p += _setting_problems(m)
+    return p + _infini_problems(m, window)
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def model_weight_count(m: dict[str, Any]) -> int:
+    """The model's parameters, from its arguments alone (no model built): embeddings (and an
+    untied head), per layer the attention and gated-MLP products and two norms, the final norm."""
+    d, hd = m["d_model"], m["d_model"] // m["n_heads"]
+    attn = d * hd * (2 * m["n_heads"] + 2 * m["n_kv_heads"])
+    layer = attn + 3 * d * m["ffn_hidden"] + 2 * d
+    return m["n_layers"] * layer + m["vocab_size"] * d * (1 if m["tie_embeddings"] else 2) + d
+
+
+def _size_problems(m: dict[str, Any]) -> list[str]:
+    """Positions, head arithmetic, and the weight count (once the rest is sound)."""
+    p = []
+    if "max_seq_len" in m and m["max_seq_len"] > MAX_POSITIONS:
+        p.append(f"model.max_seq_len: {m['max_seq_len']:,} positions is beyond the {MAX_POSITIONS:,} this "
+                 "model supports (its RoPE tables cover max_seq_len positions)")
+    if all(k in m for k in ("d_model", "n_heads", "n_kv_heads")):
+        d_model, n_heads, n_kv_heads = m["d_model"], m["n_heads"], m["n_kv_heads"]
+        if n_heads % n_kv_heads:
+            p.append(f"model.n_kv_heads: {n_kv_heads} must divide model.n_heads ({n_heads})")
+        if d_model % n_heads:
+            p.append(f"model.d_model: {d_model} must be divisible by model.n_heads ({n_heads})")
+        elif (d_model // n_heads) % 2:
+            p.append(f"model.d_model: head size {d_model // n_heads} must be even for RoPE")
+    sized = not p and all(k in m for k in (*MODEL_INT_KEYS, "tie_embeddings"))
+    if sized and model_weight_count(m) > MAX_PARAMS:
+        p.append(f"model: vocab_size {m['vocab_size']:,}, d_model {m['d_model']:,}, n_layers "
+                 f"{m['n_layers']:,} and ffn_hidden {m['ffn_hidden']:,} make {model_weight_count(m):.3g} "
+                 f"weights, beyond the {MAX_PARAMS:.0e} this pipeline builds (building them layer by "
+                 "layer hung or ran out of memory); lower them")
+    return p
+
+
+def _setting_problems(m: dict[str, Any]) -> list[str]:
+    """The named settings, the float settings, the BOS id and the attention kind."""
+    p = []
+    if "activation" in m and m["activation"] not in ACTIVATIONS:
+        p.append(f"model.activation: {m['activation']!r} is not one of {', '.join(ACTIVATIONS)}")
+    if "norm" in m and m["norm"] not in NORMS:
+        p.append(f"model.norm: {m['norm']!r} is not one of {', '.join(map(repr, NORMS))}")
+    for name in (n for n in ("norm_eps", "rope_theta", "init_std", "dropout") if n in m):
+        v = m[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            p.append(f"model.{name}: expected a finite number, got {v!r}")
+        elif name == "dropout" and not 0.0 <= v < 1.0:
+            p.append(f"model.dropout: {v} must be in [0, 1)")
+        elif name != "dropout" and v <= 0:
+            p.append(f"model.{name}: {v} must be > 0")
+    bos = m.get("bos_id")
+    if bos is not None and "vocab_size" in m and not 0 <= bos < m["vocab_size"]:
+        p.append(f"model.bos_id: {bos} is outside the vocabulary (0..{m['vocab_size'] - 1})")
+    if m.get("document_mask") and "bos_id" in m and bos is None:
+        p.append("model.document_mask: the tokenizer has no BOS token to find documents by "
+                 "(documents start at BOS); set model.document_mask to false")
+    attention, segment = m.get("attention", "standard"), m.get("segment_length")
+    if attention not in ATTENTIONS:
+        p.append(f"model.attention: {attention!r} is not one of {', '.join(map(repr, ATTENTIONS))}")
+    elif attention == "infini" and segment is not None and not _positive_int(segment):
+        p.append(f"model.segment_length: expected a positive integer, got {segment!r}")
+    elif attention == "infini" and m.get("infini_gate") not in (None, *INFINI_GATES):
+        p.append(f"model.infini_gate: {m['infini_gate']!r} is not one of {', '.join(INFINI_GATES)}")
+    return p
+
+
+def _infini_problems(m: dict[str, Any], window: Optional[int]) -> list[str]:
+    """Infini-attention's settings: set only on an infini model, segments that tile
+    ``window`` (dataset.window, when known), no document mask."""
+    attention, segment_length = m.get("attention", "standard"), m.get("segment_length")
+    if attention != "infini":
+        return [f"model.{k}: is an Infini-attention setting, but model.attention is '{attention}' "
+                "(set model.attention to 'infini', or leave the key null)"
+                for k in ("segment_length", "infini_gate", "infini_delta_rule") if m.get(k) is not None]
+    p = []
     if segment_length is None:
         p.append("model.segment_length: must be set when model.attention is 'infini' (tokens per "
                  "segment; it must divide dataset.window)")
     elif window is not None and (segment_length > window or window % segment_length):
         p.append(f"model.segment_length: {segment_length} must divide dataset.window ({window}) "
                  "(the window is a whole number of segments)")
-    if document_mask:
+    if m.get("document_mask"):
         p.append("model.document_mask: not available with model.attention 'infini' (the memory "
                  "would have to restart inside a segment at each document); train on packed "
                  "windows without it")
@@ -925,13 +1034,9 @@ def infini_problems(attention: str, segment_length: Optional[int], gate: Optiona
 
 def cross_checks(cfg: Config) -> list[str]:
     """Checks that involve more than one key."""
-    p = []
     m = cfg.model
-    p += m.resolve_preset()
-    if not p:  # shape keys complete
-        p += attention_shape_problems(m.d_model, m.n_heads, m.n_kv_heads)
-    p += infini_problems(m.attention, m.segment_length, m.infini_gate, m.infini_delta_rule,
-                         m.document_mask, cfg.dataset.window)
+    p = m.resolve_preset()
+    p += model_problems(_known(dataclasses.asdict(m)), cfg.dataset.window)
     if m.attention != "infini":
         p += [f"training.{k}: is an Infini-attention setting (the memory gates' own parameter "
               f"group), but model.attention is '{m.attention}' (leave it null)"
