@@ -58,6 +58,42 @@ def test_the_network_and_the_file_format_know_nothing_above_them():
     assert "model" not in ckpt_imports and not any(m.startswith("utils.run") for m in ckpt_imports)
 
 
+def test_the_loss_is_a_module_of_its_own():
+    """The fused linear + cross-entropy (an autograd Function) is utils/loss.py, which needs
+    torch alone; model.py, the network, calls it and defines no autograd Function itself."""
+    loss_imports = {m.split(".")[0] for m, _ in _imports(ROOT / "utils" / "loss.py")}
+    assert loss_imports <= {"__future__", "typing", "torch"}, loss_imports
+    assert "autograd.Function" not in (ROOT / "model.py").read_text()
+
+
+def test_a_models_shape_is_checked_in_one_place():
+    """utils.config.model_problems is the one check of a model's shape (config.json, its
+    translation and ModelArgs run it): model.py words no problem of its own, and the names the
+    config accepts are the ones the network implements."""
+    src = (ROOT / "model.py").read_text()
+    assert "model_problems(" in src and "must divide" not in src and "p.append(" not in src
+    from utils import config, infini
+    from utils.activations import GATE_ACTIVATIONS, HF_ACT_NAMES
+    assert config.ACTIVATIONS == tuple(GATE_ACTIVATIONS) == tuple(HF_ACT_NAMES)
+    assert config.INFINI_GATES == infini.GATES
+    from model import ModelArgs, model_args_from_config
+
+    def problems(make) -> list[str]:
+        try:
+            make()
+        except config.ConfigError as e:
+            return e.problems
+        raise AssertionError("accepted")
+    c = config.Config()
+    c.model.document_mask = True                 # the same words from the translation and ModelArgs
+    assert problems(lambda: model_args_from_config(c, 100, None)) == \
+        problems(lambda: ModelArgs(vocab_size=100, document_mask=True))
+    dropout = "model.dropout: 1.0 must be in [0, 1)"      # config.json's check is ModelArgs'
+    assert problems(lambda: config.load_config(base_file=None, overrides={"model.dropout": 1.0}))[0] \
+        .startswith(dropout + " [model.dropout from command-line flags]")
+    assert problems(lambda: ModelArgs(vocab_size=100, dropout=1.0)) == [dropout]
+
+
 def test_generation_lives_in_the_engine_only():
     """No generation loop outside utils/generation: model.py has no generate/sampling, and
     every caller goes through the engine."""
