@@ -158,12 +158,13 @@ class Loaded:
 def open_checkpoint(cfg, spec: str) -> Loaded:
     """The checkpoint (a run folder: its best one) with the tokenizer it was trained with, or
     an imported Hugging Face Llama folder / .gguf file with its own."""
+    from utils.hf.export import hf_source
     from utils.hf.import_hf import is_hf_model, load_hf_llama, source_tokenizer
     from utils.run import load_model_and_tokenizer, pick_checkpoint
     if is_hf_model(Path(spec)):
         imp = load_hf_llama(spec)
-        return Loaded(Path(imp.source), imp.model, {"kind": "imported"}, imp.tok, imp.tok_info,
-                      hf_tok=source_tokenizer(spec))
+        return Loaded(Path(imp.source), imp.model, {"kind": "imported", "hf_source": hf_source(spec)},
+                      imp.tok, imp.tok_info, hf_tok=source_tokenizer(spec))
     path = pick_checkpoint(spec, say=lambda s: print(f"export: {s}", file=sys.stderr))
     model, ckpt, tok, info = load_model_and_tokenizer(path, cfg, say=lambda m: print(m, file=sys.stderr))
     return Loaded(path, model, ckpt, tok, info, hf_tok=public_model_tokenizer(ckpt, tok))
@@ -287,7 +288,8 @@ def write_export(cfg, args, loaded: Loaded, folder: Path, dtype: Optional[str]) 
                         dtype=DTYPES[dtype] if dtype else None,
                         generation=generation_defaults(cfg.inference), chat_template=template,
                         tok_name=loaded.tok_info.get("name") or "",
-                        max_shard_size=args.max_shard_size, hf_tok=loaded.hf_tok)
+                        max_shard_size=args.max_shard_size, hf_tok=loaded.hf_tok,
+                        source=loaded.ckpt.get("hf_source"))
     from utils.hf.to_gguf import write_gguf
     path = write_gguf(folder / f"{loaded.run}-{dtype}.gguf", loaded.model, loaded.tok, dtype=dtype,
                       name=loaded.run, chat_template=template, add_bos=adds_bos(loaded.hf_tok))

@@ -111,3 +111,32 @@ def model_card(cfg, path: Path, ckpt: dict, model, tok_info: dict, *, fmt: str,
         lines.append("No benchmark result names these weights (`python main.py benchmark` "
                      "scores a checkpoint).")
     return "\n".join(lines) + "\n"
+
+
+# Why the export of an imported model writes a config.json key otherwise than the model's own
+CONFIG_REASONS = {
+    "dtype": "the dtype the weights are written in: --dtype, by default the one the imported "
+             "config.json names, else float32, in which an import holds them",
+    "torch_dtype": "`dtype` under its older name, which transformers 4.x, vLLM and llama.cpp's "
+                   "converter read",
+    "rope_theta": "the RoPE base under its older top-level name, which transformers 4.x, vLLM and "
+                  "llama.cpp's converter read",
+    "rope_parameters": "the RoPE settings under transformers 5's name",
+    "transformers_version": "the version of transformers that wrote this folder",
+}
+
+
+def config_changes(changed: list[tuple], added: list[str]) -> str:
+    """The model card's section on config.json against the imported model's own config.json
+    (utils/hf/export.py ``merged_config``): each key whose value the export changed (was -> now)
+    and each key it added, with why; "" when it kept every key as it was."""
+    if not changed and not added:
+        return ""
+    lines = ["", "## Configuration", "",
+             "config.json keeps every key of the imported model's own config.json, except:", ""]
+    for key, was, now in changed:
+        lines.append(f"- `{key}`: {json.dumps(was)} -> {json.dumps(now)} "
+                     f"({CONFIG_REASONS.get(key, 'what the exported weights are')})")
+    for key in added:
+        lines.append(f"- `{key}` added ({CONFIG_REASONS.get(key, 'written by transformers for a Llama model')})")
+    return "\n".join(lines) + "\n"

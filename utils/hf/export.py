@@ -2,7 +2,8 @@
 
     problems = llama_problems(args)                 what LlamaForCausalLM cannot express
     files = write_hf(folder, model, tok, card=..., dtype=..., generation=..., chat_template=...,
-                     max_shard_size=2 * 10**9, hf_tok=None)
+                     max_shard_size=2 * 10**9, hf_tok=None, source=None)
+    source = hf_source(path)                        an imported model's config.json, generation_config.json
 
 The folder holds what ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` read with no custom code and no network:
@@ -10,11 +11,14 @@ The folder holds what ``AutoModelForCausalLM.from_pretrained`` and
 - ``config.json``: ``LlamaConfig`` from utils/hf/mapping.py (sizes, GQA, rope_theta, RMS eps,
   tie_word_embeddings, bos/eos ids, max_position_embeddings) and ``dtype``; also the older
   top-level ``rope_theta`` and ``torch_dtype``, which transformers 4.x and other readers of
-  config.json (llama.cpp's converter, vLLM) take instead of ``rope_parameters`` / ``dtype``;
+  config.json (llama.cpp's converter, vLLM) take instead of ``rope_parameters`` / ``dtype``.
+  An imported model's export keeps every other key of its own config.json as it was
+  (special-token ids and lists, use_cache ...; :func:`merged_config`) and its dtype by default,
+  and its card lists each key written otherwise (utils/hf/card.py ``config_changes``);
 - ``model.safetensors``, or shards of at most ``max_shard_size`` bytes
   (``model-00001-of-0000N.safetensors``) with ``model.safetensors.index.json``;
 - ``generation_config.json``: the ``inference`` section's defaults (:func:`generation_defaults`:
-  sampling settings only when it samples), bos/eos;
+  sampling settings only when it samples), bos/eos; an imported model's own, as it was;
 - the tokenizer: our ``tokenizer.json`` (for a SentencePiece model, the exact conversion of
   utils/data/spm.py: the ids sentencepiece gives) with a post-processor that puts BOS in front
   of a text, as our documents and prompts start; ``tokenizer_config.json``. A pre-trained
@@ -27,7 +31,7 @@ The folder holds what ``AutoModelForCausalLM.from_pretrained`` and
   ``pipeline_tokenizer.json``: the tokenizer's fingerprint and own post-processor, with which
   the pipeline recognises the folder's tokenizer as the original (utils/data/tok.py
   ``as_exported_from``);
-- ``README.md``: the model card the caller wrote.
+- ``README.md``: the model card the caller wrote (for an imported model, with its config changes).
 
 ``hf_tok``: a transformers tokenizer saved as it is, instead of the one built from ``tok``
 (an imported model's own, with its own chat template and settings). Every file gets the mode
@@ -44,9 +48,17 @@ from typing import Optional
 
 import torch
 
-from utils.hf.mapping import hf_config, to_hf_state_dict
+from utils.hf.mapping import HF_CONFIG_NAMES, hf_config, to_hf_state_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# config.json keys an export writes from the model it writes (utils/hf/mapping.py: its shapes and
+# arguments) and from how it writes it (dtype, older names of two settings, the writer's version).
+# An imported model's export takes every other key from the model's own config.json as it was:
+# special-token ids (bos, eos or a list of them, pad, unk), use_cache, its name ...
+MODEL_KEYS = (frozenset(HF_CONFIG_NAMES.values()) - {"bos_token_id"}) | {
+    "head_dim", "hidden_act", "rope_parameters", "attention_bias", "mlp_bias", "architectures",
+    "model_type", "dtype", "torch_dtype", "rope_theta", "transformers_version"}
 
 
 def _not_json(path: Path, constant: str):
@@ -79,6 +91,45 @@ def notes(args) -> list[str]:
     if args.dropout:
         out.append(f"trained with dropout {args.dropout}: inference runs without it, as here")
     return out
+
+
+def hf_source(path) -> dict:
+    """What the export of an imported model keeps of its own files: ``config``, its config.json
+    key by key as the folder has it (a .gguf file: the config transformers reads from the
+    file's metadata, as transformers would write it), and ``generation``, its
+    generation_config.json when the folder has a usable one (utils/hf/inputs.py; else None)."""
+    from transformers import AutoConfig
+    from utils.hf.inputs import generation_config_notice
+    path = Path(path)
+    if path.is_file():
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        return {"config": config.to_diff_dict(), "generation": None}
+    gen = path / "generation_config.json"
+    usable = gen.is_file() and generation_config_notice(path) is None
+    return {"config": json.loads((path / "config.json").read_text(encoding="utf-8")),
+            "generation": json.loads(gen.read_text(encoding="utf-8")) if usable else None}
+
+
+def source_dtype(source: Optional[dict]) -> Optional[torch.dtype]:
+    """The dtype an imported model's config.json gives its weights (``dtype``, or the older
+    ``torch_dtype``), None when it names none of DTYPES': the export's default, so that a
+    bfloat16 model comes back as the same bfloat16 weights (an import holds them in float32)."""
+    conf = (source or {}).get("config") or {}
+    name = conf.get("dtype") or conf.get("torch_dtype")
+    return {str(t).removeprefix("torch."): t for t in DTYPES.values()}.get(name)
+
+
+def merged_config(ours: dict, source: dict) -> tuple[dict, list[tuple], list[str]]:
+    """config.json of an imported model's export: ``source`` (the model's own config.json) with
+    the keys the export writes from the model it writes (MODEL_KEYS) taken from ``ours``, and
+    any key ``source`` lacks; also what that changed, (key, was, now), and the keys it added
+    (both listed in the model card, utils/hf/card.py ``config_changes``)."""
+    out = dict(source)
+    for k, v in ours.items():
+        if k in MODEL_KEYS or k not in source:
+            out[k] = v
+    changed = [(k, source[k], out[k]) for k in source if out[k] != source[k]]
+    return out, changed, sorted(set(out) - set(source))
 
 
 def generation_defaults(inference) -> dict:
@@ -115,17 +166,41 @@ def hf_tokenizer(tok, chat_template: Optional[str] = None):
     return out
 
 
+def _write_config(folder: Path, args, dtype: torch.dtype, source: Optional[dict]) -> str:
+    """config.json as transformers wrote it plus the older top-level ``rope_theta`` and
+    ``torch_dtype``; for an imported model (``source``) merged with its own config.json and its
+    generation_config.json written as it was. Returns what the card adds: the keys changed."""
+    from utils.hf.card import config_changes
+    conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    conf.update(rope_theta=float(args.rope_theta), torch_dtype=str(dtype).removeprefix("torch."))
+    said = ""
+    if source is not None:
+        conf, changed, added = merged_config(conf, source["config"])
+        said = config_changes(changed, added)
+        if source.get("generation") is not None:
+            (folder / "generation_config.json").write_text(
+                json.dumps(source["generation"], indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True, allow_nan=False) + "\n",
+                                        encoding="utf-8")
+    return said
+
+
 def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype] = None,
              generation: Optional[dict] = None, chat_template: Optional[str] = None,
-             tok_name: str = "", max_shard_size: int = 2 * 10**9, hf_tok=None) -> list[Path]:
-    """Write the model folder into ``folder`` (which exists and is empty); return the files."""
+             tok_name: str = "", max_shard_size: int = 2 * 10**9, hf_tok=None,
+             source: Optional[dict] = None) -> list[Path]:
+    """Write the model folder into ``folder`` (which exists and is empty); return the files.
+    ``dtype``: None for the weights' own, or an imported model's (:func:`source_dtype`).
+    ``source``: an imported model's own files (:func:`hf_source`): its config.json's keys
+    are kept (:func:`merged_config`; the card lists what changed), its generation_config.json
+    is written as it was instead of ``generation``."""
     from transformers import GenerationConfig, LlamaForCausalLM
     from utils.data.tok import INFO_FILE, export_info
     args = model.args
     problems = llama_problems(args)
     if problems:
         raise ValueError("; ".join(problems))
-    dtype = dtype or model.lm_head.weight.dtype
+    dtype = dtype or source_dtype(source) or model.lm_head.weight.dtype
     config = hf_config(args, eos_id=tok.eos_token_id)
     config.dtype = dtype
     sd = {k: v.detach().to(dtype) for k, v in to_hf_state_dict(model).items()}
@@ -143,10 +218,7 @@ def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype
                                             eos_token_id=tok.eos_token_id,
                                             pad_token_id=tok.pad_token_id, **gen)
     hf.save_pretrained(folder, max_shard_size=max_shard_size, safe_serialization=True)
-    conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    conf.update(rope_theta=float(args.rope_theta), torch_dtype=str(dtype).removeprefix("torch."))
-    (folder / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True, allow_nan=False) + "\n",
-                                        encoding="utf-8")
+    card += _write_config(folder, args, dtype, source)
     (hf_tok or hf_tokenizer(tok, chat_template)).save_pretrained(folder, save_jinja_files=False)
     tconf = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     for key in ("is_local", "local_files_only"):   # how a loaded tokenizer was read, not what it is
