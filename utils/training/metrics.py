@@ -3,16 +3,19 @@
 :class:`MetricsTracker` keeps a window of recent losses (the "smoothed loss" of the logs),
 the best validation loss and the early-stopping patience counter; its ``state_dict()`` goes
 into checkpoints (plain floats), so a resumed run logs exactly what the uninterrupted one
-would have. Throughput and MFU are measured per logging interval from wall time.
+would have. Throughput and MFU are measured per logging interval from the wall time of the
+training steps (validation, samples and checkpoint saves left out).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import resource
 import sys
-from typing import Optional
+import time
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -129,22 +132,38 @@ class MetricsTracker:
 
 
 class Throughput:
-    """Tokens/s (and MFU) between two calls of :meth:`rate`."""
+    """Tokens/s of the training steps between two calls of :meth:`rate`. Time spent inside
+    :meth:`paused` (validation, samples, checkpoint saves, a pause) is left out, so the rate
+    logged after a validation is the training steps', not theirs diluted by it. ``sync``
+    (called as a pause begins) waits for work the device still has queued, so that it is
+    timed as training."""
 
-    def __init__(self, clock=None):
-        import time
+    def __init__(self, clock: Optional[Callable[[], float]] = None,
+                 sync: Optional[Callable[[], None]] = None):
         self.clock = clock or time.perf_counter
+        self.sync = sync or (lambda: None)
         self.t0 = self.clock()
         self.tokens = 0
+        self.left_out = 0.0
 
     def add(self, tokens: int) -> None:
         self.tokens += int(tokens)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The time spent in this block does not count."""
+        self.sync()
+        t = self.clock()
+        try:
+            yield
+        finally:
+            self.left_out += self.clock() - t
+
     def rate(self) -> float:
         now = self.clock()
-        dt = max(now - self.t0, 1e-9)
+        dt = max(now - self.t0 - self.left_out, 1e-9)
         r = self.tokens / dt
-        self.t0, self.tokens = now, 0
+        self.t0, self.tokens, self.left_out = now, 0, 0.0
         return r
 
 

@@ -439,7 +439,8 @@ class Trainer:
 
     def __init__(self, spec: TrainSpec, *, run_dir: Path, logger, device,
                  dist: D.DistInfo = D.DistInfo(), resume_command: Optional[str] = None,
-                 progress: bool = True, out=None, pause_at_step: Optional[int] = None):
+                 progress: bool = True, out=None, pause_at_step: Optional[int] = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.spec = spec
         st = self.settings = spec.settings
         model = spec.model
@@ -458,6 +459,7 @@ class Trainer:
         self.progress = progress and dist.is_main
         self.out = out or sys.stdout
         self.pause_at_step = pause_at_step   # see pause_step_from_env
+        self.clock = clock                   # what tokens/s is timed with
 
         self.dtype = resolve_dtype(st.dtype, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
@@ -711,7 +713,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> TrainResult:
-        st = self.settings
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.run_dir)
@@ -720,19 +721,7 @@ class Trainer:
                         "Raise --max-steps (or training.epochs) to train further.")
             return TrainResult("already_done", self.step, self.metrics.best_val_loss,
                                self._last_val, None)
-        self.logger.event(self.step, "resume" if self._resumed_from is not None else "start",
-                          total_steps=self.total_steps, mfu_unavailable=self.mfu_note)
-        if self.checkpointed_blocks and self.dist.is_main:
-            self._print(f"activation checkpointing: {self.checkpointed_blocks} blocks recompute "
-                        "their activations in the backward pass.")
-        path = getattr(self.raw_model, "attention_path", None)
-        if path is not None and self.dist.is_main:
-            self._print(f"attention: {path(self.device.type, self.dtype)}.")
-        if self.mfu_note and self.dist.is_main:
-            self._print(f"note: MFU is not logged: {self.mfu_note}.")
-        if self.warmup_capped and self.dist.is_main and self._resumed_from is None:
-            self._print(f"note: warm-up shortened to {self.scheduler.warmup} steps (20% of the "
-                        f"run's {self.total_steps}) from {st.warmup_source} = {st.warmup_steps}.")
+        self._announce()
         self.model.train()
         for o in self.optimizers.values():
             o.zero_grad(set_to_none=True)
@@ -744,39 +733,10 @@ class Trainer:
             from tqdm import tqdm
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True, file=sys.stderr, smoothing=0.1)
-        thr = Throughput()
-        batches = self._batches()
         ckpt_path = None
         with StopRequest(self.dist.is_main) as stop:
             try:
-                while reason == "done" and self.step < self.total_steps:
-                    tokens = self._train_step(batches)
-                    thr.add(tokens)
-                    self.step += 1
-                    if bar is not None:
-                        bar.update(1)
-                    if self.step % st.log_every == 0 or self.step == self.total_steps:
-                        self._log_train(thr, bar)
-                    if self.step == self.pause_at_step and self.dist.is_main:
-                        self._print(f"paused after step {self.step} until a stop signal "
-                                    f"({PAUSE_ENV}).")
-                        self.logger.flush()
-                        stop.wait()
-                    stopping = D.any_rank(self.dist, stop.requested is not None, self.device)
-                    if stopping:
-                        reason = "interrupted"
-                        break
-                    if self.step % self.eval_interval == 0 and self.step < self.total_steps:
-                        reason = self._validate(bar) or reason
-                        if reason == "early_stopping":
-                            self._print(f"early stopping: validation loss did not improve for "
-                                        f"{st.patience} evaluations.")
-                        if reason != "done":
-                            break
-                    if self.step % st.checkpoint_every == 0 and st.keep_checkpoints != 0:
-                        self.save(self.spec.checkpoint_name(self.step))
-                        if self.dist.is_main:
-                            self._rotate_step_checkpoints()
+                reason = self._train_steps(reason, bar, stop)
                 if reason == "done" and self._last_eval_step != self.step:
                     reason = "diverged" if self._validate(bar) == "diverged" else reason
                 if bar is not None:
@@ -794,6 +754,74 @@ class Trainer:
             if self.resume_command:
                 print(f"resume with:\n  {self.resume_command}", file=sys.stderr, flush=True)
         return TrainResult(reason, self.step, self.metrics.best_val_loss, self._last_val, ckpt_path)
+
+    def _announce(self) -> None:
+        """The log's start (or resume) event and what the run says before its first step."""
+        st = self.settings
+        self.logger.event(self.step, "resume" if self._resumed_from is not None else "start",
+                          total_steps=self.total_steps, mfu_unavailable=self.mfu_note)
+        if not self.dist.is_main:
+            return
+        if self.checkpointed_blocks:
+            self._print(f"activation checkpointing: {self.checkpointed_blocks} blocks recompute "
+                        "their activations in the backward pass.")
+        path = getattr(self.raw_model, "attention_path", None)
+        if path is not None:
+            self._print(f"attention: {path(self.device.type, self.dtype)}.")
+        if self.mfu_note:
+            self._print(f"note: MFU is not logged: {self.mfu_note}.")
+        if self.warmup_capped and self._resumed_from is None:
+            self._print(f"note: warm-up shortened to {self.scheduler.warmup} steps (20% of the "
+                        f"run's {self.total_steps}) from {st.warmup_source} = {st.warmup_steps}.")
+
+    def _train_steps(self, reason: str, bar, stop: StopRequest) -> str:
+        """Optimizer steps until the run's last, a stop request ("interrupted"), early stopping
+        or divergence. tokens/s is the training steps' alone: validation, samples, checkpoint
+        saves and a pause are timed apart (Throughput.paused)."""
+        st = self.settings
+        thr = Throughput(self.clock, sync=self._sync_device)
+        batches = self._batches()
+        while reason == "done" and self.step < self.total_steps:
+            thr.add(self._train_step(batches))
+            self.step += 1
+            if bar is not None:
+                bar.update(1)
+            if self.step % st.log_every == 0 or self.step == self.total_steps:
+                self._log_train(thr, bar)
+            if self.step == self.pause_at_step and self.dist.is_main:
+                self._print(f"paused after step {self.step} until a stop signal ({PAUSE_ENV}).")
+                self.logger.flush()
+                with thr.paused():
+                    stop.wait()
+            if D.any_rank(self.dist, stop.requested is not None, self.device):
+                return "interrupted"
+            reason = self._between_steps(thr, bar)
+        return reason
+
+    def _between_steps(self, thr: Throughput, bar) -> str:
+        """The validation and the numbered checkpoint this step is due for, if any (their time
+        does not count as training); "done" unless the run stops here."""
+        st = self.settings
+        if self.step % self.eval_interval == 0 and self.step < self.total_steps:
+            with thr.paused():
+                reason = self._validate(bar)
+            if reason == "early_stopping":
+                self._print(f"early stopping: validation loss did not improve for "
+                            f"{st.patience} evaluations.")
+            if reason is not None:
+                return reason
+        if self.step % st.checkpoint_every == 0 and st.keep_checkpoints != 0:
+            with thr.paused():
+                self.save(self.spec.checkpoint_name(self.step))
+                if self.dist.is_main:
+                    self._rotate_step_checkpoints()
+        return "done"
+
+    def _sync_device(self) -> None:
+        """Wait for the queued kernels (CUDA runs them asynchronously): work queued by training
+        steps is timed as theirs, not as the validation's that follows."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _train_step(self, batches: Iterator[dict]) -> int:
         """One optimizer step over ``grad_accum`` micro-batches; returns tokens processed
