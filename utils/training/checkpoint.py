@@ -329,6 +329,28 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
     path = Path(path)
     _sniff(path)
     ckpt = _torch_load(path, map_location, mmap)
+    _check_layout(path, ckpt)
+    _check_entry_types(path, ckpt)
+    _check_kind_and_template(path, ckpt)
+    _check_model_rules(path, ckpt)
+    if purpose == "resume":
+        _check_resumable(path, ckpt)
+    ckpt["model"] = strip_prefixes(ckpt["model"])
+    expected = None
+    if shapes_of is not None:
+        try:
+            expected = shapes_of(dict(ckpt["model_args"]), ckpt["model"])
+        except Exception as e:   # whatever the stored args get wrong: the file is unusable
+            raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
+    check_weights(path, ckpt, expected)
+    ckpt.setdefault("kind", "pretrain")
+    ckpt.setdefault("chat_template", None)
+    return ckpt
+
+
+def _check_layout(path: Path, ckpt) -> None:
+    """The pipeline's checkpoint dict: a format version this program reads, the weights
+    entries, a state dict of tensors and a dict of model settings."""
     if not isinstance(ckpt, dict):
         raise CheckpointError(path, f"is not a checkpoint: it holds a {type(ckpt).__name__}, "
                                     "not the pipeline's checkpoint dict.")
@@ -352,6 +374,10 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
         raise CheckpointError(path, "entry 'model' is not a state_dict of tensors.")
     if not isinstance(ckpt["model_args"], dict):
         raise CheckpointError(path, "entry 'model_args' is not a dict of model settings.")
+
+
+def _check_entry_types(path: Path, ckpt: dict) -> None:
+    """Each entry of ENTRY_TYPES present has its type (counters: 0 <= n < 2**63)."""
     for key, kind in ENTRY_TYPES.items():
         v = ckpt.get(key)
         if v is None:
@@ -366,25 +392,14 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
         if kind is int and v >= 1 << 63:
             raise CheckpointError(path, f"entry {key!r} is {str(v)[:24]}..., beyond 64 bits: a damaged "
                                         "checkpoint. Use another checkpoint of the run.")
-    _check_kind_and_template(path, ckpt)
-    _check_model_rules(path, ckpt)
-    if purpose == "resume":
-        missing = [k for k in RESUME_KEYS
-                   if k not in ckpt or (ckpt[k] is None and k != "best_val_loss")]
-        if missing:
-            raise CheckpointError(
-                path, f"cannot resume training from it: missing {', '.join(missing)} (a "
-                      "weights-only checkpoint: it has the model but not the optimizer, "
-                      "schedule, data position and RNG state an exact resume needs). Use it for "
-                      "inference, benchmark or sft, or start a new run without --resume.")
-    ckpt["model"] = strip_prefixes(ckpt["model"])
-    expected = None
-    if shapes_of is not None:
-        try:
-            expected = shapes_of(dict(ckpt["model_args"]), ckpt["model"])
-        except Exception as e:   # whatever the stored args get wrong: the file is unusable
-            raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
-    check_weights(path, ckpt, expected)
-    ckpt.setdefault("kind", "pretrain")
-    ckpt.setdefault("chat_template", None)
-    return ckpt
+
+
+def _check_resumable(path: Path, ckpt: dict) -> None:
+    """The training state an exact resume needs is there."""
+    missing = [k for k in RESUME_KEYS if k not in ckpt or (ckpt[k] is None and k != "best_val_loss")]
+    if missing:
+        raise CheckpointError(
+            path, f"cannot resume training from it: missing {', '.join(missing)} (a "
+                  "weights-only checkpoint: it has the model but not the optimizer, "
+                  "schedule, data position and RNG state an exact resume needs). Use it for "
+                  "inference, benchmark or sft, or start a new run without --resume.")
