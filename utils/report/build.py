@@ -93,11 +93,29 @@ def _bpb_series(f: F.RunFacts) -> tuple[list, list, str]:
     return [], [], ""
 
 
+def smoothed_parts(f: F.RunFacts) -> tuple[tuple[list, list], tuple[list, list]]:
+    """The logged smoothed loss split by what it is (the trainer's mean of the last
+    ``logging.smoothing_window`` steps, over the steps there are): ``(filling, full)``, the
+    points before step ``window`` (each the mean of all the steps so far, a running mean from
+    step 1 that lags far behind a falling loss) and those from step ``window`` on (the mean of
+    the last ``window`` steps). Without a known window every point counts as full."""
+    xs, ys = _series(f.train, "smoothed_loss")
+    window = F.smoothing_window(f) or 0
+    cut = sum(1 for x in xs if x < window)
+    return (xs[:cut], ys[:cut]), (xs[cut:], ys[cut:])
+
+
+def _smoothed_lines(f: F.RunFacts) -> list[Line]:
+    window = F.smoothing_window(f)
+    filling, full = smoothed_parts(f)
+    return [Line("train (mean of all steps so far)", *filling, COLORS[0], 1.8, style="--"),
+            Line(f"train (mean of last {window} steps)" if window else "train (smoothed)", *full,
+                 COLORS[0], 2.2)]
+
+
 def curve_panels(f: F.RunFacts) -> list[Panel]:
     marks = [(s.step0, "resumed") for s in f.segments if s.kind == "resume"]
     last = max([r["step"] for r in f.train + f.val] or [0])
-    window = F.smoothing_window(f)
-    smoothed = f"train (mean of last {window} steps)" if window else "train (smoothed)"
     bx, bpb, bpb_label = _bpb_series(f)
 
     def panel(title, ylabel, lines):
@@ -105,7 +123,7 @@ def curve_panels(f: F.RunFacts) -> list[Panel]:
     return [
         panel("Loss", "cross-entropy (nats/token)",
               [Line("train (logged step)", *_series(f.train, "loss"), COLORS[0], 1.2, 0.5),
-               Line(smoothed, *_series(f.train, "smoothed_loss"), COLORS[0], 2.2),
+               *_smoothed_lines(f),
                Line("validation", *_series(f.val, "val_loss"), COLORS[1], 2.0, marker="o")]),
         panel("Validation bits per byte", "bits per UTF-8 byte",
               [Line(bpb_label, bx, bpb, COLORS[1], 2.0, marker="o")]),
@@ -505,11 +523,17 @@ def build_comparison(runs: list) -> list:
     for i, r in enumerate(runs):
         c = COLORS[i % len(COLORS)]
         vx, vy = _series(r.val, "val_loss")
-        tx, ty = _series(r.train, "smoothed_loss")
+        (fx, fy), (tx, ty) = smoothed_parts(r)
         val.append(Line(r.name, _tokens_at(r, vx), vy, c, 1.8, marker="o"))
         train.append(Line(r.name, _tokens_at(r, tx), ty, c, 1.8))
+        if fx:                                   # before its window is full: dashed, said
+            train.append(Line(f"{r.name} (mean of all steps so far)", _tokens_at(r, fx), fy, c, 1.4,
+                              style="--"))
+    windows = {F.smoothing_window(r) for r in runs}
+    window = windows.pop() if len(windows) == 1 else None
     png = figure_png([Panel("Validation loss", "tokens seen", "cross-entropy (nats/token)", val),
-                      Panel("Training loss (smoothed)", "tokens seen", "cross-entropy (nats/token)",
+                      Panel(f"Training loss (mean of last {window} steps)" if window else
+                            "Training loss (smoothed)", "tokens seen", "cross-entropy (nats/token)",
                             train)], title="Runs compared", cols=2, panel_size=(5.5, 3.6))
     if png:
         blocks.append(Image("comparison.png", "validation and training loss of the runs", png))

@@ -33,6 +33,7 @@ class Line:
     width: float = 1.6
     alpha: float = 1.0
     marker: str = ""
+    style: str = "-"              # matplotlib linestyle: "-" solid, "--" dashed
 
 
 @dataclass
@@ -97,7 +98,7 @@ def _draw(ax, p: Panel) -> None:
         xs, ys = zip(*pts)
         sparse = len(pts) <= SPARSE_POINTS           # few points: show where they are
         handles += ax.plot(xs, ys, color=ln.color, linewidth=ln.width, alpha=ln.alpha,
-                           marker=ln.marker or ("o" if sparse else ""),
+                           linestyle=ln.style, marker=ln.marker or ("o" if sparse else ""),
                            markersize=4 if sparse else 3.5)
         labels.append(literal(ln.label))
     for x, label in p.marks:
