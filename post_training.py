@@ -23,6 +23,7 @@ repeats the uninterrupted one. Details: docs/sft_inference.md.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import re
@@ -30,10 +31,25 @@ import shutil
 import sys
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, UsageError,
-                       cli_nonblank, cli_path, run_stage)
+import numpy as np
+
+from utils.atomic import atomic_open, write_json_atomic
+from utils.cli import PipelineError, StageParser, UsageError, cli_nonblank, cli_path, run_stage
+from utils.config import SFT_MIN_LENGTH
+from utils.data import chat, sft
+from utils.data.chat import Rules, stop_ids_of
+from utils.data.shards import dtype_for_vocab, save_npy_atomic
+from utils.data.tok import describe, load_tokenizer, require_bos_eos
+from utils.device import resolve_device
+from utils.generation.detok import TextDecoder
+from utils.hf.import_hf import load_hf_llama
+from utils.run import (load_checkpoint, model_args_of, require_same_tokenizer, resume_checkpoint,
+                       resume_command_sft, tokenizer_for_checkpoint)
+
+if TYPE_CHECKING:    # torch-bound, imported where `sft train` needs it: `sft prepare` does not load it
+    from utils import stage
 
 SAMPLES_SOURCE = "samples"
 SAMPLE_QUESTION = "Why is the sky blue?"
@@ -123,7 +139,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 # --------------------------------------------------------------------------- prepare
 def _load_source(cfg, spec: str, max_turn_chars: int, skips) -> tuple[list, dict, Optional[Path]]:
     """(records, source description, local file to copy or None)."""
-    from utils.data import sft
     if spec == SAMPLES_SOURCE:
         recs = sft.qa_substitute_records(cfg.path("paths.samples_dir"))
         counts: dict = {}
@@ -151,7 +166,6 @@ def prepare(argv: Sequence[str]) -> int:
     args, cfg = prepare_parser().parse(argv)
     if args.batch_size < 1:
         raise UsageError("--batch-size must be at least 1.")
-    from utils.data.tok import describe, load_tokenizer
     tok = load_tokenizer(cfg)
     tok_info = describe(tok, cfg.tokenizer.name)
     template, bos, eos = choose_template(cfg, tok)
@@ -168,8 +182,6 @@ def prepare(argv: Sequence[str]) -> int:
 def choose_template(cfg, tok) -> tuple[dict, Optional[int], Optional[int]]:
     """The data's chat template (``sft.template``: the tokenizer's own when it has one, else
     ours; utils/data/chat.py) and the BOS and EOS ids our template frames exchanges with."""
-    from utils.data import chat, sft
-    from utils.data.tok import require_bos_eos
     own, name = chat.template_source(tok), cfg.tokenizer.name
     if cfg.sft.template == "tokenizer" and own is None:
         raise PipelineError(f"sft.template is 'tokenizer' but tokenizer '{name}' has no chat template of its "
@@ -195,7 +207,6 @@ class Records:
 
 def read_records(cfg, args) -> Records:
     """The records of the configured source (malformed ones counted), cut to --limit."""
-    from utils.data import sft
     skips = sft.Skips()
     records, source, local = _load_source(cfg, cfg.sft.dataset,
                                           cfg.sft.max_length * sft.MAX_TURN_CHARS_PER_TOKEN, skips)
@@ -224,7 +235,6 @@ def encode_records(tok, template, src: Records, max_len: int, batch_size: int, b
     call); longer than ``max_len`` dropped and counted, as are conversations whose answer
     merges into its prompt's last token (skip reason ``answer_joins_prompt``); none left is an
     error (nothing written)."""
-    from utils.data import chat
     enc = Encoded([], [], [], [], 0, max_len)
     records = src.records
     jinja = template.get("name") == chat.JINJA
@@ -266,9 +276,6 @@ def encode_records(tok, template, src: Records, max_len: int, batch_size: int, b
 def write_arrays(out: Path, enc: Encoded, vocab_size: int) -> dict:
     """tokens, loss mask and offsets as .npy files (atomically; metadata.json removed first:
     the set is incomplete until it is rewritten)."""
-    import numpy as np
-    from utils.data import sft
-    from utils.data.shards import dtype_for_vocab, save_npy_atomic
     out.mkdir(parents=True, exist_ok=True)
     (out / sft.METADATA_FILE).unlink(missing_ok=True)
     dtype = dtype_for_vocab(vocab_size)
@@ -291,7 +298,6 @@ def write_source_copy(out: Path, src: Records) -> str:
         shutil.copyfile(src.local, tmp)
         os.replace(tmp, out / copy_name)
         return copy_name
-    from utils.atomic import atomic_open
     copy_name = "lima_train.jsonl" if src.source["kind"] == "hub" else "qa_substitute_lima_schema.jsonl"
     with atomic_open(out / copy_name, "w") as f:
         for r in src.records:
@@ -303,9 +309,6 @@ def write_examples_and_metadata(cfg, out, tok, tok_info, template, src: Records,
                                 arrays: dict, copy_name: str) -> None:
     """example_conversations.json (the first five as the model sees them) and metadata.json
     (last: its presence marks a complete set)."""
-    import numpy as np
-    from utils.atomic import write_json_atomic
-    from utils.data import sft
     examples = []
     for rec, ids, m in list(zip(enc.kept, enc.ids, enc.masks))[:5]:
         examples.append({"source": rec["source"], "conversations": rec["conversations"],
@@ -355,7 +358,6 @@ def report_prepare(out: Path, src: Records, enc: Encoded, arrays: dict) -> None:
 # --------------------------------------------------------------------------- train
 def check_compatible(ckpt: dict, ckpt_path: Path, meta: dict, data_dir: Path, model_args) -> None:
     """Refuse a checkpoint whose tokenizer or architecture does not fit the SFT data."""
-    from utils.run import require_same_tokenizer
     want = meta.get("tokenizer") or {}
     require_same_tokenizer(ckpt.get("tokenizer"), want, f"checkpoint {ckpt_path}",
                            f"the SFT data in {data_dir}",
@@ -382,7 +384,6 @@ def fit_advice(max_seq_len: int, shortest: Optional[int] = None) -> str:
     ``--max-length`` = the context is suggested only when that is a value --max-length takes
     (at least SFT_MIN_LENGTH) and it keeps some example (the data's shortest fits); otherwise
     the message says that no --max-length helps, and what does."""
-    from utils.config import SFT_MIN_LENGTH
     if max_seq_len < SFT_MIN_LENGTH:
         return (f"No --max-length makes the data fit this model: --max-length (sft.max_length) "
                 f"takes at least {SFT_MIN_LENGTH} tokens, more than its max_seq_len of "
@@ -398,32 +399,31 @@ def fit_advice(max_seq_len: int, shortest: Optional[int] = None) -> str:
 
 def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
     args, cfg = parse_train(argv)
-    from utils.data import sft
+    return set_up(cfg, args, full_argv[1:]).finish()
+
+
+def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
+    """The steps of a start, each returning what it makes (utils/stage.py runs the rest).
+    What they hold (the checkpoint, an imported model) is freed when this returns."""
+    from utils import stage     # torch-bound (the model, the trainer): `sft prepare` does not load it
     examples = sft.load_examples(cfg.path("paths.post_training_dir"))
-    start = open_sft_run(cfg, args, examples.meta)
-    tok, tok_info, eos = open_run_tokenizer(cfg, start, examples.meta)
-    rules = run_rules(start, tok, examples.meta["template"])
+    src = open_source(cfg, args, examples.meta)
+    tok, tok_info, eos = open_run_tokenizer(cfg, src, examples.meta)
+    rules = run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok, examples.meta["template"])
     data = split_data(cfg, args, examples, tok, eos)
     optimizer, settings = sft_hyperparameters(cfg, args, data)
-    from utils.run import RunOutputs, resume_command_sft
-    from utils.training.trainer import Trainer, pause_step_from_env
-    # A start that fails before outputs.begin() (a resume refused by the training state, say)
-    # leaves no new run folder, log or TensorBoard folder, and the resumed run's files unchanged.
-    with RunOutputs(start.run_dir, cfg.path("paths.logs_dir"), start.run_dir.name) as outputs:
-        model, device = build_model(cfg, start)
-        spec = sft_spec(cfg, args, model, start, data, optimizer, settings, tok, tok_info, rules)
-        logger = outputs.open_logger(tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.raw_metrics,
-                                     purge_step=(int(start.resume["step"]) + 1) if start.resume else None)
-        trainer = Trainer(spec, run_dir=start.run_dir, logger=logger, device=device,
-                          pause_at_step=pause_step_from_env(),
-                          resume_command=resume_command_sft(full_argv[1:],
-                                                            start.run_dir / "checkpoint_latest.pt"))
-        if start.resume is not None:
-            trainer.load_state(start.resume)   # before the run's files: a refusal changes nothing
-            start.resume = None
-        write_run_files(cfg, args, start, data, spec, tok, device, logger)
-        outputs.begin()
-    return finish(trainer, start, logger)
+    start = stage.Start(src.run_dir.name, src.run_dir, src.model_args,
+                        resume=src.ckpt if src.resumed else None,
+                        weights=None if src.resumed else src.ckpt["model"], rules=rules)
+    parts = stage.Parts(
+        lr_key="sft.lr", tokenizer=tok,
+        spec=functools.partial(sft_spec, cfg, args, src, examples.meta, data, optimizer, settings,
+                               tok, tok_info, rules),
+        run_files=functools.partial(run_files, cfg, args, src, examples.meta, data),
+        resume_command=resume_command_sft(argv, src.run_dir / "checkpoint_latest.pt"),
+        closing=functools.partial(closing_line, src.run_dir))
+    proc = stage.one_process(resolve_device(cfg.training.device, "training.device"))
+    return stage.set_up(cfg, start, proc, parts)
 
 
 # --------------------------------------------------------------------------- steps of train
@@ -443,43 +443,26 @@ def parse_train(argv: Sequence[str]):
     return args, cfg
 
 
-@dataclass
-class Start:
-    """The base checkpoint (a new run) or the SFT checkpoint to resume, and where the run lives."""
+@dataclass(frozen=True)
+class Source:
+    """What an SFT run opens: the base model (a new run) or the run's own checkpoint (a resume),
+    checked against the SFT data, and where the run lives."""
     run_dir: Path
-    base_path: Path               # the pretrained checkpoint the run fine-tunes
+    base: Path                    # the pretrained checkpoint (or imported model) the run fine-tunes
     model_args: object
-    ckpt: Optional[dict]          # a new run's base checkpoint (its weights are loaded)
-    resume: Optional[dict]        # a resumed run's checkpoint (Trainer.load_state)
-    resume_path: Optional[Path]
+    ckpt: dict                    # the checkpoint read (an imported model: its weights and tokenizer)
+    path: Path                    # where ``ckpt`` was read
+    resumed: bool
     imported: object = None       # --init-from-hf: utils.hf.import_hf.Imported
 
 
-def open_sft_run(cfg, args, meta: dict) -> Start:
+def open_source(cfg, args, meta: dict) -> Source:
     """Load and check the checkpoint (its tokenizer and sizes against the SFT data) and name
     the run folder: ``sft_<name>_<time>`` for a new run, the checkpoint's folder on resume."""
-    import model as model_lib
-    from utils.run import load_checkpoint, resume_checkpoint
-    data_dir = cfg.path("paths.post_training_dir")
     if args.resume:
-        rpath = resume_checkpoint(cfg.path("paths.checkpoints_dir"), args.resume, sft_name=args.name)
-        resume = load_checkpoint(rpath, purpose="resume")
-        if resume.get("kind") != "sft":
-            raise PipelineError(f"--resume {rpath}: not an SFT checkpoint (kind "
-                                f"'{resume.get('kind')}'). To fine-tune it, pass it as --checkpoint.")
-        model_args = model_lib.ModelArgs.from_dict(dict(resume["model_args"]))
-        check_compatible(resume, rpath, meta, data_dir, model_args)
-        base = Path((resume.get("sft") or {}).get("base_checkpoint") or rpath)
-        was, now = (resume.get("chat_template") or {}).get("name"), meta["template"].get("name")
-        if was != now:
-            raise PipelineError(f"--resume {rpath}: that run trains on chat template '{was}' but "
-                                f"the SFT data in {data_dir} uses '{now}'; a run cannot change its "
-                                f"template midway. Start a new run: python main.py sft train "
-                                f"--checkpoint {base}")
-        return Start(rpath.parent, base, model_args, None, resume, rpath)
+        return resumed_source(cfg, args, meta)
     imported = None
     if args.init_from_hf:
-        from utils.hf.import_hf import load_hf_llama
         imported = load_hf_llama(args.init_from_hf)
         base = Path(imported.source)
         ckpt = {"model": imported.model.state_dict(), "tokenizer": imported.tok_info}
@@ -487,25 +470,43 @@ def open_sft_run(cfg, args, meta: dict) -> Start:
     else:
         base = Path(args.checkpoint)
         ckpt = load_checkpoint(base, purpose="weights")
-        model_args = model_lib.ModelArgs.from_dict(dict(ckpt["model_args"]))
-    check_compatible(ckpt, base, meta, data_dir, model_args)
+        model_args = model_args_of(ckpt, base)
+    check_compatible(ckpt, base, meta, cfg.path("paths.post_training_dir"), model_args)
     stamp = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
     run_dir = cfg.path("paths.checkpoints_dir") / f"sft_{args.name}_{stamp}"
     if run_dir.exists():
         raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
-    return Start(run_dir, base, model_args, ckpt, None, None, imported)
+    return Source(run_dir, base, model_args, ckpt, base, resumed=False, imported=imported)
 
 
-def open_run_tokenizer(cfg, start: Start, meta: dict):
+def resumed_source(cfg, args, meta: dict) -> Source:
+    """The SFT run ``--resume`` names: its checkpoint, which must still fit the data and its
+    chat template."""
+    data_dir = cfg.path("paths.post_training_dir")
+    rpath = resume_checkpoint(cfg.path("paths.checkpoints_dir"), args.resume, sft_name=args.name)
+    resume = load_checkpoint(rpath, purpose="resume")
+    if resume.get("kind") != "sft":
+        raise PipelineError(f"--resume {rpath}: not an SFT checkpoint (kind "
+                            f"'{resume.get('kind')}'). To fine-tune it, pass it as --checkpoint.")
+    model_args = model_args_of(resume, rpath)
+    check_compatible(resume, rpath, meta, data_dir, model_args)
+    base = Path((resume.get("sft") or {}).get("base_checkpoint") or rpath)
+    was, now = (resume.get("chat_template") or {}).get("name"), meta["template"].get("name")
+    if was != now:
+        raise PipelineError(f"--resume {rpath}: that run trains on chat template '{was}' but "
+                            f"the SFT data in {data_dir} uses '{now}'; a run cannot change its "
+                            f"template midway. Start a new run: python main.py sft train "
+                            f"--checkpoint {base}")
+    return Source(rpath.parent, base, model_args, resume, rpath, resumed=True)
+
+
+def open_run_tokenizer(cfg, src: Source, meta: dict):
     """The base run's own tokenizer (utils.run), after the checkpoint checks (a refusal costs
     no tokenizer load), matched once more against the SFT data's fingerprint."""
-    from utils.data.tok import require_bos_eos
-    from utils.run import require_same_tokenizer, tokenizer_for_checkpoint
-    if start.imported is not None:
-        tok, tok_info = start.imported.tok, dict(start.imported.tok_info)
+    if src.imported is not None:
+        tok, tok_info = src.imported.tok, dict(src.imported.tok_info)
     else:
-        tok, tok_info = tokenizer_for_checkpoint(start.resume or start.ckpt, cfg,
-                                                 start.resume_path or start.base_path)
+        tok, tok_info = tokenizer_for_checkpoint(src.ckpt, cfg, src.path)
         tok_info = {k: v for k, v in tok_info.items() if k != "verified"}
     require_same_tokenizer(tok_info, meta.get("tokenizer"), "the checkpoint's tokenizer",
                            f"the SFT data in {cfg.path('paths.post_training_dir')}",
@@ -519,31 +520,18 @@ def open_run_tokenizer(cfg, start: Start, meta: dict):
     return tok, tok_info, tok.eos_token_id
 
 
-def run_rules(start: Start, tok, template: dict):
+def run_rules(kept: Optional[Rules], src: Source, tok, template: dict) -> Rules:
     """The run's rules (utils/data/chat.py): the base model's BOS rule, stop ids and generation
-    defaults (an imported model's own, else those its checkpoint recorded, else ours), with the
-    data's template and its end-of-turn token."""
-    from utils.data.chat import Rules, rules_of_checkpoint, stop_ids_of
-    base = (start.imported.rules if start.imported is not None
-            else rules_of_checkpoint(start.resume or start.ckpt, tok))
+    defaults (``kept``: an imported model's own or those its checkpoint recorded, else ours),
+    with the data's template and its end-of-turn token."""
+    base = kept or Rules.ours(tok, src.ckpt.get("chat_template"))
     stops = tuple(dict.fromkeys(base.stop_ids + stop_ids_of(None, tok, template)))
     return Rules(template, base.add_bos, stops, base.defaults, base.source)
 
 
-@dataclass
-class Data:
-    examples: object
-    train: object
-    val: object
-    train_idx: object
-    val_idx: object
-    steps_per_epoch: int
-    total_steps: int
-
-
-def split_data(cfg, args, examples, tok, eos) -> Data:
+def split_data(cfg, args, examples, tok, eos) -> stage.Data:
     """The seeded train/validation split, the loaders (padding with pad, else EOS), the length."""
-    from utils.data import sft
+    from utils.stage import Data    # torch-bound: `sft prepare` does not load it
     s, seed = cfg.sft, cfg.training.seed
     train_idx, val_idx = sft.split_indices(len(examples), s.val_split, seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
@@ -553,13 +541,18 @@ def split_data(cfg, args, examples, tok, eos) -> Data:
     total = s.epochs * steps_per_epoch
     if args.max_steps:
         total = min(total, args.max_steps)
-    return Data(examples, train_data, val_data, train_idx, val_idx, steps_per_epoch, total)
+    return Data(train_data, val_data, steps_per_epoch, total)
 
 
-def sft_hyperparameters(cfg, args, data: Data):
+def _example_counts(data: stage.Data) -> tuple[int, int]:
+    """Conversations in the training and the validation split."""
+    return len(data.train.indices), len(data.val.indices) if data.val is not None else 0
+
+
+def sft_hyperparameters(cfg, args, data: stage.Data):
     """SFT's optimizer and numbers, from the ``sft`` section; what it takes from ``training``
     and ``logging`` (how the run is executed, not how it learns) is said once, here."""
-    from utils.training.trainer import OptimizerSpec, Settings, eval_interval
+    from utils.training.trainer import OptimizerSpec, Settings, eval_interval   # torch-bound: `sft prepare` does not load it
     s, hp, log = cfg.sft, cfg.training, cfg.logging
     optimizer = OptimizerSpec("adamw", s.lr, s.beta1, s.beta2, s.weight_decay)
     settings = Settings(
@@ -579,65 +572,44 @@ def sft_hyperparameters(cfg, args, data: Data):
     return optimizer, settings
 
 
-def build_model(cfg, start: Start):
-    """The seeded model with the base weights (a resume loads its own later), on the device."""
-    import model as model_lib
-    from utils.device import resolve_device
-    from utils.training.trainer import seed_everything
-    device = resolve_device(cfg.training.device, "training.device")
-    seed_everything(cfg.training.seed)
-    net = model_lib.create_model(start.model_args)
-    if start.ckpt is not None:
-        net.load_state_dict(start.ckpt["model"], strict=True)
-        start.ckpt = None
-    return net.to(device), device
-
-
-def sft_spec(cfg, args, model, start: Start, data: Data, optimizer, settings, tok, tok_info, rules):
+def sft_spec(cfg, args, src: Source, meta: dict, data: stage.Data, optimizer, settings, tok, tok_info,
+             rules: Rules, model):
     """SFT as a TrainSpec: the masked next-token loss on the conversations, one numbered
     checkpoint per epoch (``checkpoint_epoch_N.pt``), a sample answer to a fixed question."""
-    from utils.data import chat
-    from utils.training.trainer import RunRecord, TrainSpec
-    from utils.training.trainer import resolve_dtype
-    meta, spe, seed = data.examples.meta, data.steps_per_epoch, cfg.training.seed
+    from utils import stage     # torch-bound: `sft prepare` does not load it
+    from utils.training.trainer import TrainSpec, resolve_dtype
+    spe = data.steps_per_epoch
     q_ids = chat.chat_prompt_ids(tok, meta["template"], "", [], SAMPLE_QUESTION)
     continues, lead = chat.answer_decoding(meta["template"])
 
-    def sample_fn(m):
-        from utils.generation.detok import TextDecoder
-        from utils.generation.engine import generate
-        out = generate(m, [q_ids], max_new_tokens=args.sample_tokens, temperature=0.8, top_k=50,
-                       eos_id=rules.stop_ids, seed=seed)
+    def answer(ids) -> str:
         reply = TextDecoder(tok, q_ids[-1:] if continues else (), lead=lead)
-        for t in out[0]:
+        for t in ids:
             reply.push(t)
-        return [(SAMPLE_QUESTION, reply.text())]
+        return reply.text()
 
-    print(f"sft train: {len(data.train_idx)} training / {len(data.val_idx)} validation examples "
+    n_train, n_val = _example_counts(data)
+    print(f"sft train: {n_train} training / {n_val} validation examples "
           f"({meta['source'].get('label')}); {data.total_steps} steps ({spe}/epoch) of "
           f"{cfg.sft.batch_size} conversations; lr {optimizer.lr:g}; "
           f"{str(resolve_dtype(settings.dtype, model.device)).replace('torch.', '')} on "
-          f"{model.device}; base {start.base_path}.", flush=True)
-    record = RunRecord("sft", cfg.to_dict(), tok_info, chat_template=meta["template"],
-                       extra={"sft": {"base_checkpoint": str(start.base_path),
-                                      "data_fingerprint": meta["data_fingerprint"]},
-                              "model_rules": rules.to_dict()})
-    return TrainSpec(model, start.model_args, data.train, data.val, optimizer=optimizer,
+          f"{model.device}; base {src.base}.", flush=True)
+    record = stage.run_record("sft", cfg, tok_info, rules,
+                              {"sft": {"base_checkpoint": str(src.base),
+                                       "data_fingerprint": meta["data_fingerprint"]}})
+    return TrainSpec(model, src.model_args, data.train, data.val, optimizer=optimizer,
                      settings=settings, record=record,
                      checkpoint_name=lambda step: f"checkpoint_epoch_{step // spe}.pt",
-                     sample_fn=sample_fn if args.sample_tokens > 0 else None)
+                     sample_fn=stage.sampler(cfg, SAMPLE_QUESTION, q_ids, args.sample_tokens,
+                                             rules.stop_ids, answer))
 
 
-def write_run_files(cfg, args, start: Start, data: Data, spec, tok, device, logger) -> None:
-    """The run folder with sft_config.json (what it was trained from and with) and a copy of
-    its tokenizer, and the log's config record (written once the start can no longer be
-    refused)."""
-    from utils.atomic import write_json_atomic
-    from utils.run import save_run_tokenizer
-    from utils.training.trainer import resolve_dtype
-    run, meta, st, opt = start.run_dir.name, data.examples.meta, spec.settings, spec.optimizer
-    start.run_dir.mkdir(parents=True, exist_ok=True)
-    save_run_tokenizer(start.run_dir, tok, spec.record.tokenizer["name"])
+def run_files(cfg, args, src: Source, meta: dict, data: stage.Data, spec) -> dict:
+    """sft_config.json (what the run was trained from and with); the hyperparameters of the
+    log's config record."""
+    from utils.training.trainer import resolve_dtype    # torch-bound: `sft prepare` does not load it
+    st, opt, device = spec.settings, spec.optimizer, spec.model.device
+    n_train, n_val = _example_counts(data)
     hyper = {"epochs": cfg.sft.epochs, "lr": opt.lr, "min_lr": st.min_lr,
              "batch_size": cfg.sft.batch_size, "val_split": cfg.sft.val_split,
              "warmup_steps": st.warmup_steps, "total_steps": st.total_steps,
@@ -645,36 +617,24 @@ def write_run_files(cfg, args, start: Start, data: Data, spec, tok, device, logg
              "eval_every": args.eval_every, "dtype": str(resolve_dtype(st.dtype, device)),
              "device": str(device), "weight_decay": opt.weight_decay,
              "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip}
-    sft_config = {"run": run, "base_checkpoint": str(start.base_path),
-                  "resumed_from": str(args.resume) if start.resume_path else None,
+    sft_config = {"run": src.run_dir.name, "base_checkpoint": str(src.base),
+                  "resumed_from": str(args.resume) if src.resumed else None,
                   "data": {"dir": str(cfg.path("paths.post_training_dir")),
                            "fingerprint": meta["data_fingerprint"], "source": meta["source"],
-                           "train_examples": int(len(data.train_idx)),
-                           "val_examples": int(len(data.val_idx))},
+                           "train_examples": n_train, "val_examples": n_val},
                   "chat_template": meta["template"], "sample_question": SAMPLE_QUESTION,
-                  "hyperparameters": hyper, "model": start.model_args.to_dict(),
+                  "hyperparameters": hyper, "model": src.model_args.to_dict(),
                   "tokenizer": spec.record.tokenizer, "config": cfg.to_dict()}
-    write_json_atomic(start.run_dir / "sft_config.json", sft_config)
-    logger.config(cfg.to_dict(), {"run": run, **hyper})
+    write_json_atomic(src.run_dir / "sft_config.json", sft_config)
+    return {"run": src.run_dir.name, **hyper}
 
 
-def finish(trainer, start: Start, logger) -> int:
-    """Train, close the logs, say where the model is; 130 when stopped."""
-    try:
-        result = trainer.fit()
-    finally:
-        logger.close()
-    if result.reason == "interrupted":
-        return EXIT_INTERRUPTED
-    if result.reason == "diverged":
-        from utils.training.trainer import diverged_message
-        raise PipelineError(diverged_message(result, start.run_dir, "sft.lr", trainer.spec.optimizer.lr))
+def closing_line(run_dir: Path, result, logger) -> str:
+    """Where the model is and how to try it."""
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
-    print(f"sft train: {result.reason} at step {result.step}; best masked val loss {best}; "
-          f"checkpoints in {start.run_dir}. Try it: python main.py infer --checkpoint "
-          f"{start.run_dir / 'checkpoint_best.pt'}")
-    return 0
-
+    return (f"sft train: {result.reason} at step {result.step}; best masked val loss {best}; "
+            f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint "
+            f"{run_dir / 'checkpoint_best.pt'}")
 
 if __name__ == "__main__":
     run_stage(main)

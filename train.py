@@ -15,15 +15,29 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import shlex
 import sys
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
-from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, UsageError, argv_without,
-                       cli_nonblank, cli_path, run_stage)
+import torch
+
+import dataloader
+import model as model_lib
+from utils import stage
+from utils.cli import PipelineError, StageParser, UsageError, argv_without, cli_nonblank, cli_path, run_stage
+from utils.data.chat import Rules
+from utils.data.tok import describe, load_tokenizer
+from utils.device import resolve_device
+from utils.hf.import_hf import load_hf_llama
+from utils.run import (check_run_name, load_checkpoint, model_args_of, require_same_tokenizer,
+                       resume_checkpoint, resume_command_train)
+from utils.training import distributed as D
+from utils.training.allocator import cpu_allocator_plan
+from utils.training.metrics import measure_bytes_per_token
+from utils.training.trainer import OptimizerSpec, Settings, TrainSpec, resolve_dtype
 
 # --test: a quick CPU profile. Each entry applies unless its flag is given on the command line
 # (it then overrides the config file's value, like any flag).
@@ -105,43 +119,32 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def pick_device(cfg, local_rank: int):
-    from utils.device import resolve_device
-    return resolve_device(cfg.training.device, "training.device", local_rank)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, cfg = parse(argv)
     if args.nproc_per_node > 1:
         return launch_ranks(argv, args.nproc_per_node)
+    return set_up(cfg, args, argv).finish()
+
+
+def set_up(cfg, args, argv: list[str]) -> stage.Run:
+    """The steps of a start, each returning what it makes (utils/stage.py runs the rest).
+    What they hold (a resume checkpoint, an imported model) is freed when this returns."""
     proc = set_up_process(cfg)
     tok, tok_info, imported = open_tokenizer(cfg, args)
     start = open_run(cfg, args, tok, tok_info, proc, imported)
-    from utils.run import RunOutputs, resume_command_train
-    from utils.training.trainer import Trainer, pause_step_from_env
-    # A start that fails before outputs.begin() (a resume refused by the training state, a
-    # model or data that do not fit) leaves no new run folder, log or TensorBoard folder.
-    with RunOutputs(start.run_dir, cfg.path("paths.logs_dir"), start.run,
-                    enabled=proc.dist.is_main) as outputs:
-        data = build_data(cfg, tok, tok_info, proc)
-        model = build_model(cfg, start, data, proc)
-        logger = open_logger(cfg, start, outputs)
-        spec = pretraining_spec(cfg, model, start, data, tok, tok_info, proc)
-        trainer = Trainer(spec, run_dir=start.run_dir, logger=logger, device=proc.device,
-                          dist=proc.dist, pause_at_step=pause_step_from_env(),
-                          resume_command=resume_command_train(
-                              argv, start.run, proc.dist.world_size,
-                              int(os.environ.get("LOCAL_WORLD_SIZE", proc.dist.world_size))))
-        if start.ckpt is not None:
-            trainer.load_state(start.ckpt)     # before the run's files: a refusal changes nothing
-            start.ckpt = None
-        write_run_files(cfg, start, data, model, tok, tok_info, proc, logger)
-        outputs.begin()
-    return finish(trainer, start, logger, proc)
+    data = build_data(cfg, tok, tok_info, proc)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", proc.dist.world_size))
+    parts = stage.Parts(
+        lr_key="training.lr", tokenizer=tok,
+        spec=functools.partial(pretraining_spec, cfg, start, data, tok, tok_info, proc),
+        run_files=functools.partial(run_files, cfg, start, data, proc),
+        resume_command=resume_command_train(argv, start.run, proc.dist.world_size, local_world),
+        closing=functools.partial(closing_line, start.run, start.run_dir))
+    return stage.set_up(cfg, start, proc, parts)
 
 
-# --------------------------------------------------------------------------- steps of main
+# --------------------------------------------------------------------------- steps
 def parse(argv: list[str]):
     """Flags over the config; ``--test`` fills in the quick profile where no flag is given."""
     parser = build_parser()
@@ -153,7 +156,6 @@ def parse(argv: list[str]):
 
 def launch_ranks(argv: list[str], n: int) -> int:
     """``--nproc-per-node N``: start N ranks of this script through torchrun."""
-    from utils.training import distributed as D
     if D.env_world_size() > 1:
         raise UsageError("--nproc-per-node launches the ranks itself; under torchrun, leave "
                          "it out (torchrun's --nproc_per_node sets the count).")
@@ -161,24 +163,14 @@ def launch_ranks(argv: list[str], n: int) -> int:
                           "train.py")
 
 
-@dataclass
-class Process:
-    """This rank: its device, the process group, and ``say`` (prints on rank 0 only)."""
-    device: object
-    dist: object
-    say: Callable
-
-
-def set_up_process(cfg) -> Process:
+def set_up_process(cfg) -> stage.Process:
     """Device (the local rank's GPU under DDP), the process group, CPU allocator or TF32."""
-    import torch
-    from utils.training import distributed as D
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(cfg, local_rank if D.env_world_size() > 1 else 0)
+    device = resolve_device(cfg.training.device, "training.device",
+                            local_rank if D.env_world_size() > 1 else 0)
     dist = D.init(device.type)
-    say = (lambda *a, **k: print(*a, **k, flush=True)) if dist.is_main else (lambda *a, **k: None)
+    say = stage.say_always if dist.is_main else (lambda *a, **k: None)
     if device.type == "cpu":
-        from utils.training.allocator import cpu_allocator_plan
         restart, note = cpu_allocator_plan("train.py")
         if restart is not None:
             restart_process(restart)
@@ -188,7 +180,7 @@ def set_up_process(cfg) -> Process:
     else:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return Process(device, dist, say)
+    return stage.Process(device, dist, say)
 
 
 def restart_process(restart) -> None:
@@ -207,91 +199,60 @@ def open_tokenizer(cfg, args):
         if args.resume:
             raise UsageError("--init-from-hf starts a new run from a Hugging Face model; "
                              "--resume continues a run of ours: give one of them.")
-        from utils.hf.import_hf import load_hf_llama
         imported = load_hf_llama(args.init_from_hf)
         print(f"train: starting from {imported.source} ({imported.model.num_params():,} "
               "parameters, its own tokenizer).", flush=True)
         return imported.tok, imported.tok_info, imported
-    from utils.data.tok import describe, load_tokenizer
     tok = load_tokenizer(cfg)
     return tok, describe(tok, cfg.tokenizer.name), None
 
 
-@dataclass
-class Start:
-    """Where the run lives and what it starts from (a resume checkpoint, imported weights, or
-    a fresh initialization)."""
-    run: str
-    run_dir: Path
-    model_args: object
-    ckpt: Optional[dict]
-    init_weights: Optional[dict] = None      # --init-from-hf: the imported state dict
-    imported: bool = False
-    rules: object = None                     # utils.data.chat.Rules of an imported model (kept on resume)
-
-
-def open_run(cfg, args, tok, tok_info, proc: Process, imported=None) -> Start:
+def open_run(cfg, args, tok, tok_info, proc: stage.Process, imported=None) -> stage.Start:
     """A resumed run (its checkpoint, checked against today's tokenizer and settings) or a new
-    one (a name, a model from the config); refuses to start over an existing run."""
-    import model as model_lib
-    from utils.training import distributed as D
-    from utils.run import check_run_name, load_checkpoint, require_same_tokenizer, resume_checkpoint
+    one (a name, a model from the config or the imported one); refuses to start over an
+    existing run."""
     hp, ckdir = cfg.training, cfg.path("paths.checkpoints_dir")
     if hp.run_name is not None:
         check_run_name(hp.run_name, "--name (training.run_name)")
-    ckpt = None
     if args.resume:
-        path = resume_checkpoint(ckdir, args.resume, hp.run_name)
-        ckpt = load_checkpoint(path, purpose="resume")
-        run = hp.run_name or (path.parent.name if path.parent != ckdir else "legacy")
-        require_same_tokenizer(ckpt.get("tokenizer"), tok_info, str(path), "the configured tokenizer",
-                               "Resume with the run's tokenizer (its config's tokenizer.name).")
-        model_args = model_lib.ModelArgs.from_dict(dict(ckpt["model_args"]))
-        _report_config_changes(ckpt.get("config") or {}, cfg.to_dict(), proc.say)
-        proc.say(f"train: resuming run '{run}' from {path} (step {ckpt['step']}).")
+        return resumed_run(cfg, args, tok, tok_info, proc)
+    run = hp.run_name or D.broadcast_object(
+        proc.dist, datetime.datetime.now().strftime("run_%Y_%m_%d_%H_%M"))
+    if imported is not None:
+        model_args = imported.model.args
+        if cfg.dataset.window > model_args.max_seq_len:
+            raise UsageError(f"dataset.window {cfg.dataset.window} is longer than the imported "
+                             f"model's context ({model_args.max_seq_len}); lower --window.")
     else:
-        run = hp.run_name or D.broadcast_object(
-            proc.dist, datetime.datetime.now().strftime("run_%Y_%m_%d_%H_%M"))
-        if imported is not None:
-            model_args = imported.model.args
-            if cfg.dataset.window > model_args.max_seq_len:
-                raise UsageError(f"dataset.window {cfg.dataset.window} is longer than the imported "
-                                 f"model's context ({model_args.max_seq_len}); lower --window.")
-        else:
-            model_args = model_lib.model_args_from_config(cfg, cfg.model.vocab_size or len(tok),
-                                                          tok.bos_token_id)
+        model_args = model_lib.model_args_from_config(cfg, cfg.model.vocab_size or len(tok),
+                                                      tok.bos_token_id)
     run_dir = ckdir / run
-    if ckpt is None and (run_dir / "checkpoint_latest.pt").exists():
+    if (run_dir / "checkpoint_latest.pt").exists():
         raise UsageError(f"{run_dir} already holds a run. Continue it with `--name {run} --resume "
                          "auto`, or choose another --name.")
-    return Start(run, run_dir, model_args, ckpt, imported.model.state_dict() if imported is not None else None,
-                 rules=model_rules(imported, ckpt, tok))
+    return stage.Start(run, run_dir, model_args,
+                       weights=imported.model.state_dict() if imported is not None else None,
+                       rules=stage.kept_rules(tok, imported))
 
 
-def model_rules(imported, ckpt: Optional[dict], tok):
-    """The rules a run keeps (utils/data/chat.py): an imported model's (its chat template, BOS
-    rule, stop ids and generation defaults), or those its checkpoint recorded; None for a
-    model trained here from scratch (ours apply)."""
-    from utils.data.chat import rules_of_checkpoint
-    if imported is not None:
-        return imported.rules
-    if ckpt is not None and ckpt.get("model_rules"):
-        return rules_of_checkpoint(ckpt, tok)
-    return None
+def resumed_run(cfg, args, tok, tok_info, proc: stage.Process) -> stage.Start:
+    """The run ``--resume`` names, with its checkpoint (the tokenizer must be the run's; changed
+    settings are named)."""
+    hp, ckdir = cfg.training, cfg.path("paths.checkpoints_dir")
+    path = resume_checkpoint(ckdir, args.resume, hp.run_name)
+    ckpt = load_checkpoint(path, purpose="resume")
+    run = hp.run_name or (path.parent.name if path.parent != ckdir else "legacy")
+    require_same_tokenizer(ckpt.get("tokenizer"), tok_info, str(path), "the configured tokenizer",
+                           "Resume with the run's tokenizer (its config's tokenizer.name).")
+    model_args = model_args_of(ckpt, path)
+    _report_config_changes(ckpt.get("config") or {}, cfg.to_dict(), proc.say)
+    proc.say(f"train: resuming run '{run}' from {path} (step {ckpt['step']}).")
+    return stage.Start(run, ckdir / run, model_args, resume=ckpt, rules=stage.kept_rules(tok, ckpt=ckpt))
 
 
-@dataclass
-class Data:
-    train: object
-    val: object
-    steps_per_epoch: Optional[int]
-    total_steps: int
-
-
-def build_data(cfg, tok, tok_info, proc: Process) -> Data:
+def build_data(cfg, tok, tok_info, proc: stage.Process) -> stage.Data:
     """The loaders (shard sets are checked against ``tok_info``; on-the-fly data needs the
     tokenizer itself) and the run's length in optimizer steps."""
-    import dataloader
     hp, dist = cfg.training, proc.dist
     on_the_fly = cfg.dataset.mode == "on_the_fly"
     if dist.enabled and not on_the_fly:
@@ -314,14 +275,12 @@ def build_data(cfg, tok, tok_info, proc: Process) -> Data:
     else:
         raise UsageError("on-the-fly data has no known length: set training.max_steps "
                          "(or --max-steps).")
-    return Data(train_loader, val_loader, steps_per_epoch, total)
+    return stage.Data(train_loader, val_loader, steps_per_epoch, total)
 
 
-def _open_shards_on_rank0(cfg, tok_info, proc: Process) -> None:
+def _open_shards_on_rank0(cfg, tok_info, proc: stage.Process) -> None:
     """Rank 0 checks the shard set first (and, with dataset.auto_prepare, builds it); the other
     ranks wait, then open the finished set: never several preps in one folder."""
-    import dataloader
-    from utils.training import distributed as D
     failure: Optional[BaseException] = None
     if proc.dist.rank == 0:
         try:
@@ -334,118 +293,71 @@ def _open_shards_on_rank0(cfg, tok_info, proc: Process) -> None:
         raise PipelineError("rank 0 could not open the shard set (its own error message says why).")
 
 
-def build_model(cfg, start: Start, data: Data, proc: Process):
-    """The seeded, freshly initialized model on the device (a resume loads its weights later)."""
-    import model as model_lib
-    from utils.training.trainer import resolve_dtype, seed_everything
+def pretraining_spec(cfg, start: stage.Start, data: stage.Data, tok, tok_info, proc: stage.Process,
+                     model) -> TrainSpec:
+    """Pre-training as a TrainSpec: next-token loss on the windows, the ``training`` section's
+    optimizer and numbers, a sample from ``training.sample_prompt`` at each validation."""
+    say_model(cfg, start, data, model, proc)
     hp = cfg.training
-    seed_everything(hp.seed)
-    model = model_lib.create_model(start.model_args)
-    start.imported = start.init_weights is not None
-    if start.init_weights is not None:
-        model.load_state_dict(start.init_weights, strict=True)
-        start.init_weights = None
-    model = model.to(proc.device)
-    dtype = resolve_dtype(hp.dtype, proc.device)
-    if start.imported:
+    bpt = None
+    if data.val is not None and start.resume is None:
+        bpt = measure_bytes_per_token(_take(data.val, 8), tok.decode)
+        if proc.dist.enabled:   # each rank measured its own, equally long val slice: average them
+            bpt = D.all_reduce_sum(proc.dist, [bpt or 0.0], proc.device)[0] / proc.dist.world_size
+    rules = start.rules or Rules.ours(tok)
+    sample = stage.sampler(cfg, hp.sample_prompt, rules.prompt_ids(tok, hp.sample_prompt),
+                           hp.sample_tokens, rules.stop_ids,
+                           lambda ids: tok.decode(ids, skip_special_tokens=True))
+    return TrainSpec(model, start.model_args, data.train, data.val,
+                     optimizer=OptimizerSpec.from_config(hp),
+                     settings=Settings.from_config(hp, cfg.logging, data.total_steps,
+                                                   data.steps_per_epoch),
+                     record=stage.run_record("pretrain", cfg, tok_info, start.rules),
+                     sample_fn=sample, bytes_per_token=bpt)
+
+
+def say_model(cfg, start: stage.Start, data: stage.Data, model, proc: stage.Process) -> None:
+    """The model (where it comes from) and the run's length, batch, optimizer and precision."""
+    hp = cfg.training
+    if start.weights is not None:
         origin = "imported"
-    elif start.ckpt is not None:            # resumed: the model is the checkpoint's, whatever model.* says now
-        was = ((start.ckpt.get("config") or {}).get("model") or {}).get("preset")
+    elif start.resume is not None:      # resumed: the model is the checkpoint's, whatever model.* says now
+        was = ((start.resume.get("config") or {}).get("model") or {}).get("preset")
         origin = f"the checkpoint's model{f', preset {was}' if isinstance(was, str) else ''}"
     else:
         origin = f"preset {cfg.model.preset}"
+    dtype = resolve_dtype(hp.dtype, proc.device)
     proc.say(f"train: model {model.num_params():,} parameters ({origin}); "
              f"{data.total_steps} steps of {_effective_batch(cfg, proc)} x {cfg.dataset.window} "
              f"tokens ({data.steps_per_epoch or '?'} steps/epoch); {hp.optimizer}, lr {hp.lr:g} -> "
              f"{hp.min_lr:g}, {str(dtype).replace('torch.', '')} on {proc.device}"
              + (f", {proc.dist.world_size} processes ({proc.dist.backend})" if proc.dist.enabled else "")
              + ".")
-    return model
 
 
-def _effective_batch(cfg, proc: Process) -> int:
+def _effective_batch(cfg, proc: stage.Process) -> int:
     return cfg.training.batch_size * cfg.training.grad_accum * proc.dist.world_size
 
 
-def open_logger(cfg, start: Start, outputs):
-    """TensorBoard + JSONL metrics (rank 0; ``outputs``, the run layer's RunOutputs, closes
-    it on a failed start)."""
-    return outputs.open_logger(tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.raw_metrics,
-                               purge_step=(int(start.ckpt["step"]) + 1) if start.ckpt else None)
-
-
-def write_run_files(cfg, start: Start, data: Data, model, tok, tok_info, proc: Process, logger) -> None:
-    """Rank 0: the run folder with its resolved config and a copy of its tokenizer, and the
-    log's config record (written once the start can no longer be refused)."""
-    from utils.run import save_run_tokenizer
-    from utils.training.trainer import resolve_dtype
+def run_files(cfg, start: stage.Start, data: stage.Data, proc: stage.Process, spec: TrainSpec) -> dict:
+    """The run folder's resolved config.json; the hyperparameters of the log's config record."""
     hp = cfg.training
-    if proc.dist.is_main:
-        start.run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.save_resolved(start.run_dir, "config.json")
-        save_run_tokenizer(start.run_dir, tok, tok_info["name"])
-        hparams = {**vars(hp), "run": start.run, "params": model.num_params(),
-                   "total_steps": data.total_steps, "effective_batch": _effective_batch(cfg, proc),
-                   "window": cfg.dataset.window, "world_size": proc.dist.world_size,
-                   "dtype": str(resolve_dtype(hp.dtype, proc.device)), "device": str(proc.device),
-                   "model": start.model_args.to_dict()}
-        logger.config(cfg.to_dict(), hparams)
+    cfg.save_resolved(start.run_dir, "config.json")
+    return {**vars(hp), "run": start.run, "params": spec.model.num_params(),
+            "total_steps": data.total_steps, "effective_batch": _effective_batch(cfg, proc),
+            "window": cfg.dataset.window, "world_size": proc.dist.world_size,
+            "dtype": str(resolve_dtype(hp.dtype, proc.device)), "device": str(proc.device),
+            "model": start.model_args.to_dict()}
 
 
-def pretraining_spec(cfg, model, start: Start, data: Data, tok, tok_info, proc: Process):
-    """Pre-training as a TrainSpec: next-token loss on the windows, the ``training`` section's
-    optimizer and numbers, a sample from ``training.sample_prompt`` at each validation."""
-    from utils.data.chat import Rules
-    from utils.training.metrics import measure_bytes_per_token
-    from utils.training.trainer import OptimizerSpec, RunRecord, Settings, TrainSpec
-    from utils.training import distributed as D
-    hp = cfg.training
-    bpt = None
-    if data.val is not None and not start.ckpt:
-        bpt = measure_bytes_per_token(_take(data.val, 8), tok.decode)
-        if proc.dist.enabled:   # each rank measured its own, equally long val slice: average them
-            bpt = D.all_reduce_sum(proc.dist, [bpt or 0.0], proc.device)[0] / proc.dist.world_size
-    prompt = hp.sample_prompt
-    rules = start.rules or Rules.ours(tok)
-    prompt_ids = rules.prompt_ids(tok, prompt)
-
-    def sample_fn(m):
-        from utils.generation.engine import generate
-        out = generate(m, [prompt_ids], max_new_tokens=hp.sample_tokens, temperature=0.8, top_k=50,
-                       eos_id=rules.stop_ids, seed=hp.seed)
-        return [(prompt, tok.decode(out[0], skip_special_tokens=True))]
-
-    return TrainSpec(model, start.model_args, data.train, data.val,
-                     optimizer=OptimizerSpec.from_config(hp),
-                     settings=Settings.from_config(hp, cfg.logging, data.total_steps,
-                                                   data.steps_per_epoch),
-                     record=RunRecord("pretrain", cfg.to_dict(), tok_info,
-                                      chat_template=start.rules.template if start.rules else None,
-                                      extra={"model_rules": start.rules.to_dict()} if start.rules else {}),
-                     sample_fn=sample_fn if hp.sample_tokens > 0 else None, bytes_per_token=bpt)
-
-
-def finish(trainer, start: Start, logger, proc: Process) -> int:
-    """Train, close the logs, say where things are; 130 when stopped."""
-    from utils.training import distributed as D
-    try:
-        result = trainer.fit()
-    finally:
-        logger.close()
-    if result.reason == "interrupted":
-        D.shutdown()
-        return EXIT_INTERRUPTED
-    if result.reason == "diverged":
-        from utils.training.trainer import diverged_message
-        D.shutdown()
-        raise PipelineError(diverged_message(result, start.run_dir, "training.lr", trainer.spec.optimizer.lr))
-    if proc.dist.is_main and result.reason != "already_done":
-        best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
-        proc.say(f"train: {result.reason} at step {result.step}; best val loss {best}; checkpoints "
-                 f"in {start.run_dir}; metrics in {logger.jsonl_path}. Next: python main.py "
-                 f"status {shlex.quote(start.run)}")
-    D.shutdown()
-    return 0
+def closing_line(run: str, run_dir: Path, result, logger) -> Optional[str]:
+    """Where things are, after a run that trained (none after one that was already complete)."""
+    if result.reason == "already_done":
+        return None
+    best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
+    return (f"train: {result.reason} at step {result.step}; best val loss {best}; checkpoints "
+            f"in {run_dir}; metrics in {logger.jsonl_path}. Next: python main.py "
+            f"status {shlex.quote(run)}")
 
 
 def _take(loader, n: int):
