@@ -280,8 +280,9 @@ def llama_cpp_pre(data: dict) -> str:
             problems.append(f"added token {a.get('content')!r} has {'/'.join(flags)}: a GGUF "
                             "vocabulary matches an added token as written only")
     if problems:
-        raise ValueError("llama.cpp's tokenizers would give other ids than this tokenizer ("
-                         + "; ".join(problems[:4]) + "); export --format hf")
+        raise ValueError("its tokenizer.json would give other ids in llama.cpp ("
+                         + "; ".join(problems[:4]) + "); export --format hf instead, which keeps the "
+                         "tokenizer as it is")
     return pre
 
 
