@@ -386,3 +386,22 @@ def test_out_of_range_log_numbers_are_left_out_and_counted(work):
     assert cell(md, "steps") == f"{TOTAL} of {TOTAL}"
     assert (work["root"] / "odd" / "odd_numbers" / "curves.png").is_file()
     assert (work["root"] / "odd" / "compare_odd_numbers_vs_base" / "comparison.png").is_file()
+
+
+def test_the_smoothed_loss_is_labelled_as_what_it_is(tmp_path):
+    """The trainer's smoothed loss is the mean of the last logging.smoothing_window steps over
+    the steps there are: before step 50 (all of a 40-step run) it is the mean of every step so
+    far, which lags far above a falling loss. It was labelled "mean of last 50 steps" all the
+    way; now the part before the window is full is its own dashed line saying what it is."""
+    from utils.report import build, facts
+    train = [{"step": s, "loss": 6.0 - s / 20, "smoothed_loss": 7.0 - s / 40} for s in range(10, 90, 10)]
+    runs = [facts.RunFacts(name, tmp_path, None, train=train[:n], val=[{"step": 0, "val_loss": 7.5}],
+                           configs=[{"config": {"logging": {"smoothing_window": 50}}, "hparams": {}}])
+            for name, n in (("short", 4), ("long", 8))]
+    lines = {ln.label: (list(ln.xs), ln.style) for ln in build.curve_panels(runs[0])[0].lines if ln.xs}
+    assert lines == {"train (logged step)": ([10, 20, 30, 40], "-"),
+                     "train (mean of all steps so far)": ([10, 20, 30, 40], "--"),
+                     "validation": ([0], "-")}
+    lines = {ln.label: list(ln.xs) for ln in build.curve_panels(runs[1])[0].lines if ln.xs}
+    assert lines["train (mean of all steps so far)"] == [10, 20, 30, 40]
+    assert lines["train (mean of last 50 steps)"] == [50, 60, 70, 80]

@@ -453,6 +453,72 @@ def test_scheduler_warmup_cosine_min_and_resume():
     assert lr_factor(0, warmup=0, total=10, min_ratio=0.0) == 1.0
 
 
+# --------------------------------------------------------------------------- throughput
+class _Windows:
+    """In-memory training windows with the resumable position the Trainer asks of its data."""
+
+    def __init__(self, rows: int = 40, batch: int = 2, window: int = 8):
+        self.data = torch.randint(0, 64, (rows, window + 1), generator=torch.Generator().manual_seed(0))
+        self.batch, self.epoch, self.index = batch, 0, 0
+
+    def __iter__(self):
+        while self.index + self.batch <= len(self.data):
+            rows = self.data[self.index:self.index + self.batch]
+            self.index += self.batch
+            yield {"x": rows[:, :-1], "y": rows[:, 1:]}
+        self.epoch, self.index = self.epoch + 1, 0
+
+    def __len__(self):
+        return len(self.data) // self.batch
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "index": self.index, "batch_size": self.batch}
+
+    def load_state_dict(self, state):
+        self.epoch, self.index = state["epoch"], state["index"]
+
+
+def test_logged_tokens_per_s_is_the_training_steps_alone(tmp_path):
+    """On a clock where a training step takes 1 s and a validation batch, a sample and a
+    checkpoint save take far longer, every logged tokens/s is one step's tokens per second:
+    validation, samples and saves are timed apart (they were timed with the step after them,
+    logged at a small fraction of the others: the report's throughput curve zig-zagged)."""
+    from model import ModelArgs, create_model
+    from utils.training.logging_utils import DualLogger
+    from utils.training.trainer import (OptimizerSpec, Settings, Trainer, TrainSpec,
+                                        next_token_loss, seed_everything)
+    now = [0.0]
+
+    def loss(model, batch):                # a training step: 1 s; a validation batch: 100 s
+        now[0] += 1.0 if torch.is_grad_enabled() else 100.0
+        return next_token_loss(model, batch)
+
+    def sample(model):
+        now[0] += 500.0
+        return [("p", "text")]
+
+    class SlowSaves(Trainer):
+        def save(self, name):
+            now[0] += 300.0
+            return super().save(name)
+
+    seed_everything(0)
+    args = ModelArgs(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8)
+    windows = _Windows()
+    spec = TrainSpec(create_model(args), args, windows, [next(iter(_Windows()))] * 2,
+                     optimizer=OptimizerSpec(), loss=loss, sample_fn=sample,
+                     settings=Settings(total_steps=8, min_lr=1e-4, warmup_steps=0, eval_interval=2,
+                                       eval_batches=2, checkpoint_every=3, keep_checkpoints=1,
+                                       log_every=1, dtype="fp32"))
+    logger = DualLogger("thr", tmp_path / "logs", tensorboard=False)
+    trainer = SlowSaves(spec, run_dir=tmp_path / "run", logger=logger, device="cpu",
+                        progress=False, clock=lambda: now[0])
+    assert trainer.fit().reason == "done"
+    logger.close()
+    rates = {r["step"]: r["tokens_per_s"] for r in latest_per_step(read_jsonl(logger.jsonl_path), "train")}
+    assert rates == {step: 2 * 8 / 1.0 for step in range(1, 9)}
+
+
 # --------------------------------------------------------------------------- SIGKILL mid-save
 def _catch_save(run_dir: Path, proc: subprocess.Popen, skip: set, limit: float = 180):
     """Spin until a training process starts writing checkpoint_latest.pt over an existing one:
