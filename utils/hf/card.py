@@ -133,7 +133,8 @@ def config_changes(changed: list[tuple], added: list[str]) -> str:
     if not changed and not added:
         return ""
     lines = ["", "## Configuration", "",
-             "config.json keeps every key of the imported model's own config.json, except:", ""]
+             "config.json keeps every key of the imported model's own configuration (its config.json; "
+             "for a GGUF file, what transformers reads from its metadata), except:", ""]
     for key, was, now in changed:
         lines.append(f"- `{key}`: {json.dumps(was)} -> {json.dumps(now)} "
                      f"({CONFIG_REASONS.get(key, 'what the exported weights are')})")
