@@ -289,7 +289,7 @@ def write_export(cfg, args, loaded: Loaded, folder: Path, dtype: Optional[str]) 
                         generation=generation_defaults(cfg.inference), chat_template=template,
                         tok_name=loaded.tok_info.get("name") or "",
                         max_shard_size=args.max_shard_size, hf_tok=loaded.hf_tok,
-                        source=loaded.ckpt.get("hf_source"))
+                        source=loaded.ckpt.get("hf_source") or (loaded.ckpt.get("model_rules") or {}).get("files"))
     from utils.hf.to_gguf import write_gguf
     path = write_gguf(folder / f"{loaded.run}-{dtype}.gguf", loaded.model, loaded.tok, dtype=dtype,
                       name=loaded.run, chat_template=template, add_bos=adds_bos(loaded.hf_tok))

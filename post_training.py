@@ -22,6 +22,7 @@ repeats the uninterrupted one. Details: docs/sft_inference.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -526,7 +527,7 @@ def run_rules(kept: Optional[Rules], src: Source, tok, template: dict) -> Rules:
     with the data's template and its end-of-turn token."""
     base = kept or Rules.ours(tok, src.ckpt.get("chat_template"))
     stops = tuple(dict.fromkeys(base.stop_ids + stop_ids_of(None, tok, template)))
-    return Rules(template, base.add_bos, stops, base.defaults, base.source)
+    return dataclasses.replace(base, template=template, stop_ids=stops)
 
 
 def split_data(cfg, args, examples, tok, eos) -> stage.Data:

@@ -386,3 +386,32 @@ def test_sft_template_choice(tiny, tmp_path):
     with pytest.raises(PipelineError, match="sft.template is 'tokenizer' but tokenizer .* has no chat template"):
         post_training.main(["prepare", "--config", str(other), "--dataset", "samples", "--template", "tokenizer"])
     assert sorted(p.name for p in (tmp_path / "spm").iterdir()) == ["config.json"]
+
+
+def test_a_fine_tuned_public_models_export_keeps_its_config(tiny, tmp_path):
+    """A run started from a public model keeps the model's own config.json and
+    generation_config.json (in its checkpoints' model_rules), so `export --format hf` of the
+    fine-tune writes them key by key as an export of the model itself does (special-token ids,
+    pad and unk included), and a damaged record is named."""
+    import export
+    import post_training
+    from utils.cli import PipelineError
+    from utils.run import load_checkpoint
+    from utils.training.checkpoint import save_checkpoint
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(tiny)}, "sft": {"max_length": 256}})
+    assert post_training.main(["prepare", "--config", str(cfg), "--dataset", "samples", "--limit", "8"]) == 0
+    assert post_training.main(["train", "--config", str(cfg), "--init-from-hf", str(tiny), "--max-steps", "1",
+                               "--batch-size", "2", "--sample-tokens", "0", "--name", "keep"]) == 0
+    ckpt_path = next((tmp_path / "checkpoints").glob("sft_keep_*")) / "checkpoint_latest.pt"
+    out = tmp_path / "exports" / "keep"
+    assert export.main(["--config", str(cfg), "--checkpoint", str(ckpt_path), "--format", "hf", "--out", str(out)]) == 0
+    original, written = (json.loads((d / "config.json").read_text()) for d in (tiny, out))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "tie_word_embeddings",
+                "rope_parameters", "rms_norm_eps", "vocab_size"):
+        assert written[key] == original[key], key
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    ckpt = load_checkpoint(ckpt_path)
+    ckpt["model_rules"]["files"] = {"config": "not an object"}
+    save_checkpoint(tmp_path / "forged.pt", ckpt)
+    with pytest.raises(PipelineError, match="entry 'model_rules' is damaged"):
+        load_checkpoint(tmp_path / "forged.pt")

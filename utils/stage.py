@@ -156,9 +156,9 @@ def kept_rules(tok, imported=None, ckpt: Optional[dict] = None) -> Optional[Rule
 def run_record(kind: str, cfg, tok_info: dict, rules: Optional[Rules], extra: Optional[dict] = None
                ) -> RunRecord:
     """What every checkpoint of the run says beyond its training state: the resolved config,
-    the tokenizer, and the rules (the chat template and ``model_rules``) when the run has its own."""
+    the tokenizer, the chat template, and ``model_rules`` when the rules are a public model's own."""
     extra = dict(extra or {})
-    if rules is not None:
+    if rules is not None and rules.imported:
         extra["model_rules"] = rules.to_dict()
     return RunRecord(kind, cfg.to_dict(), tok_info,
                      chat_template=rules.template if rules is not None else None, extra=extra)

@@ -40,6 +40,7 @@ Contracts (docs/sft_inference.md, "Public models"):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import sys
@@ -70,6 +71,9 @@ class Rules:
     stop_ids: tuple = ()                     # generation ends at any of these
     defaults: dict = field(default_factory=dict)   # explicit generation_config.json settings
     source: str = "trained here"
+    files: Optional[dict] = None             # the model's own config.json and generation_config.json
+                                             # (utils.hf.export.hf_source): what its exports keep
+    imported: bool = False                   # from a public model's own files (checkpoints record them)
 
     @property
     def chat(self) -> bool:
@@ -81,9 +85,11 @@ class Rules:
         return [tok.bos_token_id] + ids if self.add_bos and tok.bos_token_id is not None else ids
 
     def to_dict(self) -> dict:
-        """The checkpoint entry ``model_rules`` (the template is the entry ``chat_template``)."""
-        return {"add_bos": self.add_bos, "stop_ids": list(self.stop_ids), "defaults": dict(self.defaults),
-                "source": self.source}
+        """The checkpoint entry ``model_rules`` of a run started from a public model (the template
+        is the entry ``chat_template``)."""
+        out = {"add_bos": self.add_bos, "stop_ids": list(self.stop_ids), "defaults": dict(self.defaults),
+               "source": self.source}
+        return out if self.files is None else {**out, "files": self.files}
 
     @classmethod
     def ours(cls, tok, template: Optional[dict] = None) -> "Rules":
@@ -92,7 +98,7 @@ class Rules:
         return cls(template, tok.bos_token_id is not None, stop_ids_of(None, tok, template))
 
     def without_template(self) -> "Rules":
-        return Rules(None, self.add_bos, self.stop_ids, self.defaults, self.source)
+        return dataclasses.replace(self, template=None)
 
 
 # --------------------------------------------------------------------------- building the rules
@@ -170,7 +176,7 @@ def generation_file_settings(folder: Optional[Path]) -> tuple[dict, object, list
 
 
 def rules_of_hf(tok, add_bos: bool, config, folder: Optional[Path], where: str,
-                generation_file_usable: bool = True) -> Rules:
+                generation_file_usable: bool = True, files: Optional[dict] = None) -> Rules:
     """The rules of a Hugging Face folder or GGUF file: ``tok`` is the pipeline's copy of its
     tokenizer (its chat template kept), ``add_bos`` what :func:`adds_bos` says of the tokenizer
     as transformers loads it, ``config`` the transformers config; ``folder`` holds
@@ -183,7 +189,7 @@ def rules_of_hf(tok, add_bos: bool, config, folder: Optional[Path], where: str,
               "inference section's value is used instead.", file=sys.stderr)
     if eos is None:
         eos = getattr(config, "eos_token_id", None)
-    return Rules(template, add_bos, stop_ids_of(eos, tok, template), settings, where)
+    return Rules(template, add_bos, stop_ids_of(eos, tok, template), settings, where, files, imported=True)
 
 
 def rules_of_checkpoint(ckpt: dict, tok) -> Rules:
@@ -193,7 +199,8 @@ def rules_of_checkpoint(ckpt: dict, tok) -> Rules:
     stored = ckpt.get("model_rules") or {}
     stops = tuple(int(i) for i in stored.get("stop_ids") or ()) or stop_ids_of(None, tok, template)
     return Rules(template, bool(stored.get("add_bos", tok.bos_token_id is not None)), stops,
-                 dict(stored.get("defaults") or {}), str(stored.get("source", "trained here")))
+                 dict(stored.get("defaults") or {}), str(stored.get("source", "trained here")), stored.get("files"),
+                 imported=bool(stored))
 
 
 # --------------------------------------------------------------------------- rendering

@@ -117,6 +117,7 @@ def load_hf_llama(path) -> Imported:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from model import create_model
     from utils.data.chat import adds_bos, rules_of_hf
+    from utils.hf.export import hf_source
     from utils.data.tok import as_exported_from, describe, load_tokenizer_folder, plain
     from utils.hf.inputs import check_config_json, generation_config_notice
     from utils.hf.mapping import from_hf_state_dict
@@ -166,7 +167,8 @@ def load_hf_llama(path) -> Imported:
         raise PipelineError(f"{where}: weights do not fit the model its config describes "
                             f"(missing {missing[:4]}, unexpected {unexpected[:4]}).")
     model.eval()
-    rules = rules_of_hf(tok, bos_rule, config, None if gguf else folder, where, generation_file_usable=note is None)
+    rules = rules_of_hf(tok, bos_rule, config, None if gguf else folder, where, generation_file_usable=note is None,
+                        files=hf_source(folder / gguf if gguf else folder))
     return Imported(model, tok, describe(tok, where), config, where, rules)
 
 

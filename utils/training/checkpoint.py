@@ -296,14 +296,17 @@ def _check_model_rules(path: Path, ckpt: dict) -> None:
     rules = ckpt.get("model_rules")
     if rules is None:
         return
-    stops, defaults = rules.get("stop_ids", []), rules.get("defaults", {})
-    ok = (isinstance(rules.get("add_bos", False), bool) and isinstance(stops, list)
+    stops, defaults, files = rules.get("stop_ids", []), rules.get("defaults", {}), rules.get("files")
+    files_ok = files is None or (isinstance(files, dict) and isinstance(files.get("config"), dict)
+                                 and isinstance(files.get("generation"), (dict, type(None))))
+    ok = (files_ok and isinstance(rules.get("add_bos", False), bool) and isinstance(stops, list)
           and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stops)
           and isinstance(defaults, dict)
           and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in defaults.values()))
     if not ok:
         raise CheckpointError(path, "entry 'model_rules' is damaged (add_bos must be true or false, stop_ids "
-                                    "token ids, defaults numbers). Use another checkpoint of the run.")
+                                    "token ids, defaults numbers, files the model's config objects). Use "
+                                    "another checkpoint of the run.")
 
 
 def _few(items: list, n: int = 4) -> str:
