@@ -116,7 +116,7 @@ def model_card(cfg, path: Path, ckpt: dict, model, tok_info: dict, *, fmt: str,
 # Why the export of an imported model writes a config.json key otherwise than the model's own
 CONFIG_REASONS = {
     "dtype": "the dtype the weights are written in: --dtype, by default the one the imported "
-             "config.json names, else float32, in which an import holds them",
+             "config.json names when the weights are exactly its values, else theirs (float32)",
     "torch_dtype": "`dtype` under its older name, which transformers 4.x, vLLM and llama.cpp's "
                    "converter read",
     "rope_theta": "the RoPE base under its older top-level name, which transformers 4.x, vLLM and "

@@ -112,11 +112,22 @@ def hf_source(path) -> dict:
 
 def source_dtype(source: Optional[dict]) -> Optional[torch.dtype]:
     """The dtype an imported model's config.json gives its weights (``dtype``, or the older
-    ``torch_dtype``), None when it names none of DTYPES': the export's default, so that a
-    bfloat16 model comes back as the same bfloat16 weights (an import holds them in float32)."""
+    ``torch_dtype``); None when it names none of DTYPES'."""
     conf = (source or {}).get("config") or {}
     name = conf.get("dtype") or conf.get("torch_dtype")
     return {str(t).removeprefix("torch."): t for t in DTYPES.values()}.get(name)
+
+
+def default_dtype(model, source: Optional[dict]) -> torch.dtype:
+    """The export's dtype without --dtype: the one an imported model's config.json names when
+    every weight is exactly a value of it (an import, which holds a bfloat16 model in float32:
+    it comes back as the same weights), else the weights' own (a fine-tune keeps its precision)."""
+    own, named = model.lm_head.weight.dtype, source_dtype(source)
+    if named is None or named == own:
+        return own
+    exact = all(torch.equal(t, t.to(named).to(t.dtype)) for t in model.state_dict().values()
+                if t.is_floating_point())
+    return named if exact else own
 
 
 def merged_config(ours: dict, source: dict) -> tuple[dict, list[tuple], list[str]]:
@@ -190,7 +201,7 @@ def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype
              tok_name: str = "", max_shard_size: int = 2 * 10**9, hf_tok=None,
              source: Optional[dict] = None) -> list[Path]:
     """Write the model folder into ``folder`` (which exists and is empty); return the files.
-    ``dtype``: None for the weights' own, or an imported model's (:func:`source_dtype`).
+    ``dtype``: None for :func:`default_dtype`.
     ``source``: an imported model's own files (:func:`hf_source`): its config.json's keys
     are kept (:func:`merged_config`; the card lists what changed), its generation_config.json
     is written as it was instead of ``generation``."""
@@ -200,7 +211,7 @@ def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype
     problems = llama_problems(args)
     if problems:
         raise ValueError("; ".join(problems))
-    dtype = dtype or source_dtype(source) or model.lm_head.weight.dtype
+    dtype = dtype or default_dtype(model, source)
     config = hf_config(args, eos_id=tok.eos_token_id)
     config.dtype = dtype
     sd = {k: v.detach().to(dtype) for k, v in to_hf_state_dict(model).items()}
