@@ -9,6 +9,8 @@ import json
 import math
 from typing import Optional
 
+import numpy as np
+
 from utils.report import facts as F
 from utils.report.document import (Bold, Bullets, Code, CodeBlock, Details, Heading, Image, Para,
                                    Table, image_file)
@@ -404,7 +406,7 @@ def _sft(f: F.RunFacts, s: dict) -> list:
 
 
 def _benchmarks(f: F.RunFacts, s: dict) -> list:
-    from utils.bench.report import fmt_value, metric_rows
+    from utils.bench.report import fmt_value, metric_rows   # 0.25 s: only for a run with benchmark results
     out = [Heading(2, "Benchmarks")]
     for g in f.benchmarks:
         rows = metric_rows(g.models)
@@ -490,7 +492,6 @@ def _config(f: F.RunFacts, s: dict) -> list:
 def _tokens_at(f: F.RunFacts, steps: list) -> list:
     """Tokens seen at each step, interpolated from the train records (0 at step 0; NaN past
     the last record)."""
-    import numpy as np
     pts = [(0, 0)] + [(r["step"], r["tokens_seen"]) for r in f.train
                       if r["step"] > 0 and finite(r.get("tokens_seen"))]
     return np.interp(steps, [p[0] for p in pts], [p[1] for p in pts], right=math.nan).tolist()

@@ -27,8 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from model import ModelArgs, create_model
 from utils.cli import PipelineError
 from utils.config import Config
+from utils.data.sft import read_metadata as read_sft_metadata
+from utils.data.shards import read_metadata as read_shard_metadata
+from utils.data.tok import INFO_FILE
+from utils.run import (RUN_TOKENIZER_DIR, load_checkpoint, read_sft_config, run_checkpoints,
+                       sft_runs_of, stored_config)
 from utils.training.logging_utils import (TERMINAL_EVENTS, LogRead, finite, latest_per_step,
                                           read_log)
 
@@ -127,7 +135,6 @@ def collect(run: str, cfg: Config, children: bool = True) -> RunFacts:
     _read_data(f)
     _count_model(f)
     if children:
-        from utils.run import sft_runs_of
         f.children = [collect(r.name, cfg, children=False)
                       for r in sft_runs_of(cfg.path("paths.checkpoints_dir"), run_dir)]
         f.benchmarks = benchmark_groups(cfg.path("paths.benchmark_dir"), run_dir, f)
@@ -220,7 +227,6 @@ def segments(records: list) -> list[Segment]:
 
 
 def _read_run_folder(f: RunFacts) -> None:
-    from utils.run import read_sft_config, run_checkpoints, stored_config
     if not f.run_dir.is_dir():
         f.note("model", f"no run folder: {f.run_dir} does not exist (no checkpoint, stored "
                         "config or tokenizer copy).")
@@ -238,8 +244,6 @@ def _read_run_folder(f: RunFacts) -> None:
 
 
 def _tokenizer_copy(run_dir: Path) -> Optional[dict]:
-    from utils.data.tok import INFO_FILE
-    from utils.run import RUN_TOKENIZER_DIR
     try:
         info = json.loads((run_dir / RUN_TOKENIZER_DIR / INFO_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
@@ -249,7 +253,6 @@ def _tokenizer_copy(run_dir: Path) -> Optional[dict]:
 
 def _checkpoint_meta(f: RunFacts, files: list) -> Optional[CheckpointMeta]:
     """The metadata of the run's latest checkpoint (else the next readable one)."""
-    from utils.run import load_checkpoint
     order = sorted(files, key=lambda p: p.name != "checkpoint_latest.pt")
     if not order:
         f.note("model", f"no checkpoint in {f.run_dir}.")
@@ -296,10 +299,9 @@ def _read_data(f: RunFacts) -> None:
         f.note("data", f"the run tokenized its data on the fly ({cfg.dataset.on_the_fly_source}); "
                        "there is no shard set to describe.")
         return
-    from utils.data.shards import read_metadata
     f.shards_dir = cfg.shard_dir()
     try:
-        f.shards = read_metadata(f.shards_dir)
+        f.shards = read_shard_metadata(f.shards_dir)
     except PipelineError as e:
         f.note("data", f"shard set {f.shards_dir}: {str(e).split('. ')[0]}.")
         return
@@ -312,13 +314,12 @@ def _read_data(f: RunFacts) -> None:
 
 
 def _read_sft_data(f: RunFacts) -> None:
-    from utils.data.sft import read_metadata
     data = as_dict(as_dict(f.sft_config).get("data"))
     if not isinstance(data.get("dir"), str):
         f.note("data", "the run folder records no SFT data folder (sft_config.json).")
         return
     try:
-        meta = read_metadata(Path(data["dir"]))
+        meta = read_sft_metadata(Path(data["dir"]))
     except PipelineError as e:
         f.note("data", f"SFT data: {str(e).split('. ')[0]}.")
         return
@@ -359,8 +360,6 @@ def _count_model(f: RunFacts) -> None:
         f.note("model", "no model settings recorded (no readable checkpoint, log config or "
                         "sft_config.json).")
         return
-    import torch
-    from model import ModelArgs, create_model
     try:
         with torch.device("meta"):
             m = create_model(ModelArgs.from_dict(dict(args)))

@@ -66,6 +66,7 @@ def literal(text) -> str:
 def figure_png(panels: Sequence[Panel], title: Optional[str] = None, cols: int = 3,
                panel_size: tuple[float, float] = (4.2, 3.1)) -> Optional[bytes]:
     """The panels that have data, in a grid ``cols`` wide, as PNG bytes (None: no data)."""
+    # matplotlib (0.9 s, and its font cache built on first use): only when a figure is drawn
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     panels = [p for p in panels if p.points()]
@@ -108,7 +109,7 @@ def _draw(ax, p: Panel) -> None:
     if p.log_y and all(y > 0 for ln in p.lines for y in ln.ys if _ok(y)):
         ax.set_yscale("log")
     if max((abs(x) for ln in p.lines for x in ln.xs if _ok(x)), default=0) >= 1e4:
-        from matplotlib.ticker import EngFormatter
+        from matplotlib.ticker import EngFormatter     # matplotlib: as in figure_png
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))     # 20k, 1.5M: labels that fit
     if p.xlim and p.xlim[1] > p.xlim[0]:
         pad = 0.03 * (p.xlim[1] - p.xlim[0])

@@ -23,6 +23,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as tdist
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing import api as pcontext
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from utils.cli import EXIT_INTERRUPTED
 
@@ -119,10 +123,6 @@ def launch_local(script: Path, nproc: int, argv: Sequence[str], prog: str) -> in
     SIGTERM) ended the run, as for one process (the agent passes it to the ranks, which save
     their state and print how to resume); a failed rank's own exit code otherwise (its error is printed above, then
     torch's summary)."""
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing import api as pcontext
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     # The agent turns a stop signal into SignalException and then waits for the ranks to
     # stop. A second signal (a supervisor's killpg also reaches main.py, which forwards it)
     # would raise again inside that wait and cut it short; take only the first one. The

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from utils import environment
+
 # The last event of a start: Trainer.fit's reasons (utils/training/trainer.py). A start with
 # none of these after it ended without saying so (killed, crashed) or is still running.
 TERMINAL_EVENTS = ("done", "interrupted", "early_stopping", "already_done")
@@ -75,6 +77,8 @@ class DualLogger:
         tensorboard, jsonl, purge_step = self._pending
         self._pending = None
         if tensorboard:
+            # torch (and tensorboard, 0.2 s more): only with logging.tensorboard on; status reads
+            # logs through this module without torch
             from torch.utils.tensorboard import SummaryWriter
             self.tb_dir.mkdir(parents=True, exist_ok=True)
             self._tb = SummaryWriter(str(self.tb_dir), purge_step=purge_step)
@@ -123,9 +127,8 @@ class DualLogger:
         """The resolved config and the run's hyperparameters (once per start or resume)."""
         if not self.enabled:
             return
-        from utils.environment import describe
         self._line({"type": "config", "time": time.time(), "config": config, "hparams": hparams,
-                    "environment": describe()})
+                    "environment": environment.describe()})
         if self._tb is not None:
             self._tb.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
             simple = {k: v for k, v in hparams.items()

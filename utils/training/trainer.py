@@ -65,7 +65,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
+import torch.distributed as tdist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
 from utils.training import distributed as D
 from utils.training.checkpoint import remove_stale_temps, save_checkpoint
@@ -291,8 +295,6 @@ def enable_activation_checkpointing(model: nn.Module) -> int:
     blocks = next((m for m in model.modules() if isinstance(m, nn.ModuleList)), None)
     if blocks is None:
         return 0
-    from torch.utils.checkpoint import checkpoint
-
     def wrapped(fwd, *a, **k):
         return checkpoint(fwd, *a, use_reentrant=False, **k)
 
@@ -486,7 +488,6 @@ class Trainer:
         if st.compile:
             m = torch.compile(m)
         if dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
             m = DDP(m, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.model = m
         self.eval_interval = st.eval_interval
@@ -676,7 +677,6 @@ class Trainer:
         if not self.dist.is_main:
             return
         try:
-            from tqdm import tqdm
             tqdm.write(msg, file=self.out)
         except Exception:
             print(msg, file=self.out, flush=True)
@@ -703,7 +703,6 @@ class Trainer:
             return
         vals = torch.stack(self._pending).float()
         if self.dist.enabled:
-            import torch.distributed as tdist
             tdist.all_reduce(vals, op=tdist.ReduceOp.SUM)
             vals = vals / self.dist.world_size
         self._pending = []
@@ -730,7 +729,6 @@ class Trainer:
             reason = self._validate() or reason   # step 0: the untrained model's loss, the curve's first point
         bar = None
         if self.progress:
-            from tqdm import tqdm
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True, file=sys.stderr, smoothing=0.1)
         ckpt_path = None
