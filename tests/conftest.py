@@ -85,6 +85,95 @@ def run_main(*args, timeout: float = 300, cwd=None, env=None, input=None) -> sub
                           preexec_fn=default_signals)
 
 
+# Variables read once, when a library is imported (huggingface_hub's constants, torch's threads):
+# a stage run in this process would not see them changed.
+IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "MKL_",
+                        "GLIBC_TUNABLES", "PYTORCH_", "TORCH_", "PYTHON", "LC_", "LANG")
+
+
+def run_stage(*args, cwd=None, env=None, input=None, timeout: float = 0) -> subprocess.CompletedProcess:
+    """`python main.py STAGE ARGS` run in this process: the stage's ``main`` through
+    utils.cli.run_stage (the exit-code contract: 0, 1, 2, 130, and argparse's exits), with
+    its stdout and stderr captured as text, in ``cwd`` (default the project root), with the
+    environment ``env`` (default this one) and ``input`` as standard input (default empty).
+    Returns what :func:`run_main` returns; ``timeout`` is accepted for the same signature.
+
+    Tests whose point is not the process boundary use this: a subprocess starts two Python
+    interpreters that import torch and transformers (3-5 s each) before any work. What only a
+    process can show (the router, exit by signal, the re-exec, stdout's file descriptor, an
+    import-time variable such as HF_HUB_OFFLINE) stays with :func:`run_main`. Python warnings
+    are shown on the captured stderr with Python's default filters, as a process shows them."""
+    import contextlib
+    import importlib
+    import io
+    import warnings
+
+    import main as router
+    from utils import cli
+    if env is not None:
+        changed = sorted(k for k in set(env) | set(os.environ)
+                         if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"
+                         and env.get(k) != os.environ.get(k))
+        assert not changed, (f"run_stage: {', '.join(changed)} is read when a library is imported, "
+                             f"which happened in this process already: use run_main")
+    name = router.resolve_stage(str(args[0]))
+    assert name is not None, f"unknown stage {args[0]!r}"
+    rest = [str(a) for a in args[1:]]
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    stage = router.STAGES[name]
+    module = importlib.import_module(stage.module)
+    out_bytes, err_bytes = io.BytesIO(), io.BytesIO()
+    out = io.TextIOWrapper(out_bytes, encoding="utf-8", line_buffering=True)
+    err = io.TextIOWrapper(err_bytes, encoding="utf-8", errors="backslashreplace", line_buffering=True)
+    stdin = io.TextIOWrapper(io.BytesIO((input or "").encode("utf-8")), encoding="utf-8")
+    saved_env = dict(os.environ)
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved_cwd = os.getcwd()
+    saved_streams = sys.stdin, sys.stdout, sys.stderr
+    saved_argv = sys.argv
+    code = None
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        os.environ.pop(cli.ROUTER_PID_ENV, None)
+        os.chdir(cwd or ROOT)
+        sys.argv = [str(stage.script), *rest]
+        sys.stdin, sys.stdout, sys.stderr = stdin, out, err
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                             ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: \
+                err.write(warnings.formatwarning(message, category, filename, lineno, line))
+            try:
+                cli.run_stage(module.main, rest)
+            except SystemExit as e:
+                code = e.code
+        with contextlib.suppress(ValueError, OSError):
+            out.flush()
+            err.flush()
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = saved_streams
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        for s, handler in saved_signals.items():
+            signal.signal(s, handler)
+        if env is not None or os.environ != saved_env:
+            os.environ.clear()
+            os.environ.update(saved_env)
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        err_bytes.write(f"{code}\n".encode())
+        code = 1
+    text = [b.getvalue().decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
+            for b in (out_bytes, err_bytes)]                 # as text=True reads a pipe
+    return subprocess.CompletedProcess(["main.py", name, *rest], code, *text)
+
+
 def popen_main(*args, env=None, cwd=None, **kw) -> subprocess.Popen:
     """Start `python main.py ARGS` (text pipes for stdout/stderr) with default signal handling."""
     kw.setdefault("stdout", subprocess.PIPE)

@@ -27,7 +27,7 @@ import pytest
 if __name__ == "__main__":                       # run as a script (--update): import the project
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.conftest import ENWIKI_XML, run_main, write_config  # noqa: E402
+from tests.conftest import ENWIKI_XML, run_stage, write_config  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data" / "clean_golden.json"
 RUNS = {   # name -> (cleaning config, --workers)
@@ -44,7 +44,7 @@ def clean_sample(tmp: Path, name: str) -> dict:
     cfg = write_config(tmp / name, {"wikipedia": {"raw_dir": str(ENWIKI_XML.parent)},
                                     "cleaning": cleaning})
     out = tmp / name / "out"
-    proc = run_main("clean", "--config", cfg, "--workers", workers, "--output-dir", out)
+    proc = run_stage("clean", "--config", cfg, "--workers", workers, "--output-dir", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = (out / OUTPUT).read_bytes()
     totals = json.loads((out / "cleaning_summary.json").read_text())["totals"]

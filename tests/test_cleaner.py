@@ -24,7 +24,7 @@ import cleaner
 from utils.data import mediawiki
 from utils.data.mediawiki import CleanOptions
 from utils.data.wikitext import section_key
-from tests.conftest import ENWIKI_XML, ROOT, child_pids, default_signals, offline_env, run_main
+from tests.conftest import ENWIKI_XML, ROOT, child_pids, default_signals, offline_env, run_stage
 from utils.data.textio import iter_articles, unescape_article
 
 DROP = ("References", "External links", "See also", "Further reading", "Notes")
@@ -227,7 +227,7 @@ def test_xml_streams_in_chunks():
 # --------------------------------------------------------------------------- end to end
 def test_clean_enwiki_xml_sample(samples, tmp_config, tmp_path):
     cfg = tmp_config({"wikipedia": {"raw_dir": str(ENWIKI_XML.parent)}})
-    proc = run_main("clean", "--config", cfg, "--workers", "2")
+    proc = run_stage("clean", "--config", cfg, "--workers", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # One file, two cores: its articles are converted by two processes, in order.
     assert "its articles converted by 2 worker processes" in proc.stdout
@@ -252,7 +252,7 @@ def test_clean_enwiki_xml_sample(samples, tmp_config, tmp_path):
 
     # A serial run (one process for the file) writes exactly the same bytes.
     serial = tmp_path / "serial"
-    proc = run_main("clean", "--config", cfg, "--workers", "1", "--output-dir", serial)
+    proc = run_stage("clean", "--config", cfg, "--workers", "1", "--output-dir", serial)
     assert proc.returncode == 0, proc.stderr
     assert "1 worker process(es), one file each" in proc.stdout
     assert (serial / out.name).read_bytes() == out.read_bytes()
@@ -266,11 +266,11 @@ def test_more_workers_than_the_machine_runs_are_capped(tmp_config, tmp_path):
     raw = tmp_path / "raw"
     write_jsonl(raw / "enwiki_namespace_0_0.jsonl")
     cfg = cfg_for(tmp_config, tmp_path, raw)
-    proc = run_main("clean", "--config", cfg, "--workers", "100000")
+    proc = run_stage("clean", "--config", cfg, "--workers", "100000")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     note = f"note: cleaning.workers 100,000 is more than {WORKERS_PER_CPU} per usable CPU: using "
     assert proc.stderr.count(note) == 1 and f"{note}{WORKERS_PER_CPU * available_cpus()}." in proc.stderr
-    one = run_main("clean", "--config", cfg, "--workers", "1", "--output-dir", tmp_path / "one")
+    one = run_stage("clean", "--config", cfg, "--workers", "1", "--output-dir", tmp_path / "one")
     assert one.returncode == 0, one.stderr
     name = "cleaned_enwiki_namespace_0_0.txt"
     assert (out_dir(tmp_path) / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
@@ -280,7 +280,7 @@ def test_clean_jsonl_end_to_end_and_rerun(tmp_config, tmp_path):
     raw = tmp_path / "raw"
     write_jsonl(raw / "enwiki_namespace_0_0.jsonl")
     cfg = cfg_for(tmp_config, tmp_path, raw)
-    proc = run_main("clean", "--config", cfg)
+    proc = run_stage("clean", "--config", cfg)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = out_dir(tmp_path) / "cleaned_enwiki_namespace_0_0.txt"
     lines = out.read_text(encoding="utf-8").splitlines()
@@ -298,10 +298,10 @@ def test_clean_jsonl_end_to_end_and_rerun(tmp_config, tmp_path):
 
     # a re-run skips the finished input; --force redoes it (via the `cleanup` alias)
     out.write_text("sentinel\n", encoding="utf-8")
-    proc = run_main("clean", "--config", cfg)
+    proc = run_stage("clean", "--config", cfg)
     assert proc.returncode == 0 and "exists" in proc.stdout
     assert out.read_text(encoding="utf-8") == "sentinel\n"
-    proc = run_main("cleanup", "--config", cfg, "--force")
+    proc = run_stage("cleanup", "--config", cfg, "--force")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(out.read_text(encoding="utf-8").splitlines()) == 3
 
@@ -316,7 +316,7 @@ def test_shard_splits_the_input_files_across_machines(tmp_config, tmp_path):
     cfg = cfg_for(tmp_config, tmp_path, raw)
     written = {}
     for i in (1, 2):
-        proc = run_main("clean", "--config", cfg, "--shard", f"{i}/2")
+        proc = run_stage("clean", "--config", cfg, "--shard", f"{i}/2")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         summary = json.loads((out_dir(tmp_path) / f"cleaning_summary_shard{i}of2.json").read_text())
         written[i] = [Path(f["input"]).name for f in summary["files"]]
@@ -326,10 +326,10 @@ def test_shard_splits_the_input_files_across_machines(tmp_config, tmp_path):
         [cleaner.output_name(Path(n)) for n in names]
     assert not (out_dir(tmp_path) / "cleaning_summary.json").exists()
 
-    proc = run_main("clean", "--config", cfg, "--shard", "7/9")     # more machines than files
+    proc = run_stage("clean", "--config", cfg, "--shard", "7/9")     # more machines than files
     assert proc.returncode == 0 and "this shard holds none of the input files" in proc.stdout
     for bad in ("0/2", "3/2"):
-        proc = run_main("clean", "--config", cfg, "--shard", bad)
+        proc = run_stage("clean", "--config", cfg, "--shard", bad)
         assert proc.returncode == 2 and "expected I/N with 1 <= I <= N" in proc.stderr, proc.stderr
 
 
@@ -340,10 +340,10 @@ def test_fewer_files_than_workers_each_get_converters(tmp_config, tmp_path):
     for name in ("a.jsonl", "b.jsonl"):
         write_jsonl(raw / name, bad_lines=())
     cfg = cfg_for(tmp_config, tmp_path, raw)
-    proc = run_main("clean", "--config", cfg, "--workers", "4")
+    proc = run_stage("clean", "--config", cfg, "--workers", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 worker processes, one file each, each with 2 converter processes" in proc.stdout
-    proc = run_main("clean", "--config", cfg, "--workers", "1", "--output-dir", tmp_path / "serial")
+    proc = run_stage("clean", "--config", cfg, "--workers", "1", "--output-dir", tmp_path / "serial")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert snapshot(out_dir(tmp_path)) == snapshot(tmp_path / "serial") != {}
 
@@ -352,19 +352,19 @@ def test_min_chars_and_test_limit(tmp_config, tmp_path):
     raw = tmp_path / "raw"
     write_jsonl(raw / "a.jsonl", bad_lines=())
     cfg = cfg_for(tmp_config, tmp_path, raw, test_max_articles=2)
-    proc = run_main("clean", "--config", cfg, "--test", "--min-chars", "0")
+    proc = run_stage("clean", "--config", cfg, "--test", "--min-chars", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(read_out(out_dir(tmp_path) / "cleaned_a.txt")) == 2
     lengths = sorted(len(mediawiki.structured_article_text(a, OPTS)) for a in ARTICLES)
     threshold = lengths[-2]                          # keeps the two longest articles only
-    proc = run_main("clean", "--config", cfg, "--force", "--min-chars", threshold)
+    proc = run_stage("clean", "--config", cfg, "--force", "--min-chars", threshold)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kept = read_out(out_dir(tmp_path) / "cleaned_a.txt")
     assert sorted(map(len, kept)) == lengths[-2:]
     # nothing long enough at all: a failure, not "0 articles, success"; and the earlier
     # output is not lost (even with --force): it stays byte-identical
     before = snapshot(out_dir(tmp_path))
-    proc = run_main("clean", "--config", cfg, "--force", "--min-chars", "100000")
+    proc = run_stage("clean", "--config", cfg, "--force", "--min-chars", "100000")
     assert proc.returncode == 1
     assert "no usable article" in proc.stderr and "min_chars" in proc.stderr
     assert "left as it was" in proc.stdout
@@ -376,14 +376,14 @@ def test_truncated_bz2_fails_only_that_file(tmp_config, tmp_path):
     write_jsonl(raw / "good.jsonl", bad_lines=())
     data = bz2.compress(xml_dump([(f"P{i}", 0, f"Page {i} text. " * 50) for i in range(200)]).encode())
     (raw / "broken-pages-articles.xml.bz2").write_bytes(data[: len(data) // 2])
-    proc = run_main("clean", "--config", cfg_for(tmp_config, tmp_path, raw))
+    proc = run_stage("clean", "--config", cfg_for(tmp_config, tmp_path, raw))
     assert proc.returncode == 1
     assert "broken-pages-articles.xml.bz2" in proc.stderr and "truncated" in proc.stderr
     assert not (out_dir(tmp_path) / "cleaned_broken-pages-articles.txt").exists()
     assert no_partials(out_dir(tmp_path))
     # the surviving output is complete and identical to a run on the good file alone
     alone = tmp_path / "alone"
-    proc = run_main("clean", "--config", cfg_for(tmp_config, tmp_path, raw / "good.jsonl"),
+    proc = run_stage("clean", "--config", cfg_for(tmp_config, tmp_path, raw / "good.jsonl"),
                     "--output-dir", alone)
     assert proc.returncode == 0, proc.stderr
     good = (out_dir(tmp_path) / "cleaned_good.txt").read_bytes()
@@ -396,7 +396,7 @@ def test_xml_with_entities_refused_end_to_end(tmp_config, tmp_path):
     header = '<?xml version="1.0"?>\n<!DOCTYPE mediawiki [<!ENTITY boom "BOOM">]>\n'
     raw.mkdir()
     (raw / "evil.xml").write_text(xml_dump([("A", 0, "Some text &boom; here.")], header=header))
-    proc = run_main("clean", "--config", cfg_for(tmp_config, tmp_path, raw))
+    proc = run_stage("clean", "--config", cfg_for(tmp_config, tmp_path, raw))
     assert proc.returncode == 1
     assert "evil.xml" in proc.stderr and "DOCTYPE" in proc.stderr
     assert not list(out_dir(tmp_path).glob("cleaned_*")) and no_partials(out_dir(tmp_path))
@@ -404,12 +404,12 @@ def test_xml_with_entities_refused_end_to_end(tmp_config, tmp_path):
 
 def test_missing_and_empty_input_dir(tmp_config, tmp_path):
     missing = tmp_path / "nowhere"
-    proc = run_main("clean", "--config", cfg_for(tmp_config, tmp_path, missing))
+    proc = run_stage("clean", "--config", cfg_for(tmp_config, tmp_path, missing))
     assert proc.returncode == 1
     assert str(missing) in proc.stderr and "wikipedia.raw_dir" in proc.stderr and "--input-dir" in proc.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = run_main("clean", "--config", cfg_for(tmp_config, tmp_path, missing), "--input-dir", empty)
+    proc = run_stage("clean", "--config", cfg_for(tmp_config, tmp_path, missing), "--input-dir", empty)
     assert proc.returncode == 1 and "no input files found" in proc.stderr and str(empty) in proc.stderr
 
 

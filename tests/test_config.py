@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, assert_resolved_config, offline_env, run_main, write_config
+from tests.conftest import ROOT, assert_resolved_config, offline_env, run_stage, write_config
 from utils.cli import StageParser
 from utils.config import (BASE_CONFIG_ENV, SECTIONS, Config, ConfigError, PROJECT_ROOT,
                           describe_keys, load_config)
@@ -72,12 +72,12 @@ def test_suite_ignores_the_users_config_json(tmp_path, monkeypatch):
     assert load_config().dataset.auto_prepare is True
     assert load_config().sources == [str(edited)]
     # Subprocesses inherit the suite's setting: the stage sees the defaults, not the edit.
-    listed = run_main("samples", "--list", env=offline_env(**{BASE_CONFIG_ENV: "none"}))
+    listed = run_stage("samples", "--list", env=offline_env(**{BASE_CONFIG_ENV: "none"}))
     assert listed.returncode == 0 and str(ROOT / "data" / "samples") in listed.stdout
     assert str(tmp_path / "mine") not in listed.stdout
-    as_user = run_main("samples", "--list", env=offline_env(**{BASE_CONFIG_ENV: str(edited)}))
+    as_user = run_stage("samples", "--list", env=offline_env(**{BASE_CONFIG_ENV: str(edited)}))
     assert as_user.returncode == 0 and str(tmp_path / "mine") in as_user.stdout
-    missing = run_main("samples", "--list", env=offline_env(**{BASE_CONFIG_ENV: str(tmp_path / "no.json")}))
+    missing = run_stage("samples", "--list", env=offline_env(**{BASE_CONFIG_ENV: str(tmp_path / "no.json")}))
     assert missing.returncode == 2 and "no.json: file not found" in missing.stderr
     assert f"pass an existing file to ${BASE_CONFIG_ENV}" in missing.stderr, missing.stderr   # not --config
 
@@ -272,7 +272,7 @@ def test_cross_field_checks_name_the_files_that_set_the_keys(tmp_path):
 ])
 def test_cli_reports_each_config_file_defect_with_exit_2(tmp_path, content, expected):
     bad = _write(tmp_path / "bad.json", content)
-    proc = run_main("samples", "--list", "--config", bad)
+    proc = run_stage("samples", "--list", "--config", bad)
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr and "configuration error" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -280,7 +280,7 @@ def test_cli_reports_each_config_file_defect_with_exit_2(tmp_path, content, expe
 
 def test_cli_reports_config_errors_with_exit_2(tmp_path):
     bad = _write(tmp_path / "bad.json", {"tokenizer": {"nmae": "x"}, "cleaning": {"workers": -1}})
-    proc = run_main("samples", "--config", bad)
+    proc = run_stage("samples", "--config", bad)
     assert proc.returncode == 2
     assert "tokenizer.nmae: unknown key (did you mean 'name'?)" in proc.stderr
     assert "cleaning.workers: -1 is out of range (must be >= 0)" in proc.stderr
@@ -342,7 +342,7 @@ def test_stage_resolved_config_reproduces_the_run(tmp_path):
     (raw / "a.jsonl").write_text(json.dumps({"name": "A", "abstract": para, "sections": [
         {"type": "section", "name": "Body", "has_parts": [{"type": "paragraph", "value": para}]}]}) + "\n")
     cfg = write_config(tmp_path, {"wikipedia": {"raw_dir": str(raw)}, "cleaning": {"min_chars": 10}})
-    proc = run_main("clean", "--config", cfg, "--workers", "1", "--test")
+    proc = run_stage("clean", "--config", cfg, "--workers", "1", "--test")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "data" / "cleaned_articles"
     resolved = out / "resolved_config.json"
@@ -352,7 +352,7 @@ def test_stage_resolved_config_reproduces_the_run(tmp_path):
     with pytest.raises(AssertionError):
         assert_resolved_config(resolved, cfg, overrides={"cleaning.workers": 2}, test=True)
     again = tmp_path / "again"
-    proc = run_main("clean", "--config", resolved, "--test", "--output-dir", again)
+    proc = run_stage("clean", "--config", resolved, "--test", "--output-dir", again)
     assert proc.returncode == 0, proc.stderr
     assert (again / "cleaned_a.txt").read_bytes() == first
 
@@ -402,7 +402,7 @@ def test_cli_a_nul_in_a_path_like_key_is_refused_naming_the_key(tmp_path):
     Path.resolve ("embedded null byte"); it is a configuration error naming the key."""
     for section, key in (("paths", "checkpoints_dir"), ("tokenizer", "name")):
         cfg = write_config(tmp_path, {section: {key: "a\u0000b"}})
-        r = run_main("status", "--config", cfg)
+        r = run_stage("status", "--config", cfg)
         assert r.returncode == 2, r.stdout + r.stderr
         assert f"{section}.{key}" in r.stderr and "NUL character" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
@@ -419,14 +419,14 @@ def test_cli_a_symlink_loop_in_a_path_is_refused_naming_the_flag_or_key(tmp_path
     for args, named in ((["infer", "--config", cfg, "--checkpoint", loop, "--prompt", "x"], "argument --checkpoint"),
                         (["status", "--config", loop], "argument --config"),
                         (["prepare", "--config", cfg, "--input-dir", loop], "argument --input-dir")):
-        r = run_main(*args)
+        r = run_stage(*args)
         assert r.returncode == 2, (args, r.stdout + r.stderr)
         assert named in r.stderr and "leads back to itself" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
     root = tmp_path / "root"
     root.mkdir()
     cfg = write_config(tmp_path, {"paths": {"root": str(root), "checkpoints_dir": "../loop1/x"}})
-    r = run_main("status", "--config", cfg)
+    r = run_stage("status", "--config", cfg)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "paths.checkpoints_dir" in r.stderr and "leads back to itself" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
@@ -452,18 +452,18 @@ def test_cli_blank_tokenizer_name_and_path_flags_are_refused(tmp_path):
     for value in ("", "   "):
         cfg = write_config(tmp_path, {"tokenizer": {"name": value}})
         for args in (["tokenize", "--config", cfg, "--encode", "x"], ["prepare", "--config", cfg]):
-            r = run_main(*args, cwd=here)
+            r = run_stage(*args, cwd=here)
             assert r.returncode == 2, (args, r.stdout + r.stderr)
             assert "tokenizer.name" in r.stderr and "Traceback" not in r.stderr, r.stderr
     cfg = write_config(tmp_path, {})
-    r = run_main("tokenize", "--config", cfg, "--name", "  ", "--encode", "x", cwd=here)
+    r = run_stage("tokenize", "--config", cfg, "--name", "  ", "--encode", "x", cwd=here)
     assert r.returncode == 2 and "command-line flags" in r.stderr and "tokenizer.name" in r.stderr, r.stderr
     for args, flag in ((["prepare", "--config", cfg, "--output-dir", ""], "--output-dir"),
                        (["tokenize", "--config", cfg, "--save-dir", " "], "--save-dir"),
                        (["clean", "--config", ""], "--config"),
                        (["train", "--config", cfg, "--resume", ""], "--resume"),
                        (["sft", "train", "--config", cfg, "--resume", ""], "--resume")):
-        r = run_main(*args, cwd=here)
+        r = run_stage(*args, cwd=here)
         assert r.returncode == 2, (args, r.stdout + r.stderr)
         assert f"argument {flag}: " in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert list(here.iterdir()) == []

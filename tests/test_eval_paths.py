@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelArgs, create_model
-from tests.conftest import SPM_MODEL, run_main, write_config
+from tests.conftest import SPM_MODEL, run_stage, write_config
 import utils.generation.engine as E
 
 V, D = 211, 32
@@ -155,7 +155,7 @@ def test_trainer_samples_leave_no_decode_pack(tmp_path, train_shards, monkeypatc
 def test_train_says_its_attention_path_and_why_no_mfu(tmp_path, train_shards):
     cfg = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)},
                                   "dataset": {"wikipedia_test_dir": str(train_shards)}})
-    proc = run_main("train", "--test", "--config", cfg, "--max-steps", "3", "--window", "32",
+    proc = run_stage("train", "--test", "--config", cfg, "--max-steps", "3", "--window", "32",
                     "--eval-steps", "3", "--eval-batches", "1", "--sample-tokens", "0",
                     "--name", "notes", "--device", "cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import (ENWIKI_XML, NEWS, SAMPLES, SPM_MODEL, offline_env, popen_main, run_main,
+from tests.conftest import (ENWIKI_XML, NEWS, SAMPLES, SPM_MODEL, offline_env, popen_main, run_stage,
                             wait_for_line, write_config, write_train_shards)
 from utils.generation.engine import Engine
 
@@ -113,7 +113,7 @@ def work(tmp_path_factory, samples):
 
 
 def export(cfg, ckpt, fmt, out, *extra):
-    r = run_main("export", "--config", cfg, "--checkpoint", str(ckpt), "--format", fmt,
+    r = run_stage("export", "--config", cfg, "--checkpoint", str(ckpt), "--format", fmt,
                  "--out", str(out), *extra, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return r
@@ -222,9 +222,9 @@ def _chat_run(work, kind: str) -> dict:
     src = root / f"chats-{kind}.jsonl"
     src.write_text("".join(json.dumps({"conversations": c}, ensure_ascii=False) + "\n" for c in CHATS),
                    encoding="utf-8")
-    r = run_main("sft", "prepare", "--config", cfg, "--test", "--dataset", str(src), "--output-dir", str(data))
+    r = run_stage("sft", "prepare", "--config", cfg, "--test", "--dataset", str(src), "--output-dir", str(data))
     assert r.returncode == 0, r.stdout + r.stderr
-    r = run_main("sft", "train", "--config", cfg, "--test", "--checkpoint",
+    r = run_stage("sft", "train", "--config", cfg, "--test", "--checkpoint",
                  str(work["pre" if kind == "spm" else "bpe_ck"]), "--data-dir", str(data),
                  "--max-steps", "2", "--batch-size", "2", "--sample-tokens", "0", "--name",
                  f"chat-{kind}", timeout=400)
@@ -283,7 +283,7 @@ def test_sft_export_chat_template_gives_our_ids_in_transformers(work, kind):
         assert ht(t, split_special_tokens=True)["input_ids"] == _ours(tok, t)
     assert bos in ht("a <s> b")["input_ids"][1:]
     q = "Why is the sky blue?"
-    r = run_main("infer", "--config", run["cfg"], "--checkpoint", str(run["ckpt"]), "--prompt", q,
+    r = run_stage("infer", "--config", run["cfg"], "--checkpoint", str(run["ckpt"]), "--prompt", q,
                  "--max-new-tokens", "8", "--temperature", "0", "--json")
     assert r.returncode == 0, r.stderr
     said = json.loads(r.stdout)
@@ -477,7 +477,7 @@ def test_import_hf_round_trip_and_fine_tune(work, tmp_path):
     x = torch.tensor([_ours(work["spm"], news_docs()[2])[:100]])
     with torch.no_grad():
         assert torch.equal(imp.model(x)[0], ours(x)[0])
-    r = run_main("infer", "--config", work["cfg_spm"], "--checkpoint", str(hf_dir), "--prompt",
+    r = run_stage("infer", "--config", work["cfg_spm"], "--checkpoint", str(hf_dir), "--prompt",
                  "The history of", "--max-new-tokens", "6", "--temperature", "0", "--json")
     assert r.returncode == 0, r.stderr
     want = work["spm"].decode(Engine(ours).generate([_ours(work["spm"], "The history of")], 6,
@@ -488,10 +488,10 @@ def test_import_hf_round_trip_and_fine_tune(work, tmp_path):
                                   "dataset": {"wikipedia_test_dir": str(tmp_path / "shards"),
                                               "window": 32},
                                   "training": {"batch_size": 4, "eval_batches": 1}})
-    r = run_main("sft", "prepare", "--config", cfg, "--dataset", "samples", "--limit", "24",
+    r = run_stage("sft", "prepare", "--config", cfg, "--dataset", "samples", "--limit", "24",
                  "--max-length", "96")
     assert r.returncode == 0, r.stderr
-    r = run_main("sft", "train", "--config", cfg, "--init-from-hf", str(hf_dir), "--max-steps", "2",
+    r = run_stage("sft", "train", "--config", cfg, "--init-from-hf", str(hf_dir), "--max-steps", "2",
                  "--batch-size", "4", "--name", "imp", "--sample-tokens", "0", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     ck = load_checkpoint(next((tmp_path / "checkpoints").glob("sft_imp_*")) / "checkpoint_latest.pt",
@@ -502,7 +502,7 @@ def test_import_hf_round_trip_and_fine_tune(work, tmp_path):
         return max(float((state[k] - v).abs().max()) for k, v in ours.state_dict().items())
     assert 0 < moved(ck["model"]) < 0.01           # fine-tuned from them, not a fresh init (~0.1)
     write_train_shards(tmp_path / "shards", 60)
-    r = run_main("train", "--config", cfg, "--test", "--init-from-hf", str(hf_dir), "--name", "cont",
+    r = run_stage("train", "--config", cfg, "--test", "--init-from-hf", str(hf_dir), "--name", "cont",
                  "--max-steps", "2", "--window", "32", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "starting from" in r.stdout
@@ -511,7 +511,7 @@ def test_import_hf_round_trip_and_fine_tune(work, tmp_path):
     other = work["root"] / "exports" / "bpe_ck-hf"             # another tokenizer's model
     if not other.exists():
         export(work["cfg_bpe"], work["bpe_ck"], "hf", other)
-    r = run_main("train", "--config", cfg, "--test", "--init-from-hf", str(other), "--name", "mix",
+    r = run_stage("train", "--config", cfg, "--test", "--init-from-hf", str(other), "--name", "mix",
                  "--max-steps", "2", "--window", "32", timeout=400)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "stale shard set: tokenizer.fingerprint" in r.stderr and str(other) in r.stderr
@@ -539,9 +539,9 @@ def test_import_refuses_what_it_cannot_represent(tmp_path, work):
         (d / "config.json").write_text(json.dumps(conf))
         with pytest.raises(PipelineError, match=needle):
             load_hf_llama(d)
-        r = run_main("train", "--config", work["cfg_spm"], "--init-from-hf", str(d))
+        r = run_stage("train", "--config", work["cfg_spm"], "--init-from-hf", str(d))
         assert r.returncode == 1 and needle.split()[0] in r.stderr and "Traceback" not in r.stderr
-    r = run_main("train", "--config", work["cfg_spm"], "--init-from-hf", str(tmp_path / "nothing"))
+    r = run_stage("train", "--config", work["cfg_spm"], "--init-from-hf", str(tmp_path / "nothing"))
     assert r.returncode == 1 and "does not exist" in r.stderr
     cut = tmp_path / "truncated"                       # weights cut short: named, no traceback
     shutil.copytree(base, cut)
@@ -549,7 +549,7 @@ def test_import_refuses_what_it_cannot_represent(tmp_path, work):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(PipelineError, match="cannot read the weights"):
         load_hf_llama(cut)
-    r = run_main("train", "--config", work["cfg_spm"], "--init-from-hf", str(cut))
+    r = run_stage("train", "--config", work["cfg_spm"], "--init-from-hf", str(cut))
     assert r.returncode == 1 and "cannot read the weights" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -560,7 +560,7 @@ def test_export_refuses_bad_input_and_never_half_writes(work):
     out = root / "exports" / "guarded"
 
     def run(*a):
-        return run_main("export", "--config", cfg, *a, timeout=300)
+        return run_stage("export", "--config", cfg, *a, timeout=300)
 
     r = run("--checkpoint", str(work["pre"]), "--format", "onnx", "--out", str(out))
     assert r.returncode == 2 and "onnx" in r.stderr
@@ -590,7 +590,7 @@ def test_export_refuses_bad_input_and_never_half_writes(work):
     stale = _checkpoint(root / "checkpoints" / "stale" / "checkpoint_best.pt",
                         load_tokenizer_from(str(old)), str(old), seed=6)
     cfg_old = write_config(root, {"tokenizer": {"name": str(old)}}, "old.json")
-    r = run_main("export", "--config", cfg_old, "--checkpoint", str(stale), "--format", "gguf",
+    r = run_stage("export", "--config", cfg_old, "--checkpoint", str(stale), "--format", "gguf",
                  "--out", str(root / "exports" / "stale"))
     assert r.returncode == 1 and "re-save it with `python main.py tokenize`" in r.stderr
     assert not (root / "exports" / "stale").exists()
@@ -602,7 +602,7 @@ def test_benchmark_scores_an_imported_folder_as_transformers_does(work, tmp_path
     hf_dir = work["root"] / "exports" / "pre-hf"
     if not hf_dir.exists():
         export(work["cfg_spm"], work["pre"], "hf", hf_dir)
-    r = run_main("benchmark", "--config", work["cfg_spm"], "--test", str(hf_dir), "--hf-model",
+    r = run_stage("benchmark", "--config", work["cfg_spm"], "--test", str(hf_dir), "--hf-model",
                  str(hf_dir), "--tasks", "perplexity,next_token,lambada,hellaswag",
                  "--output-dir", str(tmp_path), "--no-color", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -648,7 +648,7 @@ def test_import_a_real_public_model_smollm2(tmp_path):
 def test_model_card_carries_the_benchmark_of_exactly_these_weights(work):
     """A benchmark run that scored this checkpoint's weights (matched by their fingerprint,
     not by path) appears in the exported model card as a table."""
-    r = run_main("benchmark", "--config", work["cfg_spm"], "--test", str(work["bpe_ck"].parent.parent / "pre"),
+    r = run_stage("benchmark", "--config", work["cfg_spm"], "--test", str(work["bpe_ck"].parent.parent / "pre"),
                  "--tasks", "perplexity,next_token", "--no-color", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     out = work["root"] / "exports" / "pre-card"
@@ -709,7 +709,7 @@ def test_geglu_exports_to_hf_and_is_refused_for_gguf(work):
     with torch.no_grad():
         assert torch.allclose(hf(x).logits, ours(x)[0], atol=1e-4, rtol=0)
     gg = work["root"] / "exports" / "geglu-gguf"
-    r = run_main("export", "--config", work["cfg_spm"], "--checkpoint", str(work["geglu"]),
+    r = run_stage("export", "--config", work["cfg_spm"], "--checkpoint", str(work["geglu"]),
                  "--format", "gguf", "--out", str(gg))
     assert r.returncode == 1 and "model.activation is 'geglu'" in r.stderr and "SiLU" in r.stderr
     assert not gg.exists() and not list(gg.parent.glob(".geglu-gguf*"))
@@ -932,7 +932,7 @@ def test_damaged_folders_through_each_entry_point(foreign, work, tmp_path):
     for stage, args in (("infer", ["--checkpoint", bad, "--prompt", "x"]),
                         ("train", ["--init-from-hf", bad, "--name", "no"]),
                         ("export", ["--checkpoint", bad, "--format", "hf", "--out", out])):
-        r = run_main(stage, "--config", work["cfg_bpe"], *args)
+        r = run_stage(stage, "--config", work["cfg_bpe"], *args)
         assert r.returncode == 1, (stage, r.stderr)
         assert "up_proj.weight" in r.stderr and "Traceback" not in r.stderr
         assert "unexpected error" not in r.stderr
@@ -1106,18 +1106,14 @@ def test_hostile_folders_and_gguf_files_through_infer(work, foreign, tmp_path):
     a head_dim the model cannot take, quantized weights, a non-finite number, tokenizer and
     index files of the wrong JSON types, pickled weights only, an index pointing outside the
     folder, GGUF metadata of the wrong type or range and header counts past the end of the file.
-    The processes run side by side (the cases are independent). benchmark on the overflowing
-    weights stops with the same error (NaN logits scored top-1 100% before)."""
+    benchmark on the overflowing weights stops with the same error (NaN logits scored top-1 100%
+    before)."""
     targets = {case: _hostile_target(work, foreign, tmp_path, case) for case in HOSTILE}
-    pending, running, results = list(targets.items()), [], {}
-    while pending or running:
-        while pending and len(running) < 3:
-            case, target = pending.pop(0)
-            running.append((case, popen_main("infer", "--config", work["cfg_bpe"], "--checkpoint", target,
-                                             "--prompt", "The history of", "--max-new-tokens", "4")))
-        case, p = running.pop(0)
-        _, err = p.communicate(timeout=300)
-        results[case] = (p.returncode, err)
+    results = {}
+    for case, target in targets.items():
+        r = run_stage("infer", "--config", work["cfg_bpe"], "--checkpoint", target,
+                      "--prompt", "The history of", "--max-new-tokens", "4")
+        results[case] = (r.returncode, r.stderr)
     for case, (code, err) in results.items():
         words = HOSTILE[case][1]
         where = str(targets[case])
@@ -1125,7 +1121,7 @@ def test_hostile_folders_and_gguf_files_through_infer(work, foreign, tmp_path):
         assert "Traceback" not in err and "unexpected error" not in err, (case, err[-2000:])
         assert where in err and all(w in err for w in words), (case, words, err[-1500:])
     assert len(results) == len(HOSTILE)
-    r = run_main("benchmark", "--config", work["cfg_bpe"], "--test", targets["weights_overflow"], "--tasks",
+    r = run_stage("benchmark", "--config", work["cfg_bpe"], "--test", targets["weights_overflow"], "--tasks",
                  "next_token", "--output-dir", tmp_path / "bench", "--no-color", timeout=300)
     assert r.returncode == 1 and "logits are not finite" in r.stderr, r.stderr[-2000:]   # was: top-1 100%
     assert "Traceback" not in r.stderr and not list((tmp_path / "bench").glob("benchmark_*"))
@@ -1145,7 +1141,7 @@ def test_a_model_without_bos_runs_and_a_bad_generation_config_is_ignored(work, f
         if (d / name).is_file():
             _edit_json(name, lambda c: c.pop("bos_token", None) and None)(d)
     (d / "generation_config.json").write_text(json.dumps({"max_new_tokens": -5}))
-    r = run_main("infer", "--config", work["cfg_bpe"], "--checkpoint", d, "--prompt", "The history of",
+    r = run_stage("infer", "--config", work["cfg_bpe"], "--checkpoint", d, "--prompt", "The history of",
                  "--max-new-tokens", "3", "--temperature", "0", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["prompt_tokens"] == len(encode_plain(work["bpe"], ["The history of"])[0])
@@ -1153,7 +1149,7 @@ def test_a_model_without_bos_runs_and_a_bad_generation_config_is_ignored(work, f
     inf = tmp_path / "inf"
     shutil.copytree(foreign, inf)
     _damage_config(rope_parameters={"rope_type": "default", "rope_theta": float("inf")})(inf)
-    r = run_main("export", "--config", work["cfg_bpe"], "--checkpoint", inf, "--format", "hf",
+    r = run_stage("export", "--config", work["cfg_bpe"], "--checkpoint", inf, "--format", "hf",
                  "--out", tmp_path / "out")
     assert r.returncode == 1 and "rope_theta: expected a finite number" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
@@ -1180,11 +1176,11 @@ def test_export_never_replaces_what_is_not_an_export(work, tmp_path):
              (["--out", tmp_path / "x", "--license", "mit\nevil: yes"], 2, "--license"),
              (["--out", tmp_path / "x", "--max-shard-size", "2 parsecs"], 2, "--max-shard-size")]
     for extra, code, needle in cases:
-        r = run_main("export", "--config", work["cfg_bpe"], "--checkpoint", ck, "--format", "hf", *extra)
+        r = run_stage("export", "--config", work["cfg_bpe"], "--checkpoint", ck, "--format", "hf", *extra)
         assert r.returncode == code and needle in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr)
     fake = tmp_path / "checkpoint_best.pt"                  # a folder where a file belongs
     fake.mkdir()
-    r = run_main("export", "--config", work["cfg_bpe"], "--checkpoint", fake, "--format", "hf",
+    r = run_stage("export", "--config", work["cfg_bpe"], "--checkpoint", fake, "--format", "hf",
                  "--out", tmp_path / "x")
     assert r.returncode == 1 and "folder without checkpoint files" in r.stderr, r.stderr
     fake.rmdir()
@@ -1228,7 +1224,7 @@ def test_out_that_is_blank_the_current_folder_or_not_an_export_is_refused_clearl
     for out, code, needle in cases:
         for force in ([], ["--force"]):
             for cwd in (here, empty):
-                r = run_main("export", "--config", work["cfg_bpe"], "--checkpoint", work["bpe_ck"],
+                r = run_stage("export", "--config", work["cfg_bpe"], "--checkpoint", work["bpe_ck"],
                              "--format", "hf", "--out", out, *force, cwd=cwd)
                 err = " ".join(r.stderr.split())
                 assert r.returncode == code and needle in err, (out, force, r.stderr)
@@ -1263,7 +1259,7 @@ def test_the_demo_example_runs_both_exports_as_infer_answers(work):
     from tests.conftest import ROOT
     run = _chat_run(work, "spm")
     q = "Why is the sky blue?"
-    r = run_main("infer", "--config", run["cfg"], "--checkpoint", str(run["ckpt"]), "--prompt", q,
+    r = run_stage("infer", "--config", run["cfg"], "--checkpoint", str(run["ckpt"]), "--prompt", q,
                  "--max-new-tokens", "8", "--temperature", "0", "--json")
     assert r.returncode == 0, r.stderr
     said = json.loads(r.stdout)["text"]

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import NEWS, SPM_MODEL, run_main
+from tests.conftest import NEWS, SPM_MODEL, run_stage
 from tests.test_prep import documents, saved_tokenizer, shard_bytes, tok  # noqa: F401 (fixtures)
 
 MIN_SCORE, MIN_TOKENS, SHARD_TOKENS = 0.65, 100, 4000
@@ -73,7 +73,7 @@ def expected(rows, tok):  # noqa: F811
 def test_fineweb_filters_metadata_and_workers_determinism(fw_config, parquet_dir, tmp_path, tok):  # noqa: F811
     cfg = fw_config()
     out2, out1 = tmp_path / "w2", tmp_path / "w1"
-    p = run_main("fineweb", "--config", cfg, "--output-dir", out2, "--workers", "2")
+    p = run_stage("fineweb", "--config", cfg, "--output-dir", out2, "--workers", "2")
     assert p.returncode == 0, p.stderr
     from utils.data.shards import load_shards, read_metadata
     meta = read_metadata(out2, "python main.py fineweb")
@@ -91,14 +91,14 @@ def test_fineweb_filters_metadata_and_workers_determinism(fw_config, parquet_dir
                for d in documents(np.asarray(a), tok.bos_token_id, tok.eos_token_id)]
     assert decoded == kept
     assert meta["totals"]["tokens"] == sum(len(a) for a in arrays)
-    p = run_main("fineweb", "--config", cfg, "--output-dir", out1, "--workers", "1", "--batch-size", "13")
+    p = run_stage("fineweb", "--config", cfg, "--output-dir", out1, "--workers", "1", "--batch-size", "13")
     assert p.returncode == 0, p.stderr
     assert shard_bytes(out1) == shard_bytes(out2)
 
 
 def test_max_files_cap_and_test_mode(fw_config, tmp_path):
     cfg = fw_config(test_max_documents=120)
-    p = run_main("fineweb", "--config", cfg, "--test", "--max-files", "2")
+    p = run_stage("fineweb", "--config", cfg, "--test", "--max-files", "2")
     assert p.returncode == 0, p.stderr
     d = tmp_path / "data" / "tokenized_datasets" / "fineweb_test"
     meta = json.loads((d / "metadata.json").read_text())
@@ -119,7 +119,7 @@ def test_parquet_stream_resumes_at_any_row(parquet_dir):
 
 
 def test_hub_without_network_points_to_data_dir(tmp_config):
-    p = run_main("fineweb", "--config", tmp_config({"tokenizer": {"name": str(SPM_MODEL)}}))
+    p = run_stage("fineweb", "--config", tmp_config({"tokenizer": {"name": str(SPM_MODEL)}}))
     assert p.returncode == 1
     assert "--data-dir" in p.stderr and "HuggingFaceFW/fineweb" in p.stderr
     assert "Traceback" not in p.stderr
@@ -155,7 +155,7 @@ def test_hub_streaming_path_resumes_from_saved_stream_state(parquet_dir, tmp_con
 
     # End to end through main.py: reference run, then an interrupted run and its resume.
     ref, out = tmp_path / "ref", tmp_path / "out"
-    p = run_main("fineweb", "--config", cfg, "--output-dir", ref)
+    p = run_stage("fineweb", "--config", cfg, "--output-dir", ref)
     assert p.returncode == 0, p.stderr
     assert "huggingface streaming" in p.stdout
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fineweb", "--config", str(cfg),
@@ -174,7 +174,7 @@ def test_hub_streaming_path_resumes_from_saved_stream_state(parquet_dir, tmp_con
     progress = json.loads((out / ".progress.json").read_text())
     assert progress["stream_resume"]["state"] is not None
     assert progress["stream_resume"]["position"] <= progress["consumed"]
-    p = run_main("fineweb", "--config", cfg, "--output-dir", out)
+    p = run_stage("fineweb", "--config", cfg, "--output-dir", out)
     assert p.returncode == 0, p.stderr
     assert "restoring the saved stream position" in p.stdout
     assert shard_bytes(out) == shard_bytes(ref)

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import SPM_MODEL, offline_env, run_main
+from tests.conftest import SPM_MODEL, offline_env, run_main, run_stage
 from tests.test_prep import saved_tokenizer  # noqa: F401 (fixture)
 
 PARA = "is described here in one long paragraph of ordinary text, long enough to be kept."
@@ -89,7 +89,7 @@ def test_clean_bad_records_cost_only_themselves(tmp_config, tmp_path, workers):
     (inp / "folder.jsonl").mkdir()
     (inp / "dangling.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
     out = tmp_path / "out"
-    p = run_main("clean", "--config", tmp_config({"cleaning": {"min_chars": 20}}),
+    p = run_stage("clean", "--config", tmp_config({"cleaning": {"min_chars": 20}}),
                  "--input-dir", inp, "--output-dir", out, "--workers", workers)
     assert_clean_exit(p, 0)
     lines = (out / "cleaned_dump.txt").read_text(encoding="utf-8").splitlines()
@@ -125,11 +125,11 @@ def test_clean_rerun_keeping_nothing_leaves_earlier_output(tmp_config, tmp_path)
     dump = inp / "dump.jsonl"
     dump.write_text(json.dumps(article("Alpha")) + "\n", encoding="utf-8")
     cfg = tmp_config({"cleaning": {"min_chars": 20}})
-    assert_clean_exit(run_main("clean", "--config", cfg, "--input-dir", inp, "--output-dir", out), 0)
+    assert_clean_exit(run_stage("clean", "--config", cfg, "--input-dir", inp, "--output-dir", out), 0)
     before = snapshot(out)
     dump.write_text(json.dumps({"name": "Empty", "sections": []}) + "\n" + "{not json\n",
                     encoding="utf-8")
-    p = run_main("clean", "--config", cfg, "--input-dir", inp, "--output-dir", out, "--force")
+    p = run_stage("clean", "--config", cfg, "--input-dir", inp, "--output-dir", out, "--force")
     assert_clean_exit(p, 1)
     assert "no usable article" in p.stderr and "unchanged" in p.stderr
     after = snapshot(out)
@@ -172,7 +172,7 @@ def test_clean_output_dir_that_cannot_be_created(tmp_config, tmp_path):
     inp.mkdir()
     (inp / "dump.jsonl").write_text(json.dumps(article("Alpha")) + "\n", encoding="utf-8")
     (tmp_path / "a_file").write_text("x")
-    p = run_main("clean", "--config", tmp_config(), "--input-dir", inp,
+    p = run_stage("clean", "--config", tmp_config(), "--input-dir", inp,
                  "--output-dir", tmp_path / "a_file" / "sub")
     assert_clean_exit(p, 1)
     assert "a_file" in p.stderr and "--output-dir" in p.stderr
@@ -198,7 +198,7 @@ def fw_env(tmp_path_factory, saved_tokenizer):  # noqa: F811
                               "fineweb": {"min_tokens": 5, "workers": 1, "min_language_score": 0.65},
                               "dataset": {"shard_tokens": 200, "window": 32}})
     ref = root / "ref"
-    p = run_main("fineweb", "--config", cfg, "--data-dir", good, "--output-dir", ref, "--no-progress")
+    p = run_stage("fineweb", "--config", cfg, "--data-dir", good, "--output-dir", ref, "--no-progress")
     assert_clean_exit(p, 0)
     return {"root": root, "cfg": cfg, "good": good, "ref": ref, "n": n}
 
@@ -255,7 +255,7 @@ def test_fineweb_bad_parquet_is_a_clear_error_and_keeps_the_old_set(fw_env, tmp_
     shutil.copytree(fw_env["ref"], out)
     before = snapshot(out)
     data_dir = bad if kind == "data_dir_typo" else bad_dir
-    p = run_main("fineweb", "--config", fw_env["cfg"], "--data-dir", data_dir, "--output-dir", out,
+    p = run_stage("fineweb", "--config", fw_env["cfg"], "--data-dir", data_dir, "--output-dir", out,
                  "--no-progress", "--force")
     assert_clean_exit(p, 1)
     assert str(bad) in p.stderr and "unexpected" not in p.stderr
@@ -266,13 +266,13 @@ def test_fineweb_bad_parquet_is_a_clear_error_and_keeps_the_old_set(fw_env, tmp_
 def test_fineweb_force_replaces_the_set_only_when_complete(fw_env, tmp_path):
     out = tmp_path / "set"
     shutil.copytree(fw_env["ref"], out)
-    p = run_main("fineweb", "--config", fw_env["cfg"], "--data-dir", fw_env["good"], "--output-dir",
+    p = run_stage("fineweb", "--config", fw_env["cfg"], "--data-dir", fw_env["good"], "--output-dir",
                  out, "--no-progress", "--force", "--shard-tokens", "400")
     assert_clean_exit(p, 0)
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["shard_tokens"] == 400 and not (out / ".rebuild").exists()
     assert sorted(p.name for p in out.glob("tokens_*.npy")) == [s["file"] for s in meta["shards"]]
-    p = run_main("fineweb", "--config", fw_env["cfg"], "--data-dir", fw_env["good"], "--output-dir",
+    p = run_stage("fineweb", "--config", fw_env["cfg"], "--data-dir", fw_env["good"], "--output-dir",
                  out, "--no-progress", "--shard-tokens", "400")
     assert_clean_exit(p, 0)
     assert "up to date" in p.stdout
@@ -289,7 +289,7 @@ def prep_ref(tmp_path_factory, saved_tokenizer):  # noqa: F811
                                            encoding="utf-8")
     ref = root / "ref"
     cfg = _prep_config(root, cleaned, saved_tokenizer)
-    assert_clean_exit(run_main("prepare", "--config", cfg, "--output-dir", ref, "--no-progress"), 0)
+    assert_clean_exit(run_stage("prepare", "--config", cfg, "--output-dir", ref, "--no-progress"), 0)
     return cleaned, ref
 
 
@@ -313,12 +313,12 @@ def test_prepare_force_with_a_bad_input_keeps_the_old_set(prep_set):
     cleaned, cfg, out = prep_set
     before = snapshot(out)
     (cleaned / "cleaned_b.txt").write_bytes(b"fine line\n\xff\xfe not utf-8\n")
-    p = run_main("prepare", "--config", cfg, "--output-dir", out, "--no-progress", "--force")
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out, "--no-progress", "--force")
     assert_clean_exit(p, 1)
     assert f"{cleaned / 'cleaned_b.txt'}:2" in p.stderr
     assert snapshot(out) == before and not (out / ".rebuild").exists()
     # a typo in the input folder: refused before anything is touched
-    p = run_main("prepare", "--config", cfg, "--output-dir", out, "--no-progress", "--force",
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out, "--no-progress", "--force",
                  "--input-dir", cleaned.parent / "cleand")
     assert_clean_exit(p, 1)
     assert snapshot(out) == before and not (out / ".rebuild").exists()
@@ -348,7 +348,7 @@ def test_failed_prepare_force_removes_its_side_folder(prep_set, saved_tokenizer,
         (tmp_path / "c2").mkdir()
         cfg = _prep_config(tmp_path / "c2", cleaned, tok)
         expect = "no BOS or EOS token"
-    p = run_main("prepare", "--config", cfg, "--output-dir", out, *args)
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out, *args)
     assert_clean_exit(p, 1)
     assert expect in p.stderr
     assert snapshot(out) == before
@@ -367,7 +367,7 @@ def test_prepare_unreadable_metadata_never_deletes(prep_set, damage):
             meta.mkdir()
     before = snapshot(out)
     assert len([k for k in before if k.startswith("tokens_")]) > 1
-    p = run_main("prepare", "--config", cfg, "--output-dir", out, "--no-progress")
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out, "--no-progress")
     assert_clean_exit(p, 1)
     assert str(out) in p.stderr and "nothing" in p.stderr and "--force" in p.stderr
     assert snapshot(out) == before

@@ -13,7 +13,7 @@ import pexpect  # a pinned requirement: missing is a failure, not a skip
 import pytest
 import torch
 
-from tests.conftest import offline_env, run_main, spawn_main, stage_pid, wait_until_blocked, write_config
+from tests.conftest import offline_env, run_stage, spawn_main, stage_pid, wait_until_blocked, write_config
 from tests.test_sft import TOK_NAME, make_checkpoint, tokenizer
 from utils.generation.engine import Engine
 
@@ -47,7 +47,7 @@ def test_scripted_output_equals_model_generate_with_the_same_seed(work):
     from utils.data import sft
     tok = tokenizer()
     prompt = "The history of </s> science"
-    r = run_main("infer", "--config", work["cfg"], "--checkpoint", work["pre"], "--prompt", prompt,
+    r = run_stage("infer", "--config", work["cfg"], "--checkpoint", work["pre"], "--prompt", prompt,
                  "--max-new-tokens", "12", "--temperature", "0.9", "--top-k", "40", "--seed", "7")
     assert r.returncode == 0, r.stderr
     ids = [tok.bos_token_id] + sft.encode_plain(tok, [prompt])[0]
@@ -61,7 +61,7 @@ def test_scripted_output_equals_model_generate_with_the_same_seed(work):
 def test_a_temperature_below_float32s_reach_is_greedy(work):
     """--temperature 1e-300 made the sampling step's softmax NaN (an unexpected error); it is
     the greedy limit: the same text as --temperature 0."""
-    runs = [run_main("infer", "--config", work["cfg"], "--checkpoint", work["pre"], "--prompt", "The river",
+    runs = [run_stage("infer", "--config", work["cfg"], "--checkpoint", work["pre"], "--prompt", "The river",
                      "--max-new-tokens", "10", "--temperature", t, "--seed", "3") for t in ("1e-300", "0")]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
@@ -70,7 +70,7 @@ def test_a_temperature_below_float32s_reach_is_greedy(work):
 def test_scripted_sft_checkpoint_uses_the_chat_template_and_json(work):
     from utils.data import sft
     tok = tokenizer()
-    r = run_main("infer", "--config", work["cfg"], "--checkpoint", work["chat"], "--prompt", "-",
+    r = run_stage("infer", "--config", work["cfg"], "--checkpoint", work["chat"], "--prompt", "-",
                  "--max-new-tokens", "8", "--temperature", "0", "--json",
                  input="Why is the sky blue?\n")
     assert r.returncode == 0, r.stderr
@@ -91,7 +91,7 @@ def test_scripted_sft_checkpoint_uses_the_chat_template_and_json(work):
 
 def test_scripted_bad_inputs_exit_cleanly(work, tmp_path):
     cfg = work["cfg"]
-    r = run_main("infer", "--config", cfg, "--checkpoint", tmp_path / "missing.pt", "--prompt", "x")
+    r = run_stage("infer", "--config", cfg, "--checkpoint", tmp_path / "missing.pt", "--prompt", "x")
     assert r.returncode == 1 and "file not found" in r.stderr and "Traceback" not in r.stderr
     hostile = tmp_path / "hostile.pt"
 
@@ -99,22 +99,22 @@ def test_scripted_bad_inputs_exit_cleanly(work, tmp_path):
         def __reduce__(self):
             return (os.system, ("touch " + str(tmp_path / "pwned"),))
     torch.save({"format_version": 1, "model": Boom(), "model_args": {}}, hostile)
-    r = run_main("infer", "--config", cfg, "--checkpoint", hostile, "--prompt", "x")
+    r = run_stage("infer", "--config", cfg, "--checkpoint", hostile, "--prompt", "x")
     assert r.returncode == 1 and "refused" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "pwned").exists()
     trunc = tmp_path / "trunc.pt"
     trunc.write_bytes(work["pre"].read_bytes()[:5000])
-    r = run_main("infer", "--config", cfg, "--checkpoint", trunc, "--prompt", "x")
+    r = run_stage("infer", "--config", cfg, "--checkpoint", trunc, "--prompt", "x")
     assert r.returncode == 1 and "trunc.pt" in r.stderr and "Traceback" not in r.stderr
     (tmp_path / "empty_run").mkdir()
-    r = run_main("infer", "--config", cfg, "--checkpoint", tmp_path / "empty_run", "--prompt", "x")
+    r = run_stage("infer", "--config", cfg, "--checkpoint", tmp_path / "empty_run", "--prompt", "x")
     assert r.returncode == 1 and "without checkpoint files" in r.stderr
-    r = run_main("infer", "--config", cfg, "--checkpoint", work["pre"].parent, "--prompt", "x",
+    r = run_stage("infer", "--config", cfg, "--checkpoint", work["pre"].parent, "--prompt", "x",
                  "--max-new-tokens", "2")
     assert r.returncode == 0 and "using checkpoint_best.pt" in r.stderr
-    r = run_main("infer", "--config", cfg, "--checkpoint", work["pre"], "--prompt", "   ")
+    r = run_stage("infer", "--config", cfg, "--checkpoint", work["pre"], "--prompt", "   ")
     assert r.returncode == 2 and "prompt is empty" in r.stderr
-    r = run_main("infer", "--config", cfg, "--prompt", "x")
+    r = run_stage("infer", "--config", cfg, "--prompt", "x")
     assert r.returncode == 2 and "--checkpoint" in r.stderr
 
 
@@ -128,15 +128,15 @@ def test_scripted_odd_values_and_bytes(work):
     import subprocess
     from tests.conftest import ROOT, default_signals, main_command
     cfg, pre = work["cfg"], work["pre"]
-    r = run_main("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "The history of",
+    r = run_stage("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "The history of",
                  "--max-new-tokens", 10 ** 12, "--temperature", "0")
     assert r.returncode == 2 and re.search(r"max new tokens 1,000,000,000,000: the KV cache for the prompt's "
                                            r"\d+ and that many positions would take [\d,.]+ GiB, more than "
                                            r"the [\d,.]+ GiB available", r.stderr), r.stderr
-    outs = [run_main("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "x", "--max-new-tokens", 8,
+    outs = [run_stage("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "x", "--max-new-tokens", 8,
                      "--temperature", "0.9", "--seed", seed) for seed in (2 ** 80 + 5, (2 ** 80 + 5) % 2 ** 64)]
     assert all(o.returncode == 0 for o in outs) and outs[0].stdout == outs[1].stdout, outs[0].stderr
-    r = run_main("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "x", "--device", "tpu")
+    r = run_stage("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "x", "--device", "tpu")
     assert r.returncode == 2 and "inference.device is 'tpu': give auto, cpu, cuda or cuda:N" in r.stderr, r.stderr
     run = dict(capture_output=True, env=offline_env(), cwd=ROOT, preexec_fn=default_signals, timeout=300)
     r = subprocess.run(main_command("infer", "--config", cfg, "--checkpoint", pre, "--prompt", "-"),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 
 from perf.reference_loop import reference_run
-from tests.conftest import SPM_MODEL, run_main, write_config
+from tests.conftest import SPM_MODEL, run_stage, write_config
 from utils.training.logging_utils import latest_per_step, read_jsonl
 
 TOL = 0.02
@@ -50,7 +50,7 @@ def test_same_validation_loss_as_llama_for_causal_lm(tmp_path, train_shards, ste
 
     cfg_path = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)},
                                        "dataset": {"wikipedia_test_dir": str(train_shards)}})
-    proc = run_main("train", "--test", "--config", cfg_path, *_flags(steps, eval_steps),
+    proc = run_stage("train", "--test", "--config", cfg_path, *_flags(steps, eval_steps),
                     "--name", "ours", timeout=600)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     run_dir = tmp_path / "checkpoints" / "ours"

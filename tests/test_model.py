@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import model as M
 from model import ModelArgs, create_model, model_args_from_config
 from utils.hf.mapping import from_hf_state_dict, hf_config, model_args_from_hf_config, to_hf_state_dict
-from tests.conftest import run_main
+from tests.conftest import run_stage
 from utils.activations import GatedMLP
 from utils.generation.engine import Engine
 from utils.config import ConfigError, Config, MODEL_PRESETS, llama_ffn_hidden, load_config
@@ -299,7 +299,7 @@ def test_cross_checks_are_configuration_errors(tmp_path):
 
 def test_bad_model_config_exits_2_from_the_cli(tmp_config):
     cfg = tmp_config({"model": {"n_heads": 6, "n_kv_heads": 4}})
-    proc = run_main("train", "--config", cfg, "--test", timeout=120)
+    proc = run_stage("train", "--config", cfg, "--test", timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "model.n_kv_heads: 4 must divide model.n_heads (6)" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import ROOT, SPM_MODEL, offline_env, run_main
+from tests.conftest import ROOT, SPM_MODEL, offline_env, run_stage
 from utils.config import load_config
 from utils.data.textio import iter_articles
 
@@ -22,18 +22,18 @@ def test_clean_prepare_load_then_stale_and_auto_prepare(tmp_path, tmp_config, sa
                       "dataset": {"window": 64, "shard_tokens": 200_000},
                       "training": {"batch_size": 4}})
     # 1. clean (real MediaWiki XML) and save the tokenizer under tmp/tokenizers/
-    p = run_main("clean", "--config", cfg, "--test")
+    p = run_stage("clean", "--config", cfg, "--test")
     assert p.returncode == 0, p.stderr
     cleaned = sorted((tmp_path / "data" / "cleaned_articles").glob("cleaned_*.txt"))
     assert [c.name for c in cleaned] == ["cleaned_enwiki-sample-pages-articles.txt"]
     articles = list(iter_articles(cleaned))
     assert len(articles) == 106
-    p = run_main("tokenize", "--config", cfg)
+    p = run_stage("tokenize", "--config", cfg)
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "tokenizers" / "mistral-v1" / "tokenizer.json").exists()
 
     # 2. prepare (test mode) -> a complete shard set describing itself
-    p = run_main("prepare", "--config", cfg, "--test")
+    p = run_stage("prepare", "--config", cfg, "--test")
     assert p.returncode == 0, p.stderr
     shard_dir = tmp_path / "data" / "tokenized_datasets" / "wikipedia_test"
     assert (shard_dir / "metadata.json").exists()
@@ -64,7 +64,7 @@ def test_clean_prepare_load_then_stale_and_auto_prepare(tmp_path, tmp_config, sa
     assert found >= 2
 
     # 4. a different tokenizer makes the set stale: refused with the field and the fix ...
-    p = run_main("tokenize", "--config", cfg, "--train", "--vocab-size", "800",
+    p = run_stage("tokenize", "--config", cfg, "--train", "--vocab-size", "800",
                  "--input", tmp_path / "data" / "cleaned_articles")
     assert p.returncode == 0, p.stderr
     bpe = tmp_path / "tokenizers" / "bpe"

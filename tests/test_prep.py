@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import numpy as np
 import pytest
 
-from tests.conftest import NEWS, ROOT, SPM_MODEL, default_signals, offline_env, run_main
+from tests.conftest import NEWS, ROOT, SPM_MODEL, default_signals, offline_env, run_stage
 from utils.data.textio import escape_article, unescape_article
 
 SHARD_TOKENS = 3000
@@ -72,7 +72,7 @@ def prep_env(tmp_path_factory, saved_tokenizer):
 
     cfg = config()
     ref = root / "reference"
-    p = run_main("prepare", "--config", cfg, "--output-dir", ref, "--workers", "2")
+    p = run_stage("prepare", "--config", cfg, "--output-dir", ref, "--workers", "2")
     assert p.returncode == 0, p.stderr
     return {"root": root, "articles": arts, "config": config, "cfg": cfg, "ref": ref, "stdout": p.stdout}
 
@@ -160,11 +160,11 @@ def test_prepare_end_to_end_and_workers_determinism(prep_env, tmp_path, tok):
     assert len(meta["source"]["inputs"]) == 3
     # Same set, one worker and another batch size: byte-identical shards.
     out1 = tmp_path / "w1"
-    p = run_main("prepare", "--config", cfg, "--output-dir", out1, "--workers", "1", "--batch", "7")
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out1, "--workers", "1", "--batch", "7")
     assert p.returncode == 0, p.stderr
     assert shard_bytes(out1) == shard_bytes(ref)
     # A second run finds it complete.
-    p = run_main("prepare", "--config", cfg, "--output-dir", out1, "--workers", "1")
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out1, "--workers", "1")
     assert p.returncode == 0 and "up to date" in p.stdout
 
 
@@ -200,7 +200,7 @@ def test_shard_writer_is_the_engines_format(prep_env, tmp_path):
 
 def test_test_mode_limit_and_default_dir(prep_env, tok):
     cfg = prep_env["config"]("test_config.json", test_max_documents=40)
-    p = run_main("prepare", "--config", cfg, "--test")
+    p = run_stage("prepare", "--config", cfg, "--test")
     assert p.returncode == 0, p.stderr
     d = prep_env["root"] / "data" / "tokenized_datasets" / "wikipedia_test"
     meta = check_set(d, tok, prep_env["articles"])
@@ -337,7 +337,7 @@ def _check_resume(cfg, ref: Path, out: Path, documents: int) -> None:
     assert len(done) < len(ref_meta["shards"])
     for s, r in zip(done, ref_meta["shards"]):   # what is recorded as done is final
         assert s == r and (out / s["file"]).read_bytes() == (ref / s["file"]).read_bytes()
-    p = run_main("prepare", "--config", cfg, "--output-dir", out)
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out)
     assert p.returncode == 0, p.stderr
     assert ("resuming" in p.stdout) == (progress is not None), p.stdout
     assert shard_bytes(out) == shard_bytes(ref)
@@ -378,7 +378,7 @@ def test_interrupted_prep_resumes_byte_identical(big_env, tmp_path, how, fractio
         assert proc.returncode == -signal.SIGKILL, err
     if sig == signal.SIGINT and not fraction < 0.2 and (out / ".progress.json").exists():
         # Other settings on an unfinished set: refused with a pointer to --force.
-        p = run_main("prepare", "--config", cfg, "--output-dir", out, "--shard-tokens", "5000")
+        p = run_stage("prepare", "--config", cfg, "--output-dir", out, "--shard-tokens", "5000")
         assert p.returncode == 1 and "--force" in p.stderr and "shard_tokens" in p.stderr
     _check_resume(cfg, ref, out, big_env["documents"])
 
@@ -415,12 +415,12 @@ def test_complete_set_with_other_settings_needs_force(prep_env, tmp_path):
     cfg, out = prep_env["cfg"], tmp_path / "o"
     shutil.copytree(prep_env["ref"], out)
     # Windows are cut at read time: another window needs no rebuild.
-    p = run_main("prepare", "--config", cfg, "--output-dir", out, "--window", "128")
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out, "--window", "128")
     assert p.returncode == 0 and "up to date" in p.stdout, p.stderr
     # Another shard size changes the bytes: refused, naming the setting, unless --force.
-    p = run_main("prepare", "--config", cfg, "--output-dir", out, "--shard-tokens", "2500")
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out, "--shard-tokens", "2500")
     assert p.returncode == 1 and "shard_tokens" in p.stderr and "--force" in p.stderr
-    p = run_main("prepare", "--config", cfg, "--output-dir", out, "--shard-tokens", "2500", "--force")
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out, "--shard-tokens", "2500", "--force")
     assert p.returncode == 0, p.stderr
     assert json.loads((out / "metadata.json").read_text())["shard_tokens"] == 2500
 
@@ -428,7 +428,7 @@ def test_complete_set_with_other_settings_needs_force(prep_env, tmp_path):
 def test_missing_input_is_exit_1(tmp_config, tmp_path):
     empty = tmp_path / "nothing"
     empty.mkdir()
-    p = run_main("prepare", "--config", tmp_config({"paths": {"cleaned_dir": str(empty)}}))
+    p = run_stage("prepare", "--config", tmp_config({"paths": {"cleaned_dir": str(empty)}}))
     assert p.returncode == 1
     assert str(empty) in p.stderr and "python main.py clean" in p.stderr
     assert "Traceback" not in p.stderr
@@ -479,7 +479,7 @@ def test_interrupted_force_rebuild_keeps_only_resumable_work(big_env, prep_env, 
         return
     recorded = json.loads((out / ".rebuild" / ".progress.json").read_text())["shards"]
     assert recorded and "the same command resumes it" in stdout
-    p = run_main(*cmd)
+    p = run_stage(*cmd)
     assert p.returncode == 0, p.stderr
     assert "resuming" in p.stdout and _rebuild_names(out) is None
     assert shard_bytes(out) == shard_bytes(ref)

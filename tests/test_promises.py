@@ -14,7 +14,7 @@ import pexpect
 import pytest
 import torch
 
-from tests.conftest import SPM_MODEL, offline_env, run_main, spawn_main, write_config
+from tests.conftest import SPM_MODEL, offline_env, run_stage, spawn_main, write_config
 from utils.generation.engine import Engine
 from utils.run import load_checkpoint
 from utils.training.logging_utils import latest_per_step, read_jsonl
@@ -35,7 +35,7 @@ def cfg(root, train_shards):
 
 
 def train(cfg, name, *args, timeout=600):
-    p = run_main("train", "--test", "--config", cfg, *FLAGS, "--name", name, *map(str, args),
+    p = run_stage("train", "--test", "--config", cfg, *FLAGS, "--name", name, *map(str, args),
                  timeout=timeout)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
     return p.stdout + p.stderr
@@ -177,8 +177,8 @@ def test_infer_raw_skips_the_chat_template(chat_ckpt):
     tok = tokenizer()
     common = ["infer", "--config", cfg, "--checkpoint", path, "--prompt", "Why is the sky blue?",
               "--max-new-tokens", "6", "--seed", "5", "--json"]
-    raw = json.loads(run_main(*common, "--raw").stdout)
-    chat = json.loads(run_main(*common).stdout)
+    raw = json.loads(run_stage(*common, "--raw").stdout)
+    chat = json.loads(run_stage(*common).stdout)
     assert raw["chat_template"] is False and chat["chat_template"] is True
     plain_ids = [tok.bos_token_id] + sft.encode_plain(tok, ["Why is the sky blue?"])[0]
     assert raw["prompt_tokens"] == len(plain_ids) < chat["prompt_tokens"]

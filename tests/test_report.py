@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (SPM_MODEL, paused_env, popen_main, run_main, wait_for_line,
+from tests.conftest import (SPM_MODEL, paused_env, popen_main, run_stage, wait_for_line,
                             write_config)
 from utils.training.logging_utils import latest_per_step, read_jsonl
 
@@ -45,23 +45,23 @@ def work(tmp_path_factory, train_shards, samples):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=180)
     assert p.returncode == 130, f"{out}\n{err}"
-    ok(run_main(*train, "--resume", "auto", timeout=300))
-    ok(run_main("sft", "prepare", "--config", cfg, "--dataset", "samples", "--limit", "24",
+    ok(run_stage(*train, "--resume", "auto", timeout=300))
+    ok(run_stage("sft", "prepare", "--config", cfg, "--dataset", "samples", "--limit", "24",
                 "--max-length", "96"))
     base = root / "checkpoints" / "base" / "checkpoint_best.pt"
-    ok(run_main("sft", "train", "--config", cfg, "--checkpoint", base, "--name", "rep",
+    ok(run_stage("sft", "train", "--config", cfg, "--checkpoint", base, "--name", "rep",
                 "--batch-size", "4", "--max-steps", "4", "--log-every", "1", "--sample-tokens", "4",
                 timeout=300))
     sft = next((root / "checkpoints").glob("sft_rep_*"))
     results = root / "benchmark_results"
-    ok(run_main("benchmark", "--config", cfg, *BENCH, base, "--output-dir", results, timeout=300))
-    ok(run_main("benchmark", "--config", cfg, *BENCH, sft / "checkpoint_best.pt", "--output-dir",
+    ok(run_stage("benchmark", "--config", cfg, *BENCH, base, "--output-dir", results, timeout=300))
+    ok(run_stage("benchmark", "--config", cfg, *BENCH, sft / "checkpoint_best.pt", "--output-dir",
                 results, timeout=300))
     return {"root": root, "cfg": cfg, "sft": sft.name, "results": sorted(results.glob("*.json"))}
 
 
 def report(work, *args, out="reports"):
-    return run_main("report", "--config", work["cfg"], *map(str, args),
+    return run_stage("report", "--config", work["cfg"], *map(str, args),
                     "--out", work["root"] / out, timeout=300)
 
 

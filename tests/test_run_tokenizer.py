@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SAMPLES, SPM_MODEL, offline_env, run_main, spawn_main, write_config
+from tests.conftest import ROOT, SAMPLES, SPM_MODEL, offline_env, run_stage, spawn_main, write_config
 from utils.config import Config
 
 HUB_DEFAULT = Config().tokenizer.name
@@ -32,11 +32,11 @@ def run(tmp_path_factory, train_shards):
     trained = write_config(root, {"tokenizer": {"name": str(tok_dir / "tokenizer.model")},
                                   "dataset": {"wikipedia_test_dir": str(train_shards)},
                                   "sft": {"dataset": "samples"}}, "trained.json")
-    p = run_main("train", "--test", "--config", trained, "--max-steps", "4", "--window", "32",
+    p = run_stage("train", "--test", "--config", trained, "--max-steps", "4", "--window", "32",
                  "--eval-steps", "4", "--eval-batches", "1", "--sample-tokens", "0",
                  "--name", "base", "--device", "cpu")
     assert p.returncode == 0, p.stdout + p.stderr
-    p = run_main("sft", "prepare", "--config", trained, "--test")
+    p = run_stage("sft", "prepare", "--config", trained, "--test")
     assert p.returncode == 0, p.stdout + p.stderr
     plain = write_config(root, {}, "plain.json")          # outputs under root; nothing else
     assert json.loads(plain.read_text()).keys() == {"paths"}
@@ -54,7 +54,7 @@ def test_the_default_config_names_the_hub_tokenizer():
 
 
 def test_infer_opens_a_run_without_its_config(run):
-    out = _ok(run_main("infer", "--config", run["plain"], "--checkpoint", run["ckpt"],
+    out = _ok(run_stage("infer", "--config", run["plain"], "--checkpoint", run["ckpt"],
                        "--prompt", "The history of", "--max-new-tokens", "5", "--seed", "1"))
     assert f"was trained with tokenizer {run['tok_dir'] / 'tokenizer.model'}" in out
     assert out.count("was trained with tokenizer") == 1
@@ -62,19 +62,19 @@ def test_infer_opens_a_run_without_its_config(run):
 
 
 def test_benchmark_and_status_open_a_run_without_its_config(run):
-    out = _ok(run_main("benchmark", "--config", run["plain"], "--test", "--tasks", "perplexity",
+    out = _ok(run_stage("benchmark", "--config", run["plain"], "--test", "--tasks", "perplexity",
                        run["ckpt"], timeout=600))
     assert "base/checkpoint_best" in out
-    out = _ok(run_main("status", "--config", run["plain"], "base"))
+    out = _ok(run_stage("status", "--config", run["plain"], "base"))
     assert "run base: finished" in out and re.search(r"step\s+4 of 4", out), out
 
 
 def test_sft_train_and_infer_its_checkpoint_without_the_config(run):
-    _ok(run_main("sft", "train", "--config", run["plain"], "--test", "--checkpoint", run["ckpt"],
+    _ok(run_stage("sft", "train", "--config", run["plain"], "--test", "--checkpoint", run["ckpt"],
                  "--name", "rt", "--max-steps", "2", "--sample-tokens", "0", timeout=600))
     sft_runs = sorted((run["root"] / "checkpoints").glob("sft_rt_*"))
     assert len(sft_runs) == 1
-    out = _ok(run_main("infer", "--config", run["plain"], "--checkpoint",
+    out = _ok(run_stage("infer", "--config", run["plain"], "--checkpoint",
                        sft_runs[0] / "checkpoint_best.pt", "--prompt", "Why is the sky blue?",
                        "--max-new-tokens", "4", "--seed", "1"))
     assert "was trained with tokenizer" in out
@@ -122,13 +122,13 @@ def test_a_run_folder_copied_elsewhere_opens_with_its_own_tokenizer_copy(run, tm
     moved = run["root"] / "mytok_moved"
     run["tok_dir"].rename(moved)
     try:
-        p = run_main("infer", "--config", cfg, "--checkpoint", str(elsewhere / "base"),
+        p = run_stage("infer", "--config", cfg, "--checkpoint", str(elsewhere / "base"),
                      "--prompt", "The history of", "--max-new-tokens", "4", "--seed", "1")
-        e = run_main("export", "--config", cfg, "--checkpoint", str(elsewhere / "base"),
+        e = run_stage("export", "--config", cfg, "--checkpoint", str(elsewhere / "base"),
                      "--format", "hf", "--out", str(elsewhere / "hf"))
-        b = run_main("benchmark", "--config", cfg, "--test", "--tasks", "perplexity",
+        b = run_stage("benchmark", "--config", cfg, "--test", "--tasks", "perplexity",
                      str(elsewhere / "base"), timeout=600)
-        s = run_main("sft", "train", "--config", cfg, "--test", "--checkpoint",
+        s = run_stage("sft", "train", "--config", cfg, "--test", "--checkpoint",
                      str(elsewhere / "base" / "checkpoint_best.pt"),
                      "--data-dir", str(run["root"] / "data" / "post-training"), "--name", "away",
                      "--max-steps", "1", "--sample-tokens", "0", timeout=600)
@@ -153,9 +153,9 @@ def test_a_missing_tokenizer_is_named_with_where_it_looked(run):
     run["tok_dir"].rename(moved)
     copy.rename(hidden)
     try:
-        p = run_main("infer", "--config", run["plain"], "--checkpoint", run["ckpt"],
+        p = run_stage("infer", "--config", run["plain"], "--checkpoint", run["ckpt"],
                      "--prompt", "x", "--max-new-tokens", "2")
-        e = run_main("export", "--config", run["plain"], "--checkpoint", run["ckpt"], "--format",
+        e = run_stage("export", "--config", run["plain"], "--checkpoint", run["ckpt"], "--format",
                      "gguf", "--out", run["root"] / "exports" / "nowhere")
     finally:
         moved.rename(run["tok_dir"])
@@ -178,7 +178,7 @@ def test_offline_config_selects_the_offline_sft_samples(tmp_path):
     cfg = json.loads((ROOT / "configs" / "offline.json").read_text())
     cfg["paths"] = {"root": str(tmp_path)}
     (tmp_path / "offline.json").write_text(json.dumps(cfg))
-    _ok(run_main("sft", "prepare", "--config", tmp_path / "offline.json", "--test"))
+    _ok(run_stage("sft", "prepare", "--config", tmp_path / "offline.json", "--test"))
     meta = json.loads((tmp_path / "data" / "post-training" / "metadata.json").read_text())
     assert meta["source"]["kind"] == "qa_substitute", meta["source"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import zipfile
 
-from tests.conftest import ROOT, offline_env, run_main, write_config
+from tests.conftest import ROOT, offline_env, run_stage, write_config
 from utils.data.samples import MANIFEST, find_wheel, sha256_file
 
 WHEELS = ROOT / ".cache" / "sample_wheels"
@@ -17,7 +17,7 @@ def _config(tmp_path, cache_dir):
 
 def test_fetch_is_verified_and_idempotent(tmp_path, samples):
     cfg = _config(tmp_path, ROOT / ".cache")  # the wheel cache the test command filled
-    first = run_main("samples", "--config", cfg)
+    first = run_stage("samples", "--config", cfg)
     assert first.returncode == 0, first.stderr
     assert f"Done: {len(MANIFEST)} file(s) extracted and verified" in first.stdout
     for f in MANIFEST:
@@ -33,7 +33,7 @@ def test_fetch_is_verified_and_idempotent(tmp_path, samples):
     assert table.column("text").to_pylist() == news
     mtimes = {f.dest: (tmp_path / "samples" / f.dest).stat().st_mtime_ns for f in MANIFEST}
 
-    second = run_main("samples", "--config", cfg)
+    second = run_stage("samples", "--config", cfg)
     assert second.returncode == 0
     assert f"All {len(MANIFEST)} sample files present and verified; nothing to do." in second.stdout
     assert mtimes == {f.dest: (tmp_path / "samples" / f.dest).stat().st_mtime_ns for f in MANIFEST}
@@ -41,7 +41,7 @@ def test_fetch_is_verified_and_idempotent(tmp_path, samples):
     # A damaged file on disk is detected and restored from the wheel.
     victim = tmp_path / "samples" / "news" / "lee_background.cor"
     victim.write_text("tampered")
-    third = run_main("samples", "--config", cfg)
+    third = run_stage("samples", "--config", cfg)
     assert third.returncode == 0
     assert f"checksum mismatch: {victim}" in third.stdout
     assert sha256_file(victim) == next(f.sha256 for f in MANIFEST if f.dest == "news/lee_background.cor")
@@ -61,7 +61,7 @@ def test_tampered_wheel_is_refused_and_nothing_written(tmp_path, samples):
                 if item.filename.endswith("lee_background.cor"):
                     data = data.replace(b"the", b"teh", 1)  # one changed byte pair
                 dst.writestr(item, data)
-    proc = run_main("samples", "--config", _config(tmp_path, cache))
+    proc = run_stage("samples", "--config", _config(tmp_path, cache))
     assert proc.returncode == 1
     assert "checksum mismatch for gensim/test/test_data/lee_background.cor" in proc.stderr
     assert "delete" in proc.stderr and "Traceback" not in proc.stderr
@@ -71,7 +71,7 @@ def test_tampered_wheel_is_refused_and_nothing_written(tmp_path, samples):
 
 def test_unreachable_registry_explains_manual_placement(tmp_path):
     env = offline_env(PIP_NO_INDEX="1", PIP_FIND_LINKS="", PIP_CONFIG_FILE="/dev/null")
-    proc = run_main("samples", "--config", _config(tmp_path, tmp_path / "empty-cache"), env=env)
+    proc = run_stage("samples", "--config", _config(tmp_path, tmp_path / "empty-cache"), env=env)
     assert proc.returncode == 1
     assert "could not download gensim==4.4.0 from PyPI" in proc.stderr
     assert "To place the files by hand" in proc.stderr

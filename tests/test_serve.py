@@ -1006,10 +1006,10 @@ def test_idle_and_stalled_connections_do_not_hold_up_requests_and_are_all_closed
 
 
 def test_connection_deadlines_must_be_positive(work):
-    from tests.conftest import run_main
+    from tests.conftest import run_stage
     cfg = write_config(work["root"], {"tokenizer": {"name": TOK_NAME},
                                       "serve": {"idle_timeout": 0, "read_timeout": -1}}, name="bad_deadlines.json")
-    r = run_main("serve", "--config", cfg, "--port", "0", "--checkpoint", work["pre"], timeout=60)
+    r = run_stage("serve", "--config", cfg, "--port", "0", "--checkpoint", work["pre"], timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "serve.idle_timeout: 0 is out of range (must be > 0)" in r.stderr, r.stderr
     assert "serve.read_timeout: -1 is out of range (must be > 0)" in r.stderr, r.stderr
@@ -1178,9 +1178,9 @@ def server_pid(server) -> int:
 # --------------------------------------------------------------------------- auth, HF folders, int8
 @pytest.fixture(scope="module")
 def hf_dir(work):
-    from tests.conftest import run_main
+    from tests.conftest import run_stage
     out = work["root"] / "exports" / "base-hf"
-    r = run_main("export", "--config", work["cfg"], "--checkpoint", work["pre"], "--format", "hf",
+    r = run_stage("export", "--config", work["cfg"], "--checkpoint", work["pre"], "--format", "hf",
                  "--out", out, timeout=300)
     assert r.returncode == 0, r.stderr
     return out
@@ -1225,18 +1225,18 @@ def test_binding_beyond_loopback_without_a_key_warns(capsys):
 
 
 def test_usage_errors_exit_2_before_loading(work):
-    from tests.conftest import run_main
-    r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--threads", "0")
+    from tests.conftest import run_stage
+    r = run_stage("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--threads", "0")
     assert r.returncode == 2 and "--threads 0" in r.stderr, r.stderr
-    r = run_main("serve", "--config", work["cfg"], "--port", "0")
+    r = run_stage("serve", "--config", work["cfg"], "--port", "0")
     assert r.returncode == 2 and "--checkpoint" in r.stderr, r.stderr
-    r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--context", "1")
+    r = run_stage("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--context", "1")
     assert r.returncode == 2 and "(--context) 1" in r.stderr and "Traceback" not in r.stderr, r.stderr
     missing = Path(work["pre"]).parent / "missing.pt"
-    r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--checkpoint", missing)
+    r = run_stage("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--checkpoint", missing)
     assert r.returncode == 1 and f"{missing} does not exist" in r.stderr and "model '" not in r.stderr, r.stderr
     for key in ("", "  "):           # e.g. --api-key "$KEY" with KEY unset: not "serve without a key"
-        r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--api-key", key,
+        r = run_stage("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--api-key", key,
                      timeout=60)
         assert r.returncode == 2 and "--api-key is empty" in r.stderr, r.stderr
         assert "model '" not in r.stderr and "listening on" not in r.stdout and "Traceback" not in r.stderr
@@ -1245,11 +1245,11 @@ def test_usage_errors_exit_2_before_loading(work):
 def test_a_checkpoint_the_engine_process_cannot_open_is_named_exit_1(work):
     """Models open in the engine process: the loader's own error comes back to the server,
     which names the file and exits 1, no traceback, nothing served."""
-    from tests.conftest import run_main
+    from tests.conftest import run_stage
     bad = work["root"] / "checkpoints" / "garbage" / "checkpoint_best.pt"
     bad.parent.mkdir(parents=True, exist_ok=True)
     bad.write_bytes(b"this is not a checkpoint\n" * 10)
-    r = run_main("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--checkpoint", bad,
+    r = run_stage("serve", "--config", work["cfg"], "--port", "0", "--checkpoint", work["pre"], "--checkpoint", bad,
                  timeout=300)
     assert r.returncode == 1 and str(bad) in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "listening on" not in r.stdout and "engine process" not in r.stderr
@@ -1260,7 +1260,7 @@ def test_cors_lets_the_listed_origins_call_the_api_from_a_browser(work, server):
     origin is answered before the key check, and the answers name the origin; another origin
     gets no such header (the browser then blocks the page). Without the setting (the module's
     server), nothing cross-origin is allowed. A malformed origin is a usage error naming it."""
-    from tests.conftest import run_main
+    from tests.conftest import run_stage
     page = "http://localhost:3000"
     pre = {"Origin": page, "Access-Control-Request-Method": "POST",
            "Access-Control-Request-Headers": "authorization, content-type"}
@@ -1289,7 +1289,7 @@ def test_cors_lets_the_listed_origins_call_the_api_from_a_browser(work, server):
         assert s.stop() == 130
     bad = write_config(work["root"], {"tokenizer": {"name": TOK_NAME}, "serve": {"cors_origins": ["*", page + "/"]}},
                        name="cors-bad.json")
-    r = run_main("serve", "--config", bad, "--port", "0", "--checkpoint", work["pre"], timeout=60)
+    r = run_stage("serve", "--config", bad, "--port", "0", "--checkpoint", work["pre"], timeout=60)
     assert r.returncode == 2 and "serve.cors_origins[1]" in r.stderr and "trailing /" in r.stderr, r.stderr
     assert "model '" not in r.stderr and "Traceback" not in r.stderr
 
@@ -1589,21 +1589,21 @@ def test_chat_page_in_a_real_browser(work, tmp_path):
 def test_infer_and_benchmark_take_int8_weights(work, tmp_path):
     """--quantize int8 in infer and benchmark: said on stderr, results marked int8 (and kept out
     of the model card's table of these weights), perplexity within a few percent of fp32."""
-    from tests.conftest import run_main
-    r = run_main("infer", "--config", work["cfg"], "--checkpoint", work["pre"], "--prompt", "The history of",
+    from tests.conftest import run_stage
+    r = run_stage("infer", "--config", work["cfg"], "--checkpoint", work["pre"], "--prompt", "The history of",
                  "--max-new-tokens", "8", "--temperature", "0", "--quantize", "int8")
     assert r.returncode == 0 and r.stdout.strip() and "int8 weights" in r.stderr, r.stderr
     ppl = {}
     for q in ("none", "int8"):
         out = tmp_path / q
-        r = run_main("benchmark", "--config", work["cfg"], "--test", "--tasks", "perplexity,completion",
+        r = run_stage("benchmark", "--config", work["cfg"], "--test", "--tasks", "perplexity,completion",
                      "--quantize", q, work["pre"], "--output-dir", out, timeout=600)
         assert r.returncode == 0, r.stderr
         m = json.loads(next(out.glob("*.json")).read_text())["models"][0]
         assert m["identity"].get("quantize") == (None if q == "none" else "int8")
         ppl[q] = m["results"]["perplexity"]["metrics"]["perplexity"]["value"]
     assert ppl["none"] != ppl["int8"] and abs(ppl["int8"] / ppl["none"] - 1) < 0.05, ppl
-    r = run_main("benchmark", "--config", work["cfg"], "--quantize", "int8", "--hf-model", "x")
+    r = run_stage("benchmark", "--config", work["cfg"], "--quantize", "int8", "--hf-model", "x")
     assert r.returncode == 2 and "--quantize applies to" in r.stderr
 
 

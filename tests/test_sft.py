@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SPM_MODEL, paused_env, popen_main, run_main, run_places, wait_for_line, write_config
+from tests.conftest import SPM_MODEL, paused_env, popen_main, run_stage, run_places, wait_for_line, write_config
 
 TOK_NAME = str(SPM_MODEL)
 
@@ -55,7 +55,7 @@ def work(tmp_path_factory, samples):
     root = tmp_path_factory.mktemp("sft")
     cfg = write_config(root, {"tokenizer": {"name": TOK_NAME},
                               "logging": {"tensorboard": False, "log_every": 1}})
-    r = run_main("sft", "prepare", "--config", cfg, "--dataset", "samples", "--limit", "48",
+    r = run_stage("sft", "prepare", "--config", cfg, "--dataset", "samples", "--limit", "48",
                  "--max-length", "96")
     assert r.returncode == 0, r.stderr
     base = make_checkpoint(root / "checkpoints" / "base" / "checkpoint_best.pt")
@@ -154,7 +154,7 @@ def test_prepare_counts_answers_that_merge_into_the_prompt(tmp_path):
     src = tmp_path / "th.jsonl"
     src.write_text(json.dumps({"conversations": ["q", " fine"]}) + "\n"
                    + json.dumps({"conversations": ["q", "e cat"]}) + "\n")
-    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src))
+    r = run_stage("sft", "prepare", "--config", cfg, "--dataset", str(src))
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "data" / "post-training" / "metadata.json").read_text())
     c = meta["counts"]
@@ -262,7 +262,7 @@ def test_prepare_with_no_usable_example_fails_and_writes_nothing(tmp_path):
     cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"conversations": ["only a question"]}\n{"conversations": []}\nnot json\n')
-    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(bad))
+    r = run_stage("sft", "prepare", "--config", cfg, "--dataset", str(bad))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert "no usable SFT example" in r.stderr and "bad.jsonl:1: odd_turn_count" in r.stderr
@@ -280,7 +280,7 @@ def test_prepare_into_a_path_that_is_a_file_names_it_and_keeps_it(tmp_path):
     blocker.write_text("keep me")
     for out, words in ((blocker, "a file of that name is in the way"),
                        (blocker / "sub", "a part of this path is a file, not a folder")):
-        r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(good), "--output-dir", str(out))
+        r = run_stage("sft", "prepare", "--config", cfg, "--dataset", str(good), "--output-dir", str(out))
         assert r.returncode == 1, r.stdout + r.stderr
         assert f"cannot use {blocker}" in r.stderr, r.stderr
         assert words in r.stderr and "unexpected" not in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -289,10 +289,10 @@ def test_prepare_into_a_path_that_is_a_file_names_it_and_keeps_it(tmp_path):
 
 def test_default_lima_source_offline_says_what_to_do(tmp_path):
     cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
-    r = run_main("sft", "prepare", "--config", cfg)          # sft.dataset = GAIR/lima (the default)
+    r = run_stage("sft", "prepare", "--config", cfg)          # sft.dataset = GAIR/lima (the default)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "GAIR/lima" in r.stderr and "--dataset samples" in r.stderr
-    r = run_main("sft")
+    r = run_stage("sft")
     assert r.returncode == 2 and "prepare" in r.stdout + r.stderr
 
 
@@ -301,7 +301,7 @@ def test_prepare_local_jsonl_copies_source_and_reports_skips(tmp_path):
     src = tmp_path / "mine.jsonl"
     src.write_text(json.dumps({"conversations": ["Hi </s> there", "Hello!"], "source": "t"}) + "\n"
                    + json.dumps({"conversations": ["q", "a", "q2"]}) + "\n")
-    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src))
+    r = run_stage("sft", "prepare", "--config", cfg, "--dataset", str(src))
     assert r.returncode == 0, r.stderr
     out = tmp_path / "data" / "post-training"
     assert (out / "mine.jsonl").read_bytes() == src.read_bytes()
@@ -322,12 +322,12 @@ def test_prepare_batch_size_is_tokenizer_calls_and_never_changes_the_data(work, 
     ref = work["root"] / "data" / "post-training"
     for n in ("1", "7"):
         out = tmp_path / f"b{n}"
-        r = run_main("sft", "prepare", "--config", work["cfg"], "--dataset", "samples",
+        r = run_stage("sft", "prepare", "--config", work["cfg"], "--dataset", "samples",
                      "--limit", "48", "--max-length", "96", "--batch-size", n, "--output-dir", str(out))
         assert r.returncode == 0, r.stderr
         for name in (sft.TOKENS_FILE, sft.MASK_FILE, sft.OFFSETS_FILE):
             assert (out / name).read_bytes() == (ref / name).read_bytes(), (n, name)
-    r = run_main("sft", "prepare", "--config", work["cfg"], "--dataset", "samples",
+    r = run_stage("sft", "prepare", "--config", work["cfg"], "--dataset", "samples",
                  "--batch-size", "0", "--output-dir", str(tmp_path / "b0"))
     assert r.returncode == 2 and "--batch-size must be at least 1" in r.stderr
 
@@ -368,7 +368,7 @@ def _val_losses(root: Path, run: str) -> list[float]:
 
 def test_train_lowers_masked_val_loss_and_writes_the_run(work):
     root = work["root"]
-    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", work["base"],
+    r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", work["base"],
                  "--epochs", "2", "--batch-size", "4", "--lr", "3e-3", "--name", "t1",
                  "--sample-tokens", "4", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -404,7 +404,7 @@ def test_sft_hyperparameters_are_its_own_and_the_inherited_ones_are_said(work, t
                                       "grad_clip": 0.5, "warmup_ratio": 0.2, "min_lr_ratio": 0.25})
     path = tmp_path / "sft_own.json"
     path.write_text(json.dumps(cfg))
-    r = run_main("sft", "train", "--config", str(path), "--checkpoint", work["base"],
+    r = run_stage("sft", "train", "--config", str(path), "--checkpoint", work["base"],
                  "--epochs", "2", "--batch-size", "2", "--lr", "2e-3", "--name", "own",
                  "--sample-tokens", "0", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -434,16 +434,16 @@ def test_train_refuses_tokenizer_and_architecture_mismatch(work):
     from utils.data.tok import describe
     info = dict(describe(tokenizer(), TOK_NAME), fingerprint="0" * 64, name="other-tokenizer")
     other_tok = make_checkpoint(root / "mm" / "tok.pt", tokenizer_info=info)
-    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", other_tok)
+    r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", other_tok)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "tokenizer mismatch" in r.stderr and "other-tokenizer" in r.stderr
     short = make_checkpoint(root / "mm" / "short.pt", max_seq_len=16)
-    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", short)
+    r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", short)
     assert r.returncode == 1 and "architecture mismatch" in r.stderr and "max_seq_len 16" in r.stderr
     small = make_checkpoint(root / "mm" / "small.pt", vocab_size=1000, bos_id=1)
-    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", small)
+    r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", small)
     assert r.returncode == 1 and "architecture mismatch" in r.stderr and "1000" in r.stderr
-    r = run_main("sft", "train", "--config", work["cfg"])
+    r = run_stage("sft", "train", "--config", work["cfg"])
     assert r.returncode == 2 and "--checkpoint" in r.stderr
     assert not list((root / "checkpoints").glob("sft_lima_*"))
 
@@ -464,7 +464,7 @@ def test_length_mismatch_advice_is_a_valid_max_length_or_says_none_helps(work, t
 
     def refused(max_seq_len: int) -> str:
         ck = make_checkpoint(tmp_path / f"ctx{max_seq_len}.pt", max_seq_len=max_seq_len)
-        r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", ck)
+        r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", ck)
         err = " ".join(r.stderr.split())
         assert r.returncode == 1 and "Traceback" not in err, r.stdout + r.stderr
         assert "architecture mismatch" in err and f"max_seq_len {max_seq_len}" in err, err
@@ -480,11 +480,11 @@ def test_length_mismatch_advice_is_a_valid_max_length_or_says_none_helps(work, t
     err = refused(fits)
     assert f"sft prepare --max-length {fits}`" in err
     out = tmp_path / "refit"                                     # following it: the data fits
-    r = run_main("sft", "prepare", "--config", work["cfg"], "--dataset", "samples", "--limit", "48",
+    r = run_stage("sft", "prepare", "--config", work["cfg"], "--dataset", "samples", "--limit", "48",
                  "--max-length", str(fits), "--output-dir", out)
     assert r.returncode == 0, r.stderr
     ck = make_checkpoint(tmp_path / "fits.pt", max_seq_len=fits)
-    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", ck, "--data-dir", out,
+    r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", ck, "--data-dir", out,
                  "--name", "refit", "--max-steps", "1", "--sample-tokens", "0", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert list((root / "checkpoints").glob("sft_refit_*"))
@@ -497,14 +497,14 @@ def test_prepare_with_only_too_long_examples_names_a_length_that_keeps_one(tmp_p
     src = tmp_path / "long.jsonl"
     src.write_text(json.dumps({"conversations": ["Why is the sky blue? " * 4, "Rayleigh scattering. " * 4]})
                    + "\n" + json.dumps({"conversations": ["Why? " * 30, "Because. " * 30]}) + "\n")
-    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src), "--max-length", "8")
+    r = run_stage("sft", "prepare", "--config", cfg, "--dataset", str(src), "--max-length", "8")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
     import re
     m = re.search(r"raise --max-length \(the shortest example that is too long has (\d+) tokens\)",
                   " ".join(r.stderr.split()))
     assert m and int(m.group(1)) > 8, r.stderr
     assert not (tmp_path / "data" / "post-training" / "metadata.json").exists()
-    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src), "--max-length", m.group(1))
+    r = run_stage("sft", "prepare", "--config", cfg, "--dataset", str(src), "--max-length", m.group(1))
     assert r.returncode == 0 and "kept 1/2 examples" in r.stdout, r.stdout + r.stderr
 
 
@@ -513,7 +513,7 @@ def test_a_refused_resume_leaves_the_run_as_it_was(work):
     sft_config.json and tokenizer copy and appended a config record to its log. Now the run
     folder and the logs are exactly as they were."""
     root = work["root"]
-    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", work["base"], "--epochs", "1",
+    r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", work["base"], "--epochs", "1",
                  "--batch-size", "4", "--sample-tokens", "0", "--name", "refused", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     run = next((root / "checkpoints").glob("sft_refused_*"))
@@ -523,7 +523,7 @@ def test_a_refused_resume_leaves_the_run_as_it_was(work):
     save_checkpoint(run / "checkpoint_latest.pt", dict(ck, rng={"world_size": 1, "ranks": "x"}))
     before = run_places(root)
     assert (run / "sft_config.json").is_file() and f"logs/raw_metrics/{run.name}.jsonl" in before
-    r = run_main("sft", "train", "--config", work["cfg"], "--resume", str(run / "checkpoint_latest.pt"),
+    r = run_stage("sft", "train", "--config", work["cfg"], "--resume", str(run / "checkpoint_latest.pt"),
                  "--sample-tokens", "0", timeout=400)
     assert r.returncode == 1 and "training state is damaged" in r.stderr, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
@@ -539,7 +539,7 @@ def test_format_1_data_is_refused_with_the_command_that_rebuilds_it(work, tmp_pa
     meta = json.loads((old / "metadata.json").read_text())
     meta.update(format_version=1, template=dict(meta["template"], name="user-assistant-v1"))
     (old / "metadata.json").write_text(json.dumps(meta))
-    r = run_main("sft", "train", "--config", work["cfg"], "--checkpoint", work["base"],
+    r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", work["base"],
                  "--data-dir", str(old), "--name", "old")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "SFT data format 1" in r.stderr and "`python main.py sft prepare`" in r.stderr
@@ -550,7 +550,7 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(work):
     root = work["root"]
     common = ["--config", work["cfg"], "--checkpoint", work["base"], "--epochs", "4",
               "--batch-size", "4", "--lr", "3e-3", "--sample-tokens", "0"]
-    ref = run_main("sft", "train", *common, "--name", "ref", timeout=400)
+    ref = run_stage("sft", "train", *common, "--name", "ref", timeout=400)
     assert ref.returncode == 0, ref.stderr
     proc = popen_main("sft", "train", *common, "--name", "cut", env=paused_env(2))
     wait_for_line(proc, "paused after step 2")          # the signal lands after step 2
@@ -569,9 +569,9 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(work):
                           "resume")
     v1 = root / "checkpoints" / "sft_v1_2020_01_01_00_00_00" / "checkpoint_latest.pt"
     save_checkpoint(v1, dict(cut, chat_template=dict(cut["chat_template"], name="user-assistant-v1")))
-    r = run_main("sft", "train", "--config", work["cfg"], "--resume", str(v1))
+    r = run_stage("sft", "train", "--config", work["cfg"], "--resume", str(v1))
     assert r.returncode == 1 and "cannot change its template midway" in r.stderr, r.stderr
-    r = run_main(*args, timeout=400)
+    r = run_stage(*args, timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     a = load_checkpoint(next((root / "checkpoints").glob("sft_ref_*")) / "checkpoint_latest.pt")
     b = load_checkpoint(next((root / "checkpoints").glob("sft_cut_*")) / "checkpoint_latest.pt")
@@ -588,7 +588,7 @@ def test_prepare_reads_lone_surrogates_as_replacement_characters(tmp_path):
     src.write_text(json.dumps({"conversations": ["What is \ud800 this?", "A \udfff thing."],
                                "source": "odd \udc80"}) + "\n"
                    + json.dumps({"conversations": ["q", "a"]}) + "\n", encoding="ascii")
-    r = run_main("sft", "prepare", "--config", cfg, "--dataset", str(src))
+    r = run_stage("sft", "prepare", "--config", cfg, "--dataset", str(src))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "lone_surrogates_replaced (3)" in r.stdout
     out = tmp_path / "data" / "post-training"

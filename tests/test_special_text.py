@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import NEWS, SPM_MODEL, run_main, write_config
+from tests.conftest import NEWS, SPM_MODEL, run_stage, write_config
 from utils.data.textio import escape_article
 
 ARTICLES = [
@@ -69,7 +69,7 @@ def test_prepare_keeps_special_strings_as_text(tmp_path, tokenizers_by_kind, kin
                                   "paths": {"cleaned_dir": str(cleaned)},
                                   "dataset": {"window": 16, "shard_tokens": 1000}})
     out = tmp_path / "shards"
-    p = run_main("prepare", "--config", cfg, "--output-dir", out, "--workers", str(workers))
+    p = run_stage("prepare", "--config", cfg, "--output-dir", out, "--workers", str(workers))
     assert p.returncode == 0, p.stdout + p.stderr
     _check(out, name)
 
@@ -90,7 +90,7 @@ def test_fineweb_keeps_special_strings_as_text(tmp_path, tokenizers_by_kind, kin
                                   "fineweb": {"data_dir": str(tmp_path / "fineweb"), "min_tokens": 1},
                                   "dataset": {"window": 16, "shard_tokens": 1000}})
     out = tmp_path / "shards"
-    p = run_main("fineweb", "--config", cfg, "--output-dir", out, "--workers", str(workers))
+    p = run_stage("fineweb", "--config", cfg, "--output-dir", out, "--workers", str(workers))
     assert p.returncode == 0, p.stdout + p.stderr
     _check(out, name)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import tokenizer as stage
-from tests.conftest import NEWS, SPM_MODEL, offline_env, run_main
+from tests.conftest import NEWS, SPM_MODEL, offline_env, run_main, run_stage
 from utils.cli import UsageError
 from utils.config import load_config
 from utils.data.textio import escape_article
@@ -399,7 +399,7 @@ def saved_spm(samples, tmp_path_factory):
     from tests.conftest import write_config
     root = tmp_path_factory.mktemp("tok_cli")
     cfg = write_config(root, {"tokenizer": {"name": str(SPM_MODEL)}})
-    proc = run_main("tokenize", "--config", cfg)
+    proc = run_stage("tokenize", "--config", cfg)
     return root, cfg, proc
 
 
@@ -424,12 +424,12 @@ def test_cli_save_and_report(saved_spm):
 
 def test_cli_encode_then_decode_with_load(saved_spm):
     root, cfg, _ = saved_spm
-    proc = run_main("tokenize", "--config", cfg, "--encode", "Hello world")
+    proc = run_stage("tokenize", "--config", cfg, "--encode", "Hello world")
     assert proc.returncode == 0, proc.stderr
     assert "BOS/EOS added: no" in proc.stdout
     ids = re.search(r"Token IDs: ([\d,]+)", proc.stdout).group(1)
     assert [int(i) for i in ids.split(",")] == [22557, 1526]
-    proc = run_main("tokenize", "--config", cfg, "--load", root / "tokenizers" / "mistral-v1",
+    proc = run_stage("tokenize", "--config", cfg, "--load", root / "tokenizers" / "mistral-v1",
                     "--decode", ids)
     assert proc.returncode == 0, proc.stderr
     assert "Text: Hello world\n" in proc.stdout and "--load" in proc.stdout
@@ -437,11 +437,11 @@ def test_cli_encode_then_decode_with_load(saved_spm):
 
 def test_cli_bad_decode_exits_2(saved_spm):
     _, cfg, _ = saved_spm
-    proc = run_main("tokenize", "--config", cfg, "--decode", "1,x")
+    proc = run_stage("tokenize", "--config", cfg, "--decode", "1,x")
     assert proc.returncode == 2
     assert "'x'" in proc.stderr and "Traceback" not in proc.stderr
     for ids, why in (("1,,2", "is empty"), ("\u0663", "not an integer"), ("1_0", "not an integer")):
-        proc = run_main("tokenize", "--config", cfg, "--decode", ids)     # int() took "٣" and "1_0"
+        proc = run_stage("tokenize", "--config", cfg, "--decode", ids)     # int() took "٣" and "1_0"
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr
 
 
@@ -464,22 +464,22 @@ def test_cli_save_never_replaces_a_folder_it_did_not_write(saved_spm, samples, t
         before = sorted((p.relative_to(tmp_path), p.read_bytes() if p.is_file() else None)
                         for p in [target, *target.rglob("*")])
         for args in (["--save-dir", target], ["--train", "--input", NEWS, "--vocab-size", 300, "--output", target]):
-            proc = run_main("tokenize", "--config", cfg, *args)
+            proc = run_stage("tokenize", "--config", cfg, *args)
             assert proc.returncode == 1, proc.stderr
             assert str(target) in proc.stderr and why in proc.stderr and "Nothing was changed" in proc.stderr
             assert "Traceback" not in proc.stderr
             assert sorted((p.relative_to(tmp_path), p.read_bytes() if p.is_file() else None)
                           for p in [target, *target.rglob("*")]) == before
-    proc = run_main("tokenize", "--config", cfg, "--save-dir", ".", cwd=mine)
+    proc = run_stage("tokenize", "--config", cfg, "--save-dir", ".", cwd=mine)
     assert proc.returncode == 1 and (mine / "notes.txt").read_text() == "keep me"
-    again = run_main("tokenize", "--config", cfg)                 # over its own earlier save
+    again = run_stage("tokenize", "--config", cfg)                 # over its own earlier save
     assert again.returncode == 0, again.stderr
     assert (root / "tokenizers" / "mistral-v1" / tok_lib.INFO_FILE).is_file()
 
 
 def test_cli_train(samples, tmp_path, tmp_config, bpe_tok):
     cfg = tmp_config()
-    proc = run_main("tokenize", "--config", cfg, "--train", "--input", NEWS, "--vocab-size", 600)
+    proc = run_stage("tokenize", "--config", cfg, "--train", "--input", NEWS, "--vocab-size", 600)
     assert proc.returncode == 0, proc.stderr
     d = tmp_path / "tokenizers" / "bpe"
     assert (d / "resolved_config.json").exists()
@@ -503,23 +503,23 @@ def test_cli_text_that_is_not_utf8_is_named_with_its_line(saved_spm, tmp_path, t
     _, cfg, _ = saved_spm
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("a first line of ordinary text\nthe café\n".encode("latin-1"))
-    proc = run_main("tokenize", "--config", cfg, "--encode-file", bad)
+    proc = run_stage("tokenize", "--config", cfg, "--encode-file", bad)
     assert proc.returncode == 1 and f"{bad}, line 2: not UTF-8 text (byte 0xe9" in proc.stderr, proc.stderr
     out = tmp_path / "tok_out"
-    proc = run_main("tokenize", "--config", tmp_config(), "--train", "--input", bad, "--output", out,
+    proc = run_stage("tokenize", "--config", tmp_config(), "--train", "--input", bad, "--output", out,
                     "--vocab-size", 300)
     assert proc.returncode == 1 and f"{bad}:2: not UTF-8 text (byte 0xe9" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
     cleaned = tmp_path / "cleaned_latin1.txt"                # the cleaner's format: the same reader
     cleaned.write_bytes(bad.read_bytes())
-    proc = run_main("tokenize", "--config", tmp_config(), "--train", "--input", cleaned, "--output", out,
+    proc = run_stage("tokenize", "--config", tmp_config(), "--train", "--input", cleaned, "--output", out,
                     "--vocab-size", 300)
     assert proc.returncode == 1 and f"{cleaned}:2: not UTF-8 text (byte 0xe9" in proc.stderr, proc.stderr
     assert "python main.py clean" in proc.stderr and "unexpected" not in proc.stderr and not out.exists()
 
 
 def test_cli_train_without_input_exits_1(samples, tmp_config):
-    proc = run_main("tokenize", "--config", tmp_config(), "--train")
+    proc = run_stage("tokenize", "--config", tmp_config(), "--train")
     assert proc.returncode == 1
     assert "cleaned_articles" in proc.stderr and "python main.py clean" in proc.stderr
     assert "--input" in proc.stderr and "Traceback" not in proc.stderr
@@ -532,17 +532,17 @@ def test_cli_train_refuses_a_huge_vocab_a_path_as_name_and_text_that_is_not_utf8
     bytes are not UTF-8 (it was encoded as U+FFFD pieces, where --encode-file refuses them)."""
     cfg = tmp_config()
     out = tmp_path / "out"
-    proc = run_main("tokenize", "--config", cfg, "--train", "--input", NEWS, "--vocab-size", 2 ** 31,
+    proc = run_stage("tokenize", "--config", cfg, "--train", "--input", NEWS, "--vocab-size", 2 ** 31,
                     "--output", out)
     assert proc.returncode == 2 and "tokenizer.train_vocab_size" in proc.stderr, proc.stderr
     assert "must be <= 1048576" in proc.stderr and not out.exists()
     escape = tmp_path / "a" / "b"
     escape.mkdir(parents=True)
-    proc = run_main("tokenize", "--config", cfg, "--train", "--input", NEWS, "--vocab-size", 300,
+    proc = run_stage("tokenize", "--config", cfg, "--train", "--input", NEWS, "--vocab-size", 300,
                     "--train-name", "../../escaped", cwd=escape)
     assert proc.returncode == 2 and "tokenizer.train_name" in proc.stderr, proc.stderr
     assert "not a folder name" in proc.stderr and not any(tmp_path.rglob("escaped"))
-    r = run_main("tokenize", "--config", cfg, "--encode", b"ab\xff\xfe".decode("utf-8", "surrogateescape"))
+    r = run_stage("tokenize", "--config", cfg, "--encode", b"ab\xff\xfe".decode("utf-8", "surrogateescape"))
     assert r.returncode == 2 and "argument --encode: holds bytes that are not UTF-8 text (at character 3)" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
@@ -562,7 +562,7 @@ def test_cli_unreachable_hub_name_exits_1(tmp_path, tmp_config):
 def test_cli_encode_special_string_is_text(saved_spm, sp):
     _, cfg, _ = saved_spm
     text = "end</s><s>start <unk>"
-    proc = run_main("tokenize", "--config", cfg, "--encode", text, "--plain",
+    proc = run_stage("tokenize", "--config", cfg, "--encode", text, "--plain",
                     "--add-special-tokens")
     assert proc.returncode == 0, proc.stderr
     assert [int(i) for i in proc.stdout.strip().split(",")] == [1, *sp.encode(text), 2]
@@ -578,11 +578,11 @@ def test_cli_saved_copy_of_the_old_conversion_is_refused_then_resaved(samples, t
         "format": "pipeline-tokenizer", "version": 1, "source": str(SPM_MODEL),
         "kind": "SentencePiece model, converted to a fast tokenizer",
         **describe(old, str(SPM_MODEL))}), encoding="utf-8")
-    proc = run_main("tokenize", "--config", cfg, "--encode", " x")
+    proc = run_stage("tokenize", "--config", cfg, "--encode", " x")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert str(saved) in proc.stderr and "older conversion" in proc.stderr
     assert "python main.py tokenize" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_main("tokenize", "--config", cfg)      # re-save from the .model
+    proc = run_stage("tokenize", "--config", cfg)      # re-save from the .model
     assert proc.returncode == 0, proc.stderr
     info = json.loads((saved / tok_lib.INFO_FILE).read_text())
     assert info["conversion"] == tok_lib.SPM_CONVERSION
@@ -687,7 +687,7 @@ def test_cli_damaged_tokenizer_file_is_named_with_what_to_do(saved_copy, tmp_pat
     from tests.conftest import write_config
     folder, target, why = _damaged_copy(saved_copy, tmp_path, case)
     cfg = write_config(tmp_path, {"tokenizer": {"name": str(folder)}})
-    proc = run_main("tokenize", "--config", cfg, "--encode", "Hello world")
+    proc = run_stage("tokenize", "--config", cfg, "--encode", "Hello world")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     err = " ".join(proc.stderr.split())
@@ -699,14 +699,14 @@ def test_cli_damaged_saved_copy_is_named_then_saved_again(saved_spm, tmp_path, t
     """The copy under tokenizers/ with a truncated tokenizer.json: the message names the file
     and says to run `main.py tokenize`; doing so saves it again and the next stage loads it."""
     cfg = tmp_config({"tokenizer": {"name": str(SPM_MODEL)}})
-    assert run_main("tokenize", "--config", cfg).returncode == 0
+    assert run_stage("tokenize", "--config", cfg).returncode == 0
     damaged = tmp_path / "tokenizers" / "mistral-v1" / "tokenizer.json"
     damaged.write_bytes(damaged.read_bytes()[:20_000])
-    proc = run_main("tokenize", "--config", cfg, "--encode", "Hello world")
+    proc = run_stage("tokenize", "--config", cfg, "--encode", "Hello world")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert str(damaged) in proc.stderr and "`python main.py tokenize`" in proc.stderr
-    assert run_main("tokenize", "--config", cfg).returncode == 0
-    proc = run_main("tokenize", "--config", cfg, "--encode", "Hello world")
+    assert run_stage("tokenize", "--config", cfg).returncode == 0
+    proc = run_stage("tokenize", "--config", cfg, "--encode", "Hello world")
     assert proc.returncode == 0 and "22557,1526" in proc.stdout, proc.stderr
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import (SPM_MODEL, child_pids, main_command, offline_env, paused_env, popen_main, run_main,
-                            run_places, wait_for_line, write_config)
+                            run_places, run_stage, wait_for_line, write_config)
 from utils.run import load_checkpoint
 from utils.training.logging_utils import latest_per_step, read_jsonl, read_log
 from utils.training.scheduler import CosineWarmupScheduler, lr_factor
@@ -64,13 +64,17 @@ def allocator_env(**extra) -> dict:
 
 @pytest.fixture(scope="module")
 def full_run(cfg, root):
-    """The reference run: TOTAL steps uninterrupted (name "full"); returns its stdout."""
-    return ok(train(cfg, "--name", "full", "--max-steps", TOTAL, env=allocator_env())).stdout
+    """The reference run: TOTAL steps uninterrupted (name "full"), as its own process through
+    main.py (the stage's re-exec with the allocator settings happens there); returns its stdout."""
+    return ok(train(cfg, "--name", "full", "--max-steps", TOTAL, env=allocator_env(),
+                    process=True)).stdout
 
 
-def train(cfg, *args, timeout=240, env=None):
-    return run_main("train", "--test", "--config", cfg, *FLAGS, *map(str, args), timeout=timeout,
-                    env=env)
+def train(cfg, *args, timeout=240, env=None, process=False):
+    """`main.py train --test` with the module's FLAGS: in this process (conftest.run_stage), or
+    with ``process`` as its own (conftest.run_main)."""
+    run = run_main if process else run_stage
+    return run("train", "--test", "--config", cfg, *FLAGS, *map(str, args), timeout=timeout, env=env)
 
 
 def ok(proc, code=0):
@@ -174,7 +178,7 @@ def test_a_run_name_that_is_a_path_is_refused_before_anything_is_written(root, c
         assert "Traceback" not in r.stderr
     assert not outside.exists() and sorted(p.name for p in (root / "checkpoints").iterdir()) == before
     for run in ("../..", "/etc"):
-        r = run_main("status", "--config", cfg, run)
+        r = run_stage("status", "--config", cfg, run)
         assert r.returncode == 2 and "is not a run name" in r.stderr, r.stderr
 
 
@@ -292,7 +296,7 @@ def test_a_model_too_large_to_build_is_a_configuration_error(root, cfg, shape):
     allocation error. Both are refused before anything is built: exit 2 naming the keys."""
     big = write_config(root, {"tokenizer": {"name": str(SPM_MODEL)}, "model": shape},
                        f"big_{len(shape)}.json")
-    r = run_main("train", "--test", "--config", big, "--name", f"big_{len(shape)}", "--max-steps", 1,
+    r = run_stage("train", "--test", "--config", big, "--name", f"big_{len(shape)}", "--max-steps", 1,
                  timeout=120)
     assert r.returncode == 2, r.stderr
     assert "this pipeline builds" in r.stderr and "n_layers" in r.stderr and "Traceback" not in r.stderr
