@@ -288,7 +288,8 @@ class TrainingConfig:
     eval_steps: Optional[int] = _f(None, "validate every N steps (overrides eval_every; "
                                    "on-the-fly data has no epoch length)", min=1)
     sample_prompt: str = _f("The history of", "prompt of the sample generated at each validation")
-    sample_tokens: int = _f(32, "tokens of that sample (0 = no sample)", min=0)
+    sample_tokens: int = _f(32, "tokens of that sample (0 = no sample), sampled with the inference "
+                            "section's temperature and top-k", min=0)
     test_max_steps: int = _f(200, "--test: at most this many steps (one short epoch)", min=1)
     gate_lr: Optional[float] = _f(None, "infini: peak learning rate of the memory gates, their own "
                                   "parameter group (null: training.lr)", min=0, min_exclusive=True)
