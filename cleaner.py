@@ -73,8 +73,9 @@ from xml.parsers import expat
 
 from utils.atomic import atomic_open, temp_path, write_json_atomic
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
+from utils.processes import die_with_parent, os_parent_of_workers
 
-from utils.data.parallel import die_with_parent, ordered_map, os_parent_of_workers
+from utils.data.parallel import ordered_map
 from utils.data.textio import escape_article
 from utils.data.mediawiki import (CleanOptions, ConversionBug, Converted, InputFormatError, convert_record,
                                   detect_format, is_redirect_text, iter_xml_pages, open_binary)

@@ -270,7 +270,7 @@ def profile(py: Path, dump: Path, work: Path, procs: int, top: int = 25) -> None
 # --------------------------------------------------------------------------- main
 def machine() -> str:
     from perf.machine import cpu_model
-    from utils.data.parallel import available_cpus
+    from utils.processes import available_cpus
     import mwparserfromhell
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     return (f"{platform.node()} | {platform.platform()} | {cpu_model()} | {available_cpus()} usable "

@@ -262,7 +262,7 @@ def test_more_workers_than_the_machine_runs_are_capped(tmp_config, tmp_path):
     """--workers 100000 (the run started a million processes and took the machine's memory
     before): capped at 4 per usable CPU, said once, the output as with 1 worker."""
     from utils.cli import WORKERS_PER_CPU
-    from utils.data.parallel import available_cpus
+    from utils.processes import available_cpus
     raw = tmp_path / "raw"
     write_jsonl(raw / "enwiki_namespace_0_0.jsonl")
     cfg = cfg_for(tmp_config, tmp_path, raw)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from utils.config import PROJECT_ROOT, ConfigError, Config, load_config
+from utils.processes import available_cpus, die_with_parent
 from utils.stdio import (drop_standard_output, mark_standard_output, open_standard_streams, refused_line,
                          stdout_refused)
 
@@ -331,7 +332,6 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
     try:
         router = os.environ.get(ROUTER_PID_ENV, "")
         if router.isdigit() and int(router) == os.getppid():   # started by main.py (not its workers)
-            from utils.data.parallel import die_with_parent
             die_with_parent(int(router), signal.SIGTERM)   # main.py killed: stop as on SIGTERM
         code = main_fn(argv) or EXIT_OK
     except Terminated:
@@ -422,7 +422,6 @@ WORKERS_PER_CPU = 4      # most worker processes per usable CPU (more never run 
 def capped_workers(n: int, setting: str) -> int:
     """``n`` worker processes, at most WORKERS_PER_CPU per usable CPU (said once on stderr):
     a million would never start, and their memory would take the machine down first."""
-    from utils.data.parallel import available_cpus
     cap = WORKERS_PER_CPU * available_cpus()
     if n > cap:
         print(f"note: {setting} {n:,} is more than {WORKERS_PER_CPU} per usable CPU: using {cap}.",
@@ -432,7 +431,6 @@ def capped_workers(n: int, setting: str) -> int:
 
 
 def workers_or_cores(n: int, setting: str = "workers") -> int:
-    """0 means all usable CPUs (utils/data/parallel.py ``available_cpus``); more than
+    """0 means all usable CPUs (utils/processes.py ``available_cpus``); more than
     WORKERS_PER_CPU per CPU is capped (``capped_workers``)."""
-    from utils.data.parallel import available_cpus
     return capped_workers(n, setting) if n and n > 0 else available_cpus()
