@@ -145,7 +145,7 @@ def open_models(args, cfg, loop) -> dict:
     see utils/generation/loop.py), with its engine and decode weights, as a lane of ``loop``."""
     from utils.device import resolve_device
     from utils.generation.engine import UNBOUNDED
-    from utils.serve.app import ServedModel
+    from utils.serve.served import ServedModel
     from utils.serve.engines import open_engine
     paths = [Path(p) for p in list(args.checkpoint) + list(args.hf_model)]
     if not paths:

@@ -756,7 +756,8 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_request_beyond_it_400_o
     (retrying it could never succeed)."""
     import asyncio
     from types import SimpleNamespace
-    from utils.serve.app import ServedModel, create_app
+    from utils.serve.app import create_app
+    from utils.serve.served import ServedModel
     from utils.serve.protocol import Limits
     lane = SimpleNamespace(capacity=64, active=3)
     app = create_app({"m": ServedModel("m", tokenizer(), "pretrain", Rules.ours(tokenizer()), lane, 0, max_queue=4)},
@@ -781,7 +782,8 @@ def test_chat_logprob_bytes_are_each_token_s_own_bytes():
     from types import SimpleNamespace
     from tests.test_sft import bpe_tokenizer
     from utils.data import sft
-    from utils.serve.app import Job, ServedModel
+    from utils.serve.job import Job
+    from utils.serve.served import ServedModel
     from utils.serve.protocol import Sampling
     lane = SimpleNamespace(capacity=64)
     spm = tokenizer()
@@ -1069,14 +1071,15 @@ def test_concurrent_streams_equal_their_lone_runs_and_memory_stays_flat(server):
 
 
 def test_a_stream_sends_its_first_token_at_once_and_groups_the_next_within_its_interval():
-    """A request's wake-ups (utils/serve/app.py Job): the first event from the engine thread
+    """A request's wake-ups (utils/serve/job.py Job): the first event from the engine thread
     wakes the event loop at once; later ones within serve.stream_interval wake nothing and
     wait in the inbox, to go out together, in order, with the next wake-up, which a finishing
     event always causes."""
     import asyncio
     from types import SimpleNamespace
     from utils.generation.engine import Event
-    from utils.serve.app import Job, ServedModel
+    from utils.serve.job import Job
+    from utils.serve.served import ServedModel
     from utils.serve.protocol import Sampling
     m = ServedModel("m", tokenizer(), "pretrain", Rules.ours(tokenizer()), SimpleNamespace(capacity=64), 0,
                     stream_interval=30.0)
@@ -1113,14 +1116,16 @@ def test_a_stream_sends_its_first_token_at_once_and_groups_the_next_within_its_i
 
 @pytest.mark.parametrize("interval", [30.0, 0.0])
 def test_a_wake_up_s_tokens_go_out_as_one_chunk_per_choice(interval):
-    """utils/serve/app.py _sse: the events one wake-up brings leave in one write, each choice's
+    """utils/serve/sse.py event_stream: the events one wake-up brings leave in one write, each choice's
     tokens in one chunk (text joined, one logprobs entry per token), the last write with the
     usage chunk and [DONE]; serve.stream_interval 0: a chunk per token. The first token always
     goes out alone, at once."""
     import asyncio
     from types import SimpleNamespace
     from utils.generation.engine import Event
-    from utils.serve.app import Job, ServedModel, _sse
+    from utils.serve.job import Job
+    from utils.serve.served import ServedModel
+    from utils.serve.sse import event_stream
     from utils.serve.protocol import Sampling
     m = ServedModel("m", tokenizer(), "pretrain", Rules.ours(tokenizer()), SimpleNamespace(capacity=64), 0,
                     stream_interval=interval)
@@ -1134,7 +1139,7 @@ def test_a_wake_up_s_tokens_go_out_as_one_chunk_per_choice(interval):
         writes = []
 
         async def consume():
-            async for w in _sse(job, lambda line: None):
+            async for w in event_stream(job, lambda line: None):
                 writes.append(w)
         task = asyncio.create_task(consume())
         from_engine = lambda *es: asyncio.to_thread(lambda: [e.seq.sink(e) for e in es])  # noqa: E731

@@ -382,7 +382,7 @@ class _Worker:
     def flush(self) -> None:
         """Send the outbox (on the engine thread, after each pass): at once when it holds a
         sequence's first or last event, else once ``interval`` seconds passed since the last
-        send (a stream's reader groups tokens that close anyway: utils/serve/app.py Job)."""
+        send (a stream's reader groups tokens that close anyway: utils/serve/job.py Job)."""
         with self._lock:
             if not self.outbox:
                 return

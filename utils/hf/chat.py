@@ -12,7 +12,7 @@ texts our encoder frames, with the special tokens written as their strings:
 
 - ``user`` / ``assistant`` roles strictly alternate, starting with ``user``; system (or
   ``developer``) messages before the first user message open it, joined by a blank line,
-  as the server does (utils/serve/app.py ``chat_ids``); other roles are refused.
+  as the server does (utils/serve/served.py ``chat_ids``); other roles are refused.
 - The assistant header belongs to the assistant message (``"\\nAssistant: " + answer``), and
   ``add_generation_prompt`` adds it without its trailing space (``"\\nAssistant:"``), where
   our prompts end: the space starts the answer the model generates.

@@ -11,7 +11,7 @@ so a client holds a connection only while it sends a request at a pace, or is be
   headers and its whole body; bytes that trickle in do not extend it. Headers not all here by
   then: a 408 in OpenAI's error shape with ``Connection: close``, then the connection is
   closed (one log line). A body the app is reading: the app answers the 408 itself, on its own
-  clock, which starts a moment later (utils/serve/app.py ``_json``); should the request still
+  clock, which starts a moment later (utils/serve/intake.py ``read_json``); should the request still
   be arriving at twice ``read``, the connection is cut. A body nobody reads (the app answered
   without it): the connection is closed (one log line).
 - A request that is all here has no deadline while the app holds it (a generation, a stream):

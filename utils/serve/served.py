@@ -1,0 +1,125 @@
+"""A model as ``serve`` serves it (library; no side effects): an opened checkpoint's tokenizer,
+kind and rules (utils/data/chat.py) with its lane on the server's one engine thread.
+
+    m = ServedModel(id, tok, kind, rules, lane, created, quantize, max_queue, max_tokens, interval)
+    m.completion_ids(text) / m.chat_ids(chat)     a request's prompt ids (ApiError 400 when the
+                                                  model has no chat template, or it refuses the chat)
+    m.sampling(s)                                 (temperature, top_k, top_p) of a request
+    m.token_text(id) / m.token_bytes(id)          what logprobs show of a token
+    m.describe()                                  its GET /v1/models entry
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional
+
+from utils.data.chat import ChatTemplateError, chat_prompt_ids
+from utils.generation.engine import UNBOUNDED
+from utils.serve.protocol import ApiError, Chat, Sampling
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the character each byte is written as in a
+    byte-level BPE vocabulary (printable Latin-1 bytes as themselves, the other 68 as U+0100
+    onwards, in byte order) -> that byte."""
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+BYTE_ALPHABET = _byte_alphabet()
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")     # a SentencePiece byte-fallback piece
+
+
+def _has_type(node: dict, name: str) -> bool:
+    """Whether a tokenizers component's JSON is of type ``name`` or a sequence holding one."""
+    return node.get("type") == name or any(_has_type(d, name) for d in node.get("decoders") or [])
+
+
+@dataclass
+class ServedModel:
+    id: str
+    tok: object
+    kind: str                       # pretrain | sft | hf
+    rules: object                   # utils.data.chat.Rules: chat template (None: completions only), BOS, stops
+    lane: object                    # a Lane (utils/generation/loop.py) or RemoteLane (remote.py)
+    created: int
+    quantize: str = "none"
+    max_queue: int = 256
+    default_max_tokens: int = 256
+    stream_interval: float = 0.0    # seconds between two wake-ups of a request's stream (Job)
+
+    @property
+    def context(self) -> int:
+        return self.lane.capacity
+
+    @property
+    def template(self) -> Optional[dict]:
+        return self.rules.template
+
+    def completion_ids(self, text: str) -> list[int]:
+        return self.rules.prompt_ids(self.tok, text)
+
+    def chat_ids(self, chat: Chat) -> list[int]:
+        """The conversation through the model's own chat template (utils/data/chat.py: a public
+        model's Jinja template, or ours, where a system message's text opens the first user turn)."""
+        if self.template is None:
+            raise ApiError(400, f"model '{self.id}' is a pre-trained ({self.kind}) model without a chat "
+                           "template: use POST /v1/completions with a plain prompt, or serve an SFT "
+                           "checkpoint for chat.", "model", "chat_not_supported")
+        try:
+            return chat_prompt_ids(self.tok, self.template, chat.system, chat.history, chat.question)
+        except ChatTemplateError as e:
+            raise ApiError(400, f"{e}.", "messages", "invalid_value") from None
+
+    def sampling(self, s: Sampling) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p) of a request: its own fields, else the model's
+        generation_config.json defaults, else OpenAI's (1, off, 1)."""
+        d = self.rules.defaults
+        pick = lambda v, k, off: v if v is not None else d.get(k, off)   # noqa: E731
+        return float(pick(s.temperature, "temperature", 1.0)), int(pick(s.top_k, "top_k", 0)), float(pick(s.top_p, "top_p", 1.0))
+
+    def token_text(self, token: int) -> str:
+        piece = self.tok.convert_ids_to_tokens(int(token))
+        text = self.tok.convert_tokens_to_string([piece])
+        if piece.startswith("\u2581") and not text.startswith(" "):    # SentencePiece word start
+            text = " " + text
+        return text
+
+    @cached_property
+    def byte_level(self) -> bool:
+        """Whether the tokenizer is a byte-level BPE (GPT-2 style): its backend decoder is, or
+        holds, ByteLevel (a slow tokenizer: it has GPT-2's ``byte_decoder``)."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is None or backend.decoder is None:
+            return hasattr(self.tok, "byte_decoder")
+        return _has_type(json.loads(backend.decoder.__getstate__()), "ByteLevel")  # its tokenizer.json entry
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's own bytes (chat logprobs' ``bytes``: a client joins them to rebuild a
+        character split over tokens): a byte-level BPE piece read back through GPT-2's byte
+        alphabet; a SentencePiece byte-fallback piece ``<0xHH>`` is that one byte; any other
+        token (a special or added one included) the UTF-8 of its text."""
+        piece = self.tok.convert_ids_to_tokens(int(token))
+        if self.byte_level:
+            if all(c in BYTE_ALPHABET for c in piece):
+                return bytes(BYTE_ALPHABET[c] for c in piece)
+        elif (hit := BYTE_PIECE.fullmatch(piece)) is not None:
+            return bytes([int(hit[1], 16)])
+        return self.token_text(token).encode("utf-8")
+
+    def describe(self) -> dict:
+        return {"id": self.id, "object": "model", "created": self.created, "owned_by": "llm-pipeline",
+                "kind": self.kind, "chat": self.template is not None,
+                "context_length": None if self.context >= UNBOUNDED else self.context,  # None: infini
+                "quantize": self.quantize}
