@@ -254,7 +254,7 @@ def test_sft_export_chat_template_gives_our_ids_in_transformers(work, kind):
     from types import SimpleNamespace
     from utils.data import sft
     from utils.generation.detok import TextDecoder
-    from utils.serve.app import ServedModel
+    from utils.serve.served import ServedModel
     from utils.serve.protocol import Chat
     run = _chat_run(work, kind)
     tok, template = run["tok"], run["template"]
