@@ -71,6 +71,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 from xml.parsers import expat
 
+from tqdm import tqdm
+
 from utils.atomic import atomic_open, temp_path, write_json_atomic
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 from utils.processes import die_with_parent, os_parent_of_workers
@@ -315,7 +317,6 @@ def output_name(input_path: Path) -> str:
 
 
 def _new_bar():
-    from tqdm import tqdm
     return tqdm(total=None, unit=" articles", desc="cleaning", dynamic_ncols=True, mininterval=0.5)
 
 

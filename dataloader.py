@@ -81,10 +81,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
-from utils.cli import PipelineError, capped_workers
-from utils.config import BASE_CONFIG_ENV, PROJECT_ROOT, Config
+from utils.cli import PipelineError, StageParser, capped_workers, cli_path, run_stage
+from utils.config import BASE_CONFIG_ENV, DEFAULT_CONFIG_FILE, PROJECT_ROOT, Config
+from utils.data.hub import iter_rows, open_hub_dataset
+from utils.data.packing import encode_frame
 from utils.data.shards import (ShardSetError, load_shards, open_shard, read_metadata, rebuild_command,
                           validate_metadata)
+from utils.data.textio import unescape_article
+from utils.data.tok import describe, load_tokenizer
 
 # Fields of ShardSetError that mean "this set was built differently": rebuild with --force.
 # (A missing or incomplete set is finished by a plain re-run: prep is resumable.)
@@ -97,7 +101,6 @@ def tokenizer_info(cfg: Config, tokenizer: Any = None) -> dict:
     one), a tokenizer object, or an already-described dict (returned as is)."""
     if isinstance(tokenizer, dict):
         return tokenizer
-    from utils.data.tok import describe, load_tokenizer  # imports transformers: only when needed
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     return describe(tok, cfg.tokenizer.name)
 
@@ -106,7 +109,6 @@ def tokenizer_info(cfg: Config, tokenizer: Any = None) -> dict:
 def _rebuild(cfg: Config, directory: Optional[Path] = None) -> str:
     """The pasteable prep command for this config (its --config files, and --output-dir when
     the set is not in the configured folder)."""
-    from utils.config import DEFAULT_CONFIG_FILE
     files = [s for s in cfg.sources if s != "command-line flags"
              and Path(s).resolve() != Path(DEFAULT_CONFIG_FILE).resolve()]
     custom = directory is not None and Path(directory).resolve() != cfg.shard_dir().resolve()
@@ -648,10 +650,9 @@ def iter_local_texts(files: Sequence[Path], text_column: str = "text") -> Iterat
     """Documents of local files in order: parquet (row-group streaming with pyarrow), jsonl
     (``text_column`` of each object), txt (one document per line, cleaned-article escapes
     undone with utils.data.textio)."""
-    from utils.data.textio import unescape_article
     for f in files:
         if f.suffix == ".parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq     # 0.23 s after torch: only for parquet, not train's shards
             pf = pq.ParquetFile(f)
             if text_column not in pf.schema_arrow.names:
                 raise PipelineError(f"{f}: no column '{text_column}' (columns: "
@@ -727,7 +728,6 @@ class OnTheFlyDataset(IterableDataset):
             raise PipelineError("on-the-fly mode needs a tokenizer with BOS and EOS tokens.")
         self.hub = None
         if not self.local:
-            from utils.data.hub import open_hub_dataset
             self.hub = hub if hub is not None else open_hub_dataset(
                 source, hub_config, hub_split, explain=_hub_help(source, hub_config, hub_split))
 
@@ -736,7 +736,6 @@ class OnTheFlyDataset(IterableDataset):
         if self.local:
             yield from iter_local_texts(self.files, self.text_column)
         else:
-            from utils.data.hub import iter_rows
             for row in iter_rows(self.hub, self.batch_docs):
                 t = row.get(self.text_column)
                 if t:
@@ -764,7 +763,6 @@ class OnTheFlyDataset(IterableDataset):
 
     def _encode(self, texts: list[str]) -> np.ndarray:
         """The documents framed as in the shards (utils.data.packing.encode_frame), concatenated."""
-        from utils.data.packing import encode_frame
         framed, _, _ = encode_frame(self.tokenizer.backend_tokenizer, texts, np.dtype(np.int64),
                                     self.bos, self.eos)
         return framed
@@ -801,7 +799,6 @@ def _build_on_the_fly(cfg: Config, tokenizer, *, batch_size, device, rank, world
         raise PipelineError("dataset.mode is 'on_the_fly' but dataset.on_the_fly_source is not set "
                             "(a hub dataset name or a local .parquet/.jsonl/.txt path).")
     if tokenizer is None or isinstance(tokenizer, dict):
-        from utils.data.tok import load_tokenizer
         tokenizer = load_tokenizer(cfg)
     kw = dict(window=ds.window, stride=cfg.stride, val_split=ds.val_split, seed=ds.seed, rank=rank,
               world_size=world_size, hub_config=ds.on_the_fly_config, hub_split=ds.on_the_fly_split,
@@ -826,8 +823,6 @@ def _build_on_the_fly(cfg: Config, tokenizer, *, batch_size, device, rank, world
 # --------------------------------------------------------------------------- inspection CLI
 def build_parser():
     """The inspection CLI's flags (``python dataloader.py --help``)."""
-    from utils.cli import StageParser, cli_path
-
     parser = StageParser("dataloader.py", "Validate a token shard set (the configured one, or "
                          "--shards DIR) against the configured tokenizer and model, print its "
                          "train/val split and decode the first windows of a training batch.")
@@ -852,8 +847,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python dataloader.py [--config FILE] [--test] [--shards DIR] ...``: validate the data set
     (building it first when ``dataset.auto_prepare`` is on), print its split and decode the
     first windows of a training batch — a quick look at exactly what the trainer will see."""
-    from utils.data.tok import load_tokenizer
-
     args, cfg = build_parser().parse(argv)
     tok = load_tokenizer(cfg)
     directory = Path(args.shards) if args.shards else None
@@ -873,5 +866,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from utils.cli import run_stage
     run_stage(main)

@@ -26,6 +26,9 @@ import math
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 from utils.config import Config
 from utils.data.hub import open_hub_dataset
@@ -55,8 +58,6 @@ def check_parquet(path: Path, text_column: str) -> int:
     """Open one parquet file and check FineWeb's schema without reading its data; returns its
     row count. Not parquet, empty (0 bytes), a damaged footer, a missing column or a column of
     the wrong type is a PipelineError naming the file."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     try:
         if path.stat().st_size == 0:
             raise _bad_parquet(path, "the file is empty (0 bytes)")
@@ -113,9 +114,6 @@ def _decide(text, score, min_score: float) -> tuple[str, Optional[str]]:
 
 def parquet_stream(files: list[Path], text_column: str, min_score: float) -> Stream:
     """Documents of local parquet files, one row group at a time (never a whole file in memory)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     def open_stream(start: int, resume: Optional[dict] = None) -> Iterator[tuple[str, Optional[str]]]:
         skip = start   # row groups are skipped unread, so no saved state is needed
         for path in files:

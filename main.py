@@ -42,6 +42,8 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
+from utils.stdio import mark_standard_output, open_standard_streams, refused_line, stdout_refused  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent
 
 
@@ -296,7 +298,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run() -> int:
     """main(), its output flushed; standard output refusing it (``> /dev/full``) is said on
     stderr with exit 1 (it was a traceback, then Python's own at exit)."""
-    from utils.stdio import mark_standard_output, open_standard_streams, refused_line, stdout_refused
     open_standard_streams()                 # before a stage inherits them (utils/stdio.py)
     mark_standard_output()
     try:

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from utils.cli import StageParser, cli_path, run_stage
+from utils.report import build_comparison, build_run, collect, comparison_folder, write_report
+from utils.run import check_run_name
 
 
 def build_parser() -> StageParser:
@@ -39,7 +41,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, cfg = build_parser().parse(list(sys.argv[1:] if argv is None else argv))
     runs = check_names(args.runs)
     out = Path(args.out) if args.out else cfg.path("paths.reports_dir")
-    from utils.report import collect
     facts = [collect(run, cfg) for run in runs]         # every run found before anything is written
     for f in facts:
         write_run(f, out, args.html)
@@ -50,7 +51,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def check_names(runs: Sequence[str]) -> list[str]:
     """Run names as given, once each; a name is a folder name, never a path."""
-    from utils.run import check_run_name
     out: list[str] = []
     for run in runs:
         check_run_name(run, "RUN")
@@ -60,7 +60,6 @@ def check_names(runs: Sequence[str]) -> list[str]:
 
 
 def write_run(facts, out: Path, html: bool) -> None:
-    from utils.report import build_run, write_report
     written = write_report(out / facts.name, build_run(facts), f"Run report: {facts.name}", html)
     bad = f" ({len(facts.log.bad_lines)} damaged log line(s) skipped)" if facts.log.bad_lines else ""
     if facts.out_of_range:
@@ -69,7 +68,6 @@ def write_run(facts, out: Path, html: bool) -> None:
 
 
 def write_comparison(facts: list, out: Path, html: bool) -> None:
-    from utils.report import build_comparison, comparison_folder, write_report
     names = [f.name for f in facts]
     folder = comparison_folder(out, names)
     written = write_report(folder, build_comparison(facts), "Comparison: " + ", ".join(names), html)

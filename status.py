@@ -32,7 +32,8 @@ from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, printable, run_stage
 from utils.run import check_run_name, list_runs, run_checkpoints
-from utils.training.logging_utils import TERMINAL_EVENTS, finite as _finite, json_safe
+from utils.training.logging_utils import (TERMINAL_EVENTS, LogRead, finite as _finite, json_safe, latest_per_step,
+                                          read_log)
 
 MIN_STALE_S = 120.0
 
@@ -124,7 +125,6 @@ def _usable(records: list) -> tuple:
     """(train, val, config, event, sample records) of a log, passing over values of the wrong
     shape (a damaged or hand-edited log), as NaNs are: a step outside 0..2^63, a config record
     whose hparams is not an object, an event or a sample text that is not text."""
-    from utils.training.logging_utils import latest_per_step
     train = [r for r in latest_per_step(records, "train") if 0 <= r["step"] < 1 << 63]
     val = [r for r in latest_per_step(records, "val") if 0 <= r["step"] < 1 << 63]
     configs = [r for r in records if r.get("type") == "config" and isinstance(r.get("hparams"), dict)]
@@ -138,7 +138,6 @@ def _read_log(path: Path, run_dir: Path) -> tuple:
     the file: ``problem`` "unreadable" (nothing in it can be read) or "damaged lines" (some
     lines were skipped), the first bad ``line``, the ``damaged_lines`` count, the ``reason``
     and a ``message`` that names the file and what to do."""
-    from utils.training.logging_utils import LogRead, read_log
     try:
         log = read_log(path)
     except OSError as e:                       # a folder of that name, no permission, I/O error

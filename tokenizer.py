@@ -31,6 +31,9 @@ import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 from utils.config import Config
 from utils.data.textio import iter_articles, text_lines
@@ -229,9 +232,6 @@ def train_bpe(documents: Iterable[str], vocab_size: int, min_frequency: int = 2,
     ``split_digits``: every digit is a token of its own (as Llama's tokenizer does), so an
     n-digit number is always n tokens.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     check_vocab_size(vocab_size)
     backend = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk"]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -256,7 +256,6 @@ def _without_special_merges(backend):
     bad = special_merges(backend)
     if not bad:
         return backend
-    from tokenizers import Tokenizer
     data = json.loads(backend.to_str())
     drop = {" ".join(m) for m in bad}
     data["model"]["merges"] = [m for m in data["model"]["merges"]

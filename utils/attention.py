@@ -1,6 +1,6 @@
 """Attention backends and masks: which kernel a forward call uses, and how documents in a
-packed window are kept apart (library; no side effects; flash-attn and flex attention are
-imported on first use, once).
+packed window are kept apart (library; no side effects; flash-attn, an optional package, is
+imported on first use, and flex attention compiled then, once).
 
 - ``forward_spec(idx, weight_dtype, document_mask, bos_id) -> (positions or None, AttnSpec)``:
   the rule ``Transformer.forward`` applies, per call. flash-attn (``flash_attn_func``;
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -31,7 +32,7 @@ HALF = (torch.float16, torch.bfloat16)
 def flash_backend() -> tuple[Optional[tuple], str]:
     """(flash_attn's (func, varlen_func) or None, why not), imported once on first use."""
     try:
-        from flash_attn import flash_attn_func, flash_attn_varlen_func
+        from flash_attn import flash_attn_func, flash_attn_varlen_func     # optional (requirements-gpu.txt)
         return (flash_attn_func, flash_attn_varlen_func), ""
     except (ImportError, OSError, RuntimeError) as e:  # not installed, or built for another torch/CUDA
         return None, f"{type(e).__name__}: {e}"
@@ -41,7 +42,6 @@ def flash_backend() -> tuple[Optional[tuple], str]:
 def flex_backend() -> tuple[Optional[tuple], str]:
     """((compiled flex_attention, create_block_mask) or None, why not), made once on first use."""
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         return (torch.compile(flex_attention, dynamic=False), create_block_mask), ""
     except (ImportError, RuntimeError) as e:
         return None, f"{type(e).__name__}: {e}"

@@ -19,7 +19,7 @@ from utils.cli import UsageError
 
 
 def resolve_device(name: str, setting: str = "device", local_rank: int = 0):
-    import torch
+    import torch     # 1.5 s: post_training imports this module, and `sft prepare` does not load torch
     want = name
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,7 +37,7 @@ def resolve_device(name: str, setting: str = "device", local_rank: int = 0):
 
 
 def available_bytes(device) -> tuple[Optional[int], str]:
-    import torch
+    import torch     # as in resolve_device
     if device.type == "cuda":
         try:
             return int(torch.cuda.mem_get_info(device)[0]), ""

@@ -24,6 +24,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional, Sequence
 
+from utils.config import PROJECT_ROOT
+
 PACKAGES = ("torch", "numpy", "transformers", "tokenizers", "datasets", "safetensors",
             "sentencepiece", "flash-attn")
 GIT_TIMEOUT_S = 10.0
@@ -57,7 +59,6 @@ def git_state(root: Optional[Path] = None) -> dict:
     """``{"commit", "dirty"}`` of the checkout at ``root`` (default: the project root), or
     ``{"commit": None, "reason": ...}`` when git or the checkout is not there."""
     if root is None:
-        from utils.config import PROJECT_ROOT
         root = PROJECT_ROOT
     try:
         head = _git(root, "rev-parse", "HEAD")
@@ -92,7 +93,7 @@ def _memory_gb() -> Optional[float]:
 
 def machine() -> dict:
     """Host name, OS, CPU model and count, memory, and the CUDA GPUs torch sees."""
-    import torch
+    import torch     # 1.5 s: status imports this module (through logging_utils) and needs no torch
     gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             if torch.cuda.is_available() else [])
     return {"hostname": platform.node(), "os": platform.platform(), "cpu": cpu_model(),

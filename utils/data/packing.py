@@ -53,14 +53,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
+from tokenizers import Tokenizer
+from tqdm import tqdm
 
 from utils.atomic import write_json_atomic
-from utils.cli import PipelineError
+from utils.cli import PipelineError, cli_path
 from utils.data.parallel import ordered_map
 from utils.data.shards import (FORMAT_VERSION, METADATA_FILE, dtype_for_vocab, shard_name,
                           shard_set_metadata, write_metadata, write_shard)
 from utils.data.textio import iter_articles
-from utils.data.tok import encode_plain
+from utils.data.tok import describe, encode_plain, load_tokenizer, require_bos_eos
 
 PROGRESS_FILE = ".progress.json"
 REBUILD_DIR = ".rebuild"         # where --force builds a new set beside the old one
@@ -109,7 +111,6 @@ def _init_worker(tokenizer_json: str, dtype: str, bos: int, eos: int, min_tokens
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
-    from tokenizers import Tokenizer
     _WORKER.update(backend=Tokenizer.from_str(tokenizer_json), dtype=np.dtype(dtype), bos=bos,
                    eos=eos, min_tokens=min_tokens)
 
@@ -511,8 +512,6 @@ def _swap_in(staging: Path, d: Path, meta: dict) -> None:
 
 
 def _pack(job: PackJob, log: Callable[[str], None]) -> dict:
-    from utils.data.tok import require_bos_eos
-
     d = job.out_dir
     state = _load_resume(job, log)
     if state and "up_to_date" in state:
@@ -539,7 +538,6 @@ def _pack(job: PackJob, log: Callable[[str], None]) -> dict:
         chunk_docs = job.batch if job.workers <= 1 else max(1, -(-job.batch // (2 * job.workers)))
         chunks = _chunks(job.open_stream(start, resume), start, job.max_documents, chunk_docs)
 
-    from tqdm import tqdm
     bar = tqdm(total=job.max_documents, initial=start, unit="doc", unit_scale=True, mininterval=0.5,
                disable=not job.progress_bar, dynamic_ncols=True, desc=f"{job.kind} -> shards")
     results = _results(job, chunks, dtype, bos, eos, job.workers)
@@ -630,8 +628,6 @@ def cleaned_article_stream(paths: list[Path]) -> Stream:
 # --------------------------------------------------------------------------- stage plumbing
 def add_output_flags(parser, default_dir: str) -> None:
     """Flags every prep stage shares (window, shard size, output folder, --force, progress)."""
-    from utils.cli import cli_path
-
     parser.config_flag("--window", key="dataset.window", type=int, metavar="N",
                        help="training window length recorded with the shards (windows are cut at "
                             "read time)")
@@ -646,8 +642,6 @@ def add_output_flags(parser, default_dir: str) -> None:
 
 def load_fast_tokenizer(cfg) -> tuple[Any, dict]:
     """The configured tokenizer and its description; prep needs a fast (tokenizers) backend."""
-    from utils.data.tok import describe, load_tokenizer
-
     tok = load_tokenizer(cfg)
     if not getattr(tok, "is_fast", False):
         raise PipelineError(f"tokenizer '{cfg.tokenizer.name}' has no fast (tokenizers) backend; "

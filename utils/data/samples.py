@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -196,8 +197,8 @@ def build_fineweb_substitute(samples_dir: Path, log=print) -> Optional[Path]:
     target = samples_dir / FINEWEB_SUBSTITUTE
     if target.exists():
         return None
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa               # 0.25 s: only to build the file; `samples` with it present
+    import pyarrow.parquet as pq       # (and --list) does not
 
     news = samples_dir / next(f.dest for f in MANIFEST if f.dest.startswith("news/"))
     docs = [ln.strip() for ln in news.read_text(encoding="utf-8").splitlines() if ln.strip()]
@@ -237,9 +238,7 @@ def build_smollm2_folder(samples_dir: Path, log=print) -> Optional[Path]:
     target = samples_dir / SMOLLM2_DIR
     if (target / "config.json").is_file():
         return None
-    import shutil
-
-    import torch
+    import torch                       # torch and transformers, 3 s: only to build the folder
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     gguf = samples_dir / SMOLLM2_GGUF
     log(f"  {target}  (a Hugging Face folder from {gguf.name}: de-quantized to float32 by transformers)")

@@ -36,6 +36,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
+from sentencepiece import sentencepiece_model_pb2 as pb
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
+
 from utils.cli import PipelineError
 
 SPIECE_UNDERLINE = "\u2581"
@@ -50,8 +53,6 @@ class SpmUnsupported(PipelineError):
 
 def read_model(source: Union[str, Path, bytes]):
     """Parse a SentencePiece ``ModelProto`` from a path or bytes; a clear error if it is not one."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     data = source if isinstance(source, bytes) else Path(source).read_bytes()
     proto = pb.ModelProto()
     try:
@@ -75,8 +76,6 @@ def is_spm_file(path: Path) -> bool:
 
 
 def _normalizer(ns):
-    from tokenizers import Regex, normalizers
-
     steps = []
     if ns.precompiled_charsmap:
         steps.append(normalizers.Precompiled(ns.precompiled_charsmap))
@@ -90,8 +89,6 @@ def _normalizer(ns):
 
 
 def _decoder(ns):
-    from tokenizers import decoders
-
     steps = [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if ns.add_dummy_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
@@ -134,8 +131,6 @@ def backend_from_spm(source: Union[str, Path, bytes]):
 
     Raises :class:`SpmUnsupported` (a PipelineError) for models :func:`unsupported` names.
     """
-    from tokenizers import AddedToken, Tokenizer, models
-
     proto = read_model(source)
     ns, ts = proto.normalizer_spec, proto.trainer_spec
     reason = unsupported(proto)
@@ -173,8 +168,7 @@ def tokenizer_from_spm(source: Union[str, Path]):
     it with the transformers default ``add_special_tokens=True`` adds BOS, as Llama's own
     tokenizers do; the pipeline always frames documents itself (utils.data.tok.encode_plain).
     """
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast    # 1.6 s: as in utils/data/tok.py, only to load
 
     backend = backend_from_spm(source)
     names = special_pieces(source)

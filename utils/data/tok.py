@@ -30,6 +30,9 @@ Contracts (docs/tokenizer.md):
   Hugging Face model folder being imported (utils/hf/import_hf.py). The small JSON files are
   checked before every load; tokenizer.json only after a load failed, so a sound one is parsed
   once, by transformers.
+
+transformers is imported by the functions that load a tokenizer, not with this module: the
+``report`` stage imports it (for the names of a saved copy's files) and loads no tokenizer.
 """
 from __future__ import annotations
 
@@ -39,12 +42,19 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional, Sequence
 
+from huggingface_hub import hf_hub_download, try_to_load_from_cache
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+from tokenizers import Tokenizer
+
 from utils.cli import PipelineError
 from utils.config import Config, json_type, read_json_object_file
+from utils.data import spm
+from utils.data.textio import replace_surrogates
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SPECIAL_TOKENS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
@@ -104,16 +114,11 @@ def _spm_tokenizer(model: Path):
     """A SentencePiece model file as a fast tokenizer: exact (utils.data.spm) when possible, else
     transformers' conversion with a notice. A file that is not a SentencePiece model is a
     PipelineError naming it and what to do."""
-    from utils.data import spm
-
     _check_spm_file(model)
     try:
         return _mark(spm.tokenizer_from_spm(model), SPM_CONVERSION, model)
     except spm.SpmUnsupported as e:
-        import shutil
-        import tempfile
-
-        from transformers import LlamaTokenizer
+        from transformers import LlamaTokenizer     # transformers, 1.6 s: lazy (module docstring)
         print(f"notice: {e} Falling back to transformers' conversion (LlamaTokenizer): its "
               "ids may differ from the sentencepiece library's (docs/tokenizer.md).",
               file=sys.stderr)
@@ -128,8 +133,6 @@ def _hub_spm_file(name: str) -> Optional[Path]:
     Expected: the repo has no tokenizer.model (its tokenizer.json is the tokenizer: None,
     silently), or the file is not in the local cache while offline (None, with one notice
     saying the hub's tokenizer.json is used instead). Anything else propagates."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
     try:
         return Path(hf_hub_download(name, "tokenizer.model"))
     except LocalEntryNotFoundError:
@@ -144,13 +147,12 @@ def _hub_spm_file(name: str) -> Optional[Path]:
 def _from_hub(name: str):
     """A hub tokenizer; a repo with a SentencePiece BPE ``tokenizer.model`` gets the exact
     conversion, keeping the repo's special tokens and added tokens."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer     # transformers, 1.6 s: lazy (module docstring)
 
     tok = AutoTokenizer.from_pretrained(name)
     model = _hub_spm_file(name)
     if model is None or not getattr(tok, "is_fast", False):
         return tok
-    from utils.data import spm
     try:
         proto = spm.read_model(model)
     except PipelineError:
@@ -367,7 +369,7 @@ def load_tokenizer_folder(d: Path, imported: bool = False):
     only when loading fails, to name the damaged file (a sound folder's tokenizer.json is parsed
     by transformers alone); any failure is one PipelineError naming the file, or the folder with
     transformers' reason. ``imported``: as for :func:`check_tokenizer_folder`."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer     # transformers, 1.6 s: lazy (module docstring)
     d = Path(d)
     check_tokenizer_folder(d, imported)
     try:
@@ -378,7 +380,6 @@ def load_tokenizer_folder(d: Path, imported: bool = False):
 
 def _check_spm_file(model: Path, imported: bool = False) -> None:
     """Refuse a ``tokenizer.model`` that is not a SentencePiece model, naming it."""
-    from utils.data import spm
     if not model.is_file():
         raise _damaged(model, "is not a regular file", imported)
     try:
@@ -396,7 +397,6 @@ def _diagnose_tokenizer_json(path: Path, imported: bool = False) -> Optional[Pip
     data = _json_object(path, imported) if path.exists() or path.is_symlink() else None
     if data is None:
         return None
-    from tokenizers import Tokenizer
     try:
         Tokenizer.from_str(json.dumps(data))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception
@@ -440,7 +440,7 @@ def _load(name: str, cfg: Optional[Config]):
             if p.is_file() and p.suffix == ".model":
                 return _spm_tokenizer(p)
             if p.is_file() and p.suffix == ".json":
-                from transformers import PreTrainedTokenizerFast
+                from transformers import PreTrainedTokenizerFast     # 1.6 s: lazy (module docstring)
                 try:
                     return PreTrainedTokenizerFast(tokenizer_file=str(p))
                 except Exception as e:  # noqa: BLE001 - named below, with the file
@@ -479,9 +479,8 @@ def _damaged_hub_cache(name: str) -> Optional[PipelineError]:
     """When a hub tokenizer fails to load: the error naming a damaged file of its copy in the
     local Hugging Face cache, or None (nothing cached, or nothing found damaged)."""
     try:
-        from huggingface_hub import try_to_load_from_cache
         cached = [try_to_load_from_cache(name, f) for f in (*TOKENIZER_FILES, "special_tokens_map.json")]
-    except Exception:  # noqa: BLE001 - not a valid repo id, no hub library: nothing to say
+    except Exception:  # noqa: BLE001 - not a valid repo id: nothing to say
         return None
     folders = [Path(c).parent for c in cached if isinstance(c, str)]
     if not folders:
@@ -555,7 +554,6 @@ def encode_plain(tok, texts: Sequence[str]) -> list[list[int]]:
 
 
 def _valid_text(text):
-    from utils.data.textio import replace_surrogates
     return replace_surrogates(text)[0] if isinstance(text, str) else text
 
 
@@ -637,7 +635,6 @@ def as_exported_from(tok, folder: Path):
     record = (info or {}).get("exported")
     if not isinstance(record, dict):
         return tok
-    from tokenizers import Tokenizer
     backend = backend_of(tok)
     data = json.loads(backend.to_str())
     data["post_processor"] = record.get("post_processor")
