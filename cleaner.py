@@ -375,61 +375,83 @@ def run_workers(tasks: list[tuple], workers: int) -> list[FileResult]:
     A worker that dies without reporting (killed, out of memory) fails its file only.
     On Ctrl-C every worker is terminated and its temp file removed before re-raising;
     outputs already finished stay."""
-    ctx = mp.get_context()
-    messages = ctx.Queue()
     todo = _per_file(tasks, workers)
-    running: dict[int, mp.process.BaseProcess] = {}
-    results: dict[int, FileResult] = {}
-    bar = _new_bar()
-
-    def handle(message) -> None:
-        kind, index, payload = message
-        if kind == "progress":
-            bar.update(payload)
-        else:
-            results[index] = payload
-
+    pool = _FileWorkers(tasks)
     try:
-        while todo or running:
-            while todo and len(running) < workers:
-                index, task = todo.pop(0)
-                proc = ctx.Process(target=_worker_main,
-                                   args=(index, task, messages, os_parent_of_workers(ctx)),
-                                   name=f"clean-{Path(task[0]).name}")
-                proc.start()
-                running[index] = proc
-            try:
-                handle(messages.get(timeout=0.2))
-            except queue.Empty:
-                pass
-            exited = [i for i, proc in running.items() if not proc.is_alive()]
-            try:                      # an exited worker's messages are all in the pipe now
-                while True:
-                    handle(messages.get_nowait())
-            except queue.Empty:
-                pass
-            for index in exited:
-                proc = running.pop(index)
-                proc.join()
-                if index not in results:
-                    inp, out, _ = tasks[index]
-                    _remove_temp(out, proc.pid)
-                    results[index] = FileResult(inp, out, status="failed",
-                                                error=f"the worker process died (exit code {proc.exitcode}; "
-                                                      f"killed or out of memory?)")
-            bar.set_postfix(files=f"{len(results)}/{len(tasks)}", refresh=False)
-        bar.n = sum(r.read for r in results.values())   # exact, whatever was still queued
-        bar.refresh()
-        return [results[i] for i in range(len(tasks))]
+        while todo or pool.running:
+            while todo and len(pool.running) < workers:
+                pool.start(*todo.pop(0))
+            pool.collect()
+        return pool.results_in_order()
     except BaseException:
-        for proc in running.values():
-            proc.terminate()
-        for index, proc in running.items():
-            proc.join()
-            _remove_temp(tasks[index][1], proc.pid)
+        pool.stop()
         raise
     finally:
-        bar.close()
+        pool.bar.close()
+
+
+class _FileWorkers:
+    """run_workers' worker processes (index -> process), what they report (progress on the
+    bar, each file's FileResult) and the files whose worker died."""
+
+    def __init__(self, tasks: list[tuple]):
+        self.tasks = tasks
+        self.ctx = mp.get_context()
+        self.messages = self.ctx.Queue()
+        self.running: dict[int, mp.process.BaseProcess] = {}
+        self.results: dict[int, FileResult] = {}
+        self.bar = _new_bar()
+
+    def start(self, index: int, task: tuple) -> None:
+        proc = self.ctx.Process(target=_worker_main,
+                                args=(index, task, self.messages, os_parent_of_workers(self.ctx)),
+                                name=f"clean-{Path(task[0]).name}")
+        proc.start()
+        self.running[index] = proc
+
+    def _handle(self, message) -> None:
+        kind, index, payload = message
+        if kind == "progress":
+            self.bar.update(payload)
+        else:
+            self.results[index] = payload
+
+    def collect(self) -> None:
+        """Wait a little for a message, then take every message of the workers that exited and
+        fail the file of each that died without reporting."""
+        try:
+            self._handle(self.messages.get(timeout=0.2))
+        except queue.Empty:
+            pass
+        exited = [i for i, proc in self.running.items() if not proc.is_alive()]
+        try:                      # an exited worker's messages are all in the pipe now
+            while True:
+                self._handle(self.messages.get_nowait())
+        except queue.Empty:
+            pass
+        for index in exited:
+            proc = self.running.pop(index)
+            proc.join()
+            if index not in self.results:
+                inp, out, _ = self.tasks[index]
+                _remove_temp(out, proc.pid)
+                self.results[index] = FileResult(inp, out, status="failed",
+                                                 error=f"the worker process died (exit code {proc.exitcode}; "
+                                                       f"killed or out of memory?)")
+        self.bar.set_postfix(files=f"{len(self.results)}/{len(self.tasks)}", refresh=False)
+
+    def results_in_order(self) -> list[FileResult]:
+        self.bar.n = sum(r.read for r in self.results.values())   # exact, whatever was still queued
+        self.bar.refresh()
+        return [self.results[i] for i in range(len(self.tasks))]
+
+    def stop(self) -> None:
+        """Terminate every running worker and remove the temp file it leaves."""
+        for proc in self.running.values():
+            proc.terminate()
+        for index, proc in self.running.items():
+            proc.join()
+            _remove_temp(self.tasks[index][1], proc.pid)
 
 
 def summarize(results: list[FileResult], seconds: float) -> dict:

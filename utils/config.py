@@ -514,30 +514,41 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
             return value, f"{key}: {value!r} is not {_type_name(tp)}{hint}"
         return value, None
     # report the value as the user wrote it (NaN, Infinity included; 1e400 as 1e400)
-    written = isinstance(value, _WrittenFloat)
-    shown = value.text if written else json.dumps(value)
-    bad = f"{key}: expected {_type_name(tp)}, got {shown}"
+    shown = value.text if isinstance(value, _WrittenFloat) else json.dumps(value)
     if tp is list or origin is list:
-        if not isinstance(value, list):
-            return value, bad
-        (inner,) = typing.get_args(tp) or (Any,)
-        if inner is Any:
-            return value, None
-        checked = [_check_value(f"{key}[{i}]", v, inner, meta) for i, v in enumerate(value)]
-        problems = [p for _, p in checked if p]
-        return [v for v, _ in checked], ("; ".join(problems) if problems else None)
+        return _check_list(key, value, tp, meta, shown)
+    value, problem = _check_type(key, value, tp, meta, shown)
+    return value, problem or _range_problem(key, value, meta, shown)
+
+
+def _check_list(key: str, value: Any, tp, meta: dict, shown: str) -> tuple[Any, Optional[str]]:
+    """A list, each item checked against the list's item type (all problems joined)."""
+    if not isinstance(value, list):
+        return value, f"{key}: expected {_type_name(tp)}, got {shown}"
+    (inner,) = typing.get_args(tp) or (Any,)
+    if inner is Any:
+        return value, None
+    checked = [_check_value(f"{key}[{i}]", v, inner, meta) for i, v in enumerate(value)]
+    problems = [p for _, p in checked if p]
+    return [v for v, _ in checked], ("; ".join(problems) if problems else None)
+
+
+def _check_type(key: str, value: Any, tp, meta: dict, shown: str) -> tuple[Any, Optional[str]]:
+    """A bool, int, float or str value of that type (an integral float as an int, a number as
+    a float); a float must be finite, a string passes :func:`_string_problem`."""
+    bad = f"{key}: expected {_type_name(tp)}, got {shown}"
     if tp is bool:
-        if not isinstance(value, bool):
-            return value, bad
-    elif tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            else:
-                return value, bad
-    elif tp is float:
+        return value, (None if isinstance(value, bool) else bad)
+    if tp is int:
+        if not isinstance(value, bool) and isinstance(value, int):
+            return value, None
+        if isinstance(value, float) and value.is_integer():
+            return int(value), None
+        return value, bad
+    if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return value, bad
+        written = isinstance(value, _WrittenFloat)
         try:
             value = float(value)
         except OverflowError:
@@ -545,27 +556,38 @@ def _check_value(key: str, value: Any, tp, meta: dict) -> tuple[Any, Optional[st
         if not math.isfinite(value):
             why = "beyond a float's range" if written else "NaN and Infinity are not allowed"
             return value, f"{key}: expected a finite number, got {shown} ({why})"
-    elif tp is str:
-        if not isinstance(value, str):
-            return value, bad
-        if meta.get("nonblank") and not value.strip():
-            return value, _blank_problem(key, value, meta)
-        if meta.get("nonblank") and "\x00" in value:
-            return value, (f"{key}: {json.dumps(value)} holds a NUL character (\\u0000), which no file "
-                           f"or folder name can hold; give the path without it.")
-        if meta.get("folder") and (value.strip() in (".", "..") or "/" in value or "\\" in value):
-            return value, (f"{key}: {json.dumps(value)} is not a folder name: give one name ({meta['help']}), "
-                           f"not a path.")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        lo, hi = meta.get("min"), meta.get("max")
-        if lo is not None and (value < lo or (meta.get("min_exclusive") and value == lo)):
-            op = ">" if meta.get("min_exclusive") else ">="
-            return value, f"{key}: {shown} is out of range (must be {op} {lo})"
-        if hi is not None and value > hi:
-            return value, f"{key}: {shown} is out of range (must be <= {hi})"
-        if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
-            return value, f"{key}: {shown} is out of range (an integer key must fit 64 bits)"
+        return value, None
+    if tp is str:
+        return value, (_string_problem(key, value, meta) if isinstance(value, str) else bad)
     return value, None
+
+
+def _string_problem(key: str, value: str, meta: dict) -> Optional[str]:
+    """A path-like key's value that is blank or holds a NUL; a folder name that is a path."""
+    if meta.get("nonblank") and not value.strip():
+        return _blank_problem(key, value, meta)
+    if meta.get("nonblank") and "\x00" in value:
+        return (f"{key}: {json.dumps(value)} holds a NUL character (\\u0000), which no file "
+                f"or folder name can hold; give the path without it.")
+    if meta.get("folder") and (value.strip() in (".", "..") or "/" in value or "\\" in value):
+        return (f"{key}: {json.dumps(value)} is not a folder name: give one name ({meta['help']}), "
+                f"not a path.")
+    return None
+
+
+def _range_problem(key: str, value: Any, meta: dict, shown: str) -> Optional[str]:
+    """A number outside the key's ``min``/``max`` (``min_exclusive``), or an integer beyond 64 bits."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and (value < lo or (meta.get("min_exclusive") and value == lo)):
+        op = ">" if meta.get("min_exclusive") else ">="
+        return f"{key}: {shown} is out of range (must be {op} {lo})"
+    if hi is not None and value > hi:
+        return f"{key}: {shown} is out of range (must be <= {hi})"
+    if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
+        return f"{key}: {shown} is out of range (an integer key must fit 64 bits)"
+    return None
 
 
 def _blank_problem(key: str, value: str, meta: dict) -> str:

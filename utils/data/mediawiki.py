@@ -236,16 +236,41 @@ def iter_xml_pages(stream: IO[bytes], chunk_size: int = READ_CHUNK) -> Iterator[
     and with it every entity declaration, is refused (UnsafeXMLError), so no entity is
     expanded and no external entity is resolved. Malformed XML raises expat.ExpatError.
     """
+    parser = _safe_parser()
+    done: list[Page] = []
+    parser.StartElementHandler, parser.EndElementHandler, parser.CharacterDataHandler = \
+        _page_handlers(done)
+    parser.buffer_text = True
+    while True:
+        chunk = stream.read(chunk_size)
+        parser.Parse(chunk, not chunk)
+        yield from done
+        done.clear()
+        if not chunk:
+            break
+
+
+def _safe_parser():
+    """An expat parser that refuses a DOCTYPE and every entity declaration (UnsafeXMLError)."""
     parser = expat.ParserCreate()
     parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
-    done: list[Page] = []
-    page: Optional[Page] = None
-    stack: list[str] = []
-    buf: list[str] = []
 
     def refuse(*_):
         raise UnsafeXMLError("the XML declares a DOCTYPE or entities; refused for safety "
                              "(MediaWiki dumps never need them)")
+    parser.StartDoctypeDeclHandler = refuse
+    parser.EntityDeclHandler = refuse
+    parser.UnparsedEntityDeclHandler = refuse
+    parser.ExternalEntityRefHandler = refuse
+    return parser
+
+
+def _page_handlers(done: list[Page]):
+    """expat's (start, end, character data) handlers that append each completed <page> to
+    ``done``: its title, namespace (-999 when not a number), redirect flag and revision text."""
+    page: Optional[Page] = None
+    stack: list[str] = []
+    buf: list[str] = []
 
     def start(name, attrs):
         nonlocal page
@@ -278,19 +303,4 @@ def iter_xml_pages(stream: IO[bytes], chunk_size: int = READ_CHUNK) -> Iterator[
     def chars(data):
         if page is not None and stack and stack[-1] in ("title", "ns", "text"):
             buf.append(data)
-
-    parser.StartDoctypeDeclHandler = refuse
-    parser.EntityDeclHandler = refuse
-    parser.UnparsedEntityDeclHandler = refuse
-    parser.ExternalEntityRefHandler = refuse
-    parser.StartElementHandler = start
-    parser.EndElementHandler = end
-    parser.CharacterDataHandler = chars
-    parser.buffer_text = True
-    while True:
-        chunk = stream.read(chunk_size)
-        parser.Parse(chunk, not chunk)
-        yield from done
-        done.clear()
-        if not chunk:
-            break
+    return start, end, chars

@@ -512,34 +512,56 @@ def _swap_in(staging: Path, d: Path, meta: dict) -> None:
 
 
 def _pack(job: PackJob, log: Callable[[str], None]) -> dict:
-    d = job.out_dir
+    """Pack ``job`` into ``job.out_dir``, from where an earlier run stopped (or say the set is
+    up to date); the metadata is written last, and the progress file then removed."""
     state = _load_resume(job, log)
     if state and "up_to_date" in state:
-        meta = state["up_to_date"]
-        log(f"{d}: shard set is up to date ({meta['totals']['tokens']:,} tokens in "
-            f"{meta['totals']['shards']} shard(s)); nothing to do. Use --force to rebuild it.")
-        meta["up_to_date"] = True
-        return meta
+        return _up_to_date(job.out_dir, state["up_to_date"], log)
     bos, eos = require_bos_eos(job.tokenizer, job.tokenizer_info["name"])
     dtype = dtype_for_vocab(len(job.tokenizer))
     packer = _Packer(job, dtype, state)
+    _fill(job, packer, _chunks_to_pack(job, packer, state, log), dtype, bos, eos)
+    meta = _finished_metadata(job, packer, dtype)
+    if job.on_complete is not None:
+        job.on_complete(job.out_dir)
+    write_metadata(job.out_dir, meta)
+    (job.out_dir / PROGRESS_FILE).unlink(missing_ok=True)
+    return meta
+
+
+def _up_to_date(d: Path, meta: dict, log: Callable[[str], None]) -> dict:
+    log(f"{d}: shard set is up to date ({meta['totals']['tokens']:,} tokens in "
+        f"{meta['totals']['shards']} shard(s)); nothing to do. Use --force to rebuild it.")
+    meta["up_to_date"] = True
+    return meta
+
+
+def _chunks_to_pack(job: PackJob, packer: _Packer, state: Optional[dict],
+                    log: Callable[[str], None]) -> Iterator[Chunk]:
+    """The documents still to pack, in chunks: from the saved stream position or after the
+    documents already consumed; none when the set is capped (max files or max documents)."""
     start = packer.committed.read
     resume = packer.stream_resume
     if state:
         how = ("restoring the saved stream position" if resume else
                f"skipping {start:,} documents already consumed")
-        log(f"resuming {d}: {len(packer.shards)} shard(s) done ({start:,} documents), {how}")
+        log(f"resuming {job.out_dir}: {len(packer.shards)} shard(s) done ({start:,} documents), {how}")
     if job.max_files is not None and len(packer.shards) >= job.max_files:
         packer.capped = True
     if packer.capped or (job.max_documents is not None and start >= job.max_documents):
-        chunks: Iterator[Chunk] = iter(())
-    else:
-        # A batch of `batch` documents is split into 2 tasks per worker (load balance).
-        chunk_docs = job.batch if job.workers <= 1 else max(1, -(-job.batch // (2 * job.workers)))
-        chunks = _chunks(job.open_stream(start, resume), start, job.max_documents, chunk_docs)
+        return iter(())
+    # A batch of `batch` documents is split into 2 tasks per worker (load balance).
+    chunk_docs = job.batch if job.workers <= 1 else max(1, -(-job.batch // (2 * job.workers)))
+    return _chunks(job.open_stream(start, resume), start, job.max_documents, chunk_docs)
 
-    bar = tqdm(total=job.max_documents, initial=start, unit="doc", unit_scale=True, mininterval=0.5,
-               disable=not job.progress_bar, dynamic_ncols=True, desc=f"{job.kind} -> shards")
+
+def _fill(job: PackJob, packer: _Packer, chunks: Iterator[Chunk], dtype: np.dtype, bos: int,
+          eos: int) -> None:
+    """Tokenize the chunks and pack them into shards, with a progress bar, until the stream
+    ends or the set is capped; the worker pool stops on the way out, also on Ctrl-C."""
+    bar = tqdm(total=job.max_documents, initial=packer.committed.read, unit="doc", unit_scale=True,
+               mininterval=0.5, disable=not job.progress_bar, dynamic_ncols=True,
+               desc=f"{job.kind} -> shards")
     results = _results(job, chunks, dtype, bos, eos, job.workers)
     try:
         for chunk, result in results:
@@ -555,9 +577,13 @@ def _pack(job: PackJob, log: Callable[[str], None]) -> dict:
         results.close()   # stops the worker pool now, also on Ctrl-C
         bar.close()
 
+
+def _finished_metadata(job: PackJob, packer: _Packer, dtype: np.dtype) -> dict:
+    """metadata.json of the finished set (its shards, counts, speed and settings), checked
+    against what was counted; no shard at all is a PipelineError."""
     c = packer.committed
     if not packer.shards:
-        (d / PROGRESS_FILE).unlink(missing_ok=True)
+        (job.out_dir / PROGRESS_FILE).unlink(missing_ok=True)
         raise PipelineError(f"no document was stored: {c.read:,} read, dropped by reason "
                             f"{c.dropped or {}}. Check the input and the filters ({job.filters}).")
     seconds = packer.seconds
@@ -582,10 +608,6 @@ def _pack(job: PackJob, log: Callable[[str], None]) -> dict:
     if (meta["totals"]["tokens"], meta["totals"]["documents"]) != (c.tokens, c.kept):
         raise RuntimeError(f"packing bookkeeping error: shards hold {meta['totals']['tokens']} tokens "
                            f"of {meta['totals']['documents']} documents, counted {c.tokens} of {c.kept}")
-    if job.on_complete is not None:
-        job.on_complete(d)
-    write_metadata(d, meta)
-    (d / PROGRESS_FILE).unlink(missing_ok=True)
     return meta
 
 

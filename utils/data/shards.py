@@ -116,70 +116,89 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+class _Problems(list):
+    """The problems found so far, each a line naming the field."""
+
+    def need(self, where: str, value: Any, ok: bool, what: str) -> bool:
+        """``ok``, after adding a problem when it is False."""
+        if not ok:
+            self.append(f"{where} is {json.dumps(value)[:60]}, expected {what}")
+        return ok
+
+    def count(self, where: str, value: Any) -> None:
+        self.need(where, value, _is_int(value) and value >= 0, "an integer >= 0")
+
+
 def _type_problems(meta: dict) -> list[str]:
     """Every field of the wrong type or out of range, each named (``tokenizer.vocab_size``,
     ``shards[3].tokens``...). Optional fields are checked only when present."""
-    p: list[str] = []
-
-    def need(where: str, value: Any, ok: bool, what: str) -> bool:
-        if not ok:
-            p.append(f"{where} is {json.dumps(value)[:60]}, expected {what}")
-        return ok
-
-    def count(where: str, value: Any) -> None:
-        need(where, value, _is_int(value) and value >= 0, "an integer >= 0")
-
-    need("dtype", meta.get("dtype"), meta.get("dtype") in SHARD_DTYPES,
-         f"one of {', '.join(map(repr, SHARD_DTYPES))}")
+    p = _Problems()
+    p.need("dtype", meta.get("dtype"), meta.get("dtype") in SHARD_DTYPES,
+           f"one of {', '.join(map(repr, SHARD_DTYPES))}")
     tok = meta.get("tokenizer")
-    if need("tokenizer", tok, isinstance(tok, dict), "an object"):
-        need("tokenizer.vocab_size", tok.get("vocab_size"),
-             _is_int(tok.get("vocab_size")) and tok["vocab_size"] > 0, "an integer > 0")
-        for key in ("bos_id", "eos_id"):
-            count(f"tokenizer.{key}", tok.get(key))
-        for key in ("unk_id", "pad_id"):
-            if tok.get(key) is not None:
-                count(f"tokenizer.{key}", tok.get(key))
-        need("tokenizer.fingerprint", tok.get("fingerprint"), isinstance(tok.get("fingerprint"), str),
-             "a string")
-        if "name" in tok:
-            need("tokenizer.name", tok["name"], tok["name"] is None or isinstance(tok["name"], str),
-                 "a string")
+    if p.need("tokenizer", tok, isinstance(tok, dict), "an object"):
+        _check_tokenizer(p, tok)
     shards = meta.get("shards")
-    if need("shards", shards, isinstance(shards, list) and len(shards) > 0, "a non-empty list"):
-        seen: set = set()
-        for i, s in enumerate(shards):
-            w = f"shards[{i}]"
-            if not need(w, s, isinstance(s, dict), "an object"):
-                continue
-            f = s.get("file")
-            if need(f"{w}.file", f, isinstance(f, str) and SHARD_FILE_RE.match(f) is not None,
-                    "a shard file name like 'tokens_00000.npy' (no folders)"):
-                if f in seen:
-                    p.append(f"{w}.file {f!r} is listed twice")
-                seen.add(f)
-            count(f"{w}.tokens", s.get("tokens"))
-            if "documents" in s:
-                count(f"{w}.documents", s.get("documents"))
-            if "max_token_id" in s:
-                count(f"{w}.max_token_id", s.get("max_token_id"))
+    if p.need("shards", shards, isinstance(shards, list) and len(shards) > 0, "a non-empty list"):
+        _check_shards(p, shards)
     for key in ("totals", "source", "stats", "settings"):
         if key in meta:
-            need(key, meta[key], isinstance(meta[key], dict), "an object")
+            p.need(key, meta[key], isinstance(meta[key], dict), "an object")
     totals = meta.get("totals")
     if isinstance(totals, dict):
-        for key in ("tokens", "documents", "shards"):
-            if key in totals:
-                count(f"totals.{key}", totals[key])
-        if (_is_int(totals.get("tokens")) and isinstance(shards, list)
-                and all(isinstance(s, dict) and _is_int(s.get("tokens")) for s in shards)
-                and totals["tokens"] != sum(s["tokens"] for s in shards)):
-            p.append(f"totals.tokens is {totals['tokens']} but the shards list "
-                     f"{sum(s['tokens'] for s in shards)} tokens")
+        _check_totals(p, totals, shards)
     for key in ("window", "stride"):
         if key in meta and meta[key] is not None:
-            need(key, meta[key], _is_int(meta[key]) and meta[key] > 0, "an integer > 0")
-    return p
+            p.need(key, meta[key], _is_int(meta[key]) and meta[key] > 0, "an integer > 0")
+    return list(p)
+
+
+def _check_tokenizer(p: _Problems, tok: dict) -> None:
+    p.need("tokenizer.vocab_size", tok.get("vocab_size"),
+           _is_int(tok.get("vocab_size")) and tok["vocab_size"] > 0, "an integer > 0")
+    for key in ("bos_id", "eos_id"):
+        p.count(f"tokenizer.{key}", tok.get(key))
+    for key in ("unk_id", "pad_id"):
+        if tok.get(key) is not None:
+            p.count(f"tokenizer.{key}", tok.get(key))
+    p.need("tokenizer.fingerprint", tok.get("fingerprint"), isinstance(tok.get("fingerprint"), str),
+           "a string")
+    if "name" in tok:
+        p.need("tokenizer.name", tok["name"], tok["name"] is None or isinstance(tok["name"], str),
+               "a string")
+
+
+def _check_shards(p: _Problems, shards: list) -> None:
+    """Each shard an object with a file name of its own (no folders, none listed twice) and
+    its counts."""
+    seen: set = set()
+    for i, s in enumerate(shards):
+        w = f"shards[{i}]"
+        if not p.need(w, s, isinstance(s, dict), "an object"):
+            continue
+        f = s.get("file")
+        if p.need(f"{w}.file", f, isinstance(f, str) and SHARD_FILE_RE.match(f) is not None,
+                  "a shard file name like 'tokens_00000.npy' (no folders)"):
+            if f in seen:
+                p.append(f"{w}.file {f!r} is listed twice")
+            seen.add(f)
+        p.count(f"{w}.tokens", s.get("tokens"))
+        if "documents" in s:
+            p.count(f"{w}.documents", s.get("documents"))
+        if "max_token_id" in s:
+            p.count(f"{w}.max_token_id", s.get("max_token_id"))
+
+
+def _check_totals(p: _Problems, totals: dict, shards: Any) -> None:
+    """The totals' counts, and their tokens the sum of the shards' (when both can be read)."""
+    for key in ("tokens", "documents", "shards"):
+        if key in totals:
+            p.count(f"totals.{key}", totals[key])
+    if (_is_int(totals.get("tokens")) and isinstance(shards, list)
+            and all(isinstance(s, dict) and _is_int(s.get("tokens")) for s in shards)
+            and totals["tokens"] != sum(s["tokens"] for s in shards)):
+        p.append(f"totals.tokens is {totals['tokens']} but the shards list "
+                 f"{sum(s['tokens'] for s in shards)} tokens")
 
 
 def read_metadata(directory: Path, rebuild: str = "python main.py prepare") -> dict:
