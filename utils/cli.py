@@ -321,7 +321,20 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
     open_standard_streams()
     mark_standard_output()
     prog = Path(sys.argv[0]).name
-    raw_args = list(sys.argv[1:] if argv is None else argv)
+    _begin(list(sys.argv[1:] if argv is None else argv))
+    try:
+        router = os.environ.get(ROUTER_PID_ENV, "")
+        if router.isdigit() and int(router) == os.getppid():   # started by main.py (not its workers)
+            die_with_parent(int(router), signal.SIGTERM)   # main.py killed: stop as on SIGTERM
+        code = main_fn(argv) or EXIT_OK
+    except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - the one place errors become exit codes
+        code = exit_code(prog, e)
+    sys.exit(_flush_output(prog, code))
+
+
+def _begin(raw_args: list[str]) -> None:
+    """A stage starts: no config read yet, ``--debug`` (or LLM_PIPELINE_DEBUG), and Ctrl-C and
+    SIGTERM taken as stops (a signal ignored when the stage started stays ignored)."""
     _MAIN_PID[0] = os.getpid()
     _CONTEXT.cfg, _CONTEXT.name = None, None
     _CONTEXT.debug = "--debug" in raw_args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -329,49 +342,57 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:   # nohup / `cmd &` keep ignoring
             signal.signal(signum, _on_stop)
-    try:
-        router = os.environ.get(ROUTER_PID_ENV, "")
-        if router.isdigit() and int(router) == os.getppid():   # started by main.py (not its workers)
-            die_with_parent(int(router), signal.SIGTERM)   # main.py killed: stop as on SIGTERM
-        code = main_fn(argv) or EXIT_OK
-    except Terminated:
+
+
+def exit_code(prog: str, e: BaseException) -> int:
+    """The exit code of a stage that ``e`` ended, after saying why on stderr (module docstring);
+    called where ``e`` is being handled (``--debug`` prints its traceback)."""
+    if isinstance(e, Terminated):
         print(f"\n{prog}: stopped by SIGTERM; completed work is kept on disk.", file=sys.stderr)
-        code = EXIT_INTERRUPTED
-    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    if isinstance(e, KeyboardInterrupt):
         print(f"\n{prog}: interrupted by user (Ctrl-C); completed work is kept on disk.",
               file=sys.stderr)
-        code = EXIT_INTERRUPTED
-    except ConfigError as e:
+        return EXIT_INTERRUPTED
+    if isinstance(e, ConfigError):
         print(f"{prog}: configuration error: {e}", file=sys.stderr)
-        code = EXIT_USAGE
-    except PipelineError as e:
+        return EXIT_USAGE
+    if isinstance(e, PipelineError):
         if _CONTEXT.debug:
             traceback.print_exc()
         print(f"{prog}: error: {e}", file=sys.stderr)
-        code = e.exit_code
-    except BrokenPipeError:
-        code = EXIT_FAILURE
-    except OSError as e:
-        advice = _PATH_ERRORS.get(e.errno) if e.filename is not None else None
-        if stdout_refused(e):                      # > /dev/full: not a bug, nothing to log
-            print(refused_line(prog, e), file=sys.stderr)
-            code = EXIT_FAILURE
-        elif advice is None and _STOPPING[0]:
-            code = report_cut_short(prog, e)
-        elif advice is None:
-            report_unexpected(prog, e)
-            code = EXIT_FAILURE
-        else:
-            if _CONTEXT.debug:
-                traceback.print_exc()
-            print(f"{prog}: error: cannot use {e.filename}: {e.strerror}; {advice}", file=sys.stderr)
-            code = EXIT_FAILURE
-    except Exception as e:  # noqa: BLE001 - the one place unexpected errors are reported
-        if _STOPPING[0]:
-            code = report_cut_short(prog, e)
-        else:
-            report_unexpected(prog, e)
-            code = EXIT_FAILURE
+        return e.exit_code
+    if isinstance(e, BrokenPipeError):
+        return EXIT_FAILURE
+    if isinstance(e, OSError):
+        return _os_error_code(prog, e)
+    if _STOPPING[0]:
+        return report_cut_short(prog, e)
+    report_unexpected(prog, e)
+    return EXIT_FAILURE
+
+
+def _os_error_code(prog: str, e: OSError) -> int:
+    """An OSError that ended the stage: standard output refused, a path the file system refused
+    (said with what to do, :data:`_PATH_ERRORS`), a stop's doing, or an unexpected error."""
+    advice = _PATH_ERRORS.get(e.errno) if e.filename is not None else None
+    if stdout_refused(e):                      # > /dev/full: not a bug, nothing to log
+        print(refused_line(prog, e), file=sys.stderr)
+        return EXIT_FAILURE
+    if advice is None and _STOPPING[0]:
+        return report_cut_short(prog, e)
+    if advice is None:
+        report_unexpected(prog, e)
+        return EXIT_FAILURE
+    if _CONTEXT.debug:
+        traceback.print_exc()
+    print(f"{prog}: error: cannot use {e.filename}: {e.strerror}; {advice}", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+def _flush_output(prog: str, code: int) -> int:
+    """The stage's output flushed: standard output refusing the last of it is said on stderr
+    (exit 1 if the stage had succeeded); a reader that left (``| head``) is not."""
     try:
         sys.stdout.flush()
     except BrokenPipeError:
@@ -380,7 +401,7 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
         drop_standard_output()
         print(refused_line(prog, e), file=sys.stderr)
         code = code or EXIT_FAILURE
-    sys.exit(code)
+    return code
 
 
 # A file system's refusal of a path a stage was given (a flag, a paths.* key, a run name):
