@@ -14,6 +14,24 @@ from tests.conftest import ROOT
 STAGES = {"main", "cleaner", "tokenizer", "dataset_prep", "fineweb_prep", "train", "status",
           "post_training", "inference", "benchmark", "export", "serve", "report"}
 LIBRARY = sorted((ROOT / "utils").rglob("*.py")) + [ROOT / "model.py", ROOT / "dataloader.py"]
+# docs/DESIGN.md's layers, bottom first: a module imports from the layers below its own and
+# from its own package of utils/; packages of one layer import nothing of each other.
+LAYERS = (
+    ("utils.errors", "utils.stdio", "utils.processes"),      # basics that import nothing of ours
+    ("utils.disk",),
+    ("utils.atomic",),
+    ("utils.config",),
+    ("utils.cli", "utils.environment"),
+    ("utils.device", "utils.activations", "utils.attention", "utils.loss", "utils.infini",
+     "utils.quant"),                                         # the device; the network's parts
+    ("utils.data", "model", "utils.training"),               # text to tokens; the network; the loop
+    ("dataloader", "utils.generation", "utils.run"),
+    ("utils.hf",),
+    ("utils.bench", "utils.stage", "utils.serve"),
+    ("utils.report",),
+    tuple(sorted(STAGES)),
+)
+MAX_FUNCTION_LINES = 60
 
 
 def _imports(path: Path) -> list[tuple[str, int]]:
@@ -134,15 +152,72 @@ def test_no_process_side_effects_in_library_modules():
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
 
 
-def test_stage_functions_read_as_short_steps():
-    """No function in a stage script is longer than 60 lines (their main()s are a short
-    sequence of named steps over library code)."""
+def test_functions_read_as_short_steps():
+    """No function in a stage script or the library is longer than 60 lines, nested ones
+    included: a stage's main() is a short sequence of named steps over library code, and a
+    library function longer than a screen is split by what its parts do."""
     long = []
-    for name in sorted(STAGES):
-        path = ROOT / f"{name}.py"
+    for path in [ROOT / f"{name}.py" for name in sorted(STAGES)] + LIBRARY:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
-                if n > 62:
-                    long.append(f"{path.name}:{node.lineno} {node.name} ({n} lines)")
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
     assert not long, long
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _package(module: str) -> str:
+    """What LAYERS places: a package of utils/ (``utils.data``), else the module itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "utils" and len(parts) > 2 else module
+
+
+def _project_imports(path: Path, modules: set[str]) -> list[tuple[str, int]]:
+    """(project module, line) of every import in the file, lazy ones included: ``from utils
+    import stage`` is utils.stage; a relative import is resolved against the file's package."""
+    here = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        here = here[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        found = set()
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != "utils":
+                found.add(name)
+        out += [(name, node.lineno) for name in sorted(found)]
+    return out
+
+
+def test_no_import_runs_up_between_packages():
+    """Every import of a stage script or a library module, lazy ones included, runs down
+    LAYERS (docs/DESIGN.md), or stays inside its own package of utils/; a module LAYERS does
+    not place is named, to be placed."""
+    files = [ROOT / f"{name}.py" for name in sorted(STAGES)] + LIBRARY
+    modules = {_module_name(p) for p in files}
+    layer = {package: i for i, packages in enumerate(LAYERS) for package in packages}
+    unplaced = sorted({_package(m) for m in modules} - set(layer) - {"utils"})
+    assert not unplaced, f"not in LAYERS: {unplaced}"
+    bad = []
+    for path in files:
+        source = _package(_module_name(path))
+        for module, line in _project_imports(path, modules):
+            target = _package(module)
+            if target == source or source == "utils" or layer[target] < layer[source]:
+                continue
+            how = "above" if layer[target] > layer[source] else "beside"
+            bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}, {how} {source}")
+    assert not bad, bad
