@@ -25,8 +25,8 @@ LAYERS = (
     ("utils.device", "utils.activations", "utils.attention", "utils.loss", "utils.infini",
      "utils.quant"),                                         # the device; the network's parts
     ("utils.data", "model", "utils.training"),               # text to tokens; the network; the loop
-    ("dataloader", "utils.generation", "utils.run"),
-    ("utils.hf",),
+    ("dataloader", "utils.generation", "utils.hf"),
+    ("utils.run",),
     ("utils.bench", "utils.stage", "utils.serve"),
     ("utils.report",),
     tuple(sorted(STAGES)),
@@ -214,7 +214,7 @@ def test_no_import_runs_up_between_packages():
     bad = []
     for path in files:
         source = _package(_module_name(path))
-        for module, line in _project_imports(path, modules):
+        for module, line in sorted(_project_imports(path, modules), key=lambda m: m[1]):
             target = _package(module)
             if target == source or source == "utils" or layer[target] < layer[source]:
                 continue
