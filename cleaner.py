@@ -74,6 +74,7 @@ from xml.parsers import expat
 from tqdm import tqdm
 
 from utils.atomic import atomic_open, temp_path, write_json_atomic
+from utils.disk import WriteError
 from utils.cli import PipelineError, StageParser, cli_path, run_stage, workers_or_cores
 from utils.processes import die_with_parent, os_parent_of_workers
 
@@ -108,6 +109,7 @@ class FileResult:
     error: str = ""
     traceback: str = ""           # only for a bug in our own conversion
     problems: list = field(default_factory=list)          # first few "file:line: reason"
+    refused_write: dict = field(default_factory=dict)     # the output's device refused it (utils.disk)
 
 
 
@@ -250,6 +252,10 @@ def clean_file(input_path: str | Path, output_path: str | Path, opts: CleanOptio
                 raise _NothingKept()
     except _NothingKept:
         result.status = "no_output"
+    except WriteError as e:           # the output's device, not the input: it ends the run (verdict)
+        result.status, result.error = "failed", str(e)
+        result.refused_write = {"path": str(e.path), "what": e.what, "written": e.written, "needed": e.needed,
+                                "free": e.free}
     except ConversionBug as e:
         result.status = "failed"
         page = f"line {e.where}" if result.format == "jsonl" else f"page '{e.where}'"
@@ -657,6 +663,11 @@ def verdict(ordered, totals, tasks, inputs, summary_path: Path, opts: CleanOptio
     """Exit 1 (raised) when a file failed or nothing usable came out; else say what was written."""
     output_dir = summary_path.parent
     failed = [r for r in ordered if r.status == "failed"]
+    refused = [r.refused_write for r in failed if r.refused_write]
+    if refused:                        # a full disk (or a read-only one): said as such, nothing more
+        raise WriteError(refused[0]["path"], refused[0]["what"], written=refused[0]["written"],
+                         needed=refused[0]["needed"], free=refused[0]["free"],
+                         note="Files cleaned before are unchanged")
     if failed:
         names = "; ".join(f"{Path(r.input).name}: {r.error}" for r in failed)
         more = f" The traceback is in {summary_path}." if any(r.traceback for r in failed) else ""

@@ -45,7 +45,6 @@ from utils.data.shards import dtype_for_vocab, save_npy_atomic
 from utils.data.tok import describe, load_tokenizer, require_bos_eos
 from utils.device import resolve_device
 from utils.generation.detok import TextDecoder
-from utils.hf.import_hf import load_hf_llama
 from utils.run import (load_checkpoint, model_args_of, require_same_tokenizer, resume_checkpoint,
                        resume_command_sft, tokenizer_for_checkpoint)
 
@@ -295,9 +294,8 @@ def write_source_copy(out: Path, src: Records) -> str:
     """A copy of the source next to the data (the local file, or the records as JSONL)."""
     if src.local is not None:
         copy_name = src.local.name
-        tmp = out / f".{copy_name}.tmp-{os.getpid()}"
-        shutil.copyfile(src.local, tmp)
-        os.replace(tmp, out / copy_name)
+        with open(src.local, "rb") as source, atomic_open(out / copy_name, "wb") as f:
+            shutil.copyfileobj(source, f)
         return copy_name
     copy_name = "lima_train.jsonl" if src.source["kind"] == "hub" else "qa_substitute_lima_schema.jsonl"
     with atomic_open(out / copy_name, "w") as f:
@@ -464,6 +462,7 @@ def open_source(cfg, args, meta: dict) -> Source:
         return resumed_source(cfg, args, meta)
     imported = None
     if args.init_from_hf:
+        from utils.hf.import_hf import load_hf_llama    # 2.5 s (torch, transformers): not for sft prepare
         imported = load_hf_llama(args.init_from_hf)
         base = Path(imported.source)
         ckpt = {"model": imported.model.state_dict(), "tokenizer": imported.tok_info}

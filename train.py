@@ -140,7 +140,8 @@ def set_up(cfg, args, argv: list[str]) -> stage.Run:
         spec=functools.partial(pretraining_spec, cfg, start, data, tok, tok_info, proc),
         run_files=functools.partial(run_files, cfg, start, data, proc),
         resume_command=resume_command_train(argv, start.run, proc.dist.world_size, local_world),
-        closing=functools.partial(closing_line, start.run, start.run_dir))
+        closing=functools.partial(closing_line, start.run, start.run_dir),
+        keep_setting="training.keep_checkpoints")
     return stage.set_up(cfg, start, proc, parts)
 
 

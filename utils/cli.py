@@ -36,22 +36,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from utils.config import PROJECT_ROOT, ConfigError, Config, load_config
 from utils.processes import available_cpus, die_with_parent
+from utils.disk import FULL, WriteError, named
 from utils.stdio import (drop_standard_output, mark_standard_output, open_standard_streams, refused_line,
                          stdout_refused)
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-class PipelineError(Exception):
-    """An expected failure (missing file, bad input, unreachable hub): exit code 1."""
-
-    exit_code = EXIT_FAILURE
-
-
-class UsageError(PipelineError):
-    """Wrong combination of arguments: exit code 2."""
-
-    exit_code = EXIT_USAGE
+from utils.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE,  # noqa: F401 (re-exported)
+                          PipelineError, UsageError)
 
 
 class Terminated(KeyboardInterrupt):
@@ -360,6 +350,8 @@ def exit_code(prog: str, e: BaseException) -> int:
     if isinstance(e, PipelineError):
         if _CONTEXT.debug:
             traceback.print_exc()
+        if isinstance(e, WriteError) and e.setting is None and _CONTEXT.cfg is not None:
+            e.setting = setting_for(e.path, _CONTEXT.cfg)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return e.exit_code
     if isinstance(e, BrokenPipeError):
@@ -376,8 +368,15 @@ def _os_error_code(prog: str, e: OSError) -> int:
     """An OSError that ended the stage: standard output refused, a path the file system refused
     (said with what to do, :data:`_PATH_ERRORS`), a stop's doing, or an unexpected error."""
     advice = _PATH_ERRORS.get(e.errno) if e.filename is not None else None
+    # a full or read-only disk met by a writer outside utils/atomic.py (mkdir, a library's own
+    # save): only about writing; EACCES or ENOENT could be a read, left to _PATH_ERRORS
+    full = named(e.filename, e) if e.filename is not None and e.errno in (*FULL, errno.EROFS) else None
     if stdout_refused(e):                      # > /dev/full: not a bug, nothing to log
         print(refused_line(prog, e), file=sys.stderr)
+        return EXIT_FAILURE
+    if full is not None:
+        full.setting = setting_for(full.path, _CONTEXT.cfg) if _CONTEXT.cfg is not None else None
+        print(f"{prog}: error: {full}", file=sys.stderr)
         return EXIT_FAILURE
     if advice is None and _STOPPING[0]:
         return report_cut_short(prog, e)
@@ -402,6 +401,25 @@ def _flush_output(prog: str, code: int) -> int:
         print(refused_line(prog, e), file=sys.stderr)
         code = code or EXIT_FAILURE
     return code
+
+
+def setting_for(path: Path, cfg: Config) -> Optional[str]:
+    """The config key whose folder holds ``path`` (the innermost of every section's ``*_dir``
+    keys; ``paths.*`` first on a tie), or None: what a refused write says to point elsewhere."""
+    sections = [("paths", cfg.paths)] + [(n, v) for n, v in vars(cfg).items()
+                                         if n != "paths" and hasattr(v, "__dataclass_fields__")]
+    keys = [f"{name}.{k}" for name, sec in sections for k, v in vars(sec).items()
+            if k.endswith("_dir") and isinstance(v, str) and v]
+    best: tuple[int, Optional[str]] = (-1, None)
+    target = Path(os.path.abspath(path))
+    for key in keys:
+        try:
+            folder = cfg.path(key)
+        except (TypeError, ValueError, AttributeError):     # not a folder key after all
+            continue
+        if folder in target.parents and len(folder.parts) > best[0]:
+            best = (len(folder.parts), key)
+    return best[1]
 
 
 # A file system's refusal of a path a stage was given (a flag, a paths.* key, a run name):

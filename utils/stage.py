@@ -111,6 +111,7 @@ class Parts:
     resume_command: str                             # printed when the run is stopped
     closing: Callable[[TrainResult, Any], Optional[str]]   # (result, logger) -> the last line, or None;
                                                     # kept while training: must not hold ``start``
+    keep_setting: Optional[str] = None              # the key that keeps fewer numbered checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +206,9 @@ def set_up(cfg, start: Start, proc: Process, parts: Parts) -> Run:
         if start.resume is not None:
             trainer.load_state(start.resume)    # before the run's files: a refusal changes nothing
         if proc.dist.is_main:
+            room = trainer.check_checkpoint_room(parts.keep_setting)   # refuses when not one fits
+            if room:
+                proc.say(room)
             write_run_files(cfg, start.run_dir, spec, parts, logger)
         outputs.begin()
     return Run(trainer, logger, proc.say, parts.lr_key, parts.closing)

@@ -705,15 +705,19 @@ def save_tokenizer(tok, directory: Path, source: str, extra: Optional[dict] = No
     directory.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
-    tok.save_pretrained(str(tmp))
-    model = spm_model_of(tok)
-    if model is not None:          # the SentencePiece pieces and scores (the GGUF export writes them)
-        shutil.copyfile(model, tmp / "tokenizer.model")
     info = _info(tok, source)
     if extra:
         info.update(extra)
-    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n",
-                                 encoding="utf-8")
+    try:
+        tok.save_pretrained(str(tmp))
+        model = spm_model_of(tok)
+        if model is not None:      # the SentencePiece pieces and scores (the GGUF export writes them)
+            shutil.copyfile(model, tmp / "tokenizer.model")
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n",
+                                     encoding="utf-8")
+    except BaseException:          # a full disk, Ctrl-C ...: no half-written copy left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)

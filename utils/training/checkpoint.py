@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from utils.atomic import atomic_open
+from utils.disk import bytes_of
 from utils.cli import PipelineError
 
 FORMAT_VERSION = 1
@@ -66,11 +67,12 @@ class CheckpointError(PipelineError):
 # --------------------------------------------------------------------------- writing
 def save_checkpoint(path, payload: dict) -> Path:
     """Write ``payload`` atomically: a crash, SIGKILL or Ctrl-C mid-write leaves the previous
-    file under ``path`` intact (at most a hidden ``.NAME.tmp-PID`` sibling remains)."""
+    file under ``path`` intact (at most a hidden ``.NAME.tmp-PID`` sibling remains); a full disk
+    (torch.save's RuntimeError included) is a utils.disk.WriteError with the bytes it needed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format_version": FORMAT_VERSION, **payload}
-    with atomic_open(path, "wb") as f:
+    with atomic_open(path, "wb", needed=bytes_of(payload), setting="paths.checkpoints_dir") as f:
         torch.save(payload, f)
     return path
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from utils import environment
+from utils.disk import named
 
 # The last event of a start: Trainer.fit's reasons (utils/training/trainer.py). A start with
 # none of these after it ended without saying so (killed, crashed) or is still running.
@@ -95,8 +96,14 @@ class DualLogger:
     def _line(self, record: dict) -> None:
         self._open()
         if self._fh is not None:
-            self._fh.write(json.dumps(json_safe(record), ensure_ascii=False) + "\n")
-            self._fh.flush()
+            try:
+                self._fh.write(json.dumps(json_safe(record), ensure_ascii=False) + "\n")
+                self._fh.flush()
+            except OSError as e:                  # a full disk, named (utils/disk.py)
+                refused = named(self.jsonl_path, e, setting="paths.logs_dir")
+                if refused is None:
+                    raise
+                raise refused from e
 
     def log(self, kind: str, step: int, values: dict, prefix: Optional[str] = None) -> None:
         """One record of ``kind`` ("train" or "val"); numeric values also go to TensorBoard

@@ -72,7 +72,8 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from utils.training import distributed as D
-from utils.training.checkpoint import remove_stale_temps, save_checkpoint
+from utils.training.checkpoint import CHECKPOINT_GLOB, remove_stale_temps, save_checkpoint
+from utils.disk import bytes_of, device_of, free_bytes, mb
 from utils.cli import PipelineError
 from utils.training.metrics import (MetricsTracker, Throughput, bits_per_byte, device_peak_flops, mfu,
                            mfu_unavailable_reason,
@@ -452,6 +453,7 @@ class Trainer:
         self.model_args = spec.model_args
         self.train_data, self.val_data = spec.train_data, spec.val_data
         self.run_dir = Path(run_dir)
+        self._started = False
         self.logger = logger
         self.total_steps = int(st.total_steps)
         self.steps_per_epoch = st.steps_per_epoch
@@ -585,13 +587,64 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, name: str) -> Optional[Path]:
-        """Write ``run_dir/name`` on rank 0 (every rank must call: RNG states are gathered)."""
+        """Write ``run_dir/name`` on rank 0 (every rank must call: RNG states are gathered). A
+        run folder removed while the run wrote to it is said once and made again."""
         payload = self.state_payload()
         path = self.run_dir / name
         if self.dist.is_main:
+            if self._started and not self.run_dir.is_dir():
+                self._print(f"warning: {self.run_dir} vanished while the run wrote to it (removed?); made "
+                            "it again for this checkpoint (what it held is gone).")
             save_checkpoint(path, payload)
         D.barrier(self.dist)
         return path
+
+    def checkpoint_bytes(self) -> int:
+        """About the bytes of one checkpoint of this run: the weights (fp32 as saved) and the
+        optimizer state they will have (AdamW: two moments per weight; Muon: one)."""
+        weights = bytes_of(self.raw_model.state_dict())                    # tied weights once
+        state = 0
+        for name, opt in self.optimizers.items():
+            per = 1 if name == "muon" else 2
+            state += per * sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])
+        return weights + state
+
+    def kept_checkpoints(self) -> list[str]:
+        """What the run keeps on disk at most: latest, best (with validation data), the numbered
+        checkpoints kept (all of them when every one is kept), and the temporary copy a save
+        writes before it replaces its file."""
+        st = self.settings
+        numbered = 0 if st.keep_checkpoints == 0 or not st.checkpoint_every else (
+            st.keep_checkpoints if st.keep_checkpoints is not None
+            else max(1, self.total_steps // st.checkpoint_every))
+        names = ["latest"] + (["best"] if self.val_data is not None else [])
+        return names + ([f"{numbered} numbered"] if numbered else []) + ["the temporary copy of a save"]
+
+    def check_checkpoint_room(self, keep_setting: Optional[str]) -> Optional[str]:
+        """Before the first step: a PipelineError when not even one checkpoint fits the run
+        folder's device, a warning (returned) when the checkpoints the run keeps do not; files
+        of a resumed run that its saves replace count as room. ``keep_setting``: the key that
+        keeps fewer numbered checkpoints, when there is one."""
+        one, kept = self.checkpoint_bytes(), self.kept_checkpoints()
+        free = free_bytes(self.run_dir)
+        if free is None:
+            return None
+        count = sum(int(k.split()[0]) if k[0].isdigit() else 1 for k in kept)
+        replaced = sum(p.stat().st_size for p in self.run_dir.glob(CHECKPOINT_GLOB)) if self.run_dir.is_dir() else 0
+        where = f"{device_of(self.run_dir)}, where {self.run_dir} is"
+        if free + replaced < one:
+            raise PipelineError(f"not even one checkpoint of this run (about {mb(one)} MB) fits the {mb(free)} MB "
+                                f"free on {where}; free space or point paths.checkpoints_dir elsewhere. "
+                                "Nothing was trained.")
+        if free + replaced >= count * one:
+            return None
+        fewer = f", keep fewer ({keep_setting})" if keep_setting else ""
+        return (f"warning: the checkpoints this run keeps ({', '.join(kept)}: {count} x about {mb(one)} MB = "
+                f"{mb(count * one)} MB) do not fit the {mb(free)} MB free"
+                + (f" (and the {mb(replaced)} MB of checkpoints they replace)" if replaced else "")
+                + f" on {where}; a save will fail when the "
+                f"disk is full (earlier checkpoints stay whole). Free space{fewer} or point "
+                "paths.checkpoints_dir elsewhere.")
 
     def _rotate_step_checkpoints(self) -> None:
         keep = self.settings.keep_checkpoints
@@ -715,6 +768,7 @@ class Trainer:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.run_dir)
+        self._started = True                         # the run folder exists from here on
         if self.step >= self.total_steps:
             self._print(f"the run is already complete: step {self.step} of {self.total_steps}. "
                         "Raise --max-steps (or training.epochs) to train further.")
