@@ -233,4 +233,4 @@ def test_a_read_only_folder_and_a_file_in_the_way_are_named(trained, shards, tmp
         r = run_stage("report", "--config", trained["config"]("ro", "paths.reports_dir", ro), "run")
         assert r.returncode == 1 and f"error: cannot write {ro}" in r.stderr, r.stderr
         assert f"on tmpfs (mounted at {ro}): the file system is read-only; give a writable folder (point " \
-               "paths.reports_dir elsewhere)" in r.stderr and "Traceback" not in r.stderr, r.stderr
+               "--out or paths.reports_dir elsewhere)" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -56,11 +56,13 @@ class WriteError(PipelineError):
         elsewhere = f"point {self.setting} elsewhere" if self.setting else "write it elsewhere"
         if self.what == "full":
             if self.needed:
-                need = f"needs about {mb(self.needed)} MB"
+                need = f"needs about {mb(self.needed)} MB, "
+            elif self.written:
+                need = f"needs more than the {mb(self.written)} MB it had written, "
             else:
-                need = f"needs more than the {mb(self.written or 0)} MB it had written"
+                need = ""
             free = f"{mb(self.free)} MB free" if self.free is not None else "free space unknown"
-            return (f"no space left on {self.device} writing {self.path}: {need}, {free}; free space or "
+            return (f"no space left on {self.device} writing {self.path}: {need}{free}; free space or "
                     f"{elsewhere}" + (f". {self.note}" if self.note else ""))
         said, todo = REFUSALS[self.what]
         return (f"cannot write {self.path} on {self.device}: {said}; {todo} ({elsewhere})"

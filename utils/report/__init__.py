@@ -19,6 +19,7 @@ import hashlib
 from pathlib import Path
 
 from utils.atomic import atomic_open
+from utils.disk import named
 from utils.cli import PipelineError
 from utils.report.build import build_comparison, build_run
 from utils.report.document import Image, to_html, to_markdown
@@ -51,6 +52,9 @@ def write_report(folder: Path, blocks: list, title: str, html: bool = False) -> 
     try:
         return _write_report(folder, blocks, title, html)
     except OSError as e:
+        refused = named(e.filename or folder, e, setting="--out or paths.reports_dir")
+        if refused is not None:          # read-only, full, no permission: the device and what to do
+            raise refused from None
         raise PipelineError(f"cannot write the report to {folder}: {e.strerror or e} "
                             f"({e.filename or folder}). Pass another --out (or set "
                             "paths.reports_dir).") from None
