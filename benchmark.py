@@ -18,14 +18,20 @@ configuration error, 130 Ctrl-C (nothing partial is written).
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from utils.bench import data as D, passkey as P, tasks as T
 from utils.cli import PipelineError, StageParser, UsageError, cli_nonblank, cli_path, run_stage
 from utils.config import Config
+from utils.run import is_hf_model, list_runs, pick_checkpoint
+
+# bench's adapters, runner and report import torch (1-2 s): they are imported in the steps that
+# score and report, so --help and the refusals before the models load do not wait for them.
 
 # Items per task for each preset (the seed's quick / standard / comprehensive sizes for
 # perplexity, LAMBADA and HellaSwag; ARC follows HellaSwag; None = the whole set). passkey:
@@ -115,7 +121,6 @@ def parse_limits(specs: Sequence[str]) -> dict[str, Optional[int]]:
 def check_tasks(tasks: Sequence[str]) -> list[str]:
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
-        import difflib
         hints = [f"{t}" + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(t, TASKS, 1))
                            else "") for t in bad]
         raise UsageError(f"unknown task(s): {', '.join(hints) or '(none given)'}; tasks are "
@@ -125,8 +130,6 @@ def check_tasks(tasks: Sequence[str]) -> list[str]:
 
 def resolve_checkpoints(specs: Sequence[str], cfg: Config) -> list[Path]:
     """Checkpoint files from files, run folders or run names; default: newest pretrain + SFT."""
-    from utils.hf.import_hf import is_hf_model
-    from utils.run import list_runs, pick_checkpoint
     ckdir = cfg.path("paths.checkpoints_dir")
     out: list[Path] = []
     for spec in specs:
@@ -156,7 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise PipelineError(f"nothing to benchmark: no checkpoints in {cfg.path('paths.checkpoints_dir')} "
                             "and no --hf-model. Train first (`python main.py train --test`) or pass "
                             "checkpoint paths.")
-    from utils.bench import adapters
+    from utils.bench import adapters                 # torch (see the imports)
     device = adapters.resolve_device(cfg.benchmark.device)
     b = cfg.benchmark
     print(f"Benchmark: preset {b.preset}{' (--test)' if cfg.test else ''}, tasks {', '.join(tasks)}, "
@@ -226,7 +229,6 @@ def check_outputs(args, cfg) -> None:
 def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
     """Every task's data, loaded and validated once before any model is touched, and the
     seeded selection of items; one line per task."""
-    from utils.bench import data as D
     b, root, samples_dir = cfg.benchmark, cfg.root, cfg.path("paths.samples_dir")
     loaded: dict = {}
     sources = {"lambada": b.lambada_source, "hellaswag": b.hellaswag_source,
@@ -262,7 +264,6 @@ def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
 
 def passkey_data(cfg, samples: Optional[int]):
     """The passkey grid to run (``benchmark.passkey_*``; --test: PASSKEY_TEST's small grid)."""
-    from utils.bench import data as D, passkey as P
     b = cfg.benchmark
     grid = PASSKEY_TEST if cfg.test else {"lengths": b.passkey_lengths, "depths": b.passkey_depths}
     plan = P.PasskeyPlan(tuple(grid["lengths"]), tuple(grid["depths"]), samples or PASSKEY_FULL,
@@ -273,7 +274,6 @@ def passkey_data(cfg, samples: Optional[int]):
 
 def completion_data(data):
     """The completion task's items (prompt + reference words) from the perplexity passages."""
-    from utils.bench import data as D, tasks as T
     comp = D.TaskData(task="completion", items=[], source=data.source, note=data.note)
     comp.skipped.update(data.skipped)
     for it in data.items:
@@ -289,8 +289,7 @@ def completion_data(data):
 
 def score_models(cfg, args, specs, device, selected: dict, loaded: dict) -> tuple[list, list]:
     """Each model in turn (memory is released between them): results and per-item records."""
-    from utils.hf.import_hf import is_hf_model
-    from utils.bench import adapters, runner
+    from utils.bench import adapters, runner         # torch (see the imports)
     b = cfg.benchmark
     models, records_all = [], []
     names_seen: dict[str, int] = {}
@@ -323,7 +322,7 @@ def score_models(cfg, args, specs, device, selected: dict, loaded: dict) -> tupl
 
 def write_report(cfg, args, tasks, limits, device, models, records, loaded) -> None:
     """The comparison table on the terminal, and the result files (JSON, text, per-item)."""
-    from utils.bench import report
+    from utils.bench import report                   # torch (see the imports)
     b = cfg.benchmark
     table = report.render_table(models, color=report.use_color(sys.stdout) and not args.no_color)
     plain = report.render_table(models, color=False)
@@ -357,7 +356,7 @@ def write_report(cfg, args, tasks, limits, device, models, records, loaded) -> N
 
 def passkey_heatmaps(models: list, json_path: Path) -> list[Path]:
     """A heat map per model that ran passkey, next to the results (its path recorded in them)."""
-    from utils.bench import report
+    from utils.bench import report                   # torch (see the imports)
     out = []
     json_path.parent.mkdir(parents=True, exist_ok=True)
     for i, m in enumerate(models):

@@ -37,6 +37,8 @@ interrupt at, as ``LLM_PIPELINE_PAUSE_AT_STEP`` is for training).
 """
 from __future__ import annotations
 
+import argparse
+import copy
 import os
 import re
 import shutil
@@ -45,7 +47,19 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from utils.bench import data as bench_data
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
+from utils.config import PROJECT_ROOT
+from utils.data import sft
+from utils.data.tok import encode_plain
+from utils.hf.card import Sources, model_card
+from utils.hf.chat import jinja_template
+from utils.run import (is_hf_model, load_model_and_tokenizer, pick_checkpoint, read_sft_config,
+                       stored_config)
+
+# What imports torch or transformers (utils/hf/*, but card.py and chat.py; bench's adapters and
+# report; 1-3 s) is imported in the step that uses it: --help and the refusals before the model
+# loads do not wait for them.
 
 FORMATS = ("hf", "gguf")
 PAUSE_ENV = "LLM_PIPELINE_PAUSE_EXPORT"
@@ -111,7 +125,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def shard_size(value: str) -> int:
     """argparse type of --max-shard-size: bytes, or a number with KB/MB/GB (powers of 10) or
     KiB/MiB/GiB."""
-    import argparse
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", value, re.IGNORECASE)
     size = int(float(m.group(1)) * SIZE_UNITS[(m.group(2) or "").upper()]) if m else 0
     if size < 1:
@@ -122,7 +135,6 @@ def shard_size(value: str) -> int:
 def license_id(value: str) -> str:
     """argparse type of --license: one Hugging Face license id (it goes into the card's YAML
     header, so nothing that could break out of it)."""
-    import argparse
     if not re.fullmatch(r"[a-z0-9][a-z0-9.+_-]{0,63}", value):
         raise argparse.ArgumentTypeError(f"{value!r}: give one license id in lower case, such "
                                          "as apache-2.0, mit, cc-by-4.0 or other")
@@ -133,8 +145,8 @@ def license_id(value: str) -> str:
 def check_dtype(fmt: str, dtype: Optional[str]) -> Optional[str]:
     if dtype is None:
         return "f16" if fmt == "gguf" else None
-    from utils.hf.export import DTYPES
-    from utils.hf.to_gguf import GGUF_DTYPES
+    from utils.hf.export import DTYPES                      # torch, transformers (see the imports)
+    from utils.hf.to_gguf import GGUF_DTYPES                # torch
     allowed = tuple(DTYPES) if fmt == "hf" else GGUF_DTYPES   # what each writer takes
     if dtype not in allowed:
         raise UsageError(f"--dtype {dtype}: --format {fmt} takes {', '.join(allowed)}.")
@@ -158,10 +170,9 @@ class Loaded:
 def open_checkpoint(cfg, spec: str) -> Loaded:
     """The checkpoint (a run folder: its best one) with the tokenizer it was trained with, or
     an imported Hugging Face Llama folder / .gguf file with its own."""
-    from utils.hf.export import hf_source
-    from utils.hf.import_hf import is_hf_model, load_hf_llama, source_tokenizer
-    from utils.run import load_model_and_tokenizer, pick_checkpoint
     if is_hf_model(Path(spec)):
+        from utils.hf.export import hf_source                           # torch, transformers (see the imports)
+        from utils.hf.import_hf import load_hf_llama, source_tokenizer  # torch, transformers
         imp = load_hf_llama(spec)
         return Loaded(Path(imp.source), imp.model, {"kind": "imported", "hf_source": hf_source(spec)},
                       imp.tok, imp.tok_info, hf_tok=source_tokenizer(spec))
@@ -177,8 +188,6 @@ def public_model_tokenizer(ckpt: dict, tok):
     (their export frames text as we trained it)."""
     if not ckpt.get("model_rules"):
         return None
-    import copy
-    from utils.hf.chat import jinja_template
     own = copy.deepcopy(tok)            # the backend's encode_special_tokens is not copied: off
     own.split_special_tokens = False
     own.chat_template = jinja_template(ckpt.get("chat_template"))
@@ -212,7 +221,6 @@ def check_out(out: Path, source: Optional[Path], force: bool) -> None:
         where = "the current folder" if out == cwd else f"a folder above the current folder ({cwd})"
         raise PipelineError(f"--out {out} is {where}: an export replaces its whole --out folder. "
                             f"{new}. Nothing was written.")
-    from utils.config import PROJECT_ROOT
     if out == PROJECT_ROOT or out in PROJECT_ROOT.parents:
         raise PipelineError(f"--out {out} holds this project's code ({PROJECT_ROOT}): an export "
                             f"replaces its whole --out folder. {new}. Nothing was written.")
@@ -238,8 +246,8 @@ def check_out(out: Path, source: Optional[Path], force: bool) -> None:
 
 
 def check_exportable(loaded: Loaded, fmt: str) -> None:
-    from utils.hf.export import llama_problems, notes
-    from utils.hf.to_gguf import gguf_problems
+    from utils.hf.mapping import llama_problems, notes      # torch (see the imports)
+    from utils.hf.to_gguf import gguf_problems              # torch
     problems = (gguf_problems if fmt == "gguf" else llama_problems)(loaded.model.args)
     if problems:
         raise PipelineError(f"{loaded.path} cannot be exported as {fmt}: " + "; ".join(problems)
@@ -264,7 +272,6 @@ def chat_template_of(loaded: Loaded) -> Optional[dict]:
     """A checkpoint's chat template (SFT, or a run started from a public model with one; None
     otherwise); one of template v1 (trained on SFT data format 1) is exported with a note: its
     text, not its token ids."""
-    from utils.data import sft
     template = loaded.ckpt.get("chat_template")
     if template and sft.template_version(template) == sft.TEMPLATE_V1:
         print(f"export: note: {loaded.path} was trained with chat template '{sft.TEMPLATE_V1}' "
@@ -276,27 +283,43 @@ def chat_template_of(loaded: Loaded) -> Optional[dict]:
 
 
 def write_export(cfg, args, loaded: Loaded, folder: Path, dtype: Optional[str]) -> list[Path]:
-    from utils.hf.card import model_card
-    from utils.hf.chat import jinja_template
     template = (getattr(loaded.hf_tok, "chat_template", None) if loaded.hf_tok is not None
                 else jinja_template(chat_template_of(loaded)))
-    card = model_card(cfg, loaded.path, loaded.ckpt, loaded.model, loaded.tok_info,
+    card = model_card(loaded.path, loaded.ckpt, loaded.model, loaded.tok_info, card_sources(cfg, loaded),
                       fmt=args.format, dtype=dtype, license=args.license, title=loaded.run)
     if args.format == "hf":
-        from utils.hf.export import DTYPES, generation_defaults, write_hf
+        from utils.hf.export import DTYPES, generation_defaults, write_hf   # torch, transformers (see the imports)
         return write_hf(folder, loaded.model, loaded.tok, card=card,
                         dtype=DTYPES[dtype] if dtype else None,
                         generation=generation_defaults(cfg.inference), chat_template=template,
                         tok_name=loaded.tok_info.get("name") or "",
                         max_shard_size=args.max_shard_size, hf_tok=loaded.hf_tok,
                         source=loaded.ckpt.get("hf_source") or (loaded.ckpt.get("model_rules") or {}).get("files"))
-    from utils.hf.to_gguf import write_gguf
+    from utils.hf.to_gguf import write_gguf                     # torch (see the imports)
     path = write_gguf(folder / f"{loaded.run}-{dtype}.gguf", loaded.model, loaded.tok, dtype=dtype,
                       name=loaded.run, chat_template=template, add_bos=adds_bos(loaded.hf_tok))
     if dtype in ("q8_0", "bf16"):
         card += quantization_report(cfg, loaded, dtype, path.stat().st_size)
     (folder / "README.md").write_text(card, encoding="utf-8")
     return [path, folder / "README.md"]
+
+
+def card_sources(cfg, loaded: Loaded) -> Sources:
+    """What the model card reports beyond the checkpoint: the run folder's record of its data
+    (a pre-training run's stored config, an SFT run's sft_config.json) and the newest benchmark
+    scores of exactly these weights."""
+    from utils.bench.adapters import weights_fingerprint       # torch (see the imports)
+    from utils.bench.report import scored_results              # torch
+    found = Sources()
+    if loaded.kind == "sft":
+        found.sft_config = read_sft_config(loaded.path.parent)
+    elif loaded.kind != "imported":
+        run_cfg = stored_config(loaded.path.parent)
+        if run_cfg is not None:
+            found.dataset, found.test = run_cfg.to_dict()["dataset"], run_cfg.test
+    found.scores, found.scores_file = scored_results(cfg.path("paths.benchmark_dir"),
+                                                     weights_fingerprint(loaded.model.state_dict()))
+    return found
 
 
 def adds_bos(hf_tok) -> Optional[bool]:
@@ -312,10 +335,7 @@ def quantization_report(cfg, loaded: Loaded, dtype: str, size: int, passages: in
     """What a smaller GGUF costs: its size, and the perplexity on held-out Wikipedia passages
     of the weights llama.cpp computes with (our forward pass on the de-quantized tensors),
     next to f16's and the original fp32's. Printed, and added to the model card."""
-    import copy
-    from utils.bench import data as bench_data
-    from utils.data.tok import encode_plain
-    from utils.hf.to_gguf import dequantized_state, perplexity
+    from utils.hf.to_gguf import dequantized_state, perplexity     # torch (see the imports)
     texts = bench_data.load_texts(None, cfg.path("paths.samples_dir"), cfg.path("paths.cache_dir"),
                                   cfg.root)
     items = [it.text for it in texts.items[:passages]]

@@ -10,6 +10,7 @@ seed's old flat layout of ``*.pt`` files directly in the folder is one "legacy" 
     stored_config(folder) / read_sft_config(folder)   what the run folder keeps of its config
     sft_runs_of(checkpoints_dir, folder)        the SFT runs started from the run's checkpoints
     pick_checkpoint(path, say)                  a file as given; a folder: its best (else latest)
+    is_hf_model(path)                           a Hugging Face folder / .gguf file, not a run of ours
     resume_checkpoint(checkpoints_dir, spec, name=None, prefix=None)   ``--resume PATH|auto``
     resume_command_train(...) / resume_command_sft(...)   what the user runs to continue
     with RunOutputs(run_dir, logs_dir, run) as out:   what train / sft train write for a run: a
@@ -57,13 +58,19 @@ from typing import Callable, Optional, Sequence
 
 from utils.cli import PipelineError, UsageError, argv_without
 from utils.config import Config, apply_layer
+from utils.training.logging_utils import DualLogger, log_paths
+
+# status lists runs and reads their folders through this module and opens no model nor
+# tokenizer: what does is imported where it is opened: torch (model.py, checkpoint files; ~2 s),
+# transformers (utils/hf/import_hf.py), the tokenizer and chat modules (huggingface_hub, numpy,
+# jinja2; ~0.3 s, as long as status itself takes).
 
 
 # --------------------------------------------------------------------------- checkpoints
 def model_args_of(ckpt: dict, path: Path):
     """``ModelArgs`` from a checkpoint's stored dict, or CheckpointError."""
-    from model import ModelArgs
-    from utils.training.checkpoint import CheckpointError
+    from model import ModelArgs                                  # torch (see the imports)
+    from utils.training.checkpoint import CheckpointError        # torch
     try:
         return ModelArgs.from_dict(dict(ckpt["model_args"]))
     except Exception as e:      # whatever the stored args get wrong: the file is unusable
@@ -74,8 +81,8 @@ def _weight_shapes(model_args: dict, weights: Optional[dict] = None) -> dict:
     """{weight name: shape} of the model ``model_args`` build (on the meta device: no memory).
     ``weights`` (the checkpoint's): their layer count is checked first, so stored args that ask
     for a trillion layers fail at once instead of building them one by one."""
-    import torch
-    from model import ModelArgs, create_model, layer_count
+    import torch                                                 # (see the imports)
+    from model import ModelArgs, create_model, layer_count       # torch
     args = ModelArgs.from_dict(model_args)
     if weights is not None:
         held = layer_count(weights)
@@ -91,14 +98,14 @@ def load_checkpoint(path, purpose: str = "weights", map_location="cpu", mmap: bo
     shapes against the model the stored model_args build). purpose "weights": what SFT,
     inference, benchmark and export need; "resume": also the full training state. ``mmap``:
     tensors stay in the file (memory-mapped) until touched, for readers of the metadata."""
-    from utils.training.checkpoint import read_checkpoint   # torch: imported when a file is read
+    from utils.training.checkpoint import read_checkpoint        # torch (see the imports)
     return read_checkpoint(path, purpose, map_location, shapes_of=_weight_shapes, mmap=mmap)
 
 
 def load_model(path, device="cpu"):
     """``(model, ckpt)``: the model rebuilt from ``ckpt["model_args"]`` with its weights, in eval
     mode on ``device``."""
-    from model import create_model
+    from model import create_model                               # torch (see the imports)
     ckpt = load_checkpoint(path, purpose="weights", map_location="cpu")
     model = create_model(model_args_of(ckpt, Path(path)))
     model.load_state_dict(ckpt["model"], strict=True)
@@ -142,8 +149,8 @@ def open_for_generation(path, cfg: Config, device="cpu", say: Callable[[str], No
     Hugging Face Llama folder / .gguf file (imported, utils/hf/import_hf.py), with its
     tokenizer and its rules (utils/data/chat.py): an SFT checkpoint's template, a public
     model's own; ``raw``: no template (plain completions)."""
-    from utils.data.chat import rules_of_checkpoint
-    from utils.hf.import_hf import is_hf_model, load_hf_llama
+    from utils.data.chat import rules_of_checkpoint              # jinja2 (see the imports)
+    from utils.hf.import_hf import load_hf_llama                 # torch, transformers
     path = Path(path)
     if is_hf_model(path):
         imported = load_hf_llama(path)
@@ -264,6 +271,14 @@ def pick_checkpoint(path, say: Callable[[str], None] = lambda s: None) -> Path:
     return files[0]
 
 
+def is_hf_model(path) -> bool:
+    """A Hugging Face model folder (config.json) or a .gguf file, not a run folder of ours:
+    what utils/hf/import_hf.py opens instead of :func:`pick_checkpoint`."""
+    path = Path(path)
+    return (path.is_file() and path.suffix == ".gguf") or (
+        path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.pt")))
+
+
 def age_text(seconds: float) -> str:
     """A short human age: '45 s', '12 min', '3.5 h', '2.0 days'."""
     if seconds < 90:
@@ -345,7 +360,6 @@ class RunOutputs:
     logger that does nothing."""
 
     def __init__(self, run_dir, logs_dir, run: str, enabled: bool = True):
-        from utils.training.logging_utils import log_paths
         self.run, self.logs_dir, self.enabled = run, Path(logs_dir), enabled
         self.places = [Path(run_dir), *log_paths(logs_dir, run)]
         self.begun = False
@@ -365,7 +379,6 @@ class RunOutputs:
 
     def open_logger(self, **kw):
         """The run's DualLogger (utils/training/logging_utils.py), closed on a failed start."""
-        from utils.training.logging_utils import DualLogger
         self._logger = DualLogger(self.run, self.logs_dir, enabled=self.enabled, **kw)
         return self._logger
 
@@ -494,7 +507,7 @@ RUN_TOKENIZER_DIR = "tokenizer"      # the copy of its tokenizer each run folder
 def save_run_tokenizer(run_dir: Path, tok, name: str) -> Path:
     """Keep a copy of ``tok`` in the run folder (``<run>/tokenizer/``), so the folder works
     on another machine; an existing copy with the same fingerprint is left as it is."""
-    from utils.data.tok import INFO_FILE, fingerprint, save_tokenizer
+    from utils.data.tok import INFO_FILE, fingerprint, save_tokenizer     # (see the imports)
     target = Path(run_dir) / RUN_TOKENIZER_DIR
     info = target / INFO_FILE
     fp = fingerprint(tok)
@@ -512,7 +525,7 @@ def save_run_tokenizer(run_dir: Path, tok, name: str) -> Path:
 def _candidates(ckpt: dict, cfg: Config, path: Optional[Path] = None) -> list[tuple[str, str, Config]]:
     """(label, tokenizer spec, config to resolve it against), in the order they are tried,
     without repeats."""
-    from utils.data.tok import tokenizer_source
+    from utils.data.tok import tokenizer_source                  # (see the imports)
     out: list[tuple[str, str, Config]] = []
     run_cfg = run_config(ckpt)
     if run_cfg is not None:
@@ -533,7 +546,7 @@ def _candidates(ckpt: dict, cfg: Config, path: Optional[Path] = None) -> list[tu
 
 
 def _is_path(spec: str, base: Config) -> bool:
-    from utils.data.tok import looks_like_path
+    from utils.data.tok import looks_like_path                   # (see the imports)
     return looks_like_path(spec) or base.resolve(spec).exists()
 
 
@@ -542,7 +555,7 @@ def tokenizer_for_checkpoint(ckpt: dict, cfg: Config, path: Path,
                              cache: Optional[dict] = None):
     """``(tokenizer, info)`` for the checkpoint at ``path`` (see the module docstring);
     ``info`` is the checkpoint's tokenizer record with ``fingerprint`` and ``verified``."""
-    from utils.data.tok import fingerprint, load_tokenizer_from
+    from utils.data.tok import fingerprint, load_tokenizer_from  # (see the imports)
     info = dict(ckpt.get("tokenizer") or {})
     want = info.get("fingerprint")
     cache = {} if cache is None else cache

@@ -16,12 +16,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
+
 from utils.atomic import atomic_open, write_json_atomic
 from utils.bench.runner import METRICS
+from utils.environment import package_versions as versions
 
 PERCENT = {"acc", "acc_norm", "top1", "top5", "top10"}
 BOLD_GREEN, RESET = "\033[1;32m", "\033[0m"
@@ -179,9 +183,7 @@ def passkey_heatmap(result: dict, title: str, path: Path) -> Path:
     """The grid as a PNG heat map (x: context length, y: needle depth; grey: not run, labelled
     why; each cell's accuracy written in it), written atomically. matplotlib's object API (no
     pyplot: no global figure state)."""
-    import textwrap
-
-    import numpy as np
+    # matplotlib (~0.9 s, and its font cache built on first use): only for a passkey heat map
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     g = result["grid"]
@@ -246,7 +248,34 @@ def write_results(paths: dict[str, Path], payload: dict, text: str,
     return written
 
 
+def scored_results(bench_dir: Path, weights_fp: str) -> tuple[list[tuple[str, str, str]], Optional[str]]:
+    """(task, metric, value as the table shows it) of the newest result file in ``bench_dir``
+    that scored exactly these weights (``weights_fp``: the fingerprint its models' identity
+    records; int8-quantized scores are of other weights), and that file's name; ([], None) when
+    none did. Damaged or malformed files are passed over."""
+    files = sorted(bench_dir.glob("benchmark_*.json"), key=lambda p: p.stat().st_mtime,
+                   reverse=True) if bench_dir.is_dir() else []
+    for f in files:
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            continue                       # a damaged result file: the next one may do
+        models = data.get("models") if isinstance(data, dict) else None
+        for m in models if isinstance(models, list) else []:
+            ident = (m.get("identity") if isinstance(m, dict) else None) or {}
+            if not isinstance(ident, dict) or ident.get("fingerprint") != weights_fp or ident.get("quantize"):
+                continue                   # other weights (int8 too), or a malformed record
+            rows = []
+            results = m.get("results") if isinstance(m.get("results"), dict) else {}
+            for task, res in sorted(results.items()):
+                metrics = res.get("metrics") if isinstance(res, dict) else None
+                for metric, v in (metrics if isinstance(metrics, dict) else {}).items():
+                    if isinstance(v, dict) and v.get("value") is not None:
+                        rows.append((task, metric, fmt_value(metric, v["value"], v.get("stderr"))))
+            return rows, f.name
+    return [], None
+
+
 def package_versions() -> dict:
-    from utils.environment import package_versions as versions
     return versions(("torch", "transformers", "tokenizers", "datasets", "numpy", "sacrebleu",
                      "rouge-score", "tqdm"))

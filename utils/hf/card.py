@@ -1,39 +1,28 @@
 """The model card (README.md) of an export: what the model is, what it was trained on, how
-far, how good it got (library; no side effects). Everything comes from the checkpoint and
-the files the stages wrote; a missing part is left out, never guessed.
+far, how good it got (library; no side effects). Everything comes from the checkpoint and what
+the export stage found beside it (:class:`Sources`: the run folder's record of its data, the
+benchmark scores of these weights); a missing part is left out, never guessed.
+
+    card = model_card(path, ckpt, model, tok_info, Sources(...), fmt="hf", dtype=None, license="mit")
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 
-def benchmark_rows(bench_dir: Path, weights_fp: str) -> tuple[list[str], Optional[str]]:
-    """Markdown rows of the newest benchmark run that scored exactly these weights (matched by
-    the weights fingerprint benchmark records), and that file's name."""
-    from utils.bench.report import fmt_value
-    files = sorted(bench_dir.glob("benchmark_*.json"), key=lambda p: p.stat().st_mtime,
-                   reverse=True) if bench_dir.is_dir() else []
-    for f in files:
-        try:
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
-            continue                       # a damaged result file: the next one may do
-        models = data.get("models") if isinstance(data, dict) else None
-        for m in models if isinstance(models, list) else []:
-            ident = (m.get("identity") if isinstance(m, dict) else None) or {}
-            if not isinstance(ident, dict) or ident.get("fingerprint") != weights_fp or ident.get("quantize"):
-                continue                   # other weights (int8 too), or a malformed record
-            rows = []
-            results = m.get("results") if isinstance(m.get("results"), dict) else {}
-            for task, res in sorted(results.items()):
-                metrics = res.get("metrics") if isinstance(res, dict) else None
-                for metric, v in (metrics if isinstance(metrics, dict) else {}).items():
-                    if isinstance(v, dict) and v.get("value") is not None:
-                        rows.append(f"| {task} | {metric} | {fmt_value(metric, v['value'], v.get('stderr'))} |")
-            return rows, f.name
-    return [], None
+@dataclass
+class Sources:
+    """What the card says beyond the checkpoint, each None (or empty) when it was not found:
+    the run folder's record of its data (utils/run.py) and the newest benchmark scores of
+    exactly these weights (utils/bench/report.py ``scored_results``)."""
+    dataset: Optional[dict] = None     # a pre-training run's stored dataset section
+    test: Optional[bool] = None        # whether that run had --test (None: unknown)
+    sft_config: Optional[dict] = None  # an SFT run's sft_config.json
+    scores: list = field(default_factory=list)   # (task, metric, value as shown)
+    scores_file: Optional[str] = None  # the result file they come from
 
 
 def trained_on(data: dict, test: Optional[bool], a) -> str:
@@ -52,38 +41,55 @@ def trained_on(data: dict, test: Optional[bool], a) -> str:
                                           if where else "") + f", windows of {window} tokens")
 
 
-def model_card(cfg, path: Path, ckpt: dict, model, tok_info: dict, *, fmt: str,
+def model_card(path: Path, ckpt: dict, model, tok_info: dict, sources: Sources, *, fmt: str,
                dtype: Optional[str], license: str, title: Optional[str] = None) -> str:
-    from utils.bench.adapters import weights_fingerprint
-    from utils.run import read_sft_config, stored_config
-    a = model.args
-    conf = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
-    kind = ckpt.get("kind", "pretrain")
-    best = ckpt.get("best_val_loss")
+    """The card's Markdown: its YAML header, the model, its training and its benchmarks."""
+    lines = _header(path, ckpt, model, tok_info, fmt=fmt, dtype=dtype, license=license, title=title)
+    lines += _training(ckpt, model.args, sources)
+    lines += ["", "## Benchmarks", ""]
+    if sources.scores:
+        lines += [f"Scored on exactly these weights (`{sources.scores_file}`):", "",
+                  "| task | metric | value |", "| --- | --- | --- |",
+                  *[f"| {task} | {metric} | {value} |" for task, metric, value in sources.scores]]
+    else:
+        lines.append("No benchmark result names these weights (`python main.py benchmark` "
+                     "scores a checkpoint).")
+    return "\n".join(lines) + "\n"
+
+
+def _header(path: Path, ckpt: dict, model, tok_info: dict, *, fmt: str, dtype: Optional[str],
+            license: str, title: Optional[str]) -> list[str]:
+    """The YAML header, the title and the Model section."""
+    a, kind = model.args, ckpt.get("kind", "pretrain")
     what = {"sft": "trained with this project's pipeline (supervised fine-tuning)",
             "imported": "imported into this project's pipeline (not trained by it)"}.get(
                 kind, "trained with this project's pipeline (pre-training)")
-    lines = ["---", f"license: {license}", "library_name: transformers" if fmt == "hf" else
-             "library_name: gguf", "pipeline_tag: text-generation",
-             "tags: [llama, text-generation, llm-pipeline]", "---", "",
-             f"# {title or path.parent.name or path.stem}", "",
-             f"A Llama-architecture language model {what}, exported from "
-             f"`{path.name}` as {'a Hugging Face model folder' if fmt == 'hf' else 'GGUF for llama.cpp'}"
-             + (f" ({dtype})" if dtype else "") + ".", "", "## Model", "",
-             f"- parameters: {model.num_params():,} ({model.num_params(non_embedding=True):,} "
-             "without embeddings)",
-             f"- d_model {a.d_model}, {a.n_layers} layers, {a.n_heads} heads ({a.n_kv_heads} "
-             f"key/value heads), MLP {a.ffn_hidden} ({a.activation}), context {a.max_seq_len}, "
-             f"RoPE base {a.rope_theta:g}, {'tied' if a.tie_embeddings else 'untied'} embeddings",
-             f"- tokenizer: {tok_info.get('name')} ({tok_info.get('vocab_size')} tokens, "
-             f"fingerprint {str(tok_info.get('fingerprint'))[:12]})"
-             + ("" if kind == "imported" else "; texts start with BOS"), "",
-             "## Training", ""]
+    return ["---", f"license: {license}", "library_name: transformers" if fmt == "hf" else
+            "library_name: gguf", "pipeline_tag: text-generation",
+            "tags: [llama, text-generation, llm-pipeline]", "---", "",
+            f"# {title or path.parent.name or path.stem}", "",
+            f"A Llama-architecture language model {what}, exported from "
+            f"`{path.name}` as {'a Hugging Face model folder' if fmt == 'hf' else 'GGUF for llama.cpp'}"
+            + (f" ({dtype})" if dtype else "") + ".", "", "## Model", "",
+            f"- parameters: {model.num_params():,} ({model.num_params(non_embedding=True):,} "
+            "without embeddings)",
+            f"- d_model {a.d_model}, {a.n_layers} layers, {a.n_heads} heads ({a.n_kv_heads} "
+            f"key/value heads), MLP {a.ffn_hidden} ({a.activation}), context {a.max_seq_len}, "
+            f"RoPE base {a.rope_theta:g}, {'tied' if a.tie_embeddings else 'untied'} embeddings",
+            f"- tokenizer: {tok_info.get('name')} ({tok_info.get('vocab_size')} tokens, "
+            f"fingerprint {str(tok_info.get('fingerprint'))[:12]})"
+            + ("" if kind == "imported" else "; texts start with BOS"), ""]
+
+
+def _training(ckpt: dict, a, sources: Sources) -> list[str]:
+    """The Training section: what the model was trained (or fine-tuned) on, and how far."""
+    kind, best = ckpt.get("kind", "pretrain"), ckpt.get("best_val_loss")
+    lines = ["## Training", ""]
     if kind == "imported":
-        lines.append("- not trained here: see the card of the model it was imported from")
-    elif kind == "sft":
+        return lines + ["- not trained here: see the card of the model it was imported from"]
+    if kind == "sft":
         sft = ckpt.get("sft") or {}
-        data = (read_sft_config(path.parent) or {}).get("data") or {}
+        data = (sources.sft_config or {}).get("data") or {}
         source = data.get("source") if isinstance(data.get("source"), dict) else {}
         lines.append(f"- fine-tuned from `{sft.get('base_checkpoint')}` on instruction data"
                      + (f": {source['label']}" if source.get("label") else "")
@@ -92,25 +98,14 @@ def model_card(cfg, path: Path, ckpt: dict, model, tok_info: dict, *, fmt: str,
                      + f" (data fingerprint {str(sft.get('data_fingerprint'))[:12]}), loss on "
                      "the assistant's tokens only; chat template in the tokenizer")
     else:       # the run folder's stored config knows --test; the checkpoint's alone does not
-        run_cfg = stored_config(path.parent)
-        data = run_cfg.to_dict()["dataset"] if run_cfg is not None else conf.get("dataset")
-        lines.append(trained_on(data if isinstance(data, dict) else {},
-                                run_cfg.test if run_cfg is not None else None, a))
-    if kind != "imported":
-        lines += [f"- optimizer steps: {ckpt.get('step', 'unknown')}",
-                  f"- tokens seen: {ckpt['tokens_seen']:,}" if isinstance(ckpt.get("tokens_seen"), int)
-                  else "- tokens seen: unknown",
-                  f"- best validation loss: {best:.4f}" if isinstance(best, float) else
-                  "- best validation loss: not recorded"]
-    rows, source = benchmark_rows(cfg.path("paths.benchmark_dir"), weights_fingerprint(model.state_dict()))
-    lines += ["", "## Benchmarks", ""]
-    if rows:
-        lines += [f"Scored on exactly these weights (`{source}`):", "",
-                  "| task | metric | value |", "| --- | --- | --- |", *rows]
-    else:
-        lines.append("No benchmark result names these weights (`python main.py benchmark` "
-                     "scores a checkpoint).")
-    return "\n".join(lines) + "\n"
+        conf = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+        data = sources.dataset if sources.dataset is not None else conf.get("dataset")
+        lines.append(trained_on(data if isinstance(data, dict) else {}, sources.test, a))
+    return lines + [f"- optimizer steps: {ckpt.get('step', 'unknown')}",
+                    f"- tokens seen: {ckpt['tokens_seen']:,}" if isinstance(ckpt.get("tokens_seen"), int)
+                    else "- tokens seen: unknown",
+                    f"- best validation loss: {best:.4f}" if isinstance(best, float) else
+                    "- best validation loss: not recorded"]
 
 
 # Why the export of an imported model writes a config.json key otherwise than the model's own

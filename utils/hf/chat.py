@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from utils.data import sft
+
 ALTERNATE = ("Conversation roles must alternate user/assistant/user/... starting with user "
              "(system messages only before the first user message)")
 
@@ -43,7 +45,6 @@ def jinja_template(template: Optional[dict]) -> Optional[str]:
     """The Jinja chat template of our template dict (None for None)."""
     if not template:
         return None
-    from utils.data import sft
     if sft.template_version(template) == sft.TEMPLATE_JINJA:      # a public model's own: as written
         return template["template"]
     if sft.template_version(template) == sft.TEMPLATE_V1:

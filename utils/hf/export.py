@@ -1,10 +1,10 @@
 """Export a checkpoint as a Hugging Face model folder (library; no side effects).
 
-    problems = llama_problems(args)                 what LlamaForCausalLM cannot express
     files = write_hf(folder, model, tok, card=..., dtype=..., generation=..., chat_template=...,
                      max_shard_size=2 * 10**9, hf_tok=None, source=None)
     source = hf_source(path)                        an imported model's config.json, generation_config.json
 
+What LlamaForCausalLM cannot express is refused first (utils/hf/mapping.py ``llama_problems``).
 The folder holds what ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` read with no custom code and no network:
 
@@ -47,8 +47,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from tokenizers import processors
+from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerFast
 
-from utils.hf.mapping import HF_CONFIG_NAMES, hf_config, to_hf_state_dict
+from utils.data.tok import INFO_FILE, backend_of, export_info
+from utils.hf.card import config_changes
+from utils.hf.inputs import generation_config_notice
+from utils.hf.mapping import HF_CONFIG_NAMES, hf_config, llama_problems, to_hf_state_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,40 +71,11 @@ def _not_json(path: Path, constant: str):
                      "refuse it): a setting is not finite")
 
 
-def llama_problems(args) -> list[str]:
-    """What of ``args`` LlamaForCausalLM cannot express (empty: exportable), each naming the
-    option and why."""
-    out = []
-    if args.norm != "rmsnorm":
-        out.append(f"model.norm is '{args.norm}': Llama has RMSNorm only (train with "
-                   "model.norm 'rmsnorm' to export)")
-    if getattr(args, "attention", "standard") != "standard":
-        out.append(f"model.attention is '{args.attention}': Llama (and llama.cpp's llama "
-                   "architecture) has no compressive memory nor its gates, and attends over the "
-                   "whole input rather than within segments, so no Llama model computes what this "
-                   "one does (use it with infer, benchmark and serve here)")
-    return out
-
-
-def notes(args) -> list[str]:
-    """What changes meaning on export, said in the model card and by the stage."""
-    out = []
-    if args.document_mask:
-        out.append("trained with document masks (attention kept inside each document of a "
-                   "packed window); a Llama model attends over the whole input, which is the "
-                   "same for one document per input")
-    if args.dropout:
-        out.append(f"trained with dropout {args.dropout}: inference runs without it, as here")
-    return out
-
-
 def hf_source(path) -> dict:
     """What the export of an imported model keeps of its own files: ``config``, its config.json
     key by key as the folder has it (a .gguf file: the config transformers reads from the
     file's metadata, as transformers would write it), and ``generation``, its
     generation_config.json when the folder has a usable one (utils/hf/inputs.py; else None)."""
-    from transformers import AutoConfig
-    from utils.hf.inputs import generation_config_notice
     path = Path(path)
     if path.is_file():
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
@@ -157,9 +133,6 @@ def hf_tokenizer(tok, chat_template: Optional[str] = None):
     """A ``PreTrainedTokenizerFast`` of ``tok``'s exact backend: BOS put in front of each text
     by the post-processor; without a chat template special-token strings in text stay text,
     with one (SFT) they are read as the special tokens the template writes."""
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
-    from utils.data.tok import backend_of
     backend = backend_of(tok).__class__.from_str(backend_of(tok).to_str())   # a copy
     bos = tok.bos_token
     if bos is not None:
@@ -181,7 +154,6 @@ def _write_config(folder: Path, args, dtype: torch.dtype, source: Optional[dict]
     """config.json as transformers wrote it plus the older top-level ``rope_theta`` and
     ``torch_dtype``; for an imported model (``source``) merged with its own config.json and its
     generation_config.json written as it was. Returns what the card adds: the keys changed."""
-    from utils.hf.card import config_changes
     conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     conf.update(rope_theta=float(args.rope_theta), torch_dtype=str(dtype).removeprefix("torch."))
     said = ""
@@ -205,8 +177,9 @@ def write_hf(folder: Path, model, tok, *, card: str, dtype: Optional[torch.dtype
     ``source``: an imported model's own files (:func:`hf_source`): its config.json's keys
     are kept (:func:`merged_config`; the card lists what changed), its generation_config.json
     is written as it was instead of ``generation``."""
-    from transformers import GenerationConfig, LlamaForCausalLM
-    from utils.data.tok import INFO_FILE, export_info
+    # importing transformers' Llama modeling sets TORCHINDUCTOR_CACHE_DIR in the environment:
+    # a library module may not change the process when it is imported, only when it is used
+    from transformers import LlamaForCausalLM
     args = model.args
     problems = llama_problems(args)
     if problems:

@@ -25,13 +25,30 @@ one with a warning; an import never does.
 from __future__ import annotations
 
 import functools
+import json
 import re
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
+                          PreTrainedTokenizerFast)
+
+from model import create_model, layer_count
+from utils.activations import HF_ACT_NAMES
 from utils.cli import PipelineError
+from utils.config import ConfigError
+from utils.data.chat import adds_bos, rules_of_hf
+from utils.data.tok import as_exported_from, describe, load_tokenizer_folder, plain
+from utils.hf.export import hf_source
+from utils.hf.inputs import check_config_json, generation_config_notice, read_gguf, weight_files
+from utils.hf.mapping import HF_CONFIG_NAMES, from_hf_state_dict, model_args_from_hf_config
 
 
 @dataclass
@@ -42,13 +59,6 @@ class Imported:
     config: object           # the transformers config
     source: str              # what was read
     rules: object            # utils.data.chat.Rules: its chat template, BOS rule, stop ids, defaults
-
-
-def is_hf_model(path: Path) -> bool:
-    """A Hugging Face model folder (config.json) or a .gguf file, not a run folder of ours."""
-    path = Path(path)
-    return (path.is_file() and path.suffix == ".gguf") or (
-        path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.pt")))
 
 
 def _split(path: Path) -> tuple[Path, Optional[str]]:
@@ -71,7 +81,6 @@ def _split(path: Path) -> tuple[Path, Optional[str]]:
 def source_tokenizer(path):
     """The transformers tokenizer of a Hugging Face folder or .gguf file as transformers loads
     it (its own settings and chat template; what an export of the import writes again)."""
-    from utils.data.tok import load_tokenizer_folder
     folder, gguf = _split(Path(path))
     if gguf:
         return _gguf_tokenizer(folder / gguf, str(folder / gguf))
@@ -80,7 +89,6 @@ def source_tokenizer(path):
 
 def llama_config_problems(c) -> list[str]:
     """What of a transformers config this project's model cannot represent."""
-    from utils.activations import HF_ACT_NAMES
     out = []
     if getattr(c, "model_type", None) != "llama":
         out.append(f"model_type '{getattr(c, 'model_type', None)}' (architectures "
@@ -113,14 +121,6 @@ def llama_config_problems(c) -> list[str]:
 
 def load_hf_llama(path) -> Imported:
     """The model and tokenizer of a local Hugging Face Llama folder or GGUF file."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-    from model import create_model
-    from utils.data.chat import adds_bos, rules_of_hf
-    from utils.hf.export import hf_source
-    from utils.data.tok import as_exported_from, describe, load_tokenizer_folder, plain
-    from utils.hf.inputs import check_config_json, generation_config_notice
-    from utils.hf.mapping import from_hf_state_dict
     folder, gguf = _split(Path(path))
     # generation_config.json is read by utils.data.chat (its stop ids and explicit sampling
     # settings) when it is usable; a bad one is said once and ignored, not refused
@@ -176,9 +176,6 @@ def _read(load, what: str):
     """``load()``, its failures on damaged input (not JSON, wrong types, truncated, missing;
     a binary header whose counts or lengths point past the end of the file: struct.error,
     IndexError, OverflowError, EOFError; nesting too deep) as one PipelineError naming ``what``."""
-    import struct
-    from huggingface_hub.errors import StrictDataclassError
-    from safetensors import SafetensorError
     try:
         return load()
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError, StrictDataclassError,
@@ -192,8 +189,6 @@ def _read(load, what: str):
 def _model_args(config, bos_id: Optional[int], what: str):
     """ModelArgs of the config, its values out of range or of the wrong type named by their
     config.json keys."""
-    from utils.config import ConfigError
-    from utils.hf.mapping import HF_CONFIG_NAMES, model_args_from_hf_config
     try:
         return model_args_from_hf_config(config, bos_id=bos_id)
     except ConfigError as e:
@@ -211,10 +206,7 @@ def check_weight_files(folder: Path, config) -> None:
     """Each of the folder's safetensors files is readable, and each tensor in it floating point
     (an integer tensor would be cast into nonsense weights) of the shape ``config`` gives it
     (read from the headers: no weights are loaded)."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-    from transformers import LlamaForCausalLM
-    from utils.hf.inputs import weight_files
+    from transformers import LlamaForCausalLM   # sets an environment variable: see utils/hf/export.py write_hf
     files = {}
     for f in weight_files(Path(folder)):
         try:
@@ -244,9 +236,6 @@ def _gguf_tokenizer(path: Path, where: str, say=lambda s: print(s, file=sys.stde
     when the vocabulary lacks it (every GGUF exported with a BPE tokenizer of ours), an id the
     model has no embedding row for. Such ids are left out (said once); encoding and decoding of
     the file's tokens are unchanged."""
-    import json
-    from tokenizers import Tokenizer
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     n = _gguf_header(path)[0]          # the header checked before transformers reads it
     tok = _read(lambda: AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True),
                 where)
@@ -279,7 +268,6 @@ def _gguf_header(path: Path) -> tuple[Optional[int], list[str]]:
 
 @functools.lru_cache(maxsize=4)
 def _gguf_header_of(path: str, mtime_ns: int, size: int) -> tuple[Optional[int], list[str]]:
-    from utils.hf.inputs import read_gguf
     reader = read_gguf(Path(path))
     field = reader.fields.get("tokenizer.ggml.tokens")
     return (None if field is None else len(field.data)), [t.name for t in reader.tensors]
@@ -289,7 +277,6 @@ def _check_layer_count(names: list[str], pattern: str, config, where: str) -> No
     """The config's layer count against the layers the weight files hold (``pattern`` captures
     a tensor name's layer index), before any model of that config is built: a config asking for
     a billion layers would otherwise be built layer by layer (on the meta device, still a hang)."""
-    from model import layer_count
     held = layer_count(names, pattern)
     if held != config.num_hidden_layers:
         raise PipelineError(f"{where}: the config gives {config.num_hidden_layers:,} layers but the weights "

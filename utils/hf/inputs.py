@@ -23,6 +23,9 @@ import struct
 from pathlib import Path
 from typing import Optional
 
+import gguf
+from transformers import GenerationConfig
+
 from utils.cli import PipelineError
 from utils.config import json_type, read_json_object_file
 
@@ -141,7 +144,6 @@ def generation_config_notice(folder: Path) -> Optional[str]:
     """None when generation_config.json is absent or valid, else why it is not. The pipeline
     never uses the file (infer, serve and benchmark sample with the config's ``inference``
     settings), so a bad one is ignored with this note rather than refused."""
-    from transformers import GenerationConfig
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
         return None
@@ -174,7 +176,6 @@ def read_gguf(path: Path):
     """A ``gguf.GGUFReader`` of ``path`` once its header counts fit the file and its metadata
     holds what a Llama import reads, each of the right type and range (PipelineError naming
     the key otherwise)."""
-    import gguf
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -213,7 +214,6 @@ def read_gguf(path: Path):
 
 def _scalar(reader, key: str):
     """(present, value) of a scalar field; value None when it is an array or unreadable."""
-    import gguf
     f = reader.fields.get(key)
     if f is None:
         return False, None
@@ -223,7 +223,6 @@ def _scalar(reader, key: str):
 
 
 def _int_type(t) -> bool:
-    import gguf
     V = gguf.GGUFValueType
     return t in (V.UINT8, V.INT8, V.UINT16, V.INT16, V.UINT32, V.INT32, V.UINT64, V.INT64)
 
@@ -233,15 +232,24 @@ def gguf_problems(reader) -> list[str]:
     its key (the sizes positive integers, the numbers finite and positive, the vocabulary a list
     of strings with scores and types of its length, special-token ids inside it, each tensor of
     the shape the sizes give)."""
-    import gguf
-    V = gguf.GGUFValueType
-    p = []
     _, arch = _scalar(reader, "general.architecture")
     if not isinstance(arch, str):
         return ["general.architecture: missing or not a string (a Llama GGUF says 'llama')"]
     if arch != "llama":
         return [f"general.architecture: {arch!r}: only 'llama' models import"]
-    sizes = {}
+    p, sizes = _size_problems(reader)
+    p += _head_problems(sizes)
+    vocabulary, n_tokens = _vocabulary_problems(reader)
+    p += vocabulary + _token_id_problems(reader, n_tokens)
+    if not p:
+        p += _tensor_problems(reader, sizes, n_tokens)
+    return p
+
+
+def _size_problems(reader) -> tuple[list[str], dict]:
+    """The ``llama.*`` sizes (positive integers; the required ones present) and numbers (finite,
+    above 0): what is wrong with them, and the sizes that are sound, by name."""
+    p, sizes = [], {}
     for name in GGUF_SIZES + GGUF_OPTIONAL_SIZES:
         key = f"llama.{name}"
         there, v = _scalar(reader, key)
@@ -259,6 +267,13 @@ def gguf_problems(reader) -> list[str]:
         there, v = _scalar(reader, key)
         if there and (not _finite(v) or v <= 0):
             p.append(f"{key}: expected a finite number > 0, got {v!r}")
+    return p, sizes
+
+
+def _head_problems(sizes: dict) -> list[str]:
+    """The head counts against the width: they divide it, and a head's key and value length is
+    the width / head count."""
+    p = []
     d, h = sizes.get("embedding_length"), sizes.get("attention.head_count")
     kv = sizes.get("attention.head_count_kv", h)
     if d and h:
@@ -270,6 +285,14 @@ def gguf_problems(reader) -> list[str]:
             if name in sizes and not d % h and sizes[name] != d // h:
                 p.append(f"llama.{name}: {sizes[name]} differs from embedding_length / head_count "
                          f"({d // h}): this pipeline's heads are embedding_length / head_count wide")
+    return p
+
+
+def _vocabulary_problems(reader) -> tuple[list[str], Optional[int]]:
+    """The tokenizer's kind, its token list (an array of strings) and the arrays beside it (one
+    entry per token): what is wrong with them, and the number of tokens (None: unreadable)."""
+    V = gguf.GGUFValueType
+    p = []
     there, model = _scalar(reader, "tokenizer.ggml.model")
     if not isinstance(model, str):
         p.append(f"tokenizer.ggml.model: {'missing' if not there else 'not a string'} (expected 'llama' "
@@ -299,6 +322,12 @@ def gguf_problems(reader) -> list[str]:
             p.append(f"{key}: an array of the wrong type ({'/'.join(t.name for t in f.types)})")
         elif name != "merges" and n_tokens is not None and len(f.data) != n_tokens:
             p.append(f"{key}: {len(f.data):,} entries for {n_tokens:,} tokens (one per token)")
+    return p, n_tokens
+
+
+def _token_id_problems(reader, n_tokens: Optional[int]) -> list[str]:
+    """The special-token ids present: integers, each a token of the vocabulary."""
+    p = []
     for name in GGUF_TOKEN_IDS:
         key = f"tokenizer.ggml.{name}"
         there, v = _scalar(reader, key)
@@ -306,8 +335,6 @@ def gguf_problems(reader) -> list[str]:
                       or (n_tokens is not None and not 0 <= v < n_tokens)):
             p.append(f"{key}: {v!r} is not a token id of the vocabulary"
                      + (f" (0..{n_tokens - 1})" if n_tokens else ""))
-    if not p:
-        p += _tensor_problems(reader, sizes, n_tokens)
     return p
 
 

@@ -11,6 +11,8 @@ shapes), so the mapping is a pure rename (tensors shared, not copied):
   ``model_args_from_hf_config(config, bos_id=None)`` -> ``ModelArgs``.
 - What Llama cannot express (LayerNorm) raises ValueError naming it; an unknown tensor name
   raises KeyError naming it. tests/test_model.py checks logits parity both ways.
+- ``llama_problems(args)``: what of a model Llama cannot express, each naming the option (empty:
+  the HF and GGUF writers take it); ``notes(args)``: what changes meaning on export.
 """
 from __future__ import annotations
 
@@ -118,6 +120,9 @@ SPECIAL_FIELDS = {
 def hf_config(args: ModelArgs, eos_id: Optional[int] = None):
     """The ``transformers.LlamaConfig`` of the same architecture."""
     _check_hf_compatible(args)
+    # transformers' Llama package (~2 s more than a tokenizer needs) sets TORCHINDUCTOR_CACHE_DIR
+    # in the environment when imported (no library module may at import), and the GGUF writer
+    # renames weights through this module without it
     from transformers import LlamaConfig
     return LlamaConfig(
         **{hf: getattr(args, ours) for ours, hf in HF_CONFIG_NAMES.items()},
@@ -144,3 +149,30 @@ def model_args_from_hf_config(c, bos_id: Optional[int] = None) -> ModelArgs:
     if bos_id is not None:
         values["bos_id"] = bos_id
     return ModelArgs(**values, activation=act, norm="rmsnorm", rope_theta=float(theta))
+
+
+def llama_problems(args) -> list[str]:
+    """What of ``args`` LlamaForCausalLM cannot express (empty: exportable), each naming the
+    option and why."""
+    out = []
+    if args.norm != "rmsnorm":
+        out.append(f"model.norm is '{args.norm}': Llama has RMSNorm only (train with "
+                   "model.norm 'rmsnorm' to export)")
+    if getattr(args, "attention", "standard") != "standard":
+        out.append(f"model.attention is '{args.attention}': Llama (and llama.cpp's llama "
+                   "architecture) has no compressive memory nor its gates, and attends over the "
+                   "whole input rather than within segments, so no Llama model computes what this "
+                   "one does (use it with infer, benchmark and serve here)")
+    return out
+
+
+def notes(args) -> list[str]:
+    """What changes meaning on export, said in the model card and by the stage."""
+    out = []
+    if args.document_mask:
+        out.append("trained with document masks (attention kept inside each document of a "
+                   "packed window); a Llama model attends over the whole input, which is the "
+                   "same for one document per input")
+    if args.dropout:
+        out.append(f"trained with dropout {args.dropout}: inference runs without it, as here")
+    return out

@@ -38,10 +38,13 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import gguf
 import numpy as np
 import torch
 
-from utils.hf.mapping import rename, to_hf_state_dict
+from utils.data.spm import read_model
+from utils.data.tok import SPM_CONVERSION, backend_of, conversion_of, spm_model_of
+from utils.hf.mapping import llama_problems, rename, to_hf_state_dict
 
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -64,7 +67,6 @@ _NAMES = [  # Hugging Face Llama -> llama.cpp ({i}: block index)
 def gguf_problems(args) -> list[str]:
     """What of ``args`` the GGUF ``llama`` architecture cannot express (empty: exportable): what
     Llama lacks (utils/hf/export.py) and a gate activation other than SiLU."""
-    from utils.hf.export import llama_problems
     out = llama_problems(args)
     if args.activation != "swiglu":
         out.append(f"model.activation is '{args.activation}': llama.cpp's llama architecture "
@@ -83,7 +85,6 @@ def rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def _tensor(name: str, w: torch.Tensor, dtype: str):
     """(array, raw_dtype or None) as the writer takes them."""
-    import gguf
     arr = w.detach().float().cpu().numpy()
     if arr.ndim < 2 or dtype == "f32":
         return arr.astype(np.float32), None
@@ -98,7 +99,6 @@ def _tensor(name: str, w: torch.Tensor, dtype: str):
 
 
 def _file_type(dtype: str):
-    import gguf
     return {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
             "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
 
@@ -108,7 +108,6 @@ def write_gguf(path: Path, model, tok, dtype: str = "f16", name: str = "model",
     """Write ``model`` and ``tok`` as one GGUF file at ``path``. ``add_bos``: whether llama.cpp
     puts BOS in front of a text (None: when the tokenizer has one, as this project's models
     read every text)."""
-    import gguf
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"GGUF dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
     a = model.args
@@ -172,7 +171,6 @@ LLAMA_CPP_PRE = {
 
 
 def _add_tokenizer(w, tok, vocab_size: int, add_bos: bool) -> None:
-    from utils.data.tok import SPM_CONVERSION, backend_of, conversion_of, spm_model_of
     source = spm_model_of(tok)
     if conversion_of(tok) == SPM_CONVERSION and source is not None:
         _add_spm(w, source, vocab_size)
@@ -192,8 +190,6 @@ def _add_tokenizer(w, tok, vocab_size: int, add_bos: bool) -> None:
 
 
 def _add_spm(w, source, vocab_size: int) -> None:
-    import gguf
-    from utils.data.spm import read_model
     proto = read_model(source)
     tokens, scores, types = [], [], []
     for p in proto.pieces:
@@ -291,7 +287,6 @@ def _add_byte_bpe(w, data: dict, n_tokens: int, vocab_size: int, pre: str) -> No
     Token types as llama.cpp reads them: a special added token CONTROL (its string in text is
     that token only when special tokens are parsed), any other added token USER_DEFINED (always
     matched, as transformers does), the rest NORMAL."""
-    import gguf
     by_id = {i: t for t, i in data["model"]["vocab"].items()}
     added = {a["id"]: a for a in data.get("added_tokens", [])}
     tokens, scores, types = [], [], []
@@ -314,7 +309,6 @@ def _add_byte_bpe(w, data: dict, n_tokens: int, vocab_size: int, pre: str) -> No
 
 
 def _pad(tokens: list, scores: list, types: list, vocab_size: int) -> None:
-    import gguf
     if len(tokens) > vocab_size:
         raise ValueError(f"the tokenizer has {len(tokens)} tokens, more than the model's "
                          f"{vocab_size} embedding rows")
@@ -328,7 +322,6 @@ def _pad(tokens: list, scores: list, types: list, vocab_size: int) -> None:
 def dequantized_state(model, dtype: str) -> dict:
     """Our state dict with every tensor the GGUF stores in ``dtype`` rounded through that type
     and back (gguf's own quantize/dequantize): the weights llama.cpp computes with."""
-    import gguf
     qtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
              "q8_0": gguf.GGMLQuantizationType.Q8_0}.get(dtype)
     out = {}
