@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -41,7 +42,14 @@ from typing import Callable, Optional, Sequence
 
 from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, Terminated, UsageError, cli_path, printable,
                        run_stage, wrapped_for)
-from utils.device import available_bytes
+from utils.data.chat import ChatTemplateError, answer_decoding, chat_prompt_ids
+from utils.device import available_bytes, resolve_device
+from utils.generation.detok import TextDecoder
+from utils.run import age_text, list_runs, open_for_generation
+
+# The generation engine, int8 weights and the decode-weight estimate import torch (1-2 s): they
+# are imported where a model is loaded or measured, so --help and the refusals before it do not
+# wait for them.
 
 ROOT = Path(__file__).resolve().parent
 
@@ -207,7 +215,6 @@ class Loaded:
 
 
 def pick_device(name: str):
-    from utils.device import resolve_device
     return resolve_device(name, "inference.device")
 
 
@@ -233,20 +240,18 @@ class Session:
         print(wrapped_for(self.err, f"infer: {msg}", " " * len("infer: ")), file=self.err)
 
     def load(self, path: Path, label: Optional[str] = None) -> Loaded:
-        from utils.generation.engine import Engine
-        from utils.run import open_for_generation
+        from utils.generation.engine import Engine          # torch (see the imports)
         o = open_for_generation(path, self.cfg, self.device, raw=self.raw, cache=self._tokenizers,
                                 say=self.note)
         n = sum(p.numel() for p in o.model.parameters())
         if self.quantize == "int8":
-            from utils.quant import quantize_int8
+            from utils.quant import quantize_int8           # torch (see the imports)
             print(f"infer: {quantize_int8(o.model).line()}", file=self.err)
         engine = Engine(o.model)
         engine.decode_pack()            # the CPU decode weights now, as part of loading, not of the first reply
         return Loaded(o.path, label or o.label, o.model, o.kind, o.rules, n, o.tok, engine)
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
-        from utils.data.chat import ChatTemplateError, chat_prompt_ids
         tok = m.tok
         limit = m.model.args.context            # None: Infini-attention, no limit
         if m.chat:
@@ -282,9 +287,7 @@ class Session:
     def generate(self, m: Loaded, text: str, p: Params, on_text: Optional[Callable[[str], None]],
                  note: Callable[[str], None] = lambda s: None) -> tuple[str, Stats]:
         """Stream one completion; Ctrl-C stops it (the partial text is kept)."""
-        from utils.data.chat import answer_decoding
-        from utils.generation.detok import TextDecoder
-        from utils.generation.engine import NonFiniteLogits
+        from utils.generation.engine import NonFiniteLogits     # torch (see the imports)
         continues, lead = answer_decoding(m.template) if m.chat else (False, "")
         text_out = TextDecoder(m.tok)
         t0 = time.perf_counter()
@@ -376,7 +379,6 @@ class UI:
             self.say(f"{self.c.red}Please enter a number from 1 to {n}.{self.c.reset}")
 
     def pick_run(self):
-        from utils.run import age_text, list_runs
         base = self.session.cfg.path("paths.checkpoints_dir")
         runs = list_runs(base)
         if not runs:
@@ -555,7 +557,6 @@ class UI:
             self.say("The benchmark stage is not available in this checkout.")
             return
         extra = ask("Arguments for `main.py benchmark` (Enter for none): ", "")
-        import shlex
         cmd = [sys.executable, str(ROOT / "main.py"), "benchmark", *shlex.split(extra)]
         self.say("Running: " + " ".join(shlex.quote(x) for x in cmd[1:]))
         code = subprocess.call(cmd)
@@ -578,7 +579,7 @@ class UI:
 def _estimate_bytes(path: Path, device=None) -> int:
     """The weights in memory while generating (utils.generation.pack), plus 20% for
     activations."""
-    from utils.generation.pack import estimated_weight_bytes
+    from utils.generation.pack import estimated_weight_bytes    # torch (see the imports)
     return int(estimated_weight_bytes(path.stat().st_size, getattr(device, "type", "cpu")) * 1.2)
 
 

@@ -23,6 +23,7 @@ all arrive within ``serve.read_timeout`` seconds gets 408 and its connection is 
 """
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import os
 import socket
@@ -31,7 +32,15 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import uvicorn
+
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, printable, run_stage
+from utils.device import resolve_device
+from utils.serve.connections import timed_protocol
+from utils.serve.protocol import Limits, check_origins
+
+# The engine (torch, 1-2 s) and the app (fastapi, ~0.25 s more) are imported where the models
+# open and the app is made: --help and the refusals before them do not wait for them.
 
 API_KEY_ENV = "LLM_SERVE_API_KEY"
 
@@ -68,11 +77,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise UsageError("serve.context (--context) 1: a request needs at least 2 positions (its prompt "
                          "and one new token); give 2 or more, or 0 for each model's own context.")
     api_key = resolve_api_key(args.api_key, os.environ.get(API_KEY_ENV))
-    from utils.serve.protocol import check_origins
     if bad := check_origins(cfg.serve.cors_origins):
         raise UsageError("; ".join(bad) + ".")
     sock = bind(cfg.serve.host, cfg.serve.port)
-    from utils.generation.remote import EngineGone, RemoteLoop
+    from utils.generation.remote import EngineGone, RemoteLoop     # torch (see the imports)
     died: list[str] = []
     loop = RemoteLoop(log=say, flush_interval=cfg.serve.stream_interval, on_death=died.append).start()
     try:
@@ -143,10 +151,9 @@ def model_ids(paths: list[Path]) -> list[str]:
 def open_models(args, cfg, loop) -> dict:
     """Each model opened in the engine process (utils/serve/engines.py, on its engine thread:
     see utils/generation/loop.py), with its engine and decode weights, as a lane of ``loop``."""
-    from utils.device import resolve_device
-    from utils.generation.engine import UNBOUNDED
-    from utils.serve.served import ServedModel
-    from utils.serve.engines import open_engine
+    from utils.generation.engine import UNBOUNDED                  # torch (see the imports)
+    from utils.serve.engines import open_engine                     # torch
+    from utils.serve.served import ServedModel                      # torch
     paths = [Path(p) for p in list(args.checkpoint) + list(args.hf_model)]
     if not paths:
         raise UsageError("give at least one --checkpoint PATH (or --hf-model DIR) to serve.")
@@ -170,8 +177,7 @@ def open_models(args, cfg, loop) -> dict:
 
 
 def make_app(models: dict, cfg, api_key: Optional[str]):
-    from utils.serve.app import create_app
-    from utils.serve.protocol import Limits
+    from utils.serve.app import create_app                          # fastapi (see the imports)
     limits = Limits(cfg.serve.max_messages, cfg.serve.max_prompt_chars, cfg.serve.max_n,
                     cfg.serve.max_tokens, cfg.serve.read_timeout)
     return create_app(models, limits, api_key, log=say,
@@ -207,9 +213,6 @@ def run_server(app, sock: socket.socket, loop, models: dict, sc, died: list) -> 
     seconds to finish, then the engines stop, which ends each remaining stream with an error
     event and ``[DONE]``; uvicorn then re-raises the signal, which run_stage turns into exit 130.
     An engine process that ended unasked (``died`` holds why) stops the server the same way."""
-    import asyncio
-    import uvicorn
-    from utils.serve.connections import timed_protocol
     grace = sc.shutdown_grace
 
     class Server(uvicorn.Server):

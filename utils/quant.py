@@ -157,7 +157,7 @@ def quantize_int8(model: nn.Module) -> QuantReport:
            f"a bf16 GEMM over the widened weights from {MANY_ROWS} rows on (prefill)")
     if device.type == "cuda":
         try:
-            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_   # optional (CUDA only)
         except ImportError:
             how = "per-channel, dequantized per product (torchao is not installed)"
         else:

@@ -11,6 +11,7 @@ The ``benchmark`` stage (benchmark.py) only parses arguments and calls into this
 - :mod:`utils.bench.runner`   run the tasks on an adapter (batched, no gradients, tqdm)
 - :mod:`utils.bench.report`   comparison tables, best-value highlighting, ranking, result files
 
-Importing any of them has no side effects (torch and transformers are imported lazily where
-they are heavy).
+Importing any of them has no side effects. data, tasks, scoring and passkey need no torch (the
+stage reads its task data before any model loads); adapters, runner and report import torch
+and transformers.
 """

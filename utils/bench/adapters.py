@@ -29,10 +29,17 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from utils import device as devices, quant
 from utils.cli import PipelineError
 from utils.data.chat import adds_bos, rules_of_checkpoint, stop_ids_of
-from utils.data.tok import encode_plain
+from utils.data.tok import encode_plain, load_tokenizer_folder
+from utils.data.tok import fingerprint as tokenizer_fingerprint
+from utils.generation.engine import Engine, NonFiniteLogits
+from utils.hf.import_hf import load_hf_llama
+from utils.run import load_model, tokenizer_for_checkpoint
+from utils.training.trainer import resolve_dtype
 
 TOPK = (1, 5, 10)
 
@@ -46,14 +53,12 @@ class SeqScore:
 
 
 def resolve_device(name: str) -> torch.device:
-    from utils.device import resolve_device as resolve
-    return resolve(name, "benchmark.device")
+    return devices.resolve_device(name, "benchmark.device")
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> Optional[torch.dtype]:
     """The training rule (utils.training.trainer.resolve_dtype: auto = bf16 on CUDA, fp16 where bf16 is
     unsupported, float32 on CPU), with None for full float32."""
-    from utils.training.trainer import resolve_dtype
     resolved = resolve_dtype(dtype, device)
     return None if resolved == torch.float32 else resolved
 
@@ -178,8 +183,7 @@ class Adapter:
     def quantize_int8(self) -> str:
         """Weight-only int8 (utils/quant.py) for our model's adapters; the identity keeps the
         checkpoint's fingerprint and says ``quantize: int8``, the name gets `` [int8]``."""
-        from utils.quant import quantize_int8
-        report = quantize_int8(self.model)
+        report = quant.quantize_int8(self.model)
         self.identity["quantize"] = "int8"
         self.name += " [int8]"
         return report.line()
@@ -189,7 +193,6 @@ class Adapter:
         returned); the prompt keeps its last ``max_length - max_new_tokens`` tokens, so prompt
         and continuation fit the model's context (the whole prompt for ``long_context``
         models). Runs in the weights' dtype (no autocast)."""
-        from utils.generation.engine import Engine, NonFiniteLogits
         if getattr(self, "_engine", None) is None:
             self._engine = Engine(self.model)
         keep = len(prompt_ids) if self.long_context else max(1, self.max_length - max_new_tokens)
@@ -206,8 +209,6 @@ class CheckpointAdapter(Adapter):
 
     def __init__(self, path: Path, cfg, device: torch.device, dtype: str = "auto",
                  tokenizers: Optional[dict] = None):
-        from utils.run import load_model
-        from utils.run import tokenizer_for_checkpoint
         self.path = Path(path)
         self.model, ckpt = load_model(self.path, device=str(device))
         self.device, self.amp = device, autocast_dtype(dtype, device)
@@ -238,7 +239,6 @@ class ImportedAdapter(Adapter):
     for the same folder, so both score the same token sequences."""
 
     def __init__(self, path: Path, device: torch.device, dtype: str = "auto"):
-        from utils.hf.import_hf import load_hf_llama
         imported = load_hf_llama(path)
         self.model = imported.model.to(device).eval()
         self.device, self.amp = device, autocast_dtype(dtype, device)
@@ -288,14 +288,13 @@ class HFAdapter(Adapter):
         self._stop_ids = stop_ids_of(eos if eos is not None else model.config.eos_token_id, tok, None)
         c = model.config
         self.max_length = int(getattr(c, "max_position_embeddings", None) or 2048)
-        from utils.data import tok as tok_lib
         self.identity = {
             "kind": "huggingface", "path": spec, "gguf_file": gguf_file,
             "architecture": type(model).__name__,
             "fingerprint": weights_fingerprint(model.state_dict()),
             "tokenizer": {"name": getattr(tok, "name_or_path", None), "vocab_size": len(tok),
                           "bos_id": tok.bos_token_id, "eos_id": tok.eos_token_id,
-                          "fingerprint": tok_lib.fingerprint(tok)},
+                          "fingerprint": tokenizer_fingerprint(tok)},
             "parameters": sum(p.numel() for p in model.parameters()),
         }
 
@@ -316,7 +315,6 @@ class HFAdapter(Adapter):
 
 def load_hf(spec: str, gguf_file: Optional[str] = None):
     """(model, tokenizer, resolved spec) from a folder, a .gguf file, or a hub name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     p = Path(spec).expanduser()
     kw = {}
     if p.is_file() and p.suffix == ".gguf":
@@ -331,7 +329,6 @@ def load_hf(spec: str, gguf_file: Optional[str] = None):
         where = spec
     folder = p.is_dir() and not gguf_file
     if folder:                                  # a damaged tokenizer file named, as an import names it
-        from utils.data.tok import load_tokenizer_folder
         tok = load_tokenizer_folder(p, imported=True)
     try:
         if not folder:

@@ -30,9 +30,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from utils.bench import tasks as T
 from utils.cli import PipelineError
+from utils.config import load_config
+from utils.data import mediawiki
+from utils.data.samples import SampleFile, fetch_samples
 from utils.data.textio import replace_surrogates
 
 # Hub defaults (what lm-evaluation-harness reads) and the offline sample folders.
@@ -66,7 +70,6 @@ HELDOUT_TRAIN_DUMP = "enwiki/enwiki-sample-pages-articles.xml.bz2"
 
 
 def heldout_sample():
-    from utils.data.samples import SampleFile
     return SampleFile("gensim", "4.4.0", "gensim/test/test_data/enwiki-table-markup.xml.bz2",
                       HELDOUT_DEST,
                       "81415636d4dc79c99147ee52098d9a1b1d977d5727543a81227d85ce5cca9383",
@@ -165,7 +168,6 @@ def read_rows(source: str, split: str, skipped: Counter) -> Iterator[Any]:
             yield from rows
         elif name.endswith(".parquet"):
             try:
-                import pyarrow.parquet as pq
                 yield from pq.read_table(path).to_pylist()
             except Exception as e:
                 raise _damaged(path, e) from e
@@ -179,7 +181,7 @@ def read_rows(source: str, split: str, skipped: Counter) -> Iterator[Any]:
 
 
 def _read_saved_dataset(path: Path, split: str) -> Iterator[Any]:
-    import datasets
+    import datasets         # ~0.5 s: only a saved dataset folder or a hub name needs it
     try:
         ds = datasets.load_from_disk(str(path))
     except FileNotFoundError as e:
@@ -206,7 +208,7 @@ def _read_hub(source: str, split: str) -> Iterator[Any]:
         raise PipelineError(f"cannot load '{source}' from the Hugging Face hub: offline "
                             "(HF_HUB_OFFLINE=1). Point the benchmark.*_source key at a local copy "
                             "(the offline samples are under data/samples/, `python main.py samples`).")
-    import datasets
+    import datasets         # as in _read_saved_dataset
     try:
         ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as e:
@@ -271,8 +273,6 @@ def _add_passages(data: TaskData, paragraphs, prefix: str) -> None:
 
 def _dump_articles(path: Path) -> list[tuple[str, str]]:
     """(title, cleaned text) of a MediaWiki XML dump, cleaned by the clean stage's own code (utils.data.mediawiki)."""
-    from utils.data import mediawiki
-    from utils.config import load_config
     opts = mediawiki.CleanOptions.from_config(load_config(base_file=None))
     out = []
     try:
@@ -287,7 +287,6 @@ def _dump_articles(path: Path) -> list[tuple[str, str]]:
 
 
 def _dump_titles(path: Path) -> set[str]:
-    from utils.data import mediawiki
     titles = set()
     with mediawiki.open_binary(path) as stream:
         for page in mediawiki.iter_xml_pages(stream):
@@ -297,7 +296,6 @@ def _dump_titles(path: Path) -> set[str]:
 
 def ensure_heldout(samples_dir: Path, cache_dir: Path) -> Path:
     """The held-out dump under samples_dir, extracted (and verified) from the gensim wheel."""
-    from utils.data.samples import fetch_samples
     target = samples_dir / HELDOUT_DEST
     fetch_samples(samples_dir, cache_dir / "sample_wheels", [heldout_sample()], log=lambda *_: None)
     return target

@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from utils.bench import scoring as S
+
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
                "memorize them. I will quiz you about the important information there.")
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
@@ -114,7 +116,6 @@ def run(ad, plan: PasskeyPlan, records: list, progress=None) -> dict:
     ``generate_greedy``, ``tok``, ``max_length``, ``long_context``). Returns the task result:
     overall accuracy over the samples run, and the grid (rows: depths, columns: lengths;
     None where a length was not run, with its status)."""
-    from utils.bench import scoring as S
 
     def count(text: str) -> int:
         return len(ad._framed(ad.encode([text])[0]))

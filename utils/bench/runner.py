@@ -162,6 +162,8 @@ def run_loglikelihood_task(task: str, ad: Adapter, items: list, batch_size: int,
 
 
 def run_completion(ad: Adapter, items: list, desc: str, records: list):
+    # optional for the stage: only this task needs them, and benchmark.py refuses it, naming
+    # them, when they are not installed
     import sacrebleu
     from rouge_score import rouge_scorer
 

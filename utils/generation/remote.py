@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from utils.generation.engine import Event, Sequence
-from utils.generation.loop import check_sequence
+from utils.generation.loop import EngineLoop, check_sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -296,7 +296,6 @@ class _Worker:
     (main) thread reads the caller's messages."""
 
     def __init__(self, conn: Connection, interval: float):
-        from utils.generation.loop import EngineLoop
         self.conn, self.interval = conn, interval
         self.last = float("-inf")
         self.started: set[int] = set()                  # uids whose first event was sent

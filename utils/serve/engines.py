@@ -6,6 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from utils.generation.engine import Engine
+from utils.quant import quantize_int8
+from utils.run import open_for_generation
+
 
 def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
     """``(engine, tok, slots, capacity, info)`` for :meth:`RemoteLoop.open
@@ -13,9 +17,6 @@ def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
     model's own (None: Infini-attention, no limit, docs/long_context.md); ``info`` what the
     HTTP side needs (the tokenizer, kind, rules (utils/data/chat.py: chat template, BOS,
     stop ids, generation defaults), label)."""
-    from utils.generation.engine import Engine
-    from utils.quant import quantize_int8
-    from utils.run import open_for_generation
     o = open_for_generation(path, cfg, device, say=worker.log, cache=worker.cache)
     if cfg.serve.quantize == "int8":
         worker.log(quantize_int8(o.model).line())
