@@ -47,11 +47,14 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from safetensors import SafetensorError
+
 from utils.bench import data as bench_data
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 from utils.config import PROJECT_ROOT
 from utils.data import sft
 from utils.data.tok import encode_plain
+from utils.disk import WriteError, free_bytes, named
 from utils.hf.card import Sources, model_card
 from utils.hf.chat import jinja_template
 from utils.run import (is_hf_model, load_model_and_tokenizer, pick_checkpoint, read_sft_config,
@@ -102,6 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     check_exportable(loaded, args.format)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     unchanged = f"; {out} is unchanged." if out.exists() else "."
+    needed = export_bytes(loaded.model, args.format, dtype)
+    check_room(out, needed, unchanged)
     try:
         tmp.mkdir(parents=True)
         files = write_export(cfg, args, loaded, tmp, dtype)
@@ -110,7 +115,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:     # what the format cannot hold (the writers say which tensor)
         raise PipelineError(f"cannot export {loaded.path} as {args.format}: {e}. Nothing was "
                             "written" + unchanged) from None
-    except OSError as e:        # a parent that is a file, no permission, a full disk ...
+    except (OSError, RuntimeError, SafetensorError) as e:   # a full disk (safetensors' own error too) ...
+        refused = named(out, e, needed=needed, setting="--out", note="Nothing was written" + unchanged)
+        if refused is not None:
+            raise refused from None
+        if not isinstance(e, OSError):
+            raise
         where = e.filename if e.filename and str(tmp) not in str(e.filename) else out.parent
         raise PipelineError(f"cannot write the export to {out}: {e.strerror or e} ({where}). "
                             "Nothing was written" + unchanged) from None
@@ -119,6 +129,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     report(out, files, loaded, args.format, dtype)
     return 0
+
+
+def export_bytes(model, fmt: str, dtype: Optional[str]) -> int:
+    """About the bytes the export's weights take (the tokenizer and card add little)."""
+    per = {"fp32": 4, "f32": 4, "fp16": 2, "f16": 2, "bf16": 2, "q8_0": 34 / 32}.get(dtype or "", 4)
+    return int(sum(p.numel() for p in model.parameters()) * per)
+
+
+def check_room(out: Path, needed: int, unchanged: str) -> None:
+    """Refuse, before writing, an export whose weights alone do not fit the free space of --out's
+    device (the export is written beside --out and then renamed into place)."""
+    free = free_bytes(out.parent)
+    if free is not None and free < needed:
+        raise WriteError(out, "full", needed=needed, free=free, setting="--out",
+                         note="Nothing was written" + unchanged)
 
 
 # --------------------------------------------------------------------------- flags
