@@ -13,6 +13,16 @@ Isolation (every test, in-process and in every subprocess it starts):
   (:func:`default_signals`), whatever the caller's dispositions (a background job starts
   with SIGINT ignored).
 
+Shared artifacts, built once per test run and used by every file that needs one (read-only):
+:func:`spm_tokenizer` and :func:`bpe_tokenizer` (functions, cached), the fixtures
+``bpe_tokenizer_dir``, ``train_shards`` (a tiny token shard set), ``trained_run`` (a tiny
+pre-training run made with `main.py train --test`) and ``sft_run`` (that run fine-tuned with
+`main.py sft train --test`).
+
+Stages run in the test process with :func:`run_stage` unless the process boundary is what a
+test is about (exit by signal, the router, the re-exec, a variable read at import): then
+:func:`run_main`, :func:`popen_main` or :func:`spawn_main` start `python main.py` as a user does.
+
 Outputs go to a tmp directory through a config whose ``paths.root`` points there; samples
 are read from the project's ``data/samples`` (fetched once by `python main.py samples`,
 which the test command runs first).
@@ -37,6 +47,8 @@ from pathlib import Path
 
 import pytest
 
+from utils.training.allocator import cpu_allocator_env
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
 ENWIKI_XML = SAMPLES / "enwiki" / "enwiki-sample-pages-articles.xml.bz2"
@@ -57,6 +69,10 @@ for _var in ("TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN", "HF_TOKE
              "LLM_PIPELINE_DEBUG"):
     os.environ.pop(_var, None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# CPU training re-executes itself once to set glibc's malloc tunables (utils/training/allocator.py),
+# importing torch a second time; the processes tests start have them set already. The re-exec
+# itself is tested where the environment drops them (tests/test_train.py allocator_env).
+os.environ.update(cpu_allocator_env())
 
 
 def default_signals() -> None:
@@ -88,7 +104,7 @@ def run_main(*args, timeout: float = 300, cwd=None, env=None, input=None) -> sub
 # Variables read once, when a library is imported (huggingface_hub's constants, torch's threads):
 # a stage run in this process would not see them changed.
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "MKL_",
-                        "GLIBC_TUNABLES", "PYTORCH_", "TORCH_", "PYTHON", "LC_", "LANG")
+                        "PYTORCH_", "TORCH_", "PYTHON", "LC_", "LANG")
 
 
 def run_stage(*args, cwd=None, env=None, input=None, timeout: float = 0) -> subprocess.CompletedProcess:
@@ -356,6 +372,81 @@ def train_shards(samples, tmp_path_factory) -> Path:
     """The shard set of :func:`write_train_shards`, built once per session; configs point
     ``dataset.wikipedia_test_dir`` at it (``train --test`` reads that set)."""
     return write_train_shards(tmp_path_factory.mktemp("train_shards") / "wikipedia_test")
+
+
+# ----------------------------------------------------------------------------- shared artifacts
+# Built once per test run (per worker process under pytest-xdist) and shared by every file;
+# read them, never change them (copy first: shutil.copytree).
+_BUILT: dict = {}
+
+
+def spm_tokenizer():
+    """The sample SentencePiece tokenizer (Mistral v1, 32,000 pieces), loaded once."""
+    if "spm" not in _BUILT:
+        from utils.data.tok import load_tokenizer_from
+        _BUILT["spm"] = load_tokenizer_from(str(SPM_MODEL))
+    return _BUILT["spm"]
+
+
+def news_lines(n: int = 300) -> list[str]:
+    """The first ``n`` non-empty lines of the news sample, stripped."""
+    lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines() if x.strip()]
+    return lines[:n]
+
+
+def bpe_tokenizer():
+    """A byte-level BPE of 700 pieces (the project's own tokenizer kind) trained once on the
+    first 300 lines of the news sample."""
+    if "bpe" not in _BUILT:
+        from tokenizer import train_bpe
+        _BUILT["bpe"] = train_bpe(news_lines(300), 700)
+    return _BUILT["bpe"]
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer_dir(samples, tmp_path_factory) -> Path:
+    """:func:`bpe_tokenizer` saved as a tokenizer folder (tokenizer.save_tokenizer)."""
+    from tokenizer import save_tokenizer
+    path = tmp_path_factory.mktemp("bpe_tokenizer") / "bpe"
+    save_tokenizer(bpe_tokenizer(), path, "trained on the news sample")
+    return path
+
+
+TRAINED_STEPS = 4
+
+
+@pytest.fixture(scope="session")
+def trained_run(train_shards, tmp_path_factory) -> dict:
+    """A tiny pre-training run made once as a user makes one: `main.py train --test` on
+    :func:`train_shards` with the sample SentencePiece tokenizer, TRAINED_STEPS steps, run
+    "base". Returns root, cfg (its config file), run (the run folder), ckpt (its
+    checkpoint_best.pt) and out (the stage's stdout + stderr)."""
+    root = tmp_path_factory.mktemp("trained_run")
+    cfg = write_config(root, {"tokenizer": {"name": str(SPM_MODEL)},
+                              "dataset": {"wikipedia_test_dir": str(train_shards)}})
+    p = run_stage("train", "--test", "--config", cfg, "--max-steps", TRAINED_STEPS, "--window", "32",
+                  "--eval-steps", TRAINED_STEPS, "--eval-batches", "1", "--sample-tokens", "0",
+                  "--name", "base", "--device", "cpu")
+    assert p.returncode == 0, p.stdout + p.stderr
+    run = root / "checkpoints" / "base"
+    return {"root": root, "cfg": cfg, "run": run, "ckpt": run / "checkpoint_best.pt",
+            "out": p.stdout + p.stderr}
+
+
+@pytest.fixture(scope="session")
+def sft_run(trained_run) -> dict:
+    """:func:`trained_run` fine-tuned once as a user does it: `sft prepare --test` (the offline
+    SciQ + ARC substitute) and `sft train --test` for 2 steps, run "base". Returns root, cfg,
+    run (the SFT run folder), ckpt (its checkpoint_best.pt) and out."""
+    root, cfg = trained_run["root"], trained_run["cfg"]
+    p = run_stage("sft", "prepare", "--config", cfg, "--test")
+    assert p.returncode == 0, p.stdout + p.stderr
+    q = run_stage("sft", "train", "--config", cfg, "--test", "--checkpoint", trained_run["ckpt"],
+                  "--name", "base", "--max-steps", "2", "--sample-tokens", "0")
+    assert q.returncode == 0, q.stdout + q.stderr
+    run, = (root / "checkpoints").glob("sft_base_*")
+    return {"root": root, "cfg": cfg, "run": run, "ckpt": run / "checkpoint_best.pt",
+            "out": p.stdout + p.stderr + q.stdout + q.stderr}
 
 
 def run_places(root: Path) -> dict:

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelArgs, create_model
-from tests.conftest import SPM_MODEL, run_stage, write_config
+from tests.conftest import SPM_MODEL, write_config
 import utils.generation.engine as E
 
 V, D = 211, 32
@@ -152,14 +152,8 @@ def test_trainer_samples_leave_no_decode_pack(tmp_path, train_shards, monkeypatc
     assert all(ref() is None for ref in packs) and model.training
 
 
-def test_train_says_its_attention_path_and_why_no_mfu(tmp_path, train_shards):
-    cfg = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)},
-                                  "dataset": {"wikipedia_test_dir": str(train_shards)}})
-    proc = run_stage("train", "--test", "--config", cfg, "--max-steps", "3", "--window", "32",
-                    "--eval-steps", "3", "--eval-batches", "1", "--sample-tokens", "0",
-                    "--name", "notes", "--device", "cpu")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout + proc.stderr
+def test_train_says_its_attention_path_and_why_no_mfu(trained_run):
+    out = trained_run["out"]                             # the shared run (tests/conftest.py)
     attention = [ln for ln in out.splitlines() if ln.startswith("attention:")]
     assert attention == ["attention: PyTorch SDPA with is_causal (flash-attn and flex attention "
                          "run on CUDA only, this is cpu)."], attention
@@ -167,7 +161,7 @@ def test_train_says_its_attention_path_and_why_no_mfu(tmp_path, train_shards):
     assert mfu == ["note: MFU is not logged: no peak FLOP/s is known for CPU devices (MFU is "
                    "reported on CUDA GPUs)."], mfu
     recs = [json.loads(x) for x in
-            (tmp_path / "logs" / "raw_metrics" / "notes.jsonl").read_text().splitlines()]
+            (trained_run["root"] / "logs" / "raw_metrics" / "base.jsonl").read_text().splitlines()]
     start = [r for r in recs if r.get("type") == "event" and r.get("event") == "start"]
     assert len(start) == 1 and "CPU devices" in start[0]["mfu_unavailable"]
     assert all("mfu" not in r for r in recs if r.get("type") == "train")

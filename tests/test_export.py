@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import (ENWIKI_XML, NEWS, SAMPLES, SPM_MODEL, offline_env, popen_main, run_stage,
-                            wait_for_line, write_config, write_train_shards)
+                            spm_tokenizer, wait_for_line, write_config, write_train_shards)
 from utils.generation.engine import Engine
 
 HEAD_SCALE = 8.0
@@ -78,14 +78,14 @@ TRICKY = ["<s> </s> <unk> literal specials stay text", "  two  spaces\tand\ttabs
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, samples):
-    """A root with an SPM config and a BPE config, and checkpoints of both kinds."""
-    from tokenizer import save_tokenizer, train_bpe
+def work(tmp_path_factory, samples, bpe_tokenizer_dir):
+    """A root with an SPM config and a BPE config (the run's shared BPE, copied), and
+    checkpoints of both kinds."""
     from utils.data.tok import load_tokenizer_from
     root = tmp_path_factory.mktemp("export")
-    spm = load_tokenizer_from(str(SPM_MODEL))
+    spm = spm_tokenizer()
     bpe_dir = root / "tokenizers" / "bpe"
-    save_tokenizer(train_bpe(news_docs(), 700), bpe_dir, "trained on the news sample")
+    shutil.copytree(bpe_tokenizer_dir, bpe_dir)
     bpe = load_tokenizer_from(str(bpe_dir))
     cfg_spm = write_config(root, {"tokenizer": {"name": str(SPM_MODEL)}}, "spm.json")
     cfg_bpe = write_config(root, {"tokenizer": {"name": str(bpe_dir)}}, "bpe.json")
@@ -1129,10 +1129,9 @@ def test_hostile_folders_and_gguf_files_through_infer(work, foreign, tmp_path):
 
 def test_a_model_without_bos_runs_and_a_bad_generation_config_is_ignored(work, foreign, tmp_path):
     """A tokenizer without BOS (bos_token null; Llama-architecture models trained without one
-    exist): infer's prompt is the text's ids alone (was: None in the prompt, a TypeError).
-    generation_config.json is never used (the config's inference section is), so one with
-    max_new_tokens -5 is ignored with one notice naming it (was: refused as if the weights were
-    bad). A folder with a non-finite rope_theta is not exported (the export would have written
+    exist): infer's plain prompt (--raw: the folder has a chat template) is the text's ids alone
+    (was: None in the prompt, a TypeError). A generation_config.json with max_new_tokens -5 is
+    ignored with one notice naming it (was: refused as if the weights were bad). A folder with a non-finite rope_theta is not exported (the export would have written
     "rope_theta": Infinity, which is not JSON)."""
     from utils.data.tok import encode_plain
     d = tmp_path / "no-bos"
@@ -1141,7 +1140,7 @@ def test_a_model_without_bos_runs_and_a_bad_generation_config_is_ignored(work, f
         if (d / name).is_file():
             _edit_json(name, lambda c: c.pop("bos_token", None) and None)(d)
     (d / "generation_config.json").write_text(json.dumps({"max_new_tokens": -5}))
-    r = run_stage("infer", "--config", work["cfg_bpe"], "--checkpoint", d, "--prompt", "The history of",
+    r = run_stage("infer", "--config", work["cfg_bpe"], "--checkpoint", d, "--prompt", "The history of", "--raw",
                  "--max-new-tokens", "3", "--temperature", "0", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["prompt_tokens"] == len(encode_plain(work["bpe"], ["The history of"])[0])

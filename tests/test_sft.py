@@ -14,20 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SPM_MODEL, paused_env, popen_main, run_stage, run_places, wait_for_line, write_config
+from tests.conftest import (SPM_MODEL, bpe_tokenizer, paused_env, popen_main, run_places, run_stage,
+                            spm_tokenizer, wait_for_line, write_config)
 
 TOK_NAME = str(SPM_MODEL)
 
 
 # --------------------------------------------------------------------------- helpers
-_TOK = {}
-
-
 def tokenizer():
-    if "tok" not in _TOK:
-        from utils.data.tok import load_tokenizer_from
-        _TOK["tok"] = load_tokenizer_from(TOK_NAME)
-    return _TOK["tok"]
+    """The sample SentencePiece tokenizer, shared by the whole run (conftest.spm_tokenizer)."""
+    return spm_tokenizer()
 
 
 def make_checkpoint(path: Path, *, kind: str = "pretrain", chat_template=None, seed: int = 0,
@@ -60,16 +56,6 @@ def work(tmp_path_factory, samples):
     assert r.returncode == 0, r.stderr
     base = make_checkpoint(root / "checkpoints" / "base" / "checkpoint_best.pt")
     return {"root": root, "cfg": cfg, "base": base, "prepare_out": r.stdout}
-
-
-def bpe_tokenizer():
-    """A byte-level BPE trained here on the news sample (the project's own tokenizer kind)."""
-    if "bpe" not in _TOK:
-        from tests.conftest import NEWS
-        from tokenizer import train_bpe
-        lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines() if x.strip()]
-        _TOK["bpe"] = train_bpe(lines[:300], 700)
-    return _TOK["bpe"]
 
 
 # Questions ending in whitespace; answers starting with punctuation, digits, non-ASCII, spaces.
