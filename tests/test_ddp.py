@@ -43,9 +43,6 @@ from utils.training.logging_utils import latest_per_step
 
 STEPS = 8          # optimizer steps of the compared runs
 B = 2              # windows per rank per step (the single process takes 2 * B)
-# A mean of at most a few hundred positive float32 terms summed in another order: within
-# n * 2**-24 of each other, relative (n = 128 tokens here: 7.6e-6).
-LOSS_RTOL = 1e-5
 # A gradient summed in another order (per-rank sums, then the all-reduce): the error of a float32
 # sum is at most n * 2**-24 of the sum of its terms' magnitudes; with cancellation between
 # tokens that is bounded here relative to the tensor's largest gradient.
@@ -109,19 +106,23 @@ def adam_step_bound(t: int, beta1: float, beta2: float) -> float:
 
 
 def adamw_state(ckpt: dict) -> tuple[dict, dict]:
-    """(parameter name -> exp_avg, the AdamW param_groups) of a checkpoint's optimizer: the
-    state is keyed by position in the groups, whose order follows model.named_parameters()
-    (trainer.build_optimizers), the model's own order less the untrained buffers."""
+    """(parameter index -> exp_avg, the AdamW param_groups) of a checkpoint's optimizer (the
+    state is keyed by position in the groups, which trainer.build_optimizers fills in
+    model.named_parameters() order, the same in both runs)."""
     opt = ckpt["optimizer"]["adamw"]
     return {i: st["exp_avg"] for i, st in opt["state"].items()}, opt["param_groups"]
 
 
-def assert_same_training(a_steps: list[dict], b_steps: list[dict], a_losses: dict, b_losses: dict) -> None:
+def assert_same_training(a_steps: list[dict], b_steps: list[dict], a_losses: dict, b_losses: dict,
+                         tokens: int = 2 * B * 32) -> None:
     """Two runs that sum the same numbers in another order trained alike, step by step, held to
     what the arithmetic guarantees: ``a_steps[k - 1]`` / ``b_steps[k - 1]`` are their step-k
-    checkpoints (resume form), ``*_losses`` their logged training losses by step.
+    checkpoints (resume form), ``*_losses`` their logged training losses by step, ``tokens``
+    the number of tokens a step's loss is the mean of.
 
-    - Step 1's loss (the same weights and windows) to float32 rounding (LOSS_RTOL), and its
+    - Step 1's loss (the same weights and windows) to float32 rounding: a mean of ``tokens``
+      positive float32 terms summed in another order is within tokens x 2**-24 of the other,
+      relative (128 tokens: 7.6e-6), and its
       gradients, read back from Adam's first moment (exp_avg = (1 - beta1) g after step 1), to
       rounding relative to each tensor's largest (GRAD_RTOL): a wrong data split, a sum that
       is not averaged or a missing gradient fails here.
@@ -132,7 +133,8 @@ def assert_same_training(a_steps: list[dict], b_steps: list[dict], a_losses: dic
     """
     a1, b1 = a_steps[0], b_steps[0]
     assert a1["step"] == b1["step"] == 1
-    assert abs(a_losses[1] - b_losses[1]) <= LOSS_RTOL * abs(b_losses[1]), (a_losses[1], b_losses[1])
+    loss_rtol = tokens * 2.0 ** -24
+    assert abs(a_losses[1] - b_losses[1]) <= loss_rtol * abs(b_losses[1]), (a_losses[1], b_losses[1])
     (ga, groups), (gb, _) = adamw_state(a1), adamw_state(b1)
     assert ga.keys() == gb.keys() and ga
     beta1, beta2 = groups[0]["betas"]
