@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11, pip, make):
 #   make demo   venv + pinned requirements + offline samples, then every built stage end to end
 #   make test   same set-up, then the test suite (what .ci/run calls)
+#   make test-fast   the unit tests only, for the edit loop
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ SMOLLM2 := data/samples/smollm2/SmolLM2-135M-Instruct
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: venv samples demo demo-long test perf browser
+.PHONY: venv samples demo demo-long test test-fast coverage perf browser
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -90,5 +91,22 @@ browser:
 	  sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "make: no apt-get: install chromium and chromedriver by hand for the browser test"; fi
 
+# The whole suite, what CI runs (.ci/run): two pytest workers (pytest-xdist), one per core, each
+# test file on one worker (its module fixtures, a trained run or a server, are built once)
 test: samples $(VENV)/.installed-test browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# The edit loop (not CI): the unit tests only, no stage run as a process, no server, under 3 minutes
+UNIT_TESTS := tests/test_checkpoint.py tests/test_config.py tests/test_dataloader.py \
+	tests/test_generation.py tests/test_layout.py tests/test_model.py tests/test_passkey.py \
+	tests/test_shards.py tests/test_status.py tests/test_wikitext.py
+test-fast: samples $(VENV)/.installed-test
+	$(PY) -m pytest -q -n 2 --dist loadfile $(UNIT_TESTS)
+
+# Line coverage of the stages, model.py and utils/ over the whole suite, the stages' own
+# processes included (.coveragerc); not CI
+coverage: samples $(VENV)/.installed-test browser
+	rm -f .coverage .coverage.*
+	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile -p no:cacheprovider
+	$(PY) -m coverage combine -q
+	$(PY) -m coverage report
