@@ -25,13 +25,14 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from utils.bench import data as D, passkey as P, tasks as T
+from utils.bench import tasks as T
 from utils.cli import PipelineError, StageParser, UsageError, cli_nonblank, cli_path, run_stage
 from utils.config import Config
 from utils.run import is_hf_model, list_runs, pick_checkpoint
 
-# bench's adapters, runner and report import torch (1-2 s): they are imported in the steps that
-# score and report, so --help and the refusals before the models load do not wait for them.
+# bench's adapters, runner and report import torch (1-2 s), its data and passkey modules numpy
+# and the data readers (~0.2 s): they are imported in the steps that use them, so --help and the
+# refusals before the models load do not wait for them.
 
 # Items per task for each preset (the seed's quick / standard / comprehensive sizes for
 # perplexity, LAMBADA and HellaSwag; ARC follows HellaSwag; None = the whole set). passkey:
@@ -229,6 +230,7 @@ def check_outputs(args, cfg) -> None:
 def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
     """Every task's data, loaded and validated once before any model is touched, and the
     seeded selection of items; one line per task."""
+    from utils.bench import data as D                # numpy (see the imports)
     b, root, samples_dir = cfg.benchmark, cfg.root, cfg.path("paths.samples_dir")
     loaded: dict = {}
     sources = {"lambada": b.lambada_source, "hellaswag": b.hellaswag_source,
@@ -264,6 +266,7 @@ def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
 
 def passkey_data(cfg, samples: Optional[int]):
     """The passkey grid to run (``benchmark.passkey_*``; --test: PASSKEY_TEST's small grid)."""
+    from utils.bench import data as D, passkey as P  # numpy (see the imports)
     b = cfg.benchmark
     grid = PASSKEY_TEST if cfg.test else {"lengths": b.passkey_lengths, "depths": b.passkey_depths}
     plan = P.PasskeyPlan(tuple(grid["lengths"]), tuple(grid["depths"]), samples or PASSKEY_FULL,
@@ -274,6 +277,7 @@ def passkey_data(cfg, samples: Optional[int]):
 
 def completion_data(data):
     """The completion task's items (prompt + reference words) from the perplexity passages."""
+    from utils.bench import data as D                # numpy (see the imports)
     comp = D.TaskData(task="completion", items=[], source=data.source, note=data.note)
     comp.skipped.update(data.skipped)
     for it in data.items:

@@ -49,20 +49,16 @@ from typing import Optional, Sequence
 
 from safetensors import SafetensorError
 
-from utils.bench import data as bench_data
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stage
 from utils.config import PROJECT_ROOT
-from utils.data import sft
-from utils.data.tok import encode_plain
 from utils.disk import WriteError, free_bytes, named
 from utils.hf.card import Sources, model_card
-from utils.hf.chat import jinja_template
 from utils.run import (is_hf_model, load_model_and_tokenizer, pick_checkpoint, read_sft_config,
                        stored_config)
 
-# What imports torch or transformers (utils/hf/*, but card.py and chat.py; bench's adapters and
-# report; 1-3 s) is imported in the step that uses it: --help and the refusals before the model
-# loads do not wait for them.
+# What imports torch or transformers (utils/hf/* but card.py, bench's adapters and report; 1-3
+# s) or the tokenizer and SFT-data modules (huggingface_hub, numpy; ~0.3 s) is imported in the
+# step that uses it: --help and the refusals before the model loads do not wait for them.
 
 FORMATS = ("hf", "gguf")
 PAUSE_ENV = "LLM_PIPELINE_PAUSE_EXPORT"
@@ -213,6 +209,7 @@ def public_model_tokenizer(ckpt: dict, tok):
     (their export frames text as we trained it)."""
     if not ckpt.get("model_rules"):
         return None
+    from utils.hf.chat import jinja_template                  # numpy (see the imports)
     own = copy.deepcopy(tok)            # the backend's encode_special_tokens is not copied: off
     own.split_special_tokens = False
     own.chat_template = jinja_template(ckpt.get("chat_template"))
@@ -297,6 +294,7 @@ def chat_template_of(loaded: Loaded) -> Optional[dict]:
     """A checkpoint's chat template (SFT, or a run started from a public model with one; None
     otherwise); one of template v1 (trained on SFT data format 1) is exported with a note: its
     text, not its token ids."""
+    from utils.data import sft                                 # numpy (see the imports)
     template = loaded.ckpt.get("chat_template")
     if template and sft.template_version(template) == sft.TEMPLATE_V1:
         print(f"export: note: {loaded.path} was trained with chat template '{sft.TEMPLATE_V1}' "
@@ -308,6 +306,7 @@ def chat_template_of(loaded: Loaded) -> Optional[dict]:
 
 
 def write_export(cfg, args, loaded: Loaded, folder: Path, dtype: Optional[str]) -> list[Path]:
+    from utils.hf.chat import jinja_template                  # numpy (see the imports)
     template = (getattr(loaded.hf_tok, "chat_template", None) if loaded.hf_tok is not None
                 else jinja_template(chat_template_of(loaded)))
     card = model_card(loaded.path, loaded.ckpt, loaded.model, loaded.tok_info, card_sources(cfg, loaded),
@@ -360,7 +359,9 @@ def quantization_report(cfg, loaded: Loaded, dtype: str, size: int, passages: in
     """What a smaller GGUF costs: its size, and the perplexity on held-out Wikipedia passages
     of the weights llama.cpp computes with (our forward pass on the de-quantized tensors),
     next to f16's and the original fp32's. Printed, and added to the model card."""
-    from utils.hf.to_gguf import dequantized_state, perplexity     # torch (see the imports)
+    from utils.bench import data as bench_data                     # numpy (see the imports)
+    from utils.data.tok import encode_plain                        # huggingface_hub
+    from utils.hf.to_gguf import dequantized_state, perplexity     # torch
     texts = bench_data.load_texts(None, cfg.path("paths.samples_dir"), cfg.path("paths.cache_dir"),
                                   cfg.root)
     items = [it.text for it in texts.items[:passages]]

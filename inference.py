@@ -42,14 +42,13 @@ from typing import Callable, Optional, Sequence
 
 from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, Terminated, UsageError, cli_path, printable,
                        run_stage, wrapped_for)
-from utils.data.chat import ChatTemplateError, answer_decoding, chat_prompt_ids
 from utils.device import available_bytes, resolve_device
-from utils.generation.detok import TextDecoder
 from utils.run import age_text, list_runs, open_for_generation
 
-# The generation engine, int8 weights and the decode-weight estimate import torch (1-2 s): they
-# are imported where a model is loaded or measured, so --help and the refusals before it do not
-# wait for them.
+# The generation engine, int8 weights and the decode-weight estimate import torch (1-2 s), the
+# chat and text modules the tokenizer's (huggingface_hub, numpy, jinja2; ~0.3 s): they are
+# imported where a model is loaded, prompted or measured, so --help and the refusals before it
+# do not wait for them.
 
 ROOT = Path(__file__).resolve().parent
 
@@ -252,6 +251,7 @@ class Session:
         return Loaded(o.path, label or o.label, o.model, o.kind, o.rules, n, o.tok, engine)
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
+        from utils.data.chat import ChatTemplateError, chat_prompt_ids      # (see the imports)
         tok = m.tok
         limit = m.model.args.context            # None: Infini-attention, no limit
         if m.chat:
@@ -287,7 +287,9 @@ class Session:
     def generate(self, m: Loaded, text: str, p: Params, on_text: Optional[Callable[[str], None]],
                  note: Callable[[str], None] = lambda s: None) -> tuple[str, Stats]:
         """Stream one completion; Ctrl-C stops it (the partial text is kept)."""
-        from utils.generation.engine import NonFiniteLogits     # torch (see the imports)
+        from utils.data.chat import answer_decoding             # (see the imports)
+        from utils.generation.detok import TextDecoder
+        from utils.generation.engine import NonFiniteLogits     # torch
         continues, lead = answer_decoding(m.template) if m.chat else (False, "")
         text_out = TextDecoder(m.tok)
         t0 = time.perf_counter()
