@@ -96,12 +96,12 @@ browser:
 test: samples $(VENV)/.installed-test browser
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-# The edit loop (not CI): the unit tests only, no stage run as a process, no server, under 3 minutes
+# The edit loop (not CI): the unit tests only (their files less the tests of a command line), under 3 minutes
 UNIT_TESTS := tests/test_checkpoint.py tests/test_config.py tests/test_dataloader.py \
 	tests/test_generation.py tests/test_layout.py tests/test_model.py tests/test_passkey.py \
 	tests/test_shards.py tests/test_status.py tests/test_wikitext.py
 test-fast: samples $(VENV)/.installed-test
-	$(PY) -m pytest -q -n 2 --dist loadfile $(UNIT_TESTS)
+	$(PY) -m pytest -q -n 2 --dist loadfile -k "not cli" $(UNIT_TESTS)
 
 # Line coverage of the stages, model.py and utils/ over the whole suite, the stages' own
 # processes included (.coveragerc); not CI
