@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (SPM_MODEL, paused_env, popen_main, run_stage, wait_for_line,
+from tests.conftest import (SPM_MODEL, paused_env, popen_main, run_main, run_stage, wait_for_line,
                             write_config)
 from utils.training.logging_utils import latest_per_step, read_jsonl
 
@@ -60,15 +60,17 @@ def work(tmp_path_factory, train_shards, samples):
     return {"root": root, "cfg": cfg, "sft": sft.name, "results": sorted(results.glob("*.json"))}
 
 
-def report(work, *args, out="reports"):
-    return run_stage("report", "--config", work["cfg"], *map(str, args),
-                    "--out", work["root"] / out, timeout=300)
+def report(work, *args, out="reports", process=False):
+    """`main.py report` in this process (conftest.run_stage), or with ``process`` as its own."""
+    return (run_main if process else run_stage)("report", "--config", work["cfg"], *map(str, args),
+                                                "--out", work["root"] / out, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def written(work):
-    """The reports of the base and the SFT run (with their comparison), written twice."""
-    first = ok(report(work, "base", work["sft"], "--html", out="first"))
+    """The reports of the base and the SFT run (with their comparison), written twice: the
+    first time by `python main.py report` as its own process, as a user runs it."""
+    first = ok(report(work, "base", work["sft"], "--html", out="first", process=True))
     ok(report(work, "base", work["sft"], "--html", out="second"))
     return {"out": work["root"] / "first", "stdout": first.stdout,
             "md": (work["root"] / "first" / "base" / "report.md").read_text(encoding="utf-8")}
