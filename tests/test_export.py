@@ -1171,7 +1171,7 @@ def test_export_never_replaces_what_is_not_an_export(work, tmp_path):
              (["--out", ck.parent, "--force"], 1, "holds the model being exported"),
              (["--out", work["root"], "--force"], 1, "holds the model being exported"),
              (["--out", other, "--force"], 1, "not an earlier export"),
-             (["--out", a_file / "sub"], 1, "Not a directory"),
+             (["--out", a_file / "sub"], 1, "a part of the path is a file, not a folder"),
              (["--out", tmp_path / "x", "--license", "mit\nevil: yes"], 2, "--license"),
              (["--out", tmp_path / "x", "--max-shard-size", "2 parsecs"], 2, "--max-shard-size")]
     for extra, code, needle in cases:
