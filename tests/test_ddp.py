@@ -35,9 +35,9 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (NEWS, ROOT, SPM_MODEL, default_signals, main_command, offline_env, run_stage,
+from tests.conftest import (NEWS, ROOT, SPM_MODEL, default_signals, main_command, run_stage,
                             paused_env, run_main, wait_for_line, write_config)
-from tests.test_train import FLAGS, log_of, losses, ok, train, weights
+from tests.test_train import FLAGS, allocator_env, log_of, losses, ok, train, weights
 from utils.run import load_checkpoint
 from utils.training.logging_utils import latest_per_step
 
@@ -61,8 +61,10 @@ def torchrun_command(*args) -> list[str]:
 
 
 def torchrun(cfg, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The launch in the user's environment, without the malloc tunables the suite presets
+    (each rank then notes the defaults it keeps: ranks never re-execute)."""
     return subprocess.run(torchrun_command("--config", cfg, *FLAGS, *args), capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=offline_env(),
+                          text=True, timeout=timeout, cwd=ROOT, env=allocator_env(),
                           stdin=subprocess.DEVNULL, preexec_fn=default_signals)
 
 
