@@ -292,7 +292,8 @@ def test_missing_run_and_bad_names(work, tmp_path):
     blocker.write_text("keep me")
     r = report(work, "base", out="a_file")               # --out is a file: one named error
     assert r.returncode == 1 and "Traceback" not in r.stderr and "unexpected" not in r.stderr
-    assert f"cannot write the report to {blocker / 'base'}" in r.stderr
+    assert f"cannot write {blocker / 'base'} on " in r.stderr and "a part of the path is a file, not a folder" \
+        in r.stderr and "(point --out or paths.reports_dir elsewhere)" in r.stderr, r.stderr
     assert blocker.read_text() == "keep me"
 
 

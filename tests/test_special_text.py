@@ -127,11 +127,11 @@ def _remote_404():
 def test_hub_spm_lookup_falls_back_on_the_expected_errors(monkeypatch, capsys, error, notices):
     """tokenizer.model missing from the repo: None, silently (tokenizer.json is the tokenizer);
     not cached while offline: None, with one notice naming the fallback."""
-    import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
+    from utils.data import tok
     from utils.data.tok import _hub_spm_file
     exc = LocalEntryNotFoundError("not in the cache") if error == "not-cached-offline" else _remote_404()
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", _fake_download(exc))
+    monkeypatch.setattr(tok, "hf_hub_download", _fake_download(exc))       # as the module imported it
     assert _hub_spm_file("org/model") is None
     err = capsys.readouterr().err
     assert err.count("notice:") == notices, err
@@ -139,9 +139,8 @@ def test_hub_spm_lookup_falls_back_on_the_expected_errors(monkeypatch, capsys, e
 
 
 def test_hub_spm_lookup_lets_unexpected_errors_through(monkeypatch):
-    import huggingface_hub
+    from utils.data import tok
     from utils.data.tok import _hub_spm_file
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
-                        _fake_download(PermissionError("cache folder not readable")))
+    monkeypatch.setattr(tok, "hf_hub_download", _fake_download(PermissionError("cache folder not readable")))
     with pytest.raises(PermissionError, match="cache folder not readable"):
         _hub_spm_file("org/model")

@@ -140,7 +140,10 @@ def bytes_of(obj, _seen: Optional[set] = None) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(bytes_of(v, seen) for v in obj)
     if hasattr(obj, "untyped_storage"):                 # a torch tensor: saved with its whole storage
-        storage = obj.untyped_storage()
+        try:
+            storage = obj.untyped_storage()
+        except (NotImplementedError, RuntimeError):     # sparse and other layouts have none: its values
+            return int(obj.numel() * obj.element_size())
         if storage.data_ptr() in seen:
             return 0
         seen.add(storage.data_ptr())
