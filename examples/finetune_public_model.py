@@ -36,7 +36,7 @@ def fine_tune(a) -> Path:
     cfg = a.workdir / "config.json"
     cfg.write_text(json.dumps({"paths": {"root": str(a.workdir.resolve()), "samples_dir": str(ROOT / "data" / "samples")},
                                "tokenizer": {"name": str(a.model.resolve())},
-                               "sft": {"max_length": 256, "val_split": 0.05}}, indent=2))
+                               "sft": {"max_length": 256, "val_split": 0.0}}, indent=2))
     stage("sft", "prepare", "--config", str(cfg), "--dataset", "samples", "--limit", str(a.records))
     stage("sft", "train", "--config", str(cfg), "--init-from-hf", str(a.model), "--max-steps", str(a.steps),
           "--batch-size", "2", "--sample-tokens", "0", "--name", "public")
