@@ -488,3 +488,24 @@ def assert_resolved_config(resolved: Path, config_file, overrides: dict | None =
     again = load_config(resolved, test=test)
     expected = load_config(config_file, overrides=overrides, test=test)
     assert again.to_dict() == expected.to_dict()
+
+
+# ----------------------------------------------------------------------------- a real browser
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+needs_browser = pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+                                   reason="no browser installed: apt-get install chromium chromium-driver "
+                                          "(make test installs them)")
+
+
+def headless_chromium(profile: Path, size: str = "1100,800"):
+    """Debian's Chromium driven by selenium, headless, with its own empty profile and the flags a
+    closed network needs (no background connections, no QUIC). The caller quits it."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              f"--window-size={size}", f"--user-data-dir={profile}"):
+        opts.add_argument(a)
+    return webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tests.conftest import SAMPLES, write_config
+from tests.conftest import SAMPLES, headless_chromium, needs_browser, write_config
 
 SMOL = SAMPLES / "smollm2" / "SmolLM2-135M-Instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -279,25 +279,13 @@ def test_serve_chats_with_smollm2_through_the_openai_client(smol, smol_server):
     assert r.usage.prompt_tokens == len(ref.apply_chat_template(longer, add_generation_prompt=True, return_dict=False))
 
 
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-
-
-@pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-                    reason="no browser installed: apt-get install chromium chromium-driver (make test installs them)")
+@needs_browser
 def test_the_chat_page_answers_with_smollm2(smol_server, tmp_path):
     """Headless Chromium on the chat page: ask SmolLM2 a question, read a real answer; a model
     that ends its reply at once gets a note saying so, not an empty bubble."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = str(CHROMIUM)
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--window-size=1000,700", f"--user-data-dir={tmp_path / 'profile'}"):
-        opts.add_argument(a)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
+    driver = headless_chromium(tmp_path / "profile", "1000,700")
     try:
         driver.get(smol_server["url"] + "/")
         wait = WebDriverWait(driver, 120, poll_frequency=0.1)

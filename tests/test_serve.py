@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import offline_env, popen_main, wait_for_line, write_config
+from tests.conftest import headless_chromium, needs_browser, offline_env, popen_main, wait_for_line, write_config
 from tests.test_sft import TOK_NAME, make_checkpoint, tokenizer
 from utils.data.chat import Rules
 
@@ -1511,27 +1511,14 @@ def test_a_request_whose_body_arrives_after_sigterm_gets_503(work):
     assert "Traceback" not in s.stderr() and "internal error" not in s.stderr()
 
 # --------------------------------------------------------------------------- the chat page
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-
-
-@pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-                    reason="no browser installed: apt-get install chromium chromium-driver "
-                           "(make test installs them)")
+@needs_browser
 def test_chat_page_in_a_real_browser(work, tmp_path):
     """Headless Chromium: pick a model, type, watch the reply stream in, stop it, send again,
     a chat model keeps the conversation, clear; a screenshot lands in the test's folder."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
     s = Server(work["root"], work["cfg"], "--checkpoint", work["long"], "--checkpoint", work["chat"])
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = str(CHROMIUM)
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--window-size=1100,800", f"--user-data-dir={tmp_path / 'profile'}"):
-        opts.add_argument(a)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
+    driver = headless_chromium(tmp_path / "profile", "1100,800")
     wait = WebDriverWait(driver, 60, poll_frequency=0.1)
     try:
         driver.get(s.url + "/")
