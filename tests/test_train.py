@@ -523,6 +523,46 @@ def test_logged_tokens_per_s_is_the_training_steps_alone(tmp_path):
     assert rates == {step: 2 * 8 / 1.0 for step in range(1, 9)}
 
 
+def test_metrics_returned_by_a_loss_and_a_val_fn_are_logged(tmp_path):
+    """A spec's loss may return ``(loss, {name: tensor})`` and its ``val_fn`` {name: float}:
+    the train records carry each metric's mean over the steps since the last record, the val
+    records the count-weighted validation mean as ``val_<name>`` and val_fn's numbers; with
+    val_fn and no validation data the run still validates (DPO and RL log through this)."""
+    from model import ModelArgs, create_model
+    from utils.training.logging_utils import DualLogger
+    from utils.training.trainer import (OptimizerSpec, Settings, Trainer, TrainSpec,
+                                        next_token_loss, seed_everything)
+    calls = []
+
+    def loss(model, batch):
+        calls.append(len(calls) + 1)
+        return next_token_loss(model, batch), {"n": torch.tensor(float(len(calls)))}
+
+    def run(name, val_data, val_fn):
+        calls.clear()
+        seed_everything(0)
+        args = ModelArgs(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8)
+        spec = TrainSpec(create_model(args), args, _Windows(), val_data, optimizer=OptimizerSpec(),
+                         loss=loss, val_fn=val_fn,
+                         settings=Settings(total_steps=4, min_lr=1e-4, warmup_steps=0, eval_interval=2,
+                                           eval_batches=1, checkpoint_every=4, keep_checkpoints=0,
+                                           log_every=2, dtype="fp32"))
+        logger = DualLogger(name, tmp_path / "logs", tensorboard=False)
+        assert Trainer(spec, run_dir=tmp_path / name, logger=logger, device="cpu",
+                       progress=False).fit().reason == "done"
+        logger.close()
+        recs = read_jsonl(logger.jsonl_path)
+        return latest_per_step(recs, "train"), latest_per_step(recs, "val")
+
+    train, val = run("both", [next(iter(_Windows()))], lambda model: {"pass": 0.25})
+    # calls: val@0 (1), steps 1-2 (2, 3), val@2 (4), steps 3-4 (5, 6), val@4 (7)
+    assert [(r["step"], r["n"]) for r in train] == [(2, 2.5), (4, 5.5)]
+    assert [(r["step"], r["val_n"], r["val_pass"]) for r in val] == [(0, 1.0, 0.25), (2, 4.0, 0.25), (4, 7.0, 0.25)]
+    train, val = run("fn_only", None, lambda model: {"pass": 0.5})
+    assert [(r["step"], r["val_pass"]) for r in val] == [(0, 0.5), (2, 0.5), (4, 0.5)]
+    assert all("val_loss" not in r for r in val) and (tmp_path / "fn_only" / "checkpoint_latest.pt").is_file()
+
+
 # --------------------------------------------------------------------------- SIGKILL mid-save
 def _catch_save(run_dir: Path, proc: subprocess.Popen, skip: set, limit: float = 180):
     """Spin until a training process starts writing checkpoint_latest.pt over an existing one:

@@ -249,6 +249,14 @@ def next_token_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return loss
 
 
+def split_loss(out) -> tuple[torch.Tensor, dict]:
+    """A spec's loss output as ``(loss, metrics)``: a bare tensor has no metrics."""
+    if isinstance(out, tuple):
+        loss, metrics = out
+        return loss, dict(metrics)
+    return out, {}
+
+
 def counted_tokens(batch: dict) -> float:
     """Positions the loss counts (for the token-weighted validation mean)."""
     valid = batch["y"] != -100
@@ -270,7 +278,16 @@ class TrainSpec:
     batch is ``{"x", "y"[, "loss_mask"]}`` (all (B, T)) or an ``(x, y)`` tuple. ``val_data``:
     re-iterable in a fixed order, or None. ``loss(model, batch)`` -> scalar; ``count(batch)``
     -> the positions it averages over. ``checkpoint_name(step)``: the numbered checkpoint's
-    file name. ``sample_fn(model)`` -> [(prompt, text)] at each validation."""
+    file name. ``sample_fn(model)`` -> [(prompt, text)] at each validation.
+
+    Metrics beyond the loss: ``loss`` may return ``(loss, {name: tensor})`` (e.g. DPO's
+    rewards and accuracy); the trainer averages each over a step's micro-batches, over the
+    steps since the last log record and over ranks, and logs it with the loss (train record)
+    or, count-weighted over the validation batches, as ``val_<name>`` (val record).
+    ``val_fn(model)`` -> {name: float} adds what is measured by generating rather than by a
+    loss (e.g. RL's pass@1 on held-out prompts): run at each validation on rank 0, inside
+    ``torch.random.fork_rng`` (training randomness is untouched), logged as ``val_<name>``;
+    with it, a run without ``val_data`` still validates (without a best checkpoint)."""
     model: nn.Module                    # the plain model, on the device
     model_args: Any                     # stored as checkpoint["model_args"] (to_dict())
     train_data: Any
@@ -282,6 +299,7 @@ class TrainSpec:
     count: Callable[[dict], float] = counted_tokens
     checkpoint_name: Callable[[int], str] = step_checkpoint_name
     sample_fn: Optional[Callable[[nn.Module], list[tuple[str, str]]]] = None
+    val_fn: Optional[Callable[[nn.Module], dict]] = None
     bytes_per_token: Optional[float] = None     # for bits per byte
     flops_per_token: Optional[float] = None     # for MFU (default: the model's own count)
 
@@ -494,6 +512,8 @@ class Trainer:
         self.model = m
         self.eval_interval = st.eval_interval
         self._pending: list[torch.Tensor] = []   # per-step losses not yet pulled to the host
+        self._step_metrics: list[dict] = []      # spec.loss's metrics of the steps since the last log record
+        self._val_metrics: dict = {}             # the last evaluation's (val_<name>)
         self._grad_norm: Optional[torch.Tensor] = None
         self._last_val: Optional[float] = None
         self._last_eval_step = -1
@@ -667,19 +687,42 @@ class Trainer:
         was = model.training
         model.eval()
         total = count = 0.0
+        sums: dict[str, float] = {}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for i, batch in enumerate(self.val_data):
                 if i >= max_batches:
                     break
                 b = _to(_as_dict(batch), self.device)
                 with autocast_ctx(self.device, self.dtype):
-                    loss = self.spec.loss(self.raw_model, b)
+                    loss, metrics = split_loss(self.spec.loss(self.raw_model, b))
                 n = self.spec.count(b)
                 total += float(loss) * n
                 count += n
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * n
         model.train(was)
-        total, count = D.all_reduce_sum(self.dist, [total, count], self.device)
+        names = sorted(sums)
+        total, count, *vals = D.all_reduce_sum(self.dist, [total, count] + [sums[k] for k in names],
+                                               self.device)
+        self._val_metrics = {f"val_{k}": v / count for k, v in zip(names, vals)} if count else {}
         return total / count if count else None
+
+    def _val_fn_metrics(self) -> dict:
+        """``spec.val_fn``'s numbers (rank 0, eval mode, training randomness untouched)."""
+        if self.spec.val_fn is None or not self.dist.is_main:
+            return {}
+        was = self.raw_model.training
+        self.raw_model.eval()
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                with torch.no_grad(), autocast_ctx(self.device, self.dtype):
+                    got = self.spec.val_fn(self.raw_model)
+        finally:
+            self.raw_model.train(was)
+        return {f"val_{k}": float(v) for k, v in got.items()}
+
+    def _say_metrics(self, metrics: dict) -> str:
+        return "".join(f" | {k.removeprefix('val_')} {v:.4g}" for k, v in metrics.items())
 
     def _samples(self) -> None:
         if self.sample_fn is None or not self.dist.is_main:
@@ -701,8 +744,15 @@ class Trainer:
         fires, "diverged" when the validation loss is not finite (the weights are NaN or inf:
         nothing is saved from them and no sample is drawn), else None."""
         val = self.evaluate()
+        extra = {**self._val_metrics, **self._val_fn_metrics()} if val is not None or self.spec.val_fn else {}
         self._last_eval_step = self.step
         if val is None:
+            if extra:
+                self.logger.log("val", self.step, {**extra, "epoch": self.epoch_float})
+                self._print(f"step {self.step}/{self.total_steps} | validation" + self._say_metrics(extra))
+                self._samples()
+                if self.step > 0:
+                    self.save("checkpoint_latest.pt")
             return None
         if not math.isfinite(val):
             self.logger.log("val", self.step, {"val_loss": val, "epoch": self.epoch_float})
@@ -713,12 +763,13 @@ class Trainer:
         is_best = self.metrics.update_val(self.step, val)
         rec = {"val_loss": val, "perplexity": perplexity(val),
                "bits_per_byte": bits_per_byte(val, self.bytes_per_token),
-               "best_val_loss": self.metrics.best_val_loss, "epoch": self.epoch_float}
+               "best_val_loss": self.metrics.best_val_loss, "epoch": self.epoch_float, **extra}
         self.logger.log("val", self.step, rec)
         bpb = rec["bits_per_byte"]
         self._print(f"step {self.step}/{self.total_steps} | val loss {val:.4f} | ppl "
                     f"{rec['perplexity']:.1f}" + (f" | bpb {bpb:.3f}" if bpb else "")
-                    + (" | best" if is_best else f" | best {self.metrics.best_val_loss:.4f}"))
+                    + (" | best" if is_best else f" | best {self.metrics.best_val_loss:.4f}")
+                    + self._say_metrics(extra))
         self._samples()
         if self.step > 0:
             if is_best:
@@ -779,7 +830,7 @@ class Trainer:
         for o in self.optimizers.values():
             o.zero_grad(set_to_none=True)
         reason = "done"
-        if self._resumed_from is None and self.val_data is not None:
+        if self._resumed_from is None and (self.val_data is not None or self.spec.val_fn is not None):
             reason = self._validate() or reason   # step 0: the untrained model's loss, the curve's first point
         bar = None
         if self.progress:
@@ -881,6 +932,7 @@ class Trainer:
         st = self.settings
         accum = st.grad_accum
         loss_sum = None
+        metric_sum: dict[str, torch.Tensor] = {}
         tokens = 0
         for micro in range(accum):
             b = _to(next(batches), self.device)
@@ -888,8 +940,11 @@ class Trainer:
             sync = contextlib.nullcontext() if (last or not self.dist.enabled) else self.model.no_sync()
             with sync:
                 with autocast_ctx(self.device, self.dtype):
-                    loss = self.spec.loss(self.model, b)
+                    loss, metrics = split_loss(self.spec.loss(self.model, b))
                 self.scaler.scale(loss / accum).backward()
+            for k, v in metrics.items():
+                v = v.detach().float() / accum
+                metric_sum[k] = v if k not in metric_sum else metric_sum[k] + v
             d = loss.detach()
             loss_sum = d if loss_sum is None else loss_sum + d
             tokens += b["x"].numel()
@@ -905,9 +960,23 @@ class Trainer:
         for o in self.optimizers.values():
             o.zero_grad(set_to_none=True)
         self._pending.append(loss_sum / accum)
+        if metric_sum:
+            self._step_metrics.append(metric_sum)
         tokens *= self.dist.world_size
         self.tokens_seen += tokens
         return tokens
+
+    def _window_metrics(self) -> dict:
+        """The mean of each loss metric over the steps since the last log record (and ranks)."""
+        if not self._step_metrics:
+            return {}
+        names = sorted(self._step_metrics[0])
+        vals = torch.stack([torch.stack([m[k] for k in names]) for m in self._step_metrics]).mean(0)
+        if self.dist.enabled:
+            tdist.all_reduce(vals, op=tdist.ReduceOp.SUM)
+            vals = vals / self.dist.world_size
+        self._step_metrics = []
+        return dict(zip(names, vals.tolist()))
 
     def _log_train(self, thr: Throughput, bar) -> None:
         self._flush_losses()
@@ -921,6 +990,7 @@ class Trainer:
         u = mfu(rate, self.flops_per_token, self.peak_flops, self.dist.world_size)
         if u is not None:
             rec["mfu"] = u
+        rec.update(self._window_metrics())
         if not math.isfinite(loss) and self.dist.is_main:
             self._print(f"warning: loss is {loss} at step {self.step} (diverged); lower "
                         "training.lr or use training.dtype bf16/fp32.")
