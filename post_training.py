@@ -120,7 +120,28 @@ def train_parser() -> StageParser:
     p.config_flag("--log-every", key="logging.log_every", type=int, metavar="N", help="steps between log records")
     p.add_argument("--sample-tokens", type=int, default=32, metavar="N",
                    help="tokens of the sample answer at each validation (0 = none)")
+    lora_flags(p)
     return p
+
+
+def lora_flags(p: StageParser) -> None:
+    """``--lora`` and the ``lora`` section's flags (utils/lora.py; docs/lora.md)."""
+    p.add_argument("--lora", action="store_true",
+                   help="train a LoRA adapter (peft) on the frozen model instead of all weights; "
+                        "checkpoints hold the base weights and the adapter, and every stage that "
+                        "reads them gets the merged model")
+    p.config_flag("--lora-rank", key="lora.rank", type=int, metavar="R", help="adapter rank")
+    p.config_flag("--lora-alpha", key="lora.alpha", type=float, metavar="A",
+                  help="adapter scale alpha (output x alpha / rank)")
+    p.config_flag("--lora-dropout", key="lora.dropout", type=float, metavar="P",
+                  help="dropout on the adapter's input")
+    p.config_flag("--lora-target-modules", key="lora.target_modules", type=name_list,
+                  metavar="NAMES", help="comma-separated projections: q_proj,v_proj,... (or ours: "
+                                        "wq,wv,...; or all-linear)")
+
+
+def name_list(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -411,9 +432,10 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
     rules = run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok, examples.meta["template"])
     data = split_data(cfg, args, examples, tok, eos)
     optimizer, settings = sft_hyperparameters(cfg, args, data)
+    adapter = lora_settings(cfg, args, src)
     start = stage.Start(src.run_dir.name, src.run_dir, src.model_args,
                         resume=src.ckpt if src.resumed else None,
-                        weights=None if src.resumed else src.ckpt["model"], rules=rules)
+                        weights=None if src.resumed else src.ckpt["model"], rules=rules, lora=adapter)
     parts = stage.Parts(
         lr_key="sft.lr", tokenizer=tok,
         spec=functools.partial(sft_spec, cfg, args, src, examples.meta, data, optimizer, settings,
@@ -498,6 +520,29 @@ def resumed_source(cfg, args, meta: dict) -> Source:
                             f"template midway. Start a new run: python main.py sft train "
                             f"--checkpoint {base}")
     return Source(rpath.parent, base, model_args, resume, rpath, resumed=True)
+
+
+def lora_settings(cfg, args, src: Source):
+    """The run's LoRA adapter (utils/lora.py), or None (all weights train): a new run's from
+    the ``lora`` section with ``--lora``; a resumed run keeps its checkpoint's."""
+    from utils import lora     # torch-bound: `sft prepare` does not load it
+    if src.resumed:
+        entry = src.ckpt.get("lora")
+        if entry is None and args.lora:
+            raise UsageError(f"--resume {src.path}: that run trains all weights; a run cannot switch "
+                             f"to LoRA midway. Start a new run: python main.py sft train --lora "
+                             f"--checkpoint {src.path}")
+        kept = lora.settings_from_entry(entry) if entry is not None else None
+        if kept is not None and args.lora and lora.LoraSettings.from_config(cfg.lora) != kept:
+            print(f"sft train: note: the resumed run keeps its adapter ({kept.describe()}); the "
+                  "lora section's settings apply to new runs.", flush=True)
+        return kept
+    if not args.lora:
+        return None
+    problem = lora.refusal(src.model_args)
+    if problem:
+        raise UsageError(f"--lora: {src.base}: {problem}.")
+    return lora.LoraSettings.from_config(cfg.lora)
 
 
 def open_run_tokenizer(cfg, src: Source, meta: dict):
