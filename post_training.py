@@ -442,7 +442,7 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
                                tok, tok_info, rules),
         run_files=functools.partial(run_files, cfg, args, src, examples.meta, data),
         resume_command=resume_command_sft(argv, src.run_dir / "checkpoint_latest.pt"),
-        closing=functools.partial(closing_line, src.run_dir))
+        closing=functools.partial(closing_line, src.run_dir, adapter is not None))
     proc = stage.one_process(resolve_device(cfg.training.device, "training.device"))
     return stage.set_up(cfg, start, proc, parts)
 
@@ -461,6 +461,9 @@ def parse_train(argv: Sequence[str]):
         raise UsageError(f"--name {args.name!r}: use letters, digits, '.', '_' or '-'.")
     if not 0 < args.eval_every <= 1:
         raise UsageError("--eval-every must be in (0, 1].")
+    if args.lora:
+        from utils.lora import LoraSettings   # torch-bound: `sft prepare` does not load it
+        LoraSettings.from_config(cfg.lora)     # an unknown target module: refused before any load
     return args, cfg
 
 
@@ -639,6 +642,7 @@ def sft_spec(cfg, args, src: Source, meta: dict, data: stage.Data, optimizer, se
           f"{cfg.sft.batch_size} conversations; lr {optimizer.lr:g}; "
           f"{str(resolve_dtype(settings.dtype, model.device)).replace('torch.', '')} on "
           f"{model.device}; base {src.base}.", flush=True)
+    say_adapter(model)
     record = stage.run_record("sft", cfg, tok_info, rules,
                               {"sft": {"base_checkpoint": str(src.base),
                                        "data_fingerprint": meta["data_fingerprint"]}})
@@ -647,6 +651,26 @@ def sft_spec(cfg, args, src: Source, meta: dict, data: stage.Data, optimizer, se
                      checkpoint_name=lambda step: f"checkpoint_epoch_{step // spe}.pt",
                      sample_fn=stage.sampler(cfg, SAMPLE_QUESTION, q_ids, args.sample_tokens,
                                              rules.stop_ids, answer))
+
+
+def say_adapter(model) -> None:
+    """A LoRA run's adapter and what trains (nothing for a full fine-tune)."""
+    from utils import lora     # torch-bound: `sft prepare` does not load it
+    adapter = lora.settings_of(model)
+    if adapter is not None:
+        trainable, total = lora.parameter_counts(model)
+        print(f"sft train: LoRA {adapter.describe()}: {trainable:,} trainable of {total:,} "
+              f"parameters ({100 * trainable / total:.2f}%); the rest is frozen.", flush=True)
+
+
+def adapter_record(model) -> Optional[dict]:
+    """sft_config.json's ``lora``: the adapter's settings and parameter counts (None: full)."""
+    from utils import lora     # torch-bound: `sft prepare` does not load it
+    adapter = lora.settings_of(model)
+    if adapter is None:
+        return None
+    trainable, total = lora.parameter_counts(model)
+    return {**adapter.to_dict(), "trainable_params": trainable, "total_params": total}
 
 
 def run_files(cfg, args, src: Source, meta: dict, data: stage.Data, spec) -> dict:
@@ -661,7 +685,8 @@ def run_files(cfg, args, src: Source, meta: dict, data: stage.Data, spec) -> dic
              "steps_per_epoch": st.steps_per_epoch, "seed": cfg.training.seed,
              "eval_every": args.eval_every, "dtype": str(resolve_dtype(st.dtype, device)),
              "device": str(device), "weight_decay": opt.weight_decay,
-             "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip}
+             "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip,
+             "lora": adapter_record(spec.model)}
     sft_config = {"run": src.run_dir.name, "base_checkpoint": str(src.base),
                   "resumed_from": str(args.resume) if src.resumed else None,
                   "data": {"dir": str(cfg.path("paths.post_training_dir")),
@@ -674,12 +699,21 @@ def run_files(cfg, args, src: Source, meta: dict, data: stage.Data, spec) -> dic
     return {"run": src.run_dir.name, **hyper}
 
 
-def closing_line(run_dir: Path, result, logger) -> str:
-    """Where the model is and how to try it."""
+def closing_line(run_dir: Path, adapter: bool, result, logger) -> str:
+    """Where the model is and how to try it; a LoRA run also writes its adapter as a PEFT
+    folder (``<run>/adapter/``, from its best checkpoint, else its latest)."""
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
-    return (f"sft train: {result.reason} at step {result.step}; best masked val loss {best}; "
-            f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint "
-            f"{run_dir / 'checkpoint_best.pt'}")
+    picked = run_dir / ("checkpoint_best.pt" if (run_dir / "checkpoint_best.pt").exists()
+                        else "checkpoint_latest.pt")
+    line = (f"sft train: {result.reason} at step {result.step}; best masked val loss {best}; "
+            f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint {picked}")
+    if not adapter:
+        return line
+    from utils.hf.adapter import save_adapter   # peft, transformers: a LoRA run's end only
+    ckpt = load_checkpoint(picked, purpose="weights", mmap=True, merge_lora=False)
+    save_adapter(run_dir / "adapter", ckpt["lora"], str((ckpt.get("sft") or {}).get("base_checkpoint") or ""))
+    return (line + f"\nsft train: LoRA adapter of {picked.name} in PEFT format: {run_dir / 'adapter'}; "
+            f"merged export: python main.py export --checkpoint {picked} --format hf")
 
 if __name__ == "__main__":
     run_stage(main)
