@@ -87,7 +87,8 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
                  "val_loss": None, "best_val_loss": None, "perplexity": None,
                  "bits_per_byte": None, "last_event": None, "last_record_age_s": None,
                  "state": "log unreadable" if _is_unreadable(problem) else "no log yet",
-                 "log_problem": problem, "checkpoints": [], "sample": None}
+                 "log_problem": problem, "checkpoints": [], "sample": None,
+                 "lora": hparams.get("lora") if isinstance(hparams.get("lora"), dict) else None}
     if train:
         last = train[-1]
         out.update(step=last.get("step"), loss=last.get("loss"),
@@ -222,6 +223,15 @@ def _num(x, fmt: str = ".4f") -> str:
     return format(x, fmt) if _finite(x) else "n/a"
 
 
+def _lora_line(a: dict) -> str:
+    """A LoRA run's adapter (the log's hyperparameters, post_training.adapter_record)."""
+    share = (f": {a['trainable_params']:,} trainable of {a['total_params']:,} parameters "
+             f"({100 * a['trainable_params'] / a['total_params']:.2f}%)"
+             if isinstance(a.get("trainable_params"), int) and a.get("total_params") else "")
+    return (f"r={a.get('rank')}, alpha={a.get('alpha')}, on "
+            f"{', '.join(map(str, a.get('target_modules') or []))}{share}")
+
+
 def format_summary(s: dict) -> str:
     step = s["step"] if s["step"] is not None else "n/a"
     of = f" of {s['total_steps']}" if s["total_steps"] else ""
@@ -241,6 +251,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"  ETA          {_dur(s['eta_s'])}")
     lines.append(f"  validation   loss {_num(s['val_loss'])} (best {_num(s['best_val_loss'])}), "
                  f"perplexity {_num(s['perplexity'], '.2f')}, bits/byte {_num(s['bits_per_byte'])}")
+    if s.get("lora"):
+        lines.append(f"  LoRA         {_lora_line(s['lora'])}")
     if s["sample"]:
         lines.append(f"  sample       step {s['sample']['step']}: {s['sample']['prompt']!r} -> "
                      f"{(s['sample']['text'] or '')[:120]!r}")
