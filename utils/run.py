@@ -355,7 +355,7 @@ def resume_command_train(argv: Sequence[str], run: str, world_size: int,
 def resume_command_sft(argv: Sequence[str], latest: Path) -> str:
     """The command that continues an SFT run from its ``latest`` checkpoint (``argv``: the
     arguments after ``sft train``)."""
-    out = argv_without(list(argv), ("--resume", "--checkpoint"))
+    out = argv_without(list(argv), ("--resume", "--checkpoint", "--init-from-hf"))
     return "python main.py sft train " + shlex.join(out + ["--resume", str(latest)])
 
 
