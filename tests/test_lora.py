@@ -308,3 +308,27 @@ def test_status_and_report_show_the_adapter(lora_run):
     md = (lora_run["root"] / "reports" / name / "report.md").read_text().replace("\\_", "_")   # Markdown escapes
     assert "| LoRA | r=4, alpha=16.0, dropout 0.05, on q_proj" in md
     assert f"{lora_run['run']}/adapter" in md
+
+
+def test_generation_with_an_unmerged_adapter_goes_through_it():
+    """Validation samples of a LoRA run are the adapter model's: the CPU decode pack (a copy
+    of W) is not used for a model with an unmerged adapter, so greedy tokens equal the merged
+    model's (and not the base's)."""
+    from model import ModelArgs, create_model
+    from utils import lora
+    from utils.generation.engine import generate
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    base = create_model(args).eval()
+    adapted = create_model(args)
+    adapted.load_state_dict(base.state_dict())
+    lora.apply(adapted, lora.LoraSettings(rank=4, alpha=8.0, dropout=0.0))
+    for name, p in adapted.named_parameters():
+        if ".lora_B." in name:
+            torch.nn.init.normal_(p, std=0.5)
+    adapted.eval()
+    merged = create_model(args).eval()
+    merged.load_state_dict(lora.merged(lora.split_state(adapted)[0], lora.checkpoint_entries(adapted)["lora"]))
+    run = lambda m: generate(m, [[1, 5, 9, 13]], max_new_tokens=12, temperature=0)[0]   # noqa: E731
+    assert run(adapted) == run(merged)
+    assert run(base) != run(merged)
