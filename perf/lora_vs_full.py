@@ -17,7 +17,8 @@ require gradients), the same fixed random batch of ``--batch`` x ``--seq`` token
 trainer's loss call (``model(x, y, return_logits=False)``, the fused chunked loss). Timed: one
 whole optimizer step (forward, loss, backward, AdamW step, zero_grad), ``--steps`` times after
 one warm-up step; printed per contender as min / median / max over every timed step of every
-repeat. Peak memory: the process's VmHWM (/proc) after its steps, its peak reset once the
+repeat, in wall-clock seconds and in the process's CPU seconds (which the machine's other
+load disturbs less than the wall clock when the cores are shared). Peak memory: the process's VmHWM (/proc) after its steps, its peak reset once the
 model is loaded (the import's own transient copies are not counted), in total and minus the
 resident memory of the loaded model (what training adds: gradients, optimizer state,
 activations, the adapter).
@@ -70,16 +71,17 @@ def child(args) -> None:
     opt = OptimizerSpec(lr=1e-4).build(model, torch.device("cpu"))["adamw"]
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.args.vocab_size, (args.batch, args.seq + 1), generator=g)
-    times = []
+    times, cpu = [], []
     for i in range(args.steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         _, loss = model(x[:, :-1], x[:, 1:], return_logits=False)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i:                                          # the first step warms up
             times.append(time.perf_counter() - t0)
-    print(json.dumps({"mode": args.mode, "trainable": trainable, "total": total, "times": times,
+            cpu.append(time.process_time() - c0)
+    print(json.dumps({"mode": args.mode, "trainable": trainable, "total": total, "times": times, "cpu": cpu,
                       "loaded_mb": loaded, "peak_mb": vm_hwm_mb(), "loss": float(loss)}))
 
 
@@ -116,8 +118,8 @@ def main() -> None:
     print(f"{Path(args.model).name}, fp32 on CPU ({args.threads} threads), batch {args.batch} x "
           f"{args.seq} tokens, {args.steps} timed steps x {args.repeats} repeats (interleaved)\n")
     print("| | trainable parameters | peak memory (MB): total / added by training | "
-          "step time (s): min / median / max |")
-    print("| --- | ---: | ---: | ---: |")
+          "step time (s): min / median / max | CPU seconds per step: min / median / max |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for mode in ("full", "lora"):
         rs = got[mode]
         r = rs[0]
@@ -126,10 +128,11 @@ def main() -> None:
         times = [t for x in rs for t in x["times"]]
         print(f"| {'full fine-tuning' if mode == 'full' else 'LoRA r=8 (7 projections)'} | "
               f"{r['trainable']:,} of {r['total']:,} ({100 * r['trainable'] / r['total']:.2f}%) | "
-              f"{peak:,.0f} / {added:,.0f} | {three(times)} |")
-    full = statistics.median(t for x in got["full"] for t in x["times"])
-    low = statistics.median(t for x in got["lora"] for t in x["times"])
-    print(f"\nLoRA step time / full: {low / full:.2f} (medians)")
+              f"{peak:,.0f} / {added:,.0f} | {three(times)} | {three([c for x in rs for c in x['cpu']])} |")
+    for key, what in (("times", "step time"), ("cpu", "CPU seconds per step")):
+        full = statistics.median(t for x in got["full"] for t in x[key])
+        low = statistics.median(t for x in got["lora"] for t in x[key])
+        print(f"\nLoRA / full, {what}: {low / full:.2f} (medians)")
 
 
 if __name__ == "__main__":
