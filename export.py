@@ -5,6 +5,11 @@
         --dtype q8_0 --out exports/sft_x-gguf
     python main.py export ... --force          replace an existing --out (only once the new
                                                export is complete)
+    python main.py export ... --adapter DIR    merge a PEFT LoRA adapter folder first
+
+A LoRA run's checkpoint (utils/lora.py) is exported with its adapter merged (the one loader
+merges it); ``--adapter DIR`` merges a PEFT LoRA folder (a LoRA run's ``<run>/adapter``, or
+one trained with peft on the same base) into any checkpoint or Hugging Face model first.
 
 Input: any checkpoint the one loader reads (pre-trained or SFT), or a run folder (its best
 checkpoint, as ``benchmark`` picks), opened with the tokenizer it was trained with
@@ -87,6 +92,11 @@ def build_parser() -> StageParser:
                         "written in shards with model.safetensors.index.json")
     p.add_argument("--force", action="store_true",
                    help="replace an existing --out (once the new export is complete)")
+    p.add_argument("--adapter", type=cli_path, default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter folder (adapter_config.json + "
+                        "adapter_model.safetensors, e.g. a LoRA run's <run>/adapter) to merge into "
+                        "the model before it is written (a LoRA run's checkpoint is merged "
+                        "without it)")
     return p
 
 
@@ -96,6 +106,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.out:                                        # before the model loads
         check_out(Path(args.out), Path(args.checkpoint), args.force)
     loaded = open_checkpoint(cfg, args.checkpoint)
+    say_merged(loaded)
+    if args.adapter:
+        merge_adapter(loaded, Path(args.adapter))
     out = Path(args.out) if args.out else cfg.root / "exports" / f"{loaded.run}-{args.format}"
     check_out(out, loaded.path, args.force)
     check_exportable(loaded, args.format)
@@ -200,6 +213,34 @@ def open_checkpoint(cfg, spec: str) -> Loaded:
     path = pick_checkpoint(spec, say=lambda s: print(f"export: {s}", file=sys.stderr))
     model, ckpt, tok, info = load_model_and_tokenizer(path, cfg, say=lambda m: print(m, file=sys.stderr))
     return Loaded(path, model, ckpt, tok, info, hf_tok=public_model_tokenizer(ckpt, tok))
+
+
+def say_merged(loaded: Loaded) -> None:
+    """A LoRA run's checkpoint is exported merged (utils.run.load_checkpoint merged it)."""
+    entry = loaded.ckpt.get("lora")
+    if entry:
+        print(f"export: {loaded.path} is a LoRA run's checkpoint: its adapter (r={entry['rank']}, "
+              f"alpha={entry['alpha']:g}, on {', '.join(entry['target_modules'])}) is merged into "
+              "the exported weights; the adapter alone is in its run folder's adapter/ (PEFT "
+              "format).", file=sys.stderr)
+
+
+def merge_adapter(loaded: Loaded, folder: Path) -> None:
+    """``--adapter``: a PEFT LoRA folder (utils/hf/adapter.py) merged into the loaded model
+    (W + scale * B @ A), refused naming the folder when it does not fit the model."""
+    from utils import lora                                     # torch (see the imports)
+    from utils.hf.adapter import read_adapter                  # peft's format, safetensors
+    entry = read_adapter(folder)
+    sd = loaded.model.state_dict()
+    try:
+        settings = lora.check_entry(entry, {k: tuple(v.shape) for k, v in sd.items()})
+    except ValueError as e:
+        raise PipelineError(f"--adapter {folder}: it does not fit the model of {loaded.path}: {e}. "
+                            "Merge an adapter trained on this model.") from None
+    loaded.model.load_state_dict(lora.merged(sd, entry), strict=True)
+    loaded.ckpt = {**loaded.ckpt, "lora": {**settings.to_dict(), "merged": True, "adapter": str(folder)}}
+    print(f"export: merged the LoRA adapter {folder} ({settings.describe()}) into {loaded.path}.",
+          file=sys.stderr)
 
 
 def public_model_tokenizer(ckpt: dict, tok):

@@ -90,6 +90,9 @@ ALIASES: dict[str, str] = {a: name for name, st in STAGES.items() for a in st.al
 MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "infer", "benchmark",
               "export", "serve", "report", "samples"]
 
+# what the menu's argument prompt suggests (default: --test)
+MENU_EXAMPLES = {"sft": "train --checkpoint checkpoints/<run> --lora"}
+
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ROUTER_PID_ENV = "LLM_PIPELINE_ROUTER_PID"   # utils/cli.py: a stage stops when this process dies
@@ -237,7 +240,7 @@ def interactive() -> int:
         if name is None:
             print(f"'{choice}' is not a menu choice; enter a number from 1 to {quit_no}.\n")
             continue
-        raw = _ask(f"Arguments for '{name}' (Enter for none, e.g. --test): ")
+        raw = _ask(f"Arguments for '{name}' (Enter for none, e.g. {MENU_EXAMPLES.get(name, '--test')}): ")
         if raw is None:
             return last
         try:

@@ -89,7 +89,8 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
                  "state": "log unreadable" if _is_unreadable(problem) else "no log yet",
                  "log_problem": problem, "checkpoints": [], "sample": None,
                  "kind": run_kind(run_dir), "chain": lineage(checkpoints_dir, run_dir),
-                 "metrics": {}}
+                 "metrics": {},
+                 "lora": hparams.get("lora") if isinstance(hparams.get("lora"), dict) else None}
     if train:
         last = train[-1]
         out.update(step=last.get("step"), loss=last.get("loss"),
@@ -245,6 +246,15 @@ def _num(x, fmt: str = ".4f") -> str:
     return format(x, fmt) if _finite(x) else "n/a"
 
 
+def _lora_line(a: dict) -> str:
+    """A LoRA run's adapter (the log's hyperparameters, post_training.adapter_record)."""
+    share = (f": {a['trainable_params']:,} trainable of {a['total_params']:,} parameters "
+             f"({100 * a['trainable_params'] / a['total_params']:.2f}%)"
+             if isinstance(a.get("trainable_params"), int) and a.get("total_params") else "")
+    return (f"r={a.get('rank')}, alpha={a.get('alpha')}, on "
+            f"{', '.join(map(str, a.get('target_modules') or []))}{share}")
+
+
 def format_summary(s: dict) -> str:
     step = s["step"] if s["step"] is not None else "n/a"
     of = f" of {s['total_steps']}" if s["total_steps"] else ""
@@ -269,6 +279,8 @@ def format_summary(s: dict) -> str:
                  f"perplexity {_num(s['perplexity'], '.2f')}, bits/byte {_num(s['bits_per_byte'])}")
     if s.get("metrics"):
         lines.append("  metrics      " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(s["metrics"].items())))
+    if s.get("lora"):
+        lines.append(f"  LoRA         {_lora_line(s['lora'])}")
     if s["sample"]:
         lines.append(f"  sample       step {s['sample']['step']}: {s['sample']['prompt']!r} -> "
                      f"{(s['sample']['text'] or '')[:120]!r}")

@@ -23,7 +23,7 @@ LAYERS = (
     ("utils.config",),
     ("utils.cli", "utils.environment"),
     ("utils.device", "utils.activations", "utils.attention", "utils.loss", "utils.infini",
-     "utils.quant"),                                         # the device; the network's parts
+     "utils.quant", "utils.lora"),                           # the device; the network's parts
     ("utils.data", "model", "utils.training"),               # text to tokens; the network; the loop
     ("dataloader", "utils.generation", "utils.hf"),
     ("utils.run",),

@@ -324,6 +324,19 @@ class SFTConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = _f(8, "LoRA rank r of each adapter (sft train --lora)", min=1)
+    alpha: float = _f(16.0, "LoRA alpha: the adapter's output is scaled by alpha / rank", min=0,
+                      min_exclusive=True)
+    dropout: float = _f(0.05, "dropout on the adapter's input while training", min=0, max=0.99)
+    target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                    "down_proj"],
+                                   "projections that get an adapter: Hugging Face Llama names "
+                                   "(q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), ours "
+                                   "(wq wk wv wo w_gate w_up w_down), or all-linear")
+
+
+@dataclass
 class InferenceConfig:
     max_new_tokens: int = _f(200, "tokens generated per prompt", min=1)
     temperature: float = _f(0.8, "sampling temperature (0 = greedy)", min=0)
@@ -411,6 +424,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)

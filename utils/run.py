@@ -22,6 +22,8 @@ seed's old flat layout of ``*.pt`` files directly in the folder is one "legacy" 
 Checkpoints (the one loader; the file format itself is ``utils/training/checkpoint.py``):
 
     ckpt = load_checkpoint(path, purpose="weights"|"resume")   validated against the model
+                                                                 (a LoRA run's adapter merged
+                                                                 for "weights": utils/lora.py)
     model, ckpt = load_model(path, device)                       rebuilt from ckpt["model_args"]
     model, ckpt, tok, info = load_model_and_tokenizer(path, cfg, device)   with its own tokenizer
     tok, info = tokenizer_for_checkpoint(ckpt, cfg, path)        the tokenizer it was trained with
@@ -95,13 +97,36 @@ def _weight_shapes(model_args: dict, weights: Optional[dict] = None) -> dict:
     return {k: tuple(v.shape) for k, v in ref.state_dict().items()}
 
 
-def load_checkpoint(path, purpose: str = "weights", map_location="cpu", mmap: bool = False) -> dict:
+def load_checkpoint(path, purpose: str = "weights", map_location="cpu", mmap: bool = False,
+                    merge_lora: bool = True) -> dict:
     """The one checkpoint loader (``read_checkpoint``'s checks, plus the weights' names and
     shapes against the model the stored model_args build). purpose "weights": what SFT,
     inference, benchmark and export need; "resume": also the full training state. ``mmap``:
-    tensors stay in the file (memory-mapped) until touched, for readers of the metadata."""
+    tensors stay in the file (memory-mapped) until touched, for readers of the metadata.
+    ``merge_lora`` False: a LoRA run's adapter stays apart for "weights" too (export's
+    adapter folder)."""
     from utils.training.checkpoint import read_checkpoint        # torch (see the imports)
-    return read_checkpoint(path, purpose, map_location, shapes_of=_weight_shapes, mmap=mmap)
+    ckpt = read_checkpoint(path, purpose, map_location, shapes_of=_weight_shapes, mmap=mmap)
+    if ckpt.get("lora") is not None:
+        _open_adapter(ckpt, Path(path), merge=purpose == "weights" and merge_lora)
+    return ckpt
+
+
+def _open_adapter(ckpt: dict, path: Path, merge: bool) -> None:
+    """A LoRA run's checkpoint (utils/lora.py): its adapter validated against the base weights;
+    for readers of weights (``merge``) merged into ``"model"``, the entry then keeping its
+    settings and ``"merged": True`` (no tensors: nothing can merge it twice); a resume gets
+    them apart."""
+    from utils import lora                                       # torch (see the imports)
+    from utils.training.checkpoint import CheckpointError        # torch
+    entry = ckpt["lora"]
+    try:
+        settings = lora.check_entry(entry, {k: tuple(v.shape) for k, v in ckpt["model"].items()})
+    except ValueError as e:
+        raise CheckpointError(path, f"its LoRA adapter is damaged: {e}") from None
+    if merge:
+        ckpt["model"] = lora.merged(ckpt["model"], entry)
+        ckpt["lora"] = {**settings.to_dict(), "merged": True}
 
 
 def load_model(path, device="cpu"):
@@ -332,7 +357,7 @@ def resume_command_train(argv: Sequence[str], run: str, world_size: int,
 def resume_command_sft(argv: Sequence[str], latest: Path) -> str:
     """The command that continues an SFT run from its ``latest`` checkpoint (``argv``: the
     arguments after ``sft train``)."""
-    out = argv_without(list(argv), ("--resume", "--checkpoint"))
+    out = argv_without(list(argv), ("--resume", "--checkpoint", "--init-from-hf"))
     return "python main.py sft train " + shlex.join(out + ["--resume", str(latest)])
 
 

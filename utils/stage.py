@@ -50,7 +50,9 @@ import torch.nn as nn
 from model import create_model
 from utils.cli import EXIT_INTERRUPTED, PipelineError
 from utils.data.chat import Rules, rules_of_checkpoint
+from utils import lora
 from utils.generation.engine import generate
+from utils.lora import LoraSettings
 from utils.run import RunOutputs, save_run_tokenizer
 from utils.training import distributed as D
 from utils.training.trainer import (RunRecord, TrainResult, Trainer, TrainSpec, diverged_message,
@@ -85,6 +87,7 @@ class Start:
     resume: Optional[dict] = None       # utils.run.load_checkpoint(..., "resume"): Trainer.load_state
     weights: Optional[dict] = None      # a state dict for the freshly built model
     rules: Optional[Rules] = None       # kept in checkpoints (None: ours apply)
+    lora: Optional[LoraSettings] = None  # a LoRA run's adapter (utils/lora.py); None: all weights train
 
     @property
     def purge_step(self) -> Optional[int]:
@@ -183,11 +186,15 @@ def sampler(cfg, prompt: str, prompt_ids: list, tokens: int, stop_ids,
 
 def build_model(start: Start, seed: int, device) -> nn.Module:
     """The seeded model of ``start.model_args`` with the weights the run starts from (a resumed
-    run's are loaded with its training state), on ``device``."""
+    run's are loaded with its training state), on ``device``; with ``start.lora``, a new
+    adapter on those weights, everything else frozen (a resumed run's adapter weights replace
+    the new one's with its training state)."""
     seed_everything(seed)
     model = create_model(start.model_args)
     if start.weights is not None:
         model.load_state_dict(start.weights, strict=True)
+    if start.lora is not None:
+        lora.apply(model, start.lora)
     return model.to(device)
 
 

@@ -16,7 +16,8 @@ slow on some CPUs). Both in utils/generation/cpu.py.
 Cost: a second copy of the weights (and a third of the head) while the engine holds it, so
 models above ``DECODE_PACK_MAX_BYTES`` of weights are not packed. Sums run in another order,
 so logits can differ from the Linear's in the last bits. Not on CUDA (its GEMV has no such
-gap) nor for bf16/fp16 weights (slower transposed on CPU).
+gap) nor for bf16/fp16 weights (slower transposed on CPU), nor for a model training a LoRA
+adapter (utils/lora.py: its projections are W x + B A x, which the copy of W would not hold).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from utils import lora
 from utils.generation.cpu import RowsProduct, panel_mm, panels, rows_product
 from utils.quant import int8_decode_weights, int8_mm
 
@@ -63,6 +65,8 @@ def pack_key(model) -> Optional[tuple]:
     optimizer step or ``load_state_dict`` changes it), None where no pack applies."""
     if getattr(model, "quantized", None):
         return INT8
+    if lora.settings_of(model) is not None:    # an unmerged adapter: a copy of the weights would drop it
+        return None
     w = model.lm_head.weight
     params = list(model.parameters())
     if not decode_pack_applies(w.device.type, w.dtype, sum(p.numel() * p.element_size() for p in params)):

@@ -7,6 +7,7 @@ shapes), so the mapping is a pure rename (tensors shared, not copied):
 - ``to_hf_state_dict(model_or_state_dict, args=None)`` -> LlamaForCausalLM's names; with tied
   embeddings ``lm_head.weight`` is the embedding tensor, as HF's own state_dict has it.
 - ``from_hf_state_dict(sd, args)`` -> ours (``rotary_emb.inv_freq`` buffers dropped).
+- ``hf_weight_name(name)`` / ``our_weight_name(name)``: one name either way (LoRA adapters).
 - ``hf_config(args, eos_id=None)`` -> ``transformers.LlamaConfig``;
   ``model_args_from_hf_config(config, bos_id=None)`` -> ``ModelArgs``.
 - What Llama cannot express (LayerNorm) raises ValueError naming it; an unknown tensor name
@@ -56,6 +57,17 @@ def rename(sd: dict, pairs: list[tuple[str, str]]) -> dict:
     if unknown:
         raise KeyError(f"no Llama counterpart for: {', '.join(unknown[:5])}")
     return out
+
+
+def hf_weight_name(ours: str) -> str:
+    """One weight's Hugging Face name (``layers.0.attn.wq.weight`` ->
+    ``model.layers.0.self_attn.q_proj.weight``); KeyError when it has none."""
+    return next(iter(rename({ours: None}, _HF_NAMES)))
+
+
+def our_weight_name(hf: str) -> str:
+    """The inverse of :func:`hf_weight_name`."""
+    return next(iter(rename({hf: None}, [(b, a) for a, b in _HF_NAMES])))
 
 
 def _check_hf_compatible(args: ModelArgs) -> None:

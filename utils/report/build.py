@@ -309,6 +309,8 @@ def _training(f: F.RunFacts, s: dict) -> list:
             ["device", f"{hp.get('device', 'n/a')}, world size {hp.get('world_size', 1)}"],
             ["precision", str(hp.get("dtype", "n/a")).replace("torch.", "")],
             ["peak memory", f"{s['peak_memory_mb']:,.0f} MB" if s["peak_memory_mb"] else "n/a"]]
+    if isinstance(hp.get("lora"), dict):
+        rows.append(["LoRA", _lora_text(hp["lora"], f.run_dir)])
     if isinstance(eff, int):
         rows.insert(3, ["batch", f"{eff} windows of {hp.get('window')} tokens per step "
                                  f"({hp.get('batch_size')} x {hp.get('grad_accum')} accumulation "
@@ -323,6 +325,16 @@ def _training(f: F.RunFacts, s: dict) -> list:
     out += [Table(["", "value"], rows), Para(["Settings: ", settings, "."])]
     out += _starts(f)
     return out + _missing(f, "training")
+
+
+def _lora_text(a: dict, run_dir) -> str:
+    """A LoRA run's adapter (the log's hyperparameters): its shape, what trained, where it is."""
+    text = (f"r={_plain(a.get('rank'))}, alpha={_plain(a.get('alpha'))}, dropout "
+            f"{_plain(a.get('dropout'))}, on {', '.join(map(str, a.get('target_modules') or []))}")
+    t, n = a.get("trainable_params"), a.get("total_params")
+    if isinstance(t, int) and isinstance(n, int) and n > 0:
+        text += f"; {count(t)} trainable of {count(n)} parameters ({100 * t / n:.2f}%), the rest frozen"
+    return text + (f"; adapter (PEFT format) in {run_dir}/adapter" if run_dir else "")
 
 
 def _plain(v) -> str:

@@ -80,6 +80,7 @@ from utils.training.metrics import (MetricsTracker, Throughput, bits_per_byte, d
                            peak_memory_mb, perplexity)
 from utils.training.scheduler import CosineWarmupScheduler, effective_warmup
 from utils.infini import gate_parameters
+from utils import lora
 
 
 # --------------------------------------------------------------------------- precision
@@ -536,7 +537,8 @@ class Trainer:
         rec = self.spec.record
         return {
             "kind": rec.kind,
-            "model": self.raw_model.state_dict(),
+            "model": lora.split_state(self.raw_model)[0],     # base weights under plain names
+            **lora.checkpoint_entries(self.raw_model),         # {"lora": the adapter} of a LoRA run
             "model_args": self.model_args.to_dict(),
             "optimizer": {k: o.state_dict() for k, o in self.optimizers.items()},
             "scheduler": self.scheduler.state_dict(),
@@ -569,7 +571,7 @@ class Trainer:
                                 "without --resume.") from None
 
     def _load_state(self, ckpt: dict) -> None:
-        self.raw_model.load_state_dict(ckpt["model"], strict=True)
+        lora.load_weights(self.raw_model, ckpt)        # with the adapter, unmerged, of a LoRA run
         opt_states = ckpt["optimizer"]
         if set(opt_states) != set(self.optimizers):
             raise PipelineError(f"the checkpoint was trained with optimizer(s) {sorted(opt_states)}"
