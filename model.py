@@ -352,12 +352,15 @@ class Transformer(nn.Module):
                                         device_type, dtype, segmented=self.args.segment is not None)
 
     def rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached (cos, sin) tables covering at least ``n`` positions on ``device``."""
+        """The cached (cos, sin) tables covering at least ``n`` positions on ``device``. They are
+        made outside inference mode whoever asks first (a generation before training, as RL's
+        rollouts do): inference tensors could not be saved for a later backward pass."""
         key = str(device)
         tab = self._rope.get(key)
         if tab is None or tab[0].shape[0] < n:
             size = max(n, self.args.max_seq_len, 0 if tab is None else 2 * tab[0].shape[0])
-            tab = rope_tables(self.args.head_dim, size, self.args.rope_theta, device)
+            with torch.inference_mode(False):
+                tab = rope_tables(self.args.head_dim, size, self.args.rope_theta, device)
             self._rope[key] = tab
         return tab
 

@@ -367,3 +367,16 @@ def test_model_schema_is_defined_once():
     assert not set(HF_CONFIG_NAMES) & set(SPECIAL_FIELDS)
     m = model_args_from_config(Config(), 500, 1)
     assert (m.vocab_size, m.bos_id, m.d_model) == (500, 1, MODEL_PRESETS["default"]["d_model"])
+
+
+def test_rope_tables_first_made_in_inference_mode_serve_training_later():
+    """Generation before any training step (RL's rollouts) makes the cached RoPE tables first,
+    inside inference mode: training afterwards must still backpropagate through them."""
+    from model import ModelArgs, create_model
+    torch.manual_seed(0)
+    m = create_model(ModelArgs(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=16))
+    with torch.inference_mode():
+        m(torch.zeros(1, 4, dtype=torch.long))
+    _, loss = m(torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.long))
+    loss.backward()
+    assert m.tok_embeddings.weight.grad is not None
