@@ -52,8 +52,8 @@ demo: samples $(VENV)/.installed-test
 	@echo "== 9. sft: SciQ + ARC in LIMA's format (offline substitute for LIMA), then fine-tune the demo model"
 	$(PY) main.py sft prepare $(OFFLINE) --test
 	$(PY) main.py sft train $(OFFLINE) --test --checkpoint checkpoints/demo/checkpoint_best.pt --name demo
-	@echo "== 9b. LoRA: a rank-8 adapter (peft) on the frozen demo model for 4 steps, saved as a PEFT folder, exported merged"
-	$(PY) main.py sft train $(OFFLINE) --test --checkpoint checkpoints/demo/checkpoint_best.pt --name lora_demo --lora --lr 1e-3 --max-steps 4 --eval-every 1 --sample-tokens 16
+	@echo "== 9b. LoRA: a rank-8 adapter (peft) on the frozen demo model for 2 steps, saved as a PEFT folder, exported merged"
+	$(PY) main.py sft train $(OFFLINE) --test --checkpoint checkpoints/demo/checkpoint_best.pt --name lora_demo --lora --lr 1e-3 --max-steps 2 --eval-every 1 --sample-tokens 16
 	LORA=$$(ls -d checkpoints/sft_lora_demo_* | tail -n 1) && $(PY) main.py export $(OFFLINE) --checkpoint $$LORA --format hf --out exports/lora-demo-hf --force
 	@echo "== 10. infer: a scripted prompt through each checkpoint (pre-trained, then SFT with the chat template)"
 	$(PY) main.py infer $(OFFLINE) --checkpoint checkpoints/demo/checkpoint_best.pt --prompt "The history of" --max-new-tokens 30 --seed 1
