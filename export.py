@@ -53,8 +53,8 @@ from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stag
 from utils.config import PROJECT_ROOT
 from utils.disk import WriteError, free_bytes, named
 from utils.hf.card import Sources, model_card
-from utils.run import (is_hf_model, load_model_and_tokenizer, pick_checkpoint, read_sft_config,
-                       stored_config)
+from utils.run import (POST_TRAINING, is_hf_model, load_model_and_tokenizer, pick_checkpoint,
+                       read_stage_config, stored_config)
 
 # What imports torch or transformers (utils/hf/* but card.py, bench's adapters and report; 1-3
 # s) or the tokenizer and SFT-data modules (huggingface_hub, numpy; ~0.3 s) is imported in the
@@ -335,8 +335,8 @@ def card_sources(cfg, loaded: Loaded) -> Sources:
     from utils.bench.adapters import weights_fingerprint       # torch (see the imports)
     from utils.bench.report import scored_results              # torch
     found = Sources()
-    if loaded.kind == "sft":
-        found.sft_config = read_sft_config(loaded.path.parent)
+    if loaded.kind in POST_TRAINING:
+        found.sft_config = read_stage_config(loaded.path.parent)
     elif loaded.kind != "imported":
         run_cfg = stored_config(loaded.path.parent)
         if run_cfg is not None:

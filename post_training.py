@@ -45,8 +45,9 @@ from utils.data.shards import dtype_for_vocab, save_npy_atomic
 from utils.data.tok import describe, load_tokenizer, require_bos_eos
 from utils.device import resolve_device
 from utils.generation.detok import TextDecoder
-from utils.run import (load_checkpoint, model_args_of, require_same_tokenizer, resume_checkpoint,
-                       resume_command_sft, tokenizer_for_checkpoint)
+from utils.run import (base_record, load_checkpoint, model_args_of, read_stage_config,
+                       require_same_tokenizer, resume_checkpoint, resume_command_sft,
+                       tokenizer_for_checkpoint)
 
 if TYPE_CHECKING:    # torch-bound, imported where `sft train` needs it: `sft prepare` does not load it
     from utils import stage
@@ -453,6 +454,7 @@ class Source:
     path: Path                    # where ``ckpt`` was read
     resumed: bool
     imported: object = None       # --init-from-hf: utils.hf.import_hf.Imported
+    base_imported: bool = False   # a resumed run whose base is an imported model
 
 
 def open_source(cfg, args, meta: dict) -> Source:
@@ -490,14 +492,16 @@ def resumed_source(cfg, args, meta: dict) -> Source:
                             f"'{resume.get('kind')}'). To fine-tune it, pass it as --checkpoint.")
     model_args = model_args_of(resume, rpath)
     check_compatible(resume, rpath, meta, data_dir, model_args)
+    kept = read_stage_config(rpath.parent) or {}
     base = Path((resume.get("sft") or {}).get("base_checkpoint") or rpath)
+    was_imported = bool((kept.get("base") or {}).get("imported")) if isinstance(kept.get("base"), dict) else False
     was, now = (resume.get("chat_template") or {}).get("name"), meta["template"].get("name")
     if was != now:
         raise PipelineError(f"--resume {rpath}: that run trains on chat template '{was}' but "
                             f"the SFT data in {data_dir} uses '{now}'; a run cannot change its "
                             f"template midway. Start a new run: python main.py sft train "
                             f"--checkpoint {base}")
-    return Source(rpath.parent, base, model_args, resume, rpath, resumed=True)
+    return Source(rpath.parent, base, model_args, resume, rpath, resumed=True, base_imported=was_imported)
 
 
 def open_run_tokenizer(cfg, src: Source, meta: dict):
@@ -618,6 +622,7 @@ def run_files(cfg, args, src: Source, meta: dict, data: stage.Data, spec) -> dic
              "device": str(device), "weight_decay": opt.weight_decay,
              "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip}
     sft_config = {"run": src.run_dir.name, "base_checkpoint": str(src.base),
+                  "base": base_record(src.base, imported=src.imported is not None or src.base_imported),
                   "resumed_from": str(args.resume) if src.resumed else None,
                   "data": {"dir": str(cfg.path("paths.post_training_dir")),
                            "fingerprint": meta["data_fingerprint"], "source": meta["source"],

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, printable, run_stage
-from utils.run import check_run_name, list_runs, run_checkpoints
+from utils.run import check_run_name, lineage, list_runs, run_checkpoints, run_kind
 from utils.training.logging_utils import (TERMINAL_EVENTS, LogRead, finite as _finite, json_safe, latest_per_step,
                                           read_log)
 
@@ -87,7 +87,9 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
                  "val_loss": None, "best_val_loss": None, "perplexity": None,
                  "bits_per_byte": None, "last_event": None, "last_record_age_s": None,
                  "state": "log unreadable" if _is_unreadable(problem) else "no log yet",
-                 "log_problem": problem, "checkpoints": [], "sample": None}
+                 "log_problem": problem, "checkpoints": [], "sample": None,
+                 "kind": run_kind(run_dir), "chain": lineage(checkpoints_dir, run_dir),
+                 "metrics": {}}
     if train:
         last = train[-1]
         out.update(step=last.get("step"), loss=last.get("loss"),
@@ -97,12 +99,14 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
         out["tokens_per_s"] = statistics.median(rates) if rates else None
         out["trend"] = loss_trend(train)
         out["eta_s"] = eta_seconds(train, out["total_steps"])
+        out["metrics"].update(extra_metrics(last, TRAIN_KEYS))
     if val:
         good = [r for r in val if _finite(r.get("val_loss"))]
         if good:
             out.update(val_loss=good[-1]["val_loss"], perplexity=good[-1].get("perplexity"),
                        bits_per_byte=good[-1].get("bits_per_byte"),
                        best_val_loss=min(r["val_loss"] for r in good))
+        out["metrics"].update(extra_metrics(val[-1], VAL_KEYS))
     if samples:
         out["sample"] = {"step": samples[-1].get("step"), "prompt": samples[-1].get("prompt"),
                          "text": samples[-1].get("text")}
@@ -113,12 +117,31 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
         age = max(0.0, now - max(times))
         out["last_record_age_s"] = age
         out["state"] = run_state(out["last_event"], age, train)
-    if run_dir.is_dir():
-        for p in sorted(run_checkpoints(run_dir), key=lambda p: p.stat().st_mtime, reverse=True):
-            st = p.stat()
-            out["checkpoints"].append({"file": p.name, "mb": round(st.st_size / 1e6, 1),
-                                       "age_s": round(now - st.st_mtime, 1)})
+    out["checkpoints"] = checkpoint_files(run_dir, now)
     return out
+
+
+def checkpoint_files(run_dir: Path, now: float) -> list[dict]:
+    """The run's checkpoints, newest first: file, size (MB), age (s)."""
+    if not run_dir.is_dir():
+        return []
+    out = []
+    for p in sorted(run_checkpoints(run_dir), key=lambda p: p.stat().st_mtime, reverse=True):
+        st = p.stat()
+        out.append({"file": p.name, "mb": round(st.st_size / 1e6, 1), "age_s": round(now - st.st_mtime, 1)})
+    return out
+
+
+TRAIN_KEYS = {"step", "loss", "smoothed_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen",
+              "epoch", "peak_memory_mb", "mfu", "time", "type", "run"}
+VAL_KEYS = {"step", "val_loss", "perplexity", "bits_per_byte", "best_val_loss", "epoch", "time",
+            "type", "run"}
+
+
+def extra_metrics(record: dict, known: set) -> dict:
+    """The numbers a training mode logs beyond every run's (DPO's rewards, RL's reward and
+    pass@1): ``{name: value}`` of a log record, finite numbers only."""
+    return {k: v for k, v in record.items() if k not in known and _finite(v)}
 
 
 def _usable(records: list) -> tuple:
@@ -226,7 +249,10 @@ def format_summary(s: dict) -> str:
     step = s["step"] if s["step"] is not None else "n/a"
     of = f" of {s['total_steps']}" if s["total_steps"] else ""
     lines = [f"run {s['run']}: {s['state']}" + (f" (last event: {s['last_event']})"
-                                                if s["last_event"] else ""),
+                                                if s["last_event"] else "")]
+    if len(s.get("chain") or []) > 1:
+        lines.append(f"  {s['kind']:<12} started from " + " -> ".join(s["chain"][:-1]))
+    lines += [
              f"  step         {step}{of}" + (f" ({100 * s['step'] / s['total_steps']:.1f}%)"
                                              if s["step"] is not None and s["total_steps"] else ""),
              f"  loss         {_num(s['loss'])} (smoothed {_num(s['smoothed_loss'])}), "
@@ -241,6 +267,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"  ETA          {_dur(s['eta_s'])}")
     lines.append(f"  validation   loss {_num(s['val_loss'])} (best {_num(s['best_val_loss'])}), "
                  f"perplexity {_num(s['perplexity'], '.2f')}, bits/byte {_num(s['bits_per_byte'])}")
+    if s.get("metrics"):
+        lines.append("  metrics      " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(s["metrics"].items())))
     if s["sample"]:
         lines.append(f"  sample       step {s['sample']['step']}: {s['sample']['prompt']!r} -> "
                      f"{(s['sample']['text'] or '')[:120]!r}")

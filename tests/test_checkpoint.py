@@ -9,8 +9,10 @@ bytes, a Git LFS pointer, a pickle whose __reduce__ would run a command).
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import shutil
 import struct
 import subprocess
 import sys
@@ -336,3 +338,37 @@ def test_run_outputs_remove_only_what_a_failed_start_created(tmp_path):
             out.begin()
             raise KeyboardInterrupt
     assert (logs / "raw_metrics" / "n.jsonl").is_file()
+
+
+def test_run_kinds_and_the_chain_of_bases(tmp_path):
+    """A run's kind is the stage config it holds (else its folder's prefix); its base is named
+    by run folder (``base``), or, in a record from before it, by the folder of its absolute
+    ``base_checkpoint`` path; the chain stops at an imported model, a missing base and a loop."""
+    from utils.run import base_record, lineage, list_runs, run_kind, runs_started_from
+    ck = tmp_path / "checkpoints"
+
+    def run(name, kind=None, base=None):
+        d = ck / name
+        d.mkdir(parents=True)
+        (d / "checkpoint_best.pt").write_bytes(b"x")
+        if kind:
+            (d / f"{kind}_config.json").write_text(json.dumps(base))
+        return d
+
+    run("pre")
+    run("sft_a", "sft", {"base_checkpoint": "/old/place/checkpoints/pre/checkpoint_best.pt"})   # old record
+    run("my_dpo", "dpo", {"base": base_record(ck / "sft_a" / "checkpoint_best.pt")})
+    run("rl_x", "rl", {"base": base_record("/hf/SmolLM2", imported=True)})
+    run("rl_orphan")                                  # no stage config: the prefix decides
+    run("sft_loop", "sft", {"base": {"run": "sft_loop"}})
+    assert {r.name: r.kind for r in list_runs(ck)} == {
+        "pre": "pretrain", "sft_a": "sft", "my_dpo": "dpo", "rl_x": "rl", "rl_orphan": "rl",
+        "sft_loop": "sft"}
+    assert run_kind(ck / "my_dpo") == "dpo"
+    assert [r.name for r in runs_started_from(ck, ck / "pre")] == ["sft_a"]
+    assert [r.name for r in runs_started_from(ck, ck / "sft_a")] == ["my_dpo"]
+    assert lineage(ck, ck / "my_dpo") == ["pre", "sft_a", "my_dpo"]
+    assert lineage(ck, ck / "rl_x") == ["(imported) /hf/SmolLM2", "rl_x"]
+    assert lineage(ck, ck / "sft_loop") == ["sft_loop", "sft_loop"]
+    shutil.rmtree(ck / "pre")
+    assert lineage(ck, ck / "my_dpo") == ["pre", "sft_a", "my_dpo"]     # a base gone: named, not followed

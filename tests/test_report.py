@@ -114,6 +114,27 @@ def test_numbers_are_the_logs(work, written):
     assert samples and samples[-1]["text"] in md
 
 
+def test_the_chain_of_runs_survives_moving_the_project(work, tmp_path):
+    """Runs that start from runs name their base by run folder, not by an absolute path: a
+    copy of the project elsewhere still finds the SFT run from its base (report) and the base
+    from the SFT run (report and status), though sft_config.json's path names the old place."""
+    moved = tmp_path / "elsewhere"
+    for sub in ("checkpoints", "logs"):
+        shutil.copytree(work["root"] / sub, moved / sub)
+    cfg = write_config(moved, {"tokenizer": {"name": str(SPM_MODEL)}, "logging": {"tensorboard": False}})
+    sc = json.loads((moved / "checkpoints" / work["sft"] / "sft_config.json").read_text())
+    assert sc["base_checkpoint"].startswith(str(work["root"]))           # the old, absolute place
+    assert sc["base"] == {"run": "base", "file": "checkpoint_best.pt", "path": sc["base_checkpoint"],
+                          "imported": False}
+    ok(run_stage("report", "--config", cfg, "base", work["sft"], "--out", moved / "reports", timeout=300))
+    md = (moved / "reports" / "base" / "report.md").read_text(encoding="utf-8")
+    assert f"| `{work['sft']}` | sft | `checkpoint_best.pt` |" in md
+    md = (moved / "reports" / work["sft"] / "report.md").read_text(encoding="utf-8")
+    assert cell(md, "started from") == f"base → {work['sft']}".replace("_", "\\_")
+    status = ok(run_stage("status", "--config", cfg, work["sft"]))
+    assert f"sft          started from base\n" in status.stdout
+
+
 def test_pictures_are_valid_pngs(written):
     from PIL import Image
     pngs = sorted(written["out"].rglob("*.png"))
@@ -130,8 +151,8 @@ def test_pictures_are_valid_pngs(written):
 
 def test_sft_run_and_benchmarks_are_shown(work, written):
     md, sft = written["md"], work["sft"]
-    assert "## Fine-tuning (SFT) runs started from this run" in md
-    assert f"| `{sft}` | `checkpoint_best.pt` |" in md
+    assert "## Runs started from this run (SFT, DPO, RL)" in md
+    assert f"| `{sft}` | sft | `checkpoint_best.pt` |" in md
     assert (written["out"] / "base" / f"{sft}.png").is_file()
     assert f"![fine-tuning curves of {sft.replace('_', chr(92) + '_')}]({sft}.png)" in md
     # Both result files were scored on the same items: one table with both checkpoints.
@@ -342,6 +363,7 @@ def test_hostile_sft_run_name_is_no_markup_and_no_broken_link(work):
     shutil.copy(logs / f"{work['sft']}.jsonl", logs / f"{evil}.jsonl")
     sc = json.loads((ck / evil / "sft_config.json").read_text())
     sc["base_checkpoint"] = str(ck / "host" / "checkpoint_best.pt")
+    sc["base"]["run"] = "host"
     (ck / evil / "sft_config.json").write_text(json.dumps(sc))
     ok(report(work, "host", "--html", out="evil"))
     folder = root / "evil" / "host"

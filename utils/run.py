@@ -7,8 +7,10 @@ seed's old flat layout of ``*.pt`` files directly in the folder is one "legacy" 
     runs = list_runs(checkpoints_dir)           newest first (RunInfo: name, path, kind, checkpoints)
     run = find_run(checkpoints_dir, name=None)  the named run, or the newest
     run_checkpoints(folder)                     its ``*.pt`` files: best, latest, then newest step
-    stored_config(folder) / read_sft_config(folder)   what the run folder keeps of its config
-    sft_runs_of(checkpoints_dir, folder)        the SFT runs started from the run's checkpoints
+    stored_config(folder) / read_stage_config(folder)   what the run folder keeps of its config
+    base_record(path) / lineage(checkpoints_dir, folder)   what a post-training run starts from,
+                                                by run folder name (survives moving the project)
+    runs_started_from(checkpoints_dir, folder)  the SFT, DPO and RL runs started from the run
     pick_checkpoint(path, say)                  a file as given; a folder: its best (else latest)
     is_hf_model(path)                           a Hugging Face folder / .gguf file, not a run of ours
     resume_checkpoint(checkpoints_dir, spec, name=None, prefix=None)   ``--resume PATH|auto``
@@ -169,7 +171,7 @@ class RunInfo:
     """One training run folder (or the legacy flat layout: ``legacy=True``)."""
     name: str
     path: Path
-    kind: str                      # "pretrain", "sft" or "legacy"
+    kind: str                      # "pretrain", a post-training kind (POST_TRAINING) or "legacy"
     checkpoints: list              # Paths, best and latest first, then steps/epochs newest first
     mtime: float                   # newest file in the run
 
@@ -226,7 +228,7 @@ def run_checkpoints(directory) -> list[Path]:
 
 def list_runs(checkpoints_dir) -> list[RunInfo]:
     """Runs under ``checkpoints_dir``, newest first: every sub-folder holding checkpoints
-    (``sft_*`` folders are kind "sft") plus, when ``*.pt`` files sit directly in the folder
+    (its kind: :func:`run_kind`) plus, when ``*.pt`` files sit directly in the folder
     (the seed's old flat layout), one "legacy" run named after the folder."""
     base = Path(checkpoints_dir)
     runs: list[RunInfo] = []
@@ -238,7 +240,7 @@ def list_runs(checkpoints_dir) -> list[RunInfo]:
         files = run_checkpoints(d)
         if not files:
             continue
-        kind = "sft" if d.name.startswith("sft") else "pretrain"
+        kind = run_kind(d)
         mtime = max(p.stat().st_mtime for p in files)
         runs.append(RunInfo(d.name, d, kind, files, mtime))
     flat = run_checkpoints(base)
@@ -465,6 +467,7 @@ def _config_from(stored) -> Optional[Config]:
 
 RUN_CONFIG_FILE = "config.json"        # train: the resolved config (Config.save_resolved)
 SFT_CONFIG_FILE = "sft_config.json"    # sft train: base checkpoint, data, hyperparameters, config
+POST_TRAINING = ("sft", "dpo", "rl")   # run kinds that start from another run (or an imported model)
 
 
 def _read_json_object(path: Path) -> Optional[dict]:
@@ -480,25 +483,99 @@ def read_sft_config(run_dir) -> Optional[dict]:
     return _read_json_object(Path(run_dir) / SFT_CONFIG_FILE)
 
 
+def stage_config_file(kind: str) -> str:
+    """The file a post-training run keeps of what it was trained from and with."""
+    return f"{kind}_config.json"
+
+
+def run_kind(run_dir) -> str:
+    """"pretrain" or the post-training kind of a run folder: the kind whose stage config file
+    (``<kind>_config.json``) it holds, else the kind its name starts with (``<kind>_...``, the
+    folder name the stages give; a run whose stage config is missing)."""
+    d = Path(run_dir)
+    for kind in POST_TRAINING:
+        if (d / stage_config_file(kind)).is_file():
+            return kind
+    return next((k for k in POST_TRAINING if d.name.startswith(k + "_")), "pretrain")
+
+
+def read_stage_config(run_dir) -> Optional[dict]:
+    """A post-training run's ``<kind>_config.json`` (None for a pretraining run, or when
+    missing or unreadable)."""
+    kind = run_kind(run_dir)
+    return _read_json_object(Path(run_dir) / stage_config_file(kind)) if kind != "pretrain" else None
+
+
+def base_record(path, imported: bool = False) -> dict:
+    """How a post-training run names what it starts from, so that the link survives moving or
+    copying the project folder: the base run's folder name and the checkpoint file (a
+    checkpoint of ours), and the path as given (for people; absolute paths go stale when the
+    folder moves). An imported model (a Hugging Face folder, a .gguf file) is no run: its
+    path alone."""
+    p = Path(path)
+    if imported:
+        return {"run": None, "file": None, "path": str(p), "imported": True}
+    return {"run": p.parent.name, "file": p.name, "path": str(p), "imported": False}
+
+
+def base_run_name(stage_config: Optional[dict]) -> Optional[str]:
+    """The run a post-training run starts from, by folder name: its ``base`` record, else (a
+    record from before it) the folder of its ``base_checkpoint`` path; None for an imported
+    model or an unreadable record."""
+    sc = stage_config if isinstance(stage_config, dict) else {}
+    base = sc.get("base")
+    if isinstance(base, dict):
+        run = base.get("run")
+        return run if isinstance(run, str) and run else None
+    path = sc.get("base_checkpoint")
+    if isinstance(path, str) and path.endswith(".pt"):
+        return Path(path).parent.name or None
+    return None
+
+
+def runs_started_from(checkpoints_dir, run_dir) -> list[RunInfo]:
+    """The post-training runs (SFT, DPO, RL) whose base is a checkpoint of ``run_dir``, matched
+    by the run's folder name (valid after the project folder moved), by name."""
+    name = Path(run_dir).name
+    out = [r for r in list_runs(checkpoints_dir)
+           if r.kind in POST_TRAINING and base_run_name(read_stage_config(r.path)) == name]
+    return sorted(out, key=lambda r: r.name)
+
+
+def lineage(checkpoints_dir, run_dir) -> list[str]:
+    """The chain of runs that ends with ``run_dir``: ``[first base, ..., run]`` by folder name
+    (a pre-training run, an SFT run, a DPO run, ...). It stops at an imported model (the stage
+    config says so: ``"(imported) PATH"`` starts the chain), at a base that is not under
+    ``checkpoints_dir`` any more, and at a loop."""
+    chain = [Path(run_dir).name]
+    here = Path(run_dir)
+    while len(chain) < 64:
+        sc = read_stage_config(here)
+        if sc is None:
+            break
+        base = sc.get("base") if isinstance(sc.get("base"), dict) else {}
+        up = base_run_name(sc)
+        if up is None:
+            if base.get("imported") and isinstance(base.get("path"), str):
+                chain.insert(0, f"(imported) {base['path']}")
+            break
+        if up in chain or not (Path(checkpoints_dir) / up).is_dir():
+            chain.insert(0, up)
+            break
+        chain.insert(0, up)
+        here = Path(checkpoints_dir) / up
+    return chain
+
+
 def stored_config(run_dir) -> Optional[Config]:
     """The config a run folder keeps: ``config.json`` (a pre-training run), else the
-    ``config`` of ``sft_config.json`` (an SFT run); None when neither is readable and valid."""
+    ``config`` of its stage config (``sft_config.json`` of an SFT run, ...); None when neither is readable and valid."""
     cfg = _config_from(_read_json_object(Path(run_dir) / RUN_CONFIG_FILE))
     if cfg is None:
-        cfg = _config_from((read_sft_config(run_dir) or {}).get("config"))
+        cfg = _config_from((read_stage_config(run_dir) or {}).get("config"))
     return cfg
 
 
-def sft_runs_of(checkpoints_dir, run_dir) -> list[RunInfo]:
-    """The SFT runs whose ``sft_config.json`` names a checkpoint of ``run_dir`` as their base,
-    by name."""
-    home = Path(run_dir).resolve()
-    out = []
-    for r in list_runs(checkpoints_dir):
-        base = (read_sft_config(r.path) or {}).get("base_checkpoint")
-        if r.kind == "sft" and isinstance(base, str) and Path(base).resolve().parent == home:
-            out.append(r)
-    return sorted(out, key=lambda r: r.name)
 
 
 RUN_TOKENIZER_DIR = "tokenizer"      # the copy of its tokenizer each run folder keeps

@@ -158,7 +158,7 @@ def build_run(f: F.RunFacts) -> list:
 
 
 def _intro(f: F.RunFacts, s: dict) -> list:
-    what = "Supervised fine-tuning (SFT) run" if f.kind == "sft" else "Pre-training run"
+    what = KIND_TITLES.get(f.kind, "Pre-training run")
     out = [Para([what, " ", Code(f.name), f": {s['state']}; started {utc(s['started'])}. "
                  "Written by ", Code("python main.py report"), " from the run's log, folder, "
                  "data and benchmark results."])]
@@ -183,6 +183,8 @@ def _intro(f: F.RunFacts, s: dict) -> list:
             ["best validation loss", num(s["best_val_loss"])],
             ["final validation bits per byte", bpb],
             ["parameters", f"{count(params)} ({short(params)})"]]
+    if len(f.chain) > 1:
+        rows.append(["started from", " → ".join(f.chain)])
     return out + [Table(["", "value"], rows, "lr")]
 
 
@@ -371,27 +373,30 @@ def _setting_changes(f: F.RunFacts) -> list:
     return out
 
 
+KIND_TITLES = {"pretrain": "Pre-training run", "sft": "Supervised fine-tuning (SFT) run",
+               "dpo": "Preference tuning (DPO) run", "rl": "Reinforcement learning (RL) run"}
+
+
 def _sft(f: F.RunFacts, s: dict) -> list:
-    if f.kind == "sft":
-        return []
-    out = [Heading(2, "Fine-tuning (SFT) runs started from this run")]
+    """The post-training runs (SFT, DPO, RL) started from this run, with their curves."""
+    out = [Heading(2, "Runs started from this run (SFT, DPO, RL)")]
     if not f.children:
-        return out + [Para("None: no SFT run names a checkpoint of this run as its base "
-                           "(sft_config.json).")]
+        return out + [Para("None: no post-training run names a checkpoint of this run as its base "
+                           "(its sft_config.json, dpo_config.json or rl_config.json).")]
     rows = []
     for c in f.children:
         cs = F.summary(c)
         base = str(F.as_dict(c.sft_config).get("base_checkpoint", "")).rsplit("/", 1)[-1]
         data = F.as_dict(F.as_dict(c.sft_config).get("data"))
-        rows.append([Code(c.name), Code(base), f"{count(data.get('train_examples'))} / "
+        rows.append([Code(c.name), c.kind, Code(base), f"{count(data.get('train_examples'))} / "
                      f"{count(data.get('val_examples'))}", count(cs["step"]), count(cs["tokens"]),
                      num(cs["final_val_loss"]), num(cs["best_val_loss"]), duration(cs["wall_s"]),
                      cs["state"]])
-    out.append(Table(["run", "from", "examples (train / val)", "steps", "tokens",
-                      "final val loss", "best val loss", "wall time", "state"], rows, "lllrrrrrl"))
+    out.append(Table(["run", "kind", "from", "examples (train / val)", "steps", "tokens",
+                      "final val loss", "best val loss", "wall time", "state"], rows, "llllrrrrrl"))
     taken = {"curves.png"}                        # the run's own curves are beside them
     for c in f.children:
-        png = curves_png(c, f"{c.name}: fine-tuning curves")
+        png = curves_png(c, f"{c.name}: {c.kind} curves")
         out.append(Heading(3, c.name))
         if png:
             name = image_file(c.name, taken)      # a folder's name: made safe and unique

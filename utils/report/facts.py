@@ -35,8 +35,8 @@ from utils.config import Config
 from utils.data.sft import read_metadata as read_sft_metadata
 from utils.data.shards import read_metadata as read_shard_metadata
 from utils.data.tok import INFO_FILE
-from utils.run import (RUN_TOKENIZER_DIR, load_checkpoint, read_sft_config, run_checkpoints,
-                       sft_runs_of, stored_config)
+from utils.run import (RUN_TOKENIZER_DIR, lineage, load_checkpoint, read_stage_config, run_checkpoints,
+                       run_kind, runs_started_from, stored_config)
 from utils.training.logging_utils import (TERMINAL_EVENTS, LogRead, finite, latest_per_step,
                                           read_log)
 
@@ -89,7 +89,8 @@ class RunFacts:
     checkpoint_files: list = field(default_factory=list)      # (name, bytes)
     ckpt: Optional[CheckpointMeta] = None
     cfg: Optional[Config] = None
-    sft_config: Optional[dict] = None
+    sft_config: Optional[dict] = None       # a post-training run's stage config (sft_config.json, dpo_..., rl_...)
+    chain: list = field(default_factory=list)  # utils.run.lineage: [first base, ..., this run]
     tokenizer_copy: Optional[dict] = None
     shards: Optional[dict] = None
     shards_dir: Optional[Path] = None
@@ -136,7 +137,8 @@ def collect(run: str, cfg: Config, children: bool = True) -> RunFacts:
     _count_model(f)
     if children:
         f.children = [collect(r.name, cfg, children=False)
-                      for r in sft_runs_of(cfg.path("paths.checkpoints_dir"), run_dir)]
+                      for r in runs_started_from(cfg.path("paths.checkpoints_dir"), run_dir)]
+        f.chain = lineage(cfg.path("paths.checkpoints_dir"), run_dir)
         f.benchmarks = benchmark_groups(cfg.path("paths.benchmark_dir"), run_dir, f)
     return f
 
@@ -233,8 +235,8 @@ def _read_run_folder(f: RunFacts) -> None:
         return
     files = run_checkpoints(f.run_dir)
     f.checkpoint_files = [(p.name, p.stat().st_size) for p in files]
-    f.sft_config = read_sft_config(f.run_dir)
-    f.kind = "sft" if f.sft_config is not None or f.name.startswith("sft_") else "pretrain"
+    f.sft_config = read_stage_config(f.run_dir)
+    f.kind = run_kind(f.run_dir)
     f.cfg = stored_config(f.run_dir)
     if f.cfg is None:
         f.note("data", f"no readable stored config in {f.run_dir} (config.json or "
@@ -289,8 +291,9 @@ def _num(v) -> Optional[float]:
 
 # ----------------------------------------------------------------------------- data
 def _read_data(f: RunFacts) -> None:
-    if f.kind == "sft":
-        _read_sft_data(f)
+    if f.kind != "pretrain":
+        if f.kind == "sft":
+            _read_sft_data(f)
         return
     cfg = f.cfg
     if cfg is None:
