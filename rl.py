@@ -42,7 +42,10 @@ from utils.data.tok import require_bos_eos
 from utils.device import resolve_device
 from utils.generation.detok import TextDecoder
 from utils.rl.tasks import Task, load_task
-from utils.run import RL_CONFIG_FILE, list_runs, load_checkpoint, model_args_of, tokenizer_for_checkpoint
+from utils.run import (base_record, list_runs, load_checkpoint, model_args_of, read_stage_config,
+                       stage_config_file, tokenizer_for_checkpoint)
+
+RL_CONFIG_FILE = stage_config_file("rl")
 
 
 def build_parser() -> StageParser:
@@ -134,6 +137,7 @@ class Source:
     path: Path                    # where ``ckpt`` was read
     resumed: bool
     imported: object = None       # --init-from-hf: utils.hf.import_hf.Imported
+    base_imported: bool = False   # a resumed run whose base is an imported model
 
 
 def open_source(cfg, args) -> Source:
@@ -173,7 +177,10 @@ def resumed_source(cfg, args) -> Source:
         raise PipelineError(f"--resume {rpath}: not an RL checkpoint (kind '{ckpt.get('kind')}'). To "
                             "start RL from it, pass it as --checkpoint.")
     base = Path((ckpt.get("rl") or {}).get("base_checkpoint") or rpath)
-    return Source(rpath.parent, base, model_args_of(ckpt, rpath), ckpt, rpath, resumed=True)
+    kept = (read_stage_config(rpath.parent) or {}).get("base")
+    imported = bool(kept.get("imported")) if isinstance(kept, dict) else False
+    return Source(rpath.parent, base, model_args_of(ckpt, rpath), ckpt, rpath, resumed=True,
+                  base_imported=imported)
 
 
 def open_tokenizer(cfg, src: Source):
@@ -243,7 +250,7 @@ def reference_model(src: Source, model, kl_beta: float):
     if kl_beta <= 0:
         return None
     if src.resumed:
-        if src.base.is_dir() or src.base.suffix == ".gguf":
+        if src.base_imported:
             from utils.hf.import_hf import load_hf_llama    # torch and transformers: only for an import
             weights = load_hf_llama(src.base).model.state_dict()
         else:
@@ -321,6 +328,7 @@ def run_files(cfg, args, src: Source, task: Task, spec) -> dict:
              "steps_per_epoch": st.steps_per_epoch}
     write_json_atomic(src.run_dir / RL_CONFIG_FILE, {
         "run": src.run_dir.name, "base_checkpoint": str(src.base),
+        "base": base_record(src.base, imported=src.imported is not None or src.base_imported),
         "resumed_from": str(args.resume) if src.resumed else None, "task": task.describe(),
         "chat_template": spec.record.chat_template, "hyperparameters": hyper,
         "model": src.model_args.to_dict(), "tokenizer": spec.record.tokenizer, "config": cfg.to_dict()})

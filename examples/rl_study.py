@@ -75,14 +75,15 @@ def make_base(work: Path, d_model: int, layers: int) -> Path:
     return path
 
 
-def write_sft_data(work: Path, cfg_path: Path) -> Path:
-    """The task's training prompts with their answers as LIMA-schema conversations."""
+def write_sft_data(work: Path, cfg_path: Path, repeat: int) -> Path:
+    """The task's training prompts with their answers as LIMA-schema conversations, each
+    ``repeat`` times (an SFT epoch of a few steps would validate and checkpoint after each)."""
     from utils.config import load_config
     from utils.rl.tasks import load_task
     cfg = load_config(cfg_path)
     task = load_task(cfg.rl, cfg.training.seed, cfg.resolve)
     path = work / "arithmetic_sft.jsonl"
-    path.write_text("".join(json.dumps({"conversations": [i.prompt, i.answer]}) + "\n" for i in task.train))
+    path.write_text("".join(json.dumps({"conversations": [i.prompt, i.answer]}) + "\n" for i in task.train) * repeat)
     return path
 
 
@@ -96,13 +97,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "rl_study")
     p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--max-operand", type=int, default=30)
-    p.add_argument("--val-prompts", type=int, default=64)
-    p.add_argument("--sft-epochs", type=int, default=6)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--max-operand", type=int, default=9)
+    p.add_argument("--val-prompts", type=int, default=20)
+    p.add_argument("--sft-epochs", type=int, default=4)
+    p.add_argument("--sft-repeat", type=int, default=10, help="copies of each training item in the SFT data")
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--rl-steps", type=int, default=60)
-    p.add_argument("--rl-lr", type=float, default=3e-4)
+    p.add_argument("--rl-lr", type=float, default=5e-4)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=8)
@@ -110,10 +112,10 @@ def main() -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     cfg = write_config(a.work, a)
     base = make_base(a.work, a.d_model, a.layers)
-    data = write_sft_data(a.work, cfg)
+    data = write_sft_data(a.work, cfg, a.sft_repeat)
     times = {"sft prepare": run("sft", "prepare", "--config", cfg, "--dataset", data),
              "sft train": run("sft", "train", "--config", cfg, "--checkpoint", base, "--name", "study",
-                              "--epochs", a.sft_epochs, "--sample-tokens", "0")}
+                              "--epochs", a.sft_epochs, "--eval-every", "0.5", "--sample-tokens", "0")}
     sft_run = sorted((a.work / "checkpoints").glob("sft_study_*"))[-1]
     times["rl"] = run("rl", "--config", cfg, "--checkpoint", sft_run / "checkpoint_best.pt", "--name", "study")
     rl_run = sorted((a.work / "checkpoints").glob("rl_study_*"))[-1]

@@ -151,11 +151,25 @@ def test_rollouts_are_groups_of_one_prompt_and_a_restored_position_regenerates_t
 
 # --------------------------------------------------------------------------- the stage
 @pytest.fixture(scope="module")
-def work(sft_run, tmp_path_factory):
+def work(tmp_path_factory):
+    """A tmp root with a config and a tiny SFT checkpoint (our chat template) in a run folder."""
+    from tests.test_sft import make_checkpoint
+    from utils.data import sft
     root = tmp_path_factory.mktemp("rl")
     cfg = write_config(root, {"tokenizer": {"name": str(SPM_MODEL)}, "rl": RL,
                               "logging": {"log_every": 1}})
-    return {"root": root, "cfg": cfg, "base": sft_run["ckpt"]}
+    base = make_checkpoint(root / "checkpoints" / "sft_base_2020_01_01_00_00_00" / "checkpoint_best.pt",
+                           kind="sft", chat_template=sft.default_template())
+    return {"root": root, "cfg": cfg, "base": base, "common": ["--config", cfg, "--checkpoint", base, "--steps", "4"]}
+
+
+@pytest.fixture(scope="module")
+def e2e(work):
+    """`main.py rl` for 4 steps from the SFT checkpoint: the run folder and the stage's output."""
+    r = run_stage("rl", *work["common"], "--name", "e2e")
+    assert r.returncode == 0, r.stdout + r.stderr
+    run, = (work["root"] / "checkpoints").glob("rl_e2e_*")
+    return {"run": run, "out": r.stdout}
 
 
 def log_records(root: Path, run: str) -> list[dict]:
@@ -167,46 +181,49 @@ def rewards_by_step(root: Path, run: str) -> dict:
     return {r["step"]: r["reward"] for r in log_records(root, run) if r["type"] == "train"}
 
 
-def test_rl_runs_from_an_sft_run_and_shows_in_status_and_report(work):
-    root = work["root"]
-    r = run_stage("rl", "--config", work["cfg"], "--checkpoint", work["base"], "--steps", "4", "--name", "e2e")
-    assert r.returncode == 0, r.stdout + r.stderr
-    run, = (root / "checkpoints").glob("rl_e2e_*")
+def test_rl_runs_from_an_sft_run_and_shows_in_status_and_report(work, e2e):
+    root, run = work["root"], e2e["run"]
     recs = log_records(root, run.name)
     train = [x for x in recs if x["type"] == "train"]
     vals = [x for x in recs if x["type"] == "val"]
     assert [x["step"] for x in train] == [1, 2, 3, 4] and all(0 <= x["reward"] <= 1 for x in train)
     assert [x["step"] for x in vals] == [0, 2, 4] and all(0 <= x["val_pass_at_1"] <= 1 for x in vals)
-    assert "step 0/4 | validation | pass_at_1" in r.stdout
+    assert "step 0/4 | validation | pass_at_1" in e2e["out"]
     rc = json.loads((run / "rl_config.json").read_text())
-    assert rc["base_checkpoint"] == str(work["base"]) and rc["task"]["val_prompts"] == 6
+    assert rc["base"] == {"run": work["base"].parent.name, "file": "checkpoint_best.pt",
+                          "path": str(work["base"]), "imported": False}
+    assert rc["task"]["val_prompts"] == 6 and rc["task"]["train_prompts"] == 94
     from utils.run import load_checkpoint
     ck = load_checkpoint(run / "checkpoint_latest.pt", "resume")
     assert ck["kind"] == "rl" and ck["step"] == 4 and ck["rl"]["base_checkpoint"] == str(work["base"])
     assert list((root / "logs" / "tensorboard" / run.name).glob("events.*"))
     s = run_stage("status", run.name, "--config", work["cfg"])
-    assert s.returncode == 0 and "held-out pass@1" in s.stdout and f"run {run.name}" in s.stdout, s.stdout + s.stderr
+    assert s.returncode == 0 and f"run {run.name}" in s.stdout, s.stdout + s.stderr
+    assert f"rl           started from {work['base'].parent.name}" in s.stdout
+    assert "reward " in s.stdout and "val_pass_at_1 " in s.stdout
     rep = run_stage("report", run.name, "--config", work["cfg"])
     assert rep.returncode == 0, rep.stdout + rep.stderr
     md = (root / "reports" / run.name / "report.md").read_text()
-    assert "RL run (GRPO on verifiable rewards)" in md and "held-out pass@1, first validation" in md
+    assert "Reinforcement learning (RL) run" in md and "held-out pass@1, first validation" in md
     assert (root / "reports" / run.name / "rl.png").stat().st_size > 1000
 
 
-def test_ctrl_c_saves_and_the_resumed_run_gets_the_same_rewards(work):
-    root, common = work["root"], ["--config", work["cfg"], "--checkpoint", work["base"], "--steps", "4"]
-    ref = run_stage("rl", *common, "--name", "ref")
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-    proc = popen_main("rl", *common, "--name", "cut", env=paused_env(2))
+def test_ctrl_c_saves_and_the_resumed_run_gets_the_same_rewards(work, e2e):
+    """Stopped after step 2 and resumed, the run samples the same replies as the uninterrupted
+    one (e2e, same settings): the same rewards at every step and the same final weights."""
+    root = work["root"]
+    proc = popen_main("rl", *work["common"], "--name", "cut", env=paused_env(2))
     wait_for_line(proc, "paused after step 2")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, out + err
     cmd = err.split("resume with:")[1].strip().splitlines()[0]
     assert cmd.startswith("python main.py rl ") and "--resume" in cmd and "--checkpoint" not in cmd
+    (b,) = (root / "checkpoints").glob("rl_cut_*")
+    assert sorted(rewards_by_step(root, b.name)) == [1, 2]
     r = run_stage(*shlex.split(cmd)[2:])
     assert r.returncode == 0, r.stdout + r.stderr
-    (a,), (b,) = (root / "checkpoints").glob("rl_ref_*"), (root / "checkpoints").glob("rl_cut_*")
+    a = e2e["run"]
     want, got = rewards_by_step(root, a.name), rewards_by_step(root, b.name)
     assert sorted(got) == [1, 2, 3, 4] and got == want
     from utils.run import load_checkpoint
