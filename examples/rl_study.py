@@ -49,7 +49,8 @@ def write_config(work: Path, a) -> Path:
            "logging": {"tensorboard": False, "log_every": 1},
            "sft": {"max_length": 64, "batch_size": 32, "lr": a.sft_lr, "val_split": 0.05,
                    "warmup_ratio": 0.05},
-           "rl": {"task": "arithmetic", "max_operand": a.max_operand, "val_prompts": a.val_prompts,
+           "rl": {"task": "arithmetic", "max_operand": a.max_operand, "max_addend": a.max_addend,
+                  "val_prompts": a.val_prompts,
                   "steps": a.rl_steps, "eval_every": a.eval_every, "lr": a.rl_lr,
                   "group_size": a.group_size, "prompts_per_step": a.prompts_per_step,
                   "max_new_tokens": 8}}
@@ -98,13 +99,14 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "rl_study")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--max-operand", type=int, default=9)
-    p.add_argument("--val-prompts", type=int, default=20)
-    p.add_argument("--sft-epochs", type=int, default=4)
-    p.add_argument("--sft-repeat", type=int, default=10, help="copies of each training item in the SFT data")
+    p.add_argument("--max-operand", type=int, default=999)
+    p.add_argument("--max-addend", type=int, default=9)
+    p.add_argument("--val-prompts", type=int, default=100)
+    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--sft-repeat", type=int, default=1, help="copies of each training item in the SFT data")
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--rl-steps", type=int, default=60)
-    p.add_argument("--rl-lr", type=float, default=5e-4)
+    p.add_argument("--rl-lr", type=float, default=1e-4)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=8)
@@ -115,7 +117,8 @@ def main() -> int:
     data = write_sft_data(a.work, cfg, a.sft_repeat)
     times = {"sft prepare": run("sft", "prepare", "--config", cfg, "--dataset", data),
              "sft train": run("sft", "train", "--config", cfg, "--checkpoint", base, "--name", "study",
-                              "--epochs", a.sft_epochs, "--eval-every", "0.5", "--sample-tokens", "0")}
+                              "--epochs", "1", "--max-steps", a.sft_steps, "--eval-every", "0.1",
+                              "--sample-tokens", "0")}
     sft_run = sorted((a.work / "checkpoints").glob("sft_study_*"))[-1]
     times["rl"] = run("rl", "--config", cfg, "--checkpoint", sft_run / "checkpoint_best.pt", "--name", "study")
     rl_run = sorted((a.work / "checkpoints").glob("rl_study_*"))[-1]

@@ -23,7 +23,7 @@ RL = {"val_prompts": 6, "group_size": 4, "prompts_per_step": 2, "max_new_tokens"
 
 
 def rl_cfg(**kw):
-    base = dict(task="arithmetic", checker="auto", max_operand=9, val_prompts=20)
+    base = dict(task="arithmetic", checker="auto", max_operand=9, max_addend=None, val_prompts=20)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -39,6 +39,9 @@ def test_the_arithmetic_split_is_held_out_and_deterministic():
         x, y = map(int, item.prompt.split("?")[0].removeprefix("What is ").split(" + "))
         assert int(item.answer) == x + y
     assert Arithmetic.build(rl_cfg(), seed=2).val != a.val            # the seed picks the split
+    wide = Arithmetic.build(rl_cfg(max_operand=99, max_addend=9, val_prompts=50), seed=1)
+    assert len(wide.train) == 950 and len(wide.val) == 50
+    assert {int(i.prompt.split(" + ")[1].split("?")[0]) for i in wide.train + wide.val} == set(range(10))
     assert a.checker == "numeric"
 
 

@@ -330,7 +330,9 @@ class RLConfig:
     checker: Literal["auto", "exact", "numeric"] = _f(
         "auto", "verifier: exact match of the reply, or the last number in it (numeric); auto: the "
         "task's own (arithmetic: numeric; a JSONL file: numeric when every answer is a number)")
-    max_operand: int = _f(30, "arithmetic: operands 0..max_operand (every pair once)", min=1)
+    max_operand: int = _f(30, "arithmetic: first operands 0..max_operand", min=1)
+    max_addend: Optional[int] = _f(None, "arithmetic: second operands 0..max_addend (null: max_operand); "
+                                   "every pair once", min=0)
     val_prompts: int = _f(64, "held-out prompts (pass@1 at each validation)", min=1)
     group_size: int = _f(8, "replies sampled per prompt (one group; advantages are per group)", min=2)
     prompts_per_step: int = _f(4, "prompts per optimizer step (batch = prompts x group_size)", min=1)

@@ -129,18 +129,20 @@ def register(name: str):
 
 @register("arithmetic")
 class Arithmetic(Task):
-    """'What is a + b?' for every pair 0 <= a, b <= ``max_operand``; the answer is the sum."""
+    """'What is a + b?' for every pair 0 <= a <= ``max_operand``, 0 <= b <= ``max_addend``
+    (default: max_operand); the answer is the sum."""
     default_checker = "numeric"
     PROMPT = "What is {a} + {b}? Answer with the number only."
 
     @classmethod
     def build(cls, rl_cfg, seed: int) -> "Arithmetic":
         n = rl_cfg.max_operand
-        items = [Item(cls.PROMPT.format(a=a, b=b), str(a + b)) for a in range(n + 1) for b in range(n + 1)]
+        m = n if getattr(rl_cfg, "max_addend", None) is None else rl_cfg.max_addend
+        items = [Item(cls.PROMPT.format(a=a, b=b), str(a + b)) for a in range(n + 1) for b in range(m + 1)]
         random.Random(seed).shuffle(items)
         held = held_out_count(len(items), rl_cfg.val_prompts, "rl.max_operand")
         return cls(items[held:], items[:held], rl_cfg.checker,
-                   f"synthetic: a + b for 0 <= a, b <= {n} ({len(items)} questions), seed {seed}")
+                   f"synthetic: a + b for 0 <= a <= {n}, 0 <= b <= {m} ({len(items)} questions), seed {seed}")
 
 
 def held_out_count(n: int, wanted: int, what: str) -> int:
