@@ -88,6 +88,15 @@ def write_sft_data(work: Path, cfg_path: Path, repeat: int) -> Path:
     return path
 
 
+def sft_steps(a, cfg: Path) -> dict:
+    """The base model and its SFT on the task's training prompts; the stages' wall times."""
+    base = make_base(a.work, a.d_model, a.layers)
+    data = write_sft_data(a.work, cfg, a.sft_repeat)
+    return {"sft prepare": run("sft", "prepare", "--config", cfg, "--dataset", data),
+            "sft train": run("sft", "train", "--config", cfg, "--checkpoint", base, "--name", "study",
+                             "--epochs", a.sft_epochs, "--eval-every", "0.5", "--sample-tokens", "0")}
+
+
 def pass_at_1(work: Path, run: str) -> list[tuple[int, float]]:
     log = work / "logs" / "raw_metrics" / f"{run}.jsonl"
     recs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
@@ -99,13 +108,15 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "rl_study")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--max-operand", type=int, default=999)
-    p.add_argument("--max-addend", type=int, default=9)
-    p.add_argument("--val-prompts", type=int, default=100)
-    p.add_argument("--sft-steps", type=int, default=150)
-    p.add_argument("--sft-repeat", type=int, default=1, help="copies of each training item in the SFT data")
+    p.add_argument("--max-operand", type=int, default=9)
+    p.add_argument("--max-addend", type=int, default=None)
+    p.add_argument("--val-prompts", type=int, default=20)
+    p.add_argument("--sft-epochs", type=int, default=4)
+    p.add_argument("--sft-repeat", type=int, default=10, help="copies of each training item in the SFT data")
+    p.add_argument("--reuse-sft", action="store_true",
+                   help="start RL from the newest sft_study_* run in --work (made by an earlier call)")
     p.add_argument("--sft-lr", type=float, default=3e-3)
-    p.add_argument("--rl-steps", type=int, default=60)
+    p.add_argument("--rl-steps", type=int, default=80)
     p.add_argument("--rl-lr", type=float, default=1e-4)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--group-size", type=int, default=8)
@@ -113,12 +124,7 @@ def main() -> int:
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     cfg = write_config(a.work, a)
-    base = make_base(a.work, a.d_model, a.layers)
-    data = write_sft_data(a.work, cfg, a.sft_repeat)
-    times = {"sft prepare": run("sft", "prepare", "--config", cfg, "--dataset", data),
-             "sft train": run("sft", "train", "--config", cfg, "--checkpoint", base, "--name", "study",
-                              "--epochs", "1", "--max-steps", a.sft_steps, "--eval-every", "0.1",
-                              "--sample-tokens", "0")}
+    times = {} if a.reuse_sft else sft_steps(a, cfg)
     sft_run = sorted((a.work / "checkpoints").glob("sft_study_*"))[-1]
     times["rl"] = run("rl", "--config", cfg, "--checkpoint", sft_run / "checkpoint_best.pt", "--name", "study")
     rl_run = sorted((a.work / "checkpoints").glob("rl_study_*"))[-1]
