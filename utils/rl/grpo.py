@@ -32,7 +32,7 @@ p, q the policy's and the frozen reference's log-probabilities) is added to it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
