@@ -77,6 +77,8 @@ STAGES: dict[str, Stage] = {
     "status": Stage("status", "progress of training runs: step, loss trend, tokens/s, ETA, "
                     "checkpoints (read-only)"),
     "sft": Stage("post_training", "instruction data (LIMA format) -> supervised fine-tuning"),
+    "rl": Stage("rl", "RL on verifiable rewards (GRPO): a task's verifier scores sampled replies "
+                 "(resumable)"),
     "infer": Stage("inference", "generate text from a checkpoint", ("inference",)),
     "benchmark": Stage("benchmark", "perplexity, LAMBADA, HellaSwag and more on checkpoints"),
     "export": Stage("export", "a checkpoint as a Hugging Face model folder or a GGUF file "
@@ -87,7 +89,7 @@ STAGES: dict[str, Stage] = {
                     "(Markdown + PNG, --html)"),
 }
 ALIASES: dict[str, str] = {a: name for name, st in STAGES.items() for a in st.aliases}
-MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "infer", "benchmark",
+MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "rl", "infer", "benchmark",
               "export", "serve", "report", "samples"]
 
 # what the menu's argument prompt suggests (default: --test)

@@ -27,7 +27,7 @@ LAYERS = (
     ("utils.data", "model", "utils.training"),               # text to tokens; the network; the loop
     ("dataloader", "utils.generation", "utils.hf"),
     ("utils.run",),
-    ("utils.bench", "utils.stage", "utils.serve"),
+    ("utils.bench", "utils.stage", "utils.serve", "utils.rl"),
     ("utils.report",),
     tuple(sorted(STAGES)),
 )

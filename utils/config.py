@@ -334,6 +334,39 @@ class LoraConfig:
                                    "projections that get an adapter: Hugging Face Llama names "
                                    "(q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), ours "
                                    "(wq wk wv wo w_gate w_up w_down), or all-linear")
+class RLConfig:
+    task: str = _f("arithmetic", "the task: a registered one (arithmetic: 'What is a + b?') or a JSONL "
+                   "file of {\"prompt\", \"answer\"} lines (utils/rl/tasks.py)", nonblank=True)
+    checker: Literal["auto", "exact", "numeric"] = _f(
+        "auto", "verifier: exact match of the reply, or the last number in it (numeric); auto: the "
+        "task's own (arithmetic: numeric; a JSONL file: numeric when every answer is a number)")
+    max_operand: int = _f(30, "arithmetic: first operands 0..max_operand", min=1)
+    max_addend: Optional[int] = _f(None, "arithmetic: second operands 0..max_addend (null: max_operand); "
+                                   "every pair once", min=0)
+    val_prompts: int = _f(64, "held-out prompts (pass@1 at each validation)", min=1)
+    group_size: int = _f(8, "replies sampled per prompt (one group; advantages are per group)", min=2)
+    prompts_per_step: int = _f(4, "prompts per optimizer step (batch = prompts x group_size)", min=1)
+    max_new_tokens: int = _f(16, "tokens per reply at most", min=1)
+    temperature: float = _f(1.0, "rollout sampling temperature", min=0, min_exclusive=True)
+    top_k: int = _f(0, "rollout top-k filter (0 = off)", min=0)
+    advantage: Literal["grpo", "mean"] = _f(
+        "grpo", "per-group advantage: (r - mean) / (std + 1e-4) (grpo, DeepSeekMath, TRL's default) or "
+        "r - mean (mean, nanochat / Dr. GRPO)")
+    kl_beta: float = _f(0.0, "weight of the KL penalty to the starting model (0 = none, no reference "
+                        "copy kept)", min=0)
+    steps: int = _f(60, "optimizer steps (one batch of fresh rollouts each)", min=1)
+    test_steps: int = _f(4, "--test: at most this many steps", min=1)
+    eval_every: int = _f(10, "steps between validations (greedy pass@1 on the held-out prompts)", min=1)
+    lr: float = _f(1e-5, "peak learning rate", min=0, min_exclusive=True)
+    min_lr_ratio: float = _f(1.0, "final learning rate of the cosine decay, as a fraction of lr "
+                             "(1.0: constant)", min=0, max=1)
+    warmup_ratio: float = _f(0.0, "linear warm-up, as a fraction of the run's steps", min=0, max=1)
+    weight_decay: float = _f(0.0, "AdamW weight decay", min=0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0, max=1)
+    beta2: float = _f(0.95, "AdamW beta2", min=0, max=1)
+    grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", min=0)
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f("auto", "autocast dtype (auto: bf16 on CUDA, "
+                                                        "fp32 on CPU)")
 
 
 @dataclass
@@ -425,6 +458,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)

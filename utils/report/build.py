@@ -152,7 +152,7 @@ def build_run(f: F.RunFacts) -> list:
         blocks.append(Image("curves.png", f"training curves of {f.name}", png))
     else:
         blocks.append(Para("Not available: no curve has a logged point yet."))
-    for section in (_data, _model, _training, _sft, _benchmarks, _samples, _environment, _config):
+    for section in (_data, _model, _training, _rl, _sft, _benchmarks, _samples, _environment, _config):
         blocks += section(f, s)
     return blocks
 
@@ -192,6 +192,8 @@ def _data(f: F.RunFacts, s: dict) -> list:
     out = [Heading(2, "Data")]
     if f.kind == "sft":
         out += _sft_data(f)
+    elif f.kind == "rl":
+        out += _rl_task(f)
     else:
         out += _shards(f)
     out += _tokenizer(f)
@@ -419,6 +421,60 @@ def _sft(f: F.RunFacts, s: dict) -> list:
             out.append(Para(f"{c.name}: {len(c.log.bad_lines)} damaged log line(s) skipped."))
         if c.out_of_range:
             out.append(Para(f"{c.name}: {out_of_range(c)} out of range left out."))
+    return out
+
+
+def _rl_task(f: F.RunFacts) -> list:
+    rc = F.as_dict(f.sft_config)           # the stage config: rl_config.json
+    if not rc:
+        return [Para("Not available: the run folder has no rl_config.json (its task).")]
+    task, hp = F.as_dict(rc.get("task")), F.as_dict(rc.get("hyperparameters"))
+    ex = F.as_dict(task.get("example"))
+    rows = [["started from", [Code(str(rc.get("base_checkpoint")))]],
+            ["task", f"{task.get('name')}: {task.get('source')}"],
+            ["verifier", str(task.get("checker"))],
+            ["prompts", f"{count(task.get('train_prompts'))} training, {count(task.get('val_prompts'))} held out"],
+            ["example", [Code(str(ex.get("prompt"))), " -> ", Code(str(ex.get("answer")))]],
+            ["rollouts", f"{hp.get('prompts_per_step')} prompts x {hp.get('group_size')} replies per step, "
+                         f"temperature {hp.get('temperature')}, at most {hp.get('max_new_tokens')} tokens"],
+            ["objective", f"advantage {hp.get('advantage')} (per group), kl_beta {hp.get('kl_beta')}, "
+                          f"lr {hp.get('lr')}"]]
+    return [Table(["", "value"], rows)]
+
+
+def rl_panels(f: F.RunFacts) -> list[Panel]:
+    """The reward of each logged step (mean over its replies) and the held-out pass@1."""
+    last = max([r["step"] for r in f.train + f.rl_val] or [0])
+    xs, ys = _series(f.train, "reward")
+    window = max(1, len(ys) // 10)
+    smooth = [float(np.mean(ys[max(0, i - window + 1):i + 1])) for i in range(len(ys))]
+    return [Panel("Reward (training rollouts)", "step", "mean reward",
+                  [Line("logged step", xs, ys, COLORS[0], 1.2, 0.5),
+                   Line(f"mean of the last {window} logged steps", xs, smooth, COLORS[0], 2.2)], xlim=(0, last)),
+            Panel("Held-out pass@1 (greedy)", "step", "pass@1",
+                  [Line("validation", *_series(f.rl_val, "val_pass_at_1"), COLORS[1], 2.0, marker="o")],
+                  xlim=(0, last))]
+
+
+def _rl(f: F.RunFacts, s: dict) -> list:
+    if f.kind != "rl":
+        return []
+    out = [Heading(2, "RL: reward and held-out pass@1")]
+    vals, rewards = f.rl_val, _series(f.train, "reward")[1]
+    if not vals and not rewards:
+        return out + [Para("Not available: the log has no reward or pass@1 yet.")]
+    tenth = max(1, len(rewards) // 10)
+    rows = [["held-out pass@1, first validation", f"{num(vals[0]['val_pass_at_1'], 3)} (step {vals[0]['step']})"
+             if vals else "n/a"],
+            ["held-out pass@1, last validation", f"{num(vals[-1]['val_pass_at_1'], 3)} (step {vals[-1]['step']})"
+             if vals else "n/a"],
+            ["held-out pass@1, best", num(max(r["val_pass_at_1"] for r in vals), 3) if vals else "n/a"],
+            [f"reward, first {tenth} logged step(s)", num(float(np.mean(rewards[:tenth])), 3) if rewards else "n/a"],
+            [f"reward, last {tenth} logged step(s)", num(float(np.mean(rewards[-tenth:])), 3) if rewards else "n/a"]]
+    out.append(Table(["", "value"], rows))
+    png = figure_png(rl_panels(f), title=f"{f.name}: reward and pass@1")
+    if png:
+        out.append(Image("rl.png", f"reward and held-out pass@1 of {f.name}", png))
     return out
 
 

@@ -91,6 +91,7 @@ class RunFacts:
     cfg: Optional[Config] = None
     sft_config: Optional[dict] = None       # a post-training run's stage config (sft_config.json, dpo_..., rl_...)
     chain: list = field(default_factory=list)  # utils.run.lineage: [first base, ..., this run]
+    rl_val: list = field(default_factory=list)  # an RL run's validations (held-out pass@1)
     tokenizer_copy: Optional[dict] = None
     shards: Optional[dict] = None
     shards_dir: Optional[Path] = None
@@ -194,6 +195,7 @@ def _read_log_parts(f: RunFacts) -> None:
         f.note("training", f"no metrics log: {f.log.path} does not exist.")
     f.train = latest_per_step(recs, "train")
     f.val = [r for r in latest_per_step(recs, "val") if finite(r.get("val_loss"))]
+    f.rl_val = [r for r in latest_per_step(recs, "val") if finite(r.get("val_pass_at_1"))]
     f.samples = [r for r in recs if r.get("type") == "sample" and isinstance(r.get("text"), str)]
     f.configs = [r for r in recs if r.get("type") == "config" and isinstance(r.get("hparams"), dict)]
     f.events = [r for r in recs if r.get("type") == "event" and isinstance(r.get("step"), int)]

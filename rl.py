@@ -1,0 +1,349 @@
+"""Stage ``rl``: on-policy RL on verifiable rewards (GRPO) from an SFT run or an imported model.
+
+    python main.py rl --checkpoint checkpoints/sft_lima_<time>/checkpoint_best.pt
+    python main.py rl --init-from-hf data/samples/smollm2/SmolLM2-135M-Instruct [--task arithmetic]
+    python main.py rl --checkpoint PATH --task my_task.jsonl [--steps 100] [--kl-beta 0.04]
+    python main.py rl --resume checkpoints/rl_<name>_<time>/checkpoint_latest.pt   (or auto)
+
+Each step takes ``rl.prompts_per_step`` training prompts of the task, samples
+``rl.group_size`` replies to each with the current weights (the engine's continuous batching,
+all of them in one batch), scores them with the task's verifier, and takes one optimizer step
+on the policy-gradient loss with group-relative advantages (utils/rl/grpo.py; the task and its
+verifier: utils/rl/tasks.py; every number in the ``rl`` config section). Prompts are rendered
+with the model's own chat template (an SFT run's or an imported model's), so the model answers
+in the format it was taught. Each validation (``rl.eval_every`` steps, and step 0: the model as
+it started) measures pass@1 on the held-out prompts (greedy) and prints one held-out reply.
+
+The run is a run folder like every training stage's (utils/stage.py): checkpoints_dir/
+rl_<name>_<time>/ with checkpoint_latest.pt (no "best": there is no validation loss) and
+rl_config.json (its base, task and settings), logs/raw_metrics/<run>.jsonl (``reward`` per
+logged step, ``val_pass_at_1`` per validation), TensorBoard, ``status`` and ``report``.
+Ctrl-C or SIGTERM saves and prints the resume command (exit 130); the resumed run samples the
+same replies and gets the same rewards as an uninterrupted one. Details: docs/rl.md.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import functools
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from utils.atomic import write_json_atomic
+from utils.cli import PipelineError, StageParser, UsageError, argv_without, cli_nonblank, cli_path, run_stage
+from utils.data import chat, sft
+from utils.data.chat import Rules, stop_ids_of
+from utils.data.tok import require_bos_eos
+from utils.device import resolve_device
+from utils.generation.detok import TextDecoder
+from utils.rl.tasks import Task, load_task
+from utils.run import (base_record, list_runs, load_checkpoint, model_args_of, read_stage_config,
+                       stage_config_file, tokenizer_for_checkpoint)
+
+RL_CONFIG_FILE = stage_config_file("rl")
+
+
+def build_parser() -> StageParser:
+    p = StageParser("rl.py", "On-policy RL on verifiable rewards (GRPO): sample groups of replies, "
+                    "score them with the task's verifier, reinforce the better ones (resumable).")
+    p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH",
+                   help="the checkpoint to start from (an SFT run's, usually)")
+    p.add_argument("--init-from-hf", type=cli_path, default=None, metavar="DIR",
+                   help="start from a local Hugging Face Llama model (folder or .gguf file) instead")
+    p.add_argument("--resume", default=None, metavar="PATH|auto", type=cli_nonblank,
+                   help="continue an RL run from its checkpoint file, or 'auto': the newest "
+                        "rl_<name>_* run's checkpoint_latest.pt")
+    p.add_argument("--name", default="task", help="run name: checkpoints/rl_<name>_<time>/")
+    p.config_flag("--task", key="rl.task", metavar="NAME|FILE",
+                  help="arithmetic (synthetic), or a JSONL file of {prompt, answer} lines")
+    p.config_flag("--checker", key="rl.checker", choices=["auto", "exact", "numeric"],
+                  help="the verifier (auto: the task's own)")
+    p.config_flag("--steps", key="rl.steps", type=int, metavar="N", help="optimizer steps")
+    p.config_flag("--group-size", key="rl.group_size", type=int, metavar="G", help="replies per prompt")
+    p.config_flag("--prompts-per-step", key="rl.prompts_per_step", type=int, metavar="N",
+                  help="prompts per step")
+    p.config_flag("--max-new-tokens", key="rl.max_new_tokens", type=int, metavar="N",
+                  help="tokens per reply at most")
+    p.config_flag("--temperature", key="rl.temperature", type=float, metavar="T",
+                  help="rollout sampling temperature")
+    p.config_flag("--lr", key="rl.lr", type=float, metavar="LR", help="learning rate")
+    p.config_flag("--kl-beta", key="rl.kl_beta", type=float, metavar="B",
+                  help="KL penalty weight to the starting model (0: none)")
+    p.config_flag("--advantage", key="rl.advantage", choices=["grpo", "mean"],
+                  help="per-group advantage: grpo (mean and std) or mean (mean only)")
+    p.config_flag("--val-prompts", key="rl.val_prompts", type=int, metavar="N", help="held-out prompts")
+    p.config_flag("--eval-every", key="rl.eval_every", type=int, metavar="N",
+                  help="steps between pass@1 validations")
+    p.config_flag("--device", key="training.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.config_flag("--seed", key="training.seed", type=int, metavar="N",
+                  help="random seed (task split, prompt order, rollouts)")
+    p.config_flag("--log-every", key="logging.log_every", type=int, metavar="N", help="steps between log records")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, cfg = parse(argv)
+    return set_up(cfg, args, argv).finish()
+
+
+def parse(argv: Sequence[str]):
+    args, cfg = build_parser().parse(argv)
+    given = [f for f, v in (("--checkpoint", args.checkpoint), ("--init-from-hf", args.init_from_hf),
+                            ("--resume", args.resume)) if v]
+    if len(given) != 1:
+        raise UsageError("rl needs exactly one of --checkpoint PATH (a checkpoint to start from, e.g. an "
+                         "SFT run's), --init-from-hf DIR (a Hugging Face Llama model) or --resume "
+                         "PATH|auto (continue an RL run)" + (f"; got {' and '.join(given)}." if given else "."))
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name or ""):
+        raise UsageError(f"--name {args.name!r}: use letters, digits, '.', '_' or '-'.")
+    return args, cfg
+
+
+def set_up(cfg, args, argv: Sequence[str]):
+    """The steps of a start (utils/stage.py runs the rest); what they hold is freed on return."""
+    from utils import stage     # torch-bound (the model, the trainer): --help does not wait for it
+    src = open_source(cfg, args)
+    tok, tok_info = open_tokenizer(cfg, src)
+    rules = run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok)
+    task = load_task(cfg.rl, cfg.training.seed, cfg.resolve)
+    check_fits(task, tok, rules, cfg.rl, src.model_args)
+    start = stage.Start(src.run_dir.name, src.run_dir, src.model_args,
+                        resume=src.ckpt if src.resumed else None,
+                        weights=None if src.resumed else src.ckpt["model"], rules=rules)
+    parts = stage.Parts(
+        lr_key="rl.lr", tokenizer=tok,
+        spec=functools.partial(rl_spec, cfg, src, task, tok, tok_info, rules),
+        run_files=functools.partial(run_files, cfg, args, src, task),
+        resume_command=resume_command(argv, src.run_dir / "checkpoint_latest.pt"),
+        closing=functools.partial(closing_line, src.run_dir))
+    proc = stage.one_process(resolve_device(cfg.training.device, "training.device"))
+    return stage.set_up(cfg, start, proc, parts)
+
+
+# --------------------------------------------------------------------------- the start
+@dataclass(frozen=True)
+class Source:
+    """What an RL run opens: the model it starts from (a new run) or its own checkpoint (a resume)."""
+    run_dir: Path
+    base: Path                    # the checkpoint or imported model the run started from
+    model_args: object
+    ckpt: dict                    # the checkpoint read (an imported model: its weights and tokenizer)
+    path: Path                    # where ``ckpt`` was read
+    resumed: bool
+    imported: object = None       # --init-from-hf: utils.hf.import_hf.Imported
+    base_imported: bool = False   # a resumed run whose base is an imported model
+
+
+def open_source(cfg, args) -> Source:
+    """The base (a checkpoint or an imported model), or the run's own checkpoint on --resume,
+    and the run folder: ``rl_<name>_<time>`` for a new run."""
+    if args.resume:
+        return resumed_source(cfg, args)
+    imported = None
+    if args.init_from_hf:
+        from utils.hf.import_hf import load_hf_llama    # torch and transformers: only for an import
+        imported = load_hf_llama(args.init_from_hf)
+        base, model_args = Path(imported.source), imported.model.args
+        ckpt = {"model": imported.model.state_dict(), "tokenizer": imported.tok_info}
+    else:
+        base = Path(args.checkpoint)
+        ckpt = load_checkpoint(base, purpose="weights")
+        model_args = model_args_of(ckpt, base)
+    stamp = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
+    run_dir = cfg.path("paths.checkpoints_dir") / f"rl_{args.name}_{stamp}"
+    if run_dir.exists():
+        raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
+    return Source(run_dir, base, model_args, ckpt, base, resumed=False, imported=imported)
+
+
+def resumed_source(cfg, args) -> Source:
+    if args.resume == "auto":
+        runs = [r for r in list_runs(cfg.path("paths.checkpoints_dir"))
+                if r.name.startswith(f"rl_{args.name}_") and r.latest is not None]
+        if not runs:
+            raise PipelineError(f"--resume auto: no rl_{args.name}_* run with a checkpoint_latest.pt "
+                                f"under {cfg.path('paths.checkpoints_dir')}.")
+        rpath = runs[0].latest
+    else:
+        rpath = Path(args.resume).expanduser().resolve()
+    ckpt = load_checkpoint(rpath, purpose="resume")
+    if ckpt.get("kind") != "rl":
+        raise PipelineError(f"--resume {rpath}: not an RL checkpoint (kind '{ckpt.get('kind')}'). To "
+                            "start RL from it, pass it as --checkpoint.")
+    base = Path((ckpt.get("rl") or {}).get("base_checkpoint") or rpath)
+    kept = (read_stage_config(rpath.parent) or {}).get("base")
+    imported = bool(kept.get("imported")) if isinstance(kept, dict) else False
+    return Source(rpath.parent, base, model_args_of(ckpt, rpath), ckpt, rpath, resumed=True,
+                  base_imported=imported)
+
+
+def open_tokenizer(cfg, src: Source):
+    if src.imported is not None:
+        return src.imported.tok, dict(src.imported.tok_info)
+    tok, tok_info = tokenizer_for_checkpoint(src.ckpt, cfg, src.path)
+    return tok, {k: v for k, v in tok_info.items() if k != "verified"}
+
+
+def run_rules(kept: Optional[Rules], src: Source, tok) -> Rules:
+    """The base's rules with its chat template: an SFT run's or an imported model's own; a
+    model without one (pre-trained only) is prompted in our User/Assistant template."""
+    base = kept or Rules.ours(tok, src.ckpt.get("chat_template"))
+    template = base.template or src.ckpt.get("chat_template")
+    if template is None:
+        require_bos_eos(tok, "the run's tokenizer")
+        template = sft.default_template()
+        print("rl: the base has no chat template (not fine-tuned?); prompts use ours (User/Assistant).",
+              flush=True)
+    stops = tuple(dict.fromkeys(base.stop_ids + stop_ids_of(None, tok, template)))
+    return dataclasses.replace(base, template=template, stop_ids=stops)
+
+
+def prompt_ids(tok, rules: Rules, items) -> list[list[int]]:
+    return [chat.chat_prompt_ids(tok, rules.template, "", [], it.prompt) for it in items]
+
+
+def check_fits(task: Task, tok, rules: Rules, rl_cfg, model_args) -> None:
+    """Refuse a task whose longest prompt plus a reply does not fit the model's context."""
+    longest = max(len(p) for p in prompt_ids(tok, rules, task.train + task.val))
+    if longest + rl_cfg.max_new_tokens > model_args.max_seq_len:
+        raise PipelineError(f"the task's longest prompt ({longest} tokens) plus rl.max_new_tokens "
+                            f"({rl_cfg.max_new_tokens}) exceeds the model's context of "
+                            f"{model_args.max_seq_len} tokens; lower rl.max_new_tokens or shorten the prompts.")
+
+
+# --------------------------------------------------------------------------- the spec
+def end_token(tok, rules: Rules) -> int:
+    """The token a finished reply is trained to end with: the template's end of turn, else EOS."""
+    turn_end = (rules.template or {}).get("end_of_turn")
+    if turn_end is not None:
+        return int(tok.convert_tokens_to_ids(turn_end))
+    if tok.eos_token_id is None:
+        raise PipelineError("the run's tokenizer has no EOS token: a reply's end cannot be trained on.")
+    return int(tok.eos_token_id)
+
+
+def reply_decoder(tok, rules: Rules):
+    """new ids -> the reply's text, as infer decodes an answer in this template."""
+    continues, lead = chat.answer_decoding(rules.template)
+
+    def decode(prompt: list[int], ids: list[int]) -> str:
+        d = TextDecoder(tok, prompt[-1:] if continues else (), lead=lead)
+        for t in ids:
+            d.push(t)
+        return d.text()
+    return decode
+
+
+def scorer(task: Task, items, prompts, decode):
+    return lambda i, ids: task.reward(decode(prompts[i], ids), items[i])
+
+
+def reference_model(src: Source, model, kl_beta: float):
+    """The frozen starting model for the KL penalty (None when kl_beta is 0): the base's
+    weights, read again on resume (the run's model holds the resumed ones by then)."""
+    if kl_beta <= 0:
+        return None
+    if src.resumed:
+        if src.base_imported:
+            from utils.hf.import_hf import load_hf_llama    # torch and transformers: only for an import
+            weights = load_hf_llama(src.base).model.state_dict()
+        else:
+            weights = load_checkpoint(src.base, purpose="weights")["model"]
+    else:
+        weights = src.ckpt["model"]
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(weights, strict=True)
+    return ref.eval().requires_grad_(False)
+
+
+def rl_spec(cfg, src: Source, task: Task, tok, tok_info, rules: Rules, model):
+    """RL as a TrainSpec: rollouts as the data, the policy-gradient loss, pass@1 as val_fn."""
+    from utils import stage     # torch-bound
+    from utils.rl import grpo
+    from utils.training.trainer import TrainSpec
+    r = cfg.rl
+    decode = reply_decoder(tok, rules)
+    train_p, val_p = prompt_ids(tok, rules, task.train), prompt_ids(tok, rules, task.val)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else end_token(tok, rules)
+    settings = grpo.RolloutSettings(r.group_size, r.prompts_per_step, r.max_new_tokens, r.temperature,
+                                    r.top_k, rules.stop_ids, end_token(tok, rules), pad, r.advantage == "grpo")
+    data = grpo.Rollouts(model, train_p, settings, scorer(task, task.train, train_p, decode), cfg.training.seed)
+    val_score = scorer(task, task.val, val_p, decode)
+    engine = data.engine
+    ref = reference_model(src, model, r.kl_beta)
+    print(f"rl: task {task.name} ({task.source}; checker {task.checker}): {len(task.train)} training / "
+          f"{len(task.val)} held-out prompts; {total_steps(cfg)} steps of {r.prompts_per_step} prompts x "
+          f"{r.group_size} replies; lr {r.lr:g}; kl_beta {r.kl_beta:g}; advantage {r.advantage}; on "
+          f"{model.device}; base {src.base}.", flush=True)
+    record = stage.run_record("rl", cfg, tok_info, rules, {"rl": {"base_checkpoint": str(src.base),
+                                                                  "task": task.describe()}})
+
+    def sample(m) -> list[tuple[str, str]]:
+        (ids, _), = grpo.generate_replies(engine, val_p[:1], 1, r.max_new_tokens, 0.0, 0, rules.stop_ids, 0)
+        return [(task.val[0].prompt, decode(val_p[0], ids))]
+
+    return TrainSpec(model, src.model_args, data, None, optimizer=optimizer_spec(r),
+                     settings=train_settings(cfg, len(data)), record=record,
+                     loss=functools.partial(grpo.pg_loss, kl_beta=r.kl_beta, ref_model=ref),
+                     val_fn=lambda m: {"pass_at_1": grpo.pass_at_1(engine, val_p, val_score,
+                                                                   r.max_new_tokens, rules.stop_ids)},
+                     sample_fn=sample)
+
+
+def total_steps(cfg) -> int:
+    return min(cfg.rl.steps, cfg.rl.test_steps) if cfg.test else cfg.rl.steps
+
+
+def optimizer_spec(r):
+    from utils.training.trainer import OptimizerSpec     # torch-bound
+    return OptimizerSpec("adamw", r.lr, r.beta1, r.beta2, r.weight_decay)
+
+
+def train_settings(cfg, steps_per_epoch: int):
+    """The run's numbers from the ``rl`` section (how it is executed: ``training``, ``logging``)."""
+    from utils.training.trainer import Settings     # torch-bound
+    r, hp, log, total = cfg.rl, cfg.training, cfg.logging, total_steps(cfg)
+    return Settings(total_steps=total, min_lr=r.lr * r.min_lr_ratio,
+                    warmup_steps=int(total * r.warmup_ratio + 1e-9), warmup_source="rl.warmup_ratio",
+                    eval_interval=min(r.eval_every, total), eval_batches=1,
+                    checkpoint_every=total, keep_checkpoints=0, steps_per_epoch=steps_per_epoch,
+                    grad_accum=1, grad_clip=r.grad_clip, dtype=r.dtype, patience=0,
+                    log_every=log.log_every, smoothing_window=log.smoothing_window, compile=hp.compile,
+                    activation_checkpointing=hp.activation_checkpointing)
+
+
+# --------------------------------------------------------------------------- run files, the end
+def run_files(cfg, args, src: Source, task: Task, spec) -> dict:
+    """rl_config.json (what the run started from, its task and settings); the log's hyperparameters."""
+    from utils.training.trainer import resolve_dtype    # torch-bound
+    st = spec.settings
+    hyper = {**dataclasses.asdict(cfg.rl), "total_steps": st.total_steps, "seed": cfg.training.seed,
+             "dtype": str(resolve_dtype(st.dtype, spec.model.device)), "device": str(spec.model.device),
+             "steps_per_epoch": st.steps_per_epoch}
+    write_json_atomic(src.run_dir / RL_CONFIG_FILE, {
+        "run": src.run_dir.name, "base_checkpoint": str(src.base),
+        "base": base_record(src.base, imported=src.imported is not None or src.base_imported),
+        "resumed_from": str(args.resume) if src.resumed else None, "task": task.describe(),
+        "chat_template": spec.record.chat_template, "hyperparameters": hyper,
+        "model": src.model_args.to_dict(), "tokenizer": spec.record.tokenizer, "config": cfg.to_dict()})
+    return {"run": src.run_dir.name, **hyper}
+
+
+def resume_command(argv: Sequence[str], latest: Path) -> str:
+    out = argv_without(list(argv), ("--resume", "--checkpoint", "--init-from-hf"))
+    return "python main.py rl " + shlex.join(out + ["--resume", str(latest)])
+
+
+def closing_line(run_dir: Path, result, logger) -> str:
+    return (f"rl: {result.reason} at step {result.step}; checkpoints in {run_dir}. Report: python main.py "
+            f"report {run_dir.name}; try it: python main.py infer --checkpoint {run_dir / 'checkpoint_latest.pt'}")
+
+
+if __name__ == "__main__":
+    run_stage(main)
