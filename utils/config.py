@@ -334,6 +334,9 @@ class LoraConfig:
                                    "projections that get an adapter: Hugging Face Llama names "
                                    "(q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), ours "
                                    "(wq wk wv wo w_gate w_up w_down), or all-linear")
+
+
+@dataclass
 class RLConfig:
     task: str = _f("arithmetic", "the task: a registered one (arithmetic: 'What is a + b?') or a JSONL "
                    "file of {\"prompt\", \"answer\"} lines (utils/rl/tasks.py)", nonblank=True)
