@@ -77,6 +77,7 @@ STAGES: dict[str, Stage] = {
     "status": Stage("status", "progress of training runs: step, loss trend, tokens/s, ETA, "
                     "checkpoints (read-only)"),
     "sft": Stage("post_training", "instruction data (LIMA format) -> supervised fine-tuning"),
+    "dpo": Stage("dpo", "preference pairs (prompt, chosen, rejected) -> DPO of an SFT model"),
     "infer": Stage("inference", "generate text from a checkpoint", ("inference",)),
     "benchmark": Stage("benchmark", "perplexity, LAMBADA, HellaSwag and more on checkpoints"),
     "export": Stage("export", "a checkpoint as a Hugging Face model folder or a GGUF file "
@@ -87,7 +88,7 @@ STAGES: dict[str, Stage] = {
                     "(Markdown + PNG, --html)"),
 }
 ALIASES: dict[str, str] = {a: name for name, st in STAGES.items() for a in st.aliases}
-MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "infer", "benchmark",
+MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "dpo", "infer", "benchmark",
               "export", "serve", "report", "samples"]
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130

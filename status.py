@@ -87,7 +87,8 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
                  "val_loss": None, "best_val_loss": None, "perplexity": None,
                  "bits_per_byte": None, "last_event": None, "last_record_age_s": None,
                  "state": "log unreadable" if _is_unreadable(problem) else "no log yet",
-                 "log_problem": problem, "checkpoints": [], "sample": None}
+                 "log_problem": problem, "checkpoints": [], "sample": None,
+                 "metrics": {}, "val_metrics": {}}
     if train:
         last = train[-1]
         out.update(step=last.get("step"), loss=last.get("loss"),
@@ -96,13 +97,9 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
         rates = [r["tokens_per_s"] for r in train[-5:] if _finite(r.get("tokens_per_s"))]
         out["tokens_per_s"] = statistics.median(rates) if rates else None
         out["trend"] = loss_trend(train)
+        out["metrics"] = spec_metrics(last)
         out["eta_s"] = eta_seconds(train, out["total_steps"])
-    if val:
-        good = [r for r in val if _finite(r.get("val_loss"))]
-        if good:
-            out.update(val_loss=good[-1]["val_loss"], perplexity=good[-1].get("perplexity"),
-                       bits_per_byte=good[-1].get("bits_per_byte"),
-                       best_val_loss=min(r["val_loss"] for r in good))
+    out.update(_validation(val))
     if samples:
         out["sample"] = {"step": samples[-1].get("step"), "prompt": samples[-1].get("prompt"),
                          "text": samples[-1].get("text")}
@@ -119,6 +116,27 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
             out["checkpoints"].append({"file": p.name, "mb": round(st.st_size / 1e6, 1),
                                        "age_s": round(now - st.st_mtime, 1)})
     return out
+
+
+TRAIN_FIELDS = {"type", "step", "time", "loss", "smoothed_loss", "lr", "grad_norm", "tokens_per_s",
+                "tokens_seen", "epoch", "peak_memory_mb", "mfu"}
+
+
+def spec_metrics(record: dict) -> dict:
+    """The numbers a training mode logs beside the loss (e.g. DPO's rewards; TrainSpec.loss)."""
+    return {k: v for k, v in record.items() if k not in TRAIN_FIELDS and _finite(v)}
+
+
+def _validation(val: list) -> dict:
+    """The last validation's numbers (the mode's own, e.g. DPO's held-out rewards, included)."""
+    good = [r for r in val if _finite(r.get("val_loss"))]
+    if not good:
+        return {}
+    last = good[-1]
+    return {"val_loss": last["val_loss"], "perplexity": last.get("perplexity"),
+            "bits_per_byte": last.get("bits_per_byte"), "best_val_loss": min(r["val_loss"] for r in good),
+            "val_metrics": {k: v for k, v in last.items() if k.startswith("val_") and k != "val_loss"
+                            and _finite(v)}}
 
 
 def _usable(records: list) -> tuple:
@@ -241,6 +259,12 @@ def format_summary(s: dict) -> str:
         lines.append(f"  ETA          {_dur(s['eta_s'])}")
     lines.append(f"  validation   loss {_num(s['val_loss'])} (best {_num(s['best_val_loss'])}), "
                  f"perplexity {_num(s['perplexity'], '.2f')}, bits/byte {_num(s['bits_per_byte'])}")
+    if s.get("metrics") or s.get("val_metrics"):
+        said = [", ".join(f"{k} {v:.4g}" for k, v in sorted(s["metrics"].items()))]
+        if s.get("val_metrics"):
+            said.append("held-out: " + ", ".join(f"{k.removeprefix('val_')} {v:.4g}"
+                                                 for k, v in sorted(s["val_metrics"].items())))
+        lines.append("  metrics      " + "; ".join(x for x in said if x))
     if s["sample"]:
         lines.append(f"  sample       step {s['sample']['step']}: {s['sample']['prompt']!r} -> "
                      f"{(s['sample']['text'] or '')[:120]!r}")

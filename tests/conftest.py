@@ -439,7 +439,7 @@ def sft_run(trained_run) -> dict:
     SciQ + ARC substitute) and `sft train --test` for 2 steps, run "base". Returns root, cfg,
     run (the SFT run folder), ckpt (its checkpoint_best.pt) and out."""
     root, cfg = trained_run["root"], trained_run["cfg"]
-    p = run_stage("sft", "prepare", "--config", cfg, "--test")
+    p = run_stage("sft", "prepare", "--config", cfg, "--test", "--dataset", "samples")
     assert p.returncode == 0, p.stdout + p.stderr
     q = run_stage("sft", "train", "--config", cfg, "--test", "--checkpoint", trained_run["ckpt"],
                   "--name", "base", "--max-steps", "2", "--sample-tokens", "0")

@@ -169,7 +169,7 @@ class RunInfo:
     """One training run folder (or the legacy flat layout: ``legacy=True``)."""
     name: str
     path: Path
-    kind: str                      # "pretrain", "sft" or "legacy"
+    kind: str                      # "pretrain", "sft", "dpo" or "legacy"
     checkpoints: list              # Paths, best and latest first, then steps/epochs newest first
     mtime: float                   # newest file in the run
 
@@ -238,7 +238,7 @@ def list_runs(checkpoints_dir) -> list[RunInfo]:
         files = run_checkpoints(d)
         if not files:
             continue
-        kind = "sft" if d.name.startswith("sft") else "pretrain"
+        kind = "sft" if d.name.startswith("sft") else "dpo" if d.name.startswith("dpo_") else "pretrain"
         mtime = max(p.stat().st_mtime for p in files)
         runs.append(RunInfo(d.name, d, kind, files, mtime))
     flat = run_checkpoints(base)
@@ -465,6 +465,7 @@ def _config_from(stored) -> Optional[Config]:
 
 RUN_CONFIG_FILE = "config.json"        # train: the resolved config (Config.save_resolved)
 SFT_CONFIG_FILE = "sft_config.json"    # sft train: base checkpoint, data, hyperparameters, config
+DPO_CONFIG_FILE = "dpo_config.json"    # dpo train: the same, and its reference log-probabilities
 
 
 def _read_json_object(path: Path) -> Optional[dict]:
@@ -480,12 +481,20 @@ def read_sft_config(run_dir) -> Optional[dict]:
     return _read_json_object(Path(run_dir) / SFT_CONFIG_FILE)
 
 
+def read_dpo_config(run_dir) -> Optional[dict]:
+    """A DPO run folder's ``dpo_config.json`` (None when missing or unreadable)."""
+    return _read_json_object(Path(run_dir) / DPO_CONFIG_FILE)
+
+
 def stored_config(run_dir) -> Optional[Config]:
     """The config a run folder keeps: ``config.json`` (a pre-training run), else the
-    ``config`` of ``sft_config.json`` (an SFT run); None when neither is readable and valid."""
+    ``config`` of ``sft_config.json`` (an SFT run) or ``dpo_config.json`` (a DPO run); None
+    when none is readable and valid."""
     cfg = _config_from(_read_json_object(Path(run_dir) / RUN_CONFIG_FILE))
     if cfg is None:
         cfg = _config_from((read_sft_config(run_dir) or {}).get("config"))
+    if cfg is None:
+        cfg = _config_from((read_dpo_config(run_dir) or {}).get("config"))
     return cfg
 
 

@@ -152,13 +152,14 @@ def build_run(f: F.RunFacts) -> list:
         blocks.append(Image("curves.png", f"training curves of {f.name}", png))
     else:
         blocks.append(Para("Not available: no curve has a logged point yet."))
-    for section in (_data, _model, _training, _sft, _benchmarks, _samples, _environment, _config):
+    for section in (_data, _model, _training, _sft, _dpo, _benchmarks, _samples, _environment, _config):
         blocks += section(f, s)
     return blocks
 
 
 def _intro(f: F.RunFacts, s: dict) -> list:
-    what = "Supervised fine-tuning (SFT) run" if f.kind == "sft" else "Pre-training run"
+    what = {"sft": "Supervised fine-tuning (SFT) run", "dpo": "Preference tuning (DPO) run"}.get(
+        f.kind, "Pre-training run")
     out = [Para([what, " ", Code(f.name), f": {s['state']}; started {utc(s['started'])}. "
                  "Written by ", Code("python main.py report"), " from the run's log, folder, "
                  "data and benchmark results."])]
@@ -372,7 +373,7 @@ def _setting_changes(f: F.RunFacts) -> list:
 
 
 def _sft(f: F.RunFacts, s: dict) -> list:
-    if f.kind == "sft":
+    if f.kind in ("sft", "dpo"):
         return []
     out = [Heading(2, "Fine-tuning (SFT) runs started from this run")]
     if not f.children:
@@ -402,6 +403,46 @@ def _sft(f: F.RunFacts, s: dict) -> list:
             out.append(Para(f"{c.name}: {len(c.log.bad_lines)} damaged log line(s) skipped."))
         if c.out_of_range:
             out.append(Para(f"{c.name}: {out_of_range(c)} out of range left out."))
+    return out
+
+
+DPO_METRICS = (("reward_accuracy", "reward accuracy"), ("reward_margin", "reward margin"),
+               ("rewards_chosen", "chosen reward"), ("rewards_rejected", "rejected reward"))
+
+
+def _dpo(f: F.RunFacts, s: dict) -> list:
+    """A DPO run's own section: what it started from, its pairs, and its rewards (first and last
+    logged value, training and held-out) with their curves."""
+    if f.kind != "dpo":
+        return []
+    dc = F.as_dict(f.dpo_config)
+    data, hp = F.as_dict(dc.get("data")), F.as_dict(dc.get("hyperparameters"))
+    src = F.as_dict(data.get("source"))
+    out = [Heading(2, "Preference tuning (DPO)"),
+           Table(["", "value"], [
+               ["started from", [Code(str(dc.get("base_checkpoint")))]],
+               ["pairs", [Code(str(data.get("dir"))), f" ({src.get('kind')}: {src.get('name')}); "
+                          f"{count(data.get('train_pairs'))} training, {count(data.get('heldout_pairs'))} held out"]],
+               ["beta", str(hp.get("beta"))],
+               ["reference", f"{F.as_dict(dc.get('reference')).get('how', 'n/a')} "
+                             f"({F.as_dict(dc.get('reference')).get('file', 'n/a')})"]])]
+    if src.get("label"):
+        out.append(Para(["Data: ", str(src["label"])]))
+    rows = []
+    for key, label in DPO_METRICS:
+        _, tr = _series(f.train, key)
+        vx, va = _series(f.val, f"val_{key}")
+        rows.append([label, num(tr[0]) if tr else "n/a", num(tr[-1]) if tr else "n/a",
+                     f"{num(va[0])} (step {count(vx[0])})" if va else "n/a",
+                     f"{num(va[-1])} (step {count(vx[-1])})" if va else "n/a"])
+    out.append(Table(["", "train, first", "train, last", "held-out, first", "held-out, last"], rows, "lrrrr"))
+    panels = [Panel(label, "step", "", [Line("train", *_series(f.train, key), COLORS[0], 1.2),
+                                        Line("held-out", *_series(f.val, f"val_{key}"), COLORS[1], 2.0,
+                                             marker="o")])
+              for key, label in DPO_METRICS]
+    png = figure_png(panels, title=f"{f.name}: DPO rewards", cols=2)
+    if png:
+        out.append(Image("dpo_rewards.png", f"DPO rewards of {f.name}", png))
     return out
 
 

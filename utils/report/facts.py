@@ -35,7 +35,7 @@ from utils.config import Config
 from utils.data.sft import read_metadata as read_sft_metadata
 from utils.data.shards import read_metadata as read_shard_metadata
 from utils.data.tok import INFO_FILE
-from utils.run import (RUN_TOKENIZER_DIR, load_checkpoint, read_sft_config, run_checkpoints,
+from utils.run import (RUN_TOKENIZER_DIR, load_checkpoint, read_dpo_config, read_sft_config, run_checkpoints,
                        sft_runs_of, stored_config)
 from utils.training.logging_utils import (TERMINAL_EVENTS, LogRead, finite, latest_per_step,
                                           read_log)
@@ -90,6 +90,7 @@ class RunFacts:
     ckpt: Optional[CheckpointMeta] = None
     cfg: Optional[Config] = None
     sft_config: Optional[dict] = None
+    dpo_config: Optional[dict] = None
     tokenizer_copy: Optional[dict] = None
     shards: Optional[dict] = None
     shards_dir: Optional[Path] = None
@@ -234,7 +235,9 @@ def _read_run_folder(f: RunFacts) -> None:
     files = run_checkpoints(f.run_dir)
     f.checkpoint_files = [(p.name, p.stat().st_size) for p in files]
     f.sft_config = read_sft_config(f.run_dir)
-    f.kind = "sft" if f.sft_config is not None or f.name.startswith("sft_") else "pretrain"
+    f.dpo_config = read_dpo_config(f.run_dir)
+    f.kind = ("sft" if f.sft_config is not None or f.name.startswith("sft_") else
+              "dpo" if f.dpo_config is not None or f.name.startswith("dpo_") else "pretrain")
     f.cfg = stored_config(f.run_dir)
     if f.cfg is None:
         f.note("data", f"no readable stored config in {f.run_dir} (config.json or "
@@ -291,6 +294,8 @@ def _num(v) -> Optional[float]:
 def _read_data(f: RunFacts) -> None:
     if f.kind == "sft":
         _read_sft_data(f)
+        return
+    if f.kind == "dpo":         # dpo_config.json describes its pairs (the report's DPO section)
         return
     cfg = f.cfg
     if cfg is None:
