@@ -53,7 +53,7 @@ if TYPE_CHECKING:    # torch-bound, imported where `dpo train` needs it: `dpo pr
     from utils import stage
 
 SAMPLES_SOURCE = "samples"
-TEST_MAX_PAIRS = 200
+TEST_MAX_PAIRS = 120
 TEST_MAX_STEPS = 8
 CONFIG_FILE = "dpo_config.json"
 USAGE = ("usage: python main.py dpo {prepare,train} [options]\n"
@@ -325,12 +325,13 @@ def newest_latest(checkpoints_dir: Path, name: str) -> Path:
 
 def check_fits(ckpt: dict, path: Path, meta: dict, data_dir: Path, model_args) -> None:
     """The data was rendered with the checkpoint's chat template and fits its context."""
-    had = ckpt.get("chat_template")
-    if had is not None and had != meta["template"]:
-        raise PipelineError(f"{path} was fine-tuned on chat template '{had.get('name')}' but the pairs in "
-                            f"{data_dir} are rendered with '{meta['template'].get('name')}'. Re-run "
-                            "`python main.py dpo prepare` with the same tokenizer and sft.template as the "
-                            "SFT data of that checkpoint.")
+    had, have = ckpt.get("chat_template"), meta["template"]
+    if had is not None and had != have:
+        differ = sorted(k for k in set(had) | set(have) if had.get(k) != have.get(k))
+        raise PipelineError(f"{path} was fine-tuned with another chat template than the pairs in {data_dir} "
+                            f"are rendered with ('{had.get('name')}' vs '{have.get('name')}'; they differ in "
+                            f"{', '.join(differ)}). Re-run `python main.py dpo prepare` with the tokenizer and "
+                            "the sft section (template, prefixes) the checkpoint's SFT data was prepared with.")
     longest, limit = (meta.get("lengths") or {}).get("max", 0), model_args.max_seq_len
     if longest - 1 > limit:
         raise PipelineError(f"the longest sequence in {data_dir} has {longest} tokens but {path} takes "

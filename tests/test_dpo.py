@@ -9,16 +9,20 @@ import json
 import math
 import shlex
 import signal
+import sys
 import types
 from collections import defaultdict
 
 import numpy as np
+import pexpect
 import pytest
 import torch
 
-from tests.conftest import paused_env, popen_main, run_stage, wait_for_line, write_config
+import main
+from tests.conftest import (ROOT, default_signals, offline_env, paused_env, popen_main, run_stage,
+                            wait_for_line, write_config)
 
-STEPS = 9                  # 3 epochs of 3 steps over the 12 training pairs
+STEPS = 6                  # 2 epochs of 3 steps over the 12 training pairs
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,7 @@ def work(sft_run, tmp_path_factory):
     p = run_stage("dpo", "prepare", "--config", cfg, "--dataset", "samples", "--limit", "16",
                   "--max-length", "96")
     assert p.returncode == 0, p.stdout + p.stderr
-    common = ["--config", cfg, "--checkpoint", sft_run["ckpt"], "--epochs", "3", "--eval-every", "1"]
+    common = ["--config", cfg, "--checkpoint", sft_run["ckpt"], "--epochs", "2", "--eval-every", "1"]
     q = run_stage("dpo", "train", *common, "--name", "ref")
     assert q.returncode == 0, q.stdout + q.stderr
     run, = (root / "checkpoints").glob("dpo_ref_*")
@@ -103,6 +107,20 @@ def test_malformed_records_are_named_by_file_and_line(work, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert "no usable preference pair" in r.stderr and "bad.jsonl:1: invalid_json" in r.stderr
     assert not (tmp_path / "none" / "metadata.json").exists()
+
+
+def test_train_refuses_pairs_rendered_with_another_template(work, tmp_path):
+    """The SFT checkpoint records its chat template: pairs rendered with another one (here our
+    template with other prefixes) are refused before anything is written."""
+    other = tmp_path / "other"
+    r = run_stage("dpo", "prepare", "--config", work["cfg"], "--dataset", "samples", "--limit", "8",
+                  "--output-dir", other, "--config", write_config(tmp_path, {"sft": {"user_prefix": "Q: "}},
+                                                                   name="q.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_stage("dpo", "train", "--config", work["cfg"], "--checkpoint", work["base"]["ckpt"],
+                  "--data-dir", other, "--name", "wrong")
+    assert r.returncode == 1 and "another chat template" in r.stderr and "user_prefix" in r.stderr, r.stderr
+    assert not list((work["root"] / "checkpoints").glob("dpo_wrong_*"))
 
 
 # --------------------------------------------------------------------------- the loss
@@ -186,12 +204,12 @@ def test_training_raises_the_reward_margin_and_writes_the_run(work):
     recs = records(work["root"], run)
     train = [r for r in recs if r.get("type") == "train"]
     val = [r for r in recs if r.get("type") == "val"]
-    assert len(train) == STEPS and [r["step"] for r in val] == [0, 3, 6, 9], recs
+    assert len(train) == STEPS and [r["step"] for r in val] == [0, 3, 6], recs
     assert train[0]["reward_margin"] == pytest.approx(0.0, abs=1e-6)         # policy == reference
     assert val[0]["val_reward_margin"] == pytest.approx(0.0, abs=1e-6)
     last_epoch = train[-3:]
     assert all(r["reward_margin"] > 0.5 and r["reward_accuracy"] == 1.0 for r in last_epoch), last_epoch
-    assert all(r["rewards_chosen"] > r["rewards_rejected"] and r["loss"] < 0.3 for r in last_epoch)
+    assert all(r["rewards_chosen"] > r["rewards_rejected"] and r["loss"] < 0.5 for r in last_epoch)
     assert val[-1]["val_reward_margin"] > val[0]["val_reward_margin"]
     assert val[-1]["val_loss"] < math.log(2)
     cfg = json.loads((run / "dpo_config.json").read_text())
@@ -240,3 +258,22 @@ def test_status_and_report_show_the_run(work):
     md = (work["root"] / "reports" / name / "report.md").read_text()
     assert "Preference tuning (DPO)" in md and "reward accuracy" in md
     assert str(work["base"]["ckpt"]) in md
+
+
+def test_the_menu_runs_the_dpo_stage(tmp_path):
+    """`python main.py` (the interactive menu, on a pty) lists dpo and runs it."""
+    child = pexpect.spawn(sys.executable, [str(ROOT / "main.py")], cwd=str(tmp_path), env=offline_env(),
+                          encoding="utf-8", timeout=120, dimensions=(50, 200), preexec_fn=default_signals)
+    child.expect(r"Choose a stage \[1-(\d+)\]: ")
+    assert "dpo" in child.before and "preference pairs" in child.before
+    child.sendline(str(main.MENU_ORDER.index("dpo") + 1))
+    child.expect("Arguments for 'dpo'")
+    child.sendline("prepare --help")
+    child.expect("mask on the answers")
+    child.expect("--val-split")
+    child.expect("Stage 'dpo' finished successfully.")
+    child.expect(r"Run another stage\? \[y/N\]: ")
+    child.sendline("n")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
