@@ -53,7 +53,7 @@ if TYPE_CHECKING:    # torch-bound, imported where `dpo train` needs it: `dpo pr
     from utils import stage
 
 SAMPLES_SOURCE = "samples"
-TEST_MAX_PAIRS = 120
+TEST_MAX_PAIRS = 80
 TEST_MAX_STEPS = 8
 CONFIG_FILE = "dpo_config.json"
 USAGE = ("usage: python main.py dpo {prepare,train} [options]\n"
