@@ -466,10 +466,13 @@ def run_files(cfg, args, src: Source, pairs, data, made: dict, spec) -> dict:
 
 
 def closing_line(run_dir: Path, result, logger) -> str:
+    """Where the model is and how to try it (checkpoint_best.pt exists only when the held-out
+    loss fell below the start's, which DPO's need not do while its margin grows)."""
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
+    pick = run_dir / "checkpoint_best.pt"
+    pick = pick if pick.is_file() else run_dir / "checkpoint_latest.pt"
     return (f"dpo train: {result.reason} at step {result.step}; best held-out DPO loss {best}; "
-            f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint "
-            f"{run_dir / 'checkpoint_best.pt'}")
+            f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint {pick}")
 
 
 if __name__ == "__main__":
