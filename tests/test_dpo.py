@@ -241,6 +241,8 @@ def test_sigterm_saves_and_resume_matches_the_uninterrupted_run(work):
     ra, rb = records(work["root"], work["run"]), records(work["root"], cut)
     losses = lambda rs: [(r["step"], r["loss"]) for r in rs if r.get("type") == "train"]  # noqa: E731
     assert losses(ra) == sorted(set(losses(rb)))
+    r = run_stage("dpo", "train", "--config", work["cfg"], "--resume", "auto", "--name", "cut")
+    assert r.returncode == 0 and f"already_done at step {STEPS}" in r.stdout, r.stdout + r.stderr
     # a reference file changed under the run is refused on resume
     np.save(cut / "reference_logps.npy", np.load(cut / "reference_logps.npy") + 1)
     r = run_stage("dpo", "train", "--config", work["cfg"], "--resume", cut / "checkpoint_latest.pt")
