@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import itertools
 import re
 import shlex
 import sys
@@ -415,7 +416,9 @@ def reference(cfg, src: Source, pairs: preference.Pairs, pad: int, model) -> np.
             raise PipelineError(f"{path} is not the reference this run's checkpoints recorded (changed or "
                                 "damaged); start a new run from its base.")
         return ref
-    batches = preference.PairValData(pairs.examples, np.arange(len(pairs)), cfg.dpo.batch_size, pad)
+    # the held-out pairs in exactly the batches validation makes of them: their step-0 rewards are 0.0
+    batches = itertools.chain(*(preference.PairValData(pairs.examples, idx, cfg.dpo.batch_size, pad)
+                                for idx in (pairs.train_indices, pairs.heldout_indices)))
     with tqdm(total=len(pairs), desc="dpo reference log-probs", unit="pair", file=sys.stdout) as bar:
         return dpo.reference_logps(model, batches, len(pairs), model.device, bar.update)
 

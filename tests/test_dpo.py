@@ -206,7 +206,7 @@ def test_training_raises_the_reward_margin_and_writes_the_run(work):
     val = [r for r in recs if r.get("type") == "val"]
     assert len(train) == STEPS and [r["step"] for r in val] == [0, 3, 6], recs
     assert train[0]["reward_margin"] == pytest.approx(0.0, abs=1e-6)         # policy == reference
-    assert val[0]["val_reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    assert val[0]["val_reward_margin"] == 0.0 and val[0]["val_reward_accuracy"] == 0.0   # exactly
     last_epoch = train[-3:]
     assert all(r["reward_margin"] > 0.5 and r["reward_accuracy"] == 1.0 for r in last_epoch), last_epoch
     assert all(r["rewards_chosen"] > r["rewards_rejected"] and r["loss"] < 0.5 for r in last_epoch)
