@@ -44,7 +44,7 @@ demo: samples $(VENV)/.installed-test
 	@echo "== 6. data loader: validate the shard set, split it, decode a training window"
 	$(PY) dataloader.py $(OFFLINE) --test --window 128 --batch-size 8
 	@echo "== 7. train: tiny model on the Wikipedia shards (test mode); validation loss and a sample"
-	rm -rf checkpoints/demo checkpoints/sft_demo_* logs/tensorboard/demo logs/tensorboard/sft_demo_* logs/raw_metrics/demo.jsonl logs/raw_metrics/sft_demo_*.jsonl
+	rm -rf checkpoints/demo checkpoints/sft_demo_* checkpoints/dpo_demo_* logs/tensorboard/demo logs/tensorboard/sft_demo_* logs/tensorboard/dpo_demo_* logs/raw_metrics/demo.jsonl logs/raw_metrics/sft_demo_*.jsonl logs/raw_metrics/dpo_demo_*.jsonl
 	rm -rf checkpoints/sft_lora_demo_* logs/tensorboard/sft_lora_demo_* logs/raw_metrics/sft_lora_demo_*.jsonl
 	$(PY) main.py train $(OFFLINE) --test --name demo --log-every 2
 	@echo "== 8. status: the run's progress, read from its log and folder"
@@ -55,6 +55,11 @@ demo: samples $(VENV)/.installed-test
 	@echo "== 9b. LoRA: a rank-8 adapter (peft) on the frozen demo model for 2 steps, saved as a PEFT folder, exported merged"
 	$(PY) main.py sft train $(OFFLINE) --test --checkpoint checkpoints/demo/checkpoint_best.pt --name lora_demo --lora --lr 1e-3 --max-steps 2 --eval-every 1 --sample-tokens 16
 	LORA=$$(ls -d checkpoints/sft_lora_demo_* | tail -n 1) && $(PY) main.py export $(OFFLINE) --checkpoint $$LORA --format hf --out exports/lora-demo-hf --force
+	@echo "== 9c. dpo: SciQ questions as preference pairs (right answer chosen, a wrong option rejected; offline substitute), a few DPO steps on the SFT model"
+	rm -rf checkpoints/dpo_demo_* logs/tensorboard/dpo_demo_* logs/raw_metrics/dpo_demo_*.jsonl
+	$(PY) main.py dpo prepare $(OFFLINE) --test
+	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py dpo train $(OFFLINE) --test --checkpoint $$SFT/checkpoint_best.pt --name demo --lr 1e-4 --eval-every 1
+	$(PY) main.py status $(OFFLINE) $$(ls -d checkpoints/dpo_demo_* | tail -n 1 | xargs basename)
 	@echo "== 10. infer: a scripted prompt through each checkpoint (pre-trained, then SFT with the chat template)"
 	$(PY) main.py infer $(OFFLINE) --checkpoint checkpoints/demo/checkpoint_best.pt --prompt "The history of" --max-new-tokens 30 --seed 1
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py infer $(OFFLINE) --checkpoint $$SFT/checkpoint_best.pt --prompt "Why is the sky blue?" --max-new-tokens 30 --seed 1

@@ -79,6 +79,7 @@ STAGES: dict[str, Stage] = {
     "sft": Stage("post_training", "instruction data (LIMA format) -> supervised fine-tuning"),
     "rl": Stage("rl", "RL on verifiable rewards (GRPO): a task's verifier scores sampled replies "
                  "(resumable)"),
+    "dpo": Stage("dpo", "preference pairs (prompt, chosen, rejected) -> DPO of an SFT model"),
     "infer": Stage("inference", "generate text from a checkpoint", ("inference",)),
     "benchmark": Stage("benchmark", "perplexity, LAMBADA, HellaSwag and more on checkpoints"),
     "export": Stage("export", "a checkpoint as a Hugging Face model folder or a GGUF file "
@@ -89,7 +90,7 @@ STAGES: dict[str, Stage] = {
                     "(Markdown + PNG, --html)"),
 }
 ALIASES: dict[str, str] = {a: name for name, st in STAGES.items() for a in st.aliases}
-MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "rl", "infer", "benchmark",
+MENU_ORDER = ["clean", "tokenize", "prepare", "fineweb", "train", "status", "sft", "dpo", "rl", "infer", "benchmark",
               "export", "serve", "report", "samples"]
 
 # what the menu's argument prompt suggests (default: --test)

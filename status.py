@@ -89,7 +89,7 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
                  "state": "log unreadable" if _is_unreadable(problem) else "no log yet",
                  "log_problem": problem, "checkpoints": [], "sample": None,
                  "kind": run_kind(run_dir), "chain": lineage(checkpoints_dir, run_dir),
-                 "metrics": {},
+                 "metrics": {}, "val_metrics": {},
                  "lora": hparams.get("lora") if isinstance(hparams.get("lora"), dict) else None}
     if train:
         last = train[-1]
@@ -101,13 +101,7 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
         out["trend"] = loss_trend(train)
         out["eta_s"] = eta_seconds(train, out["total_steps"])
         out["metrics"].update(extra_metrics(last, TRAIN_KEYS))
-    if val:
-        good = [r for r in val if _finite(r.get("val_loss"))]
-        if good:
-            out.update(val_loss=good[-1]["val_loss"], perplexity=good[-1].get("perplexity"),
-                       bits_per_byte=good[-1].get("bits_per_byte"),
-                       best_val_loss=min(r["val_loss"] for r in good))
-        out["metrics"].update(extra_metrics(val[-1], VAL_KEYS))
+    out.update(_validation(val))
     if samples:
         out["sample"] = {"step": samples[-1].get("step"), "prompt": samples[-1].get("prompt"),
                          "text": samples[-1].get("text")}
@@ -143,6 +137,20 @@ def extra_metrics(record: dict, known: set) -> dict:
     """The numbers a training mode logs beyond every run's (DPO's rewards, RL's reward and
     pass@1): ``{name: value}`` of a log record, finite numbers only."""
     return {k: v for k, v in record.items() if k not in known and _finite(v)}
+
+
+def _validation(val: list) -> dict:
+    """The last validation's numbers: its loss (where the mode has one) and the mode's own
+    held-out measures (DPO's rewards, RL's pass@1)."""
+    if not val:
+        return {}
+    out = {"val_metrics": extra_metrics(val[-1], VAL_KEYS)}
+    good = [r for r in val if _finite(r.get("val_loss"))]
+    if good:
+        last = good[-1]
+        out.update(val_loss=last["val_loss"], perplexity=last.get("perplexity"),
+                   bits_per_byte=last.get("bits_per_byte"), best_val_loss=min(r["val_loss"] for r in good))
+    return out
 
 
 def _usable(records: list) -> tuple:
@@ -277,8 +285,12 @@ def format_summary(s: dict) -> str:
         lines.append(f"  ETA          {_dur(s['eta_s'])}")
     lines.append(f"  validation   loss {_num(s['val_loss'])} (best {_num(s['best_val_loss'])}), "
                  f"perplexity {_num(s['perplexity'], '.2f')}, bits/byte {_num(s['bits_per_byte'])}")
-    if s.get("metrics"):
-        lines.append("  metrics      " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(s["metrics"].items())))
+    if s.get("metrics") or s.get("val_metrics"):
+        said = [", ".join(f"{k} {v:.4g}" for k, v in sorted(s["metrics"].items()))]
+        if s.get("val_metrics"):
+            said.append("held-out: " + ", ".join(f"{k.removeprefix('val_')} {v:.4g}"
+                                                 for k, v in sorted(s["val_metrics"].items())))
+        lines.append("  metrics      " + "; ".join(x for x in said if x))
     if s.get("lora"):
         lines.append(f"  LoRA         {_lora_line(s['lora'])}")
     if s["sample"]:

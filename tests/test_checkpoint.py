@@ -184,7 +184,7 @@ def test_nan_weights_and_wrong_shapes_and_newer_format(tmp_path):
     ("metrics", [], "entry 'metrics' is a list, not a dict"),
     ("rng", 3, "entry 'rng' is a int, not a dict"),
     ("best_val_loss", "low", "entry 'best_val_loss' is a str, not a number"),
-    ("kind", "weird", "entry 'kind' is 'weird', not one of pretrain, sft, rl"),
+    ("kind", "weird", "entry 'kind' is 'weird', not one of pretrain, sft, dpo, rl"),
     ("chat_template", {"user": 5}, "entry 'chat_template' is damaged: name, user_prefix, assistant_prefix, "
                                    "separator are not text"),
     ("chat_template", {"name": "user-assistant-v2", "user_prefix": "U: ", "assistant_prefix": None,

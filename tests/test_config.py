@@ -359,7 +359,7 @@ def test_stage_resolved_config_reproduces_the_run(tmp_path):
 
 def test_defaults_dataclass_has_every_section():
     assert set(SECTIONS) == {"paths", "tokenizer", "wikipedia", "cleaning", "fineweb", "dataset",
-                             "model", "training", "sft", "lora", "rl", "inference",
+                             "model", "training", "sft", "dpo", "lora", "rl", "inference",
                              "benchmark", "serve", "logging"}
     assert isinstance(Config().training.lr, float)
 

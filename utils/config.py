@@ -89,6 +89,7 @@ class PathsConfig:
     cleaned_dir: str = _f("data/cleaned_articles", "cleaned articles, one per line", path=True)
     tokenized_dir: str = _f("data/tokenized_datasets", "token shard sets", path=True)
     post_training_dir: str = _f("data/post-training", "instruction data", path=True)
+    preference_dir: str = _f("data/preference", "preference pairs for DPO (main.py dpo prepare)", path=True)
     tokenizers_dir: str = _f("tokenizers", "saved tokenizers", path=True)
     checkpoints_dir: str = _f("checkpoints", "training runs", path=True)
     logs_dir: str = _f("logs", "tensorboard and raw metrics", path=True)
@@ -373,6 +374,32 @@ class RLConfig:
 
 
 @dataclass
+class DPOConfig:
+    dataset: str = _f("trl-lib/ultrafeedback_binarized", "hub dataset name or local JSONL of preference "
+                      "pairs ({prompt, chosen, rejected}, TRL's shape), or 'samples' (offline "
+                      "substitute from SciQ + ARC)", nonblank=True)
+    max_length: int = _f(512, "drop pairs whose longer side has more tokens than this",
+                         min=SFT_MIN_LENGTH)
+    beta: float = _f(0.1, "DPO's beta: how far the policy may move from the reference (TRL's 0.1)",
+                     min=0, min_exclusive=True)
+    epochs: int = _f(1, "epochs over the training pairs", min=1)
+    batch_size: int = _f(4, "pairs per batch (each pair is two sequences)", min=1)
+    lr: float = _f(1e-6, "peak learning rate (TRL's default; small models trained briefly need more)",
+                   min=0, min_exclusive=True)
+    min_lr_ratio: float = _f(0.1, "final learning rate of the cosine decay, as a fraction of lr",
+                             min=0, max=1)
+    warmup_ratio: float = _f(0.1, "linear warm-up, as a fraction of the run's steps", min=0, max=1)
+    weight_decay: float = _f(0.0, "AdamW weight decay (TRL's 0)", min=0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0, max=1)
+    beta2: float = _f(0.999, "AdamW beta2 (TRL's 0.999)", min=0, max=1)
+    grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", min=0)
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f("auto", "autocast dtype (auto: bf16 on CUDA, "
+                                                        "fp32 on CPU)")
+    val_split: float = _f(0.1, "held-out fraction of the pairs, drawn once by dpo prepare "
+                          "(training.seed)", min=0, max=1)
+
+
+@dataclass
 class InferenceConfig:
     max_new_tokens: int = _f(200, "tokens generated per prompt", min=1)
     temperature: float = _f(0.8, "sampling temperature (0 = greedy)", min=0)
@@ -460,6 +487,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)

@@ -62,6 +62,7 @@ def _header(path: Path, ckpt: dict, model, tok_info: dict, *, fmt: str, dtype: O
     """The YAML header, the title and the Model section."""
     a, kind = model.args, ckpt.get("kind", "pretrain")
     what = {"sft": "trained with this project's pipeline (supervised fine-tuning)",
+            "dpo": "trained with this project's pipeline (preference tuning, DPO)",
             "imported": "imported into this project's pipeline (not trained by it)"}.get(
                 kind, "trained with this project's pipeline (pre-training)")
     return ["---", f"license: {license}", "library_name: transformers" if fmt == "hf" else
@@ -97,6 +98,11 @@ def _training(ckpt: dict, a, sources: Sources) -> list[str]:
                         if isinstance(data.get("train_examples"), int) else "")
                      + f" (data fingerprint {str(sft.get('data_fingerprint'))[:12]}), loss on "
                      "the assistant's tokens only; chat template in the tokenizer")
+    elif kind == "dpo":
+        dpo = ckpt.get("dpo") or {}
+        lines.append(f"- preference-tuned (DPO, beta {dpo.get('beta')}) from `{dpo.get('base_checkpoint')}` "
+                     f"on preference pairs (data fingerprint {str(dpo.get('data_fingerprint'))[:12]}), "
+                     "log-probabilities of the answers only; chat template in the tokenizer")
     else:       # the run folder's stored config knows --test; the checkpoint's alone does not
         conf = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
         data = sources.dataset if sources.dataset is not None else conf.get("dataset")

@@ -152,7 +152,7 @@ def build_run(f: F.RunFacts) -> list:
         blocks.append(Image("curves.png", f"training curves of {f.name}", png))
     else:
         blocks.append(Para("Not available: no curve has a logged point yet."))
-    for section in (_data, _model, _training, _rl, _sft, _benchmarks, _samples, _environment, _config):
+    for section in (_data, _model, _training, _rl, _dpo, _sft, _benchmarks, _samples, _environment, _config):
         blocks += section(f, s)
     return blocks
 
@@ -475,6 +475,45 @@ def _rl(f: F.RunFacts, s: dict) -> list:
     png = figure_png(rl_panels(f), title=f"{f.name}: reward and pass@1")
     if png:
         out.append(Image("rl.png", f"reward and held-out pass@1 of {f.name}", png))
+
+
+DPO_METRICS = (("reward_accuracy", "reward accuracy"), ("reward_margin", "reward margin"),
+               ("rewards_chosen", "chosen reward"), ("rewards_rejected", "rejected reward"))
+
+
+def _dpo(f: F.RunFacts, s: dict) -> list:
+    """A DPO run's own section: what it started from, its pairs, and its rewards (first and last
+    logged value, training and held-out) with their curves."""
+    if f.kind != "dpo":
+        return []
+    dc = F.as_dict(f.dpo_config)
+    data, hp = F.as_dict(dc.get("data")), F.as_dict(dc.get("hyperparameters"))
+    src = F.as_dict(data.get("source"))
+    out = [Heading(2, "Preference tuning (DPO)"),
+           Table(["", "value"], [
+               ["started from", [Code(str(dc.get("base_checkpoint")))]],
+               ["pairs", [Code(str(data.get("dir"))), f" ({src.get('kind')}: {src.get('name')}); "
+                          f"{count(data.get('train_pairs'))} training, {count(data.get('heldout_pairs'))} held out"]],
+               ["beta", str(hp.get("beta"))],
+               ["reference", f"{F.as_dict(dc.get('reference')).get('how', 'n/a')} "
+                             f"({F.as_dict(dc.get('reference')).get('file', 'n/a')})"]])]
+    if src.get("label"):
+        out.append(Para(["Data: ", str(src["label"])]))
+    rows = []
+    for key, label in DPO_METRICS:
+        _, tr = _series(f.train, key)
+        vx, va = _series(f.val, f"val_{key}")
+        rows.append([label, num(tr[0]) if tr else "n/a", num(tr[-1]) if tr else "n/a",
+                     f"{num(va[0])} (step {count(vx[0])})" if va else "n/a",
+                     f"{num(va[-1])} (step {count(vx[-1])})" if va else "n/a"])
+    out.append(Table(["", "train, first", "train, last", "held-out, first", "held-out, last"], rows, "lrrrr"))
+    panels = [Panel(label, "step", "", [Line("train", *_series(f.train, key), COLORS[0], 1.2),
+                                        Line("held-out", *_series(f.val, f"val_{key}"), COLORS[1], 2.0,
+                                             marker="o")])
+              for key, label in DPO_METRICS]
+    png = figure_png(panels, title=f"{f.name}: DPO rewards", cols=2)
+    if png:
+        out.append(Image("dpo_rewards.png", f"DPO rewards of {f.name}", png))
     return out
 
 

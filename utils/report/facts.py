@@ -92,6 +92,7 @@ class RunFacts:
     sft_config: Optional[dict] = None       # a post-training run's stage config (sft_config.json, dpo_..., rl_...)
     chain: list = field(default_factory=list)  # utils.run.lineage: [first base, ..., this run]
     rl_val: list = field(default_factory=list)  # an RL run's validations (held-out pass@1)
+    dpo_config: Optional[dict] = None       # a DPO run's dpo_config.json (= sft_config)
     tokenizer_copy: Optional[dict] = None
     shards: Optional[dict] = None
     shards_dir: Optional[Path] = None
@@ -239,6 +240,7 @@ def _read_run_folder(f: RunFacts) -> None:
     f.checkpoint_files = [(p.name, p.stat().st_size) for p in files]
     f.sft_config = read_stage_config(f.run_dir)
     f.kind = run_kind(f.run_dir)
+    f.dpo_config = f.sft_config if f.kind == "dpo" else None
     f.cfg = stored_config(f.run_dir)
     if f.cfg is None:
         f.note("data", f"no readable stored config in {f.run_dir} (config.json or "
@@ -296,6 +298,8 @@ def _read_data(f: RunFacts) -> None:
     if f.kind != "pretrain":
         if f.kind == "sft":
             _read_sft_data(f)
+        return
+    if f.kind == "dpo":         # dpo_config.json describes its pairs (the report's DPO section)
         return
     cfg = f.cfg
     if cfg is None:

@@ -10,7 +10,7 @@ this module does not import model.py.
 Format (``FORMAT_VERSION``): ``torch.save`` of a dict of plain data and tensors only, so
 ``torch.load(weights_only=True)`` reads it and a checkpoint is never code::
 
-    format_version, kind ("pretrain" | "sft" | "rl"), model (state_dict, no ``_orig_mod.``/``module.``
+    format_version, kind ("pretrain" | "sft" | "dpo" | "rl"), model (state_dict, no ``_orig_mod.``/``module.``
     prefixes), model_args (ModelArgs.to_dict()), optimizer ({name: optimizer state_dict}),
     scheduler, grad_scaler, step, epoch, tokens_seen, data_position (the loader's state_dict:
     plain ints), rng ({"ranks": [per-rank {"python", "numpy", "torch", "cuda"}]}: tensors and
@@ -268,7 +268,7 @@ def check_weights(path: Path, ckpt: dict, expected: Optional[dict]) -> None:
                                     "and a lower training.lr.")
 
 
-KINDS = ("pretrain", "sft", "rl")                # what the trainer writes (TrainSpec.kind)
+KINDS = ("pretrain", "sft", "dpo", "rl")                # what the trainer writes (TrainSpec.kind)
 TEMPLATE_TEXTS = ("name", "user_prefix", "assistant_prefix", "separator")   # every template of ours: its texts
 JINJA_TEXTS = ("name", "template")                                         # a public model's template
 

@@ -235,7 +235,7 @@ def eval_interval(eval_steps: Optional[int], eval_every: float, steps_per_epoch:
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
     """What every checkpoint says about the run beyond its training state."""
-    kind: str = "pretrain"              # "pretrain" | "sft"
+    kind: str = "pretrain"              # "pretrain" | "sft" | "dpo"
     config: dict = dataclasses.field(default_factory=dict)     # the resolved config
     tokenizer: Optional[dict] = None    # utils.data.tok.describe
     chat_template: Any = None           # SFT: the template its data was rendered with

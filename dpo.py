@@ -1,0 +1,482 @@
+"""Stage ``dpo``: preference pairs -> Direct Preference Optimization of an SFT (or imported) model.
+
+    python main.py dpo prepare                          trl-lib/ultrafeedback_binarized (online)
+    python main.py dpo prepare --dataset samples        offline: SciQ + ARC, right vs wrong answer
+    python main.py dpo prepare --dataset my.jsonl       local JSONL, {"prompt", "chosen", "rejected"}
+    python main.py dpo train --checkpoint checkpoints/sft_x_<time>/checkpoint_best.pt
+        [--beta 0.1] [--lr 1e-6] [--epochs 1] [--batch-size 4] [--name pref]
+                                                        -> checkpoints/dpo_<name>_<time>/
+    python main.py dpo train --init-from-hf DIR         a Hugging Face Llama model instead
+    python main.py dpo train --resume checkpoints/dpo_pref_<time>/checkpoint_latest.pt
+
+``prepare`` writes data/preference/ (paths.preference_dir): both sides of every pair rendered
+with the chat template (the tokenizer's own or ours, chosen as ``sft prepare`` chooses it) and
+tokenized, a loss mask on the final answer only, the held-out split (dpo.val_split, drawn once
+from training.seed), example_pairs.json and metadata.json (last, atomically); the format is
+utils/data/preference.py's contract. Malformed records are skipped and reported as
+``file:line: reason``; no usable pair is an error (exit 1).
+
+``train`` checks that the checkpoint's tokenizer and chat template are the data's, computes the
+starting model's log-probabilities of every sequence once (the DPO reference,
+utils/training/dpo.py; stored in the run folder as reference_logps.npy and checked on resume),
+then runs the one training loop (utils/training/trainer.py) with the DPO loss; it logs the
+chosen and rejected rewards, the reward accuracy and margin (train and held-out), and writes
+checkpoint_best.pt (lowest held-out DPO loss), checkpoint_latest.pt, checkpoint_epoch_N.pt and
+dpo_config.json. Ctrl-C (or SIGTERM) saves checkpoint_latest.pt and prints the exact resume
+command (exit 130). Details: docs/dpo.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import itertools
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import numpy as np
+
+from utils.atomic import write_json_atomic
+from utils.cli import PipelineError, StageParser, UsageError, argv_without, cli_nonblank, cli_path, run_stage
+from utils.data import preference, sft
+from utils.data.chat import Rules, stop_ids_of
+from utils.data.shards import dtype_for_vocab, save_npy_atomic
+from utils.data.tok import describe, load_tokenizer
+from utils.device import resolve_device
+from utils.run import (load_checkpoint, model_args_of, require_same_tokenizer, resume_checkpoint,
+                       tokenizer_for_checkpoint)
+
+if TYPE_CHECKING:    # torch-bound, imported where `dpo train` needs it: `dpo prepare` does not load it
+    from utils import stage
+
+SAMPLES_SOURCE = "samples"
+TEST_MAX_PAIRS = 80
+TEST_MAX_STEPS = 8
+CONFIG_FILE = "dpo_config.json"
+USAGE = ("usage: python main.py dpo {prepare,train} [options]\n"
+         "  prepare   preference pairs -> data/preference/ (tokenized, answer-only masks, held-out split)\n"
+         "  train     DPO of a checkpoint on them (--checkpoint PATH or --init-from-hf DIR)\n"
+         "Both take --config FILE (default config.json) and --test (a quick, small run).\n"
+         "Run `python main.py dpo prepare --help` or `... dpo train --help` for the options.")
+
+
+# --------------------------------------------------------------------------- parsers
+def prepare_parser() -> StageParser:
+    p = StageParser("dpo.py prepare", "Render preference pairs (prompt, chosen, rejected) with the chat "
+                    "template and tokenize them with a mask on the answers.")
+    p.config_flag("--dataset", key="dpo.dataset", metavar="NAME|FILE|samples",
+                  help="hub dataset name, a local .jsonl file ({prompt, chosen, rejected}), or 'samples' "
+                       "(offline: SciQ + ARC questions, right answer vs a wrong option)")
+    p.config_flag("--max-length", key="dpo.max_length", type=int, metavar="N",
+                  help="drop pairs whose longer side has more tokens than this")
+    p.config_flag("--template", key="sft.template", choices=["auto", "user-assistant", "tokenizer"],
+                  help="chat template, chosen as for sft prepare (the tokenizer's own when it has one)")
+    p.config_flag("--val-split", key="dpo.val_split", type=float, metavar="F", help="held-out fraction")
+    p.config_flag("--seed", key="training.seed", type=int, metavar="N",
+                  help="seed of the held-out draw (and of the samples' wrong options)")
+    p.config_flag("--output-dir", key="paths.preference_dir", type=cli_path, metavar="DIR",
+                  help="where the prepared pairs go")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help=f"use only the first N pairs (--test: {TEST_MAX_PAIRS})")
+    return p
+
+
+def train_parser() -> StageParser:
+    p = StageParser("dpo.py train", "Direct Preference Optimization of a checkpoint on the prepared "
+                    "pairs (reference log-probabilities computed once; resumable).")
+    p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH",
+                   help="the model to start from (an SFT run's checkpoint, usually)")
+    p.add_argument("--resume", default=None, metavar="PATH|auto", type=cli_nonblank,
+                   help="continue a DPO run from its checkpoint file, or 'auto': the newest "
+                        "dpo_<name>_* run's checkpoint_latest.pt")
+    p.add_argument("--init-from-hf", type=cli_path, default=None, metavar="DIR",
+                   help="start from a local Hugging Face Llama model (prepare the pairs with its tokenizer)")
+    p.add_argument("--name", default="pref", help="run name: checkpoints/dpo_<name>_<time>/")
+    p.config_flag("--beta", key="dpo.beta", type=float, metavar="B", help="DPO's beta")
+    p.config_flag("--epochs", key="dpo.epochs", type=int, metavar="N", help="epochs")
+    p.config_flag("--lr", key="dpo.lr", type=float, metavar="LR", help="peak learning rate")
+    p.config_flag("--batch-size", key="dpo.batch_size", type=int, metavar="N", help="pairs per batch")
+    p.add_argument("--max-steps", type=int, default=None, metavar="N",
+                   help=f"stop after N optimizer steps (default: epochs x steps per epoch; --test: {TEST_MAX_STEPS})")
+    p.add_argument("--eval-every", type=float, default=0.25, metavar="F",
+                   help="validate on the held-out pairs every this fraction of an epoch")
+    p.config_flag("--data-dir", key="paths.preference_dir", type=cli_path, metavar="DIR",
+                  help="the prepared pairs")
+    p.config_flag("--device", key="training.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.config_flag("--dtype", key="dpo.dtype", choices=["auto", "bf16", "fp16", "fp32"],
+                  help="autocast precision")
+    p.config_flag("--warmup-ratio", key="dpo.warmup_ratio", type=float, metavar="F",
+                  help="linear warm-up as a fraction of the run's steps")
+    p.config_flag("--seed", key="training.seed", type=int, metavar="N", help="random seed (order)")
+    p.config_flag("--log-every", key="logging.log_every", type=int, metavar="N", help="steps between log records")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "prepare":
+        return prepare(rest)
+    if cmd == "train":
+        return train(rest, argv)
+    raise UsageError(f"unknown dpo command '{cmd}'. " + USAGE)
+
+
+# --------------------------------------------------------------------------- prepare
+def prepare(argv: Sequence[str]) -> int:
+    args, cfg = prepare_parser().parse(argv)
+    tok = load_tokenizer(cfg)
+    tok_info = describe(tok, cfg.tokenizer.name)
+    template, bos, eos = preference.choose_template(tok, cfg.tokenizer.name, cfg.sft.template, cfg.sft)
+    pairs, source, skips = read_pairs(cfg, args)
+    enc = preference.encode_pairs(tok, template, pairs, bos, eos, cfg.dpo.max_length, skips)
+    require_some(enc, source, skips, len(pairs))
+    split = preference.split_of(len(enc.kept), cfg.dpo.val_split, cfg.training.seed)
+    out = cfg.path("paths.preference_dir")
+    meta = write_pairs(cfg, out, tok, tok_info, template, source, skips, enc, split)
+    print(f"dpo prepare: kept {meta['counts']['kept']}/{meta['counts']['read']} pairs "
+          f"({int(split.sum())} held out); {enc.too_long} longer than {cfg.dpo.max_length} tokens dropped"
+          + "".join(f"; {k} ({v})" for k, v in sorted(skips.counts.items())) + f". Wrote {out}.",
+          flush=True)
+    for where in skips.where:
+        print(f"  skipped {where}", flush=True)
+    return 0
+
+
+def read_pairs(cfg, args) -> tuple[list, dict, sft.Skips]:
+    """The configured source's pairs (malformed ones skipped and counted), cut to --limit."""
+    skips, spec = sft.Skips(), cfg.dpo.dataset
+    max_chars = cfg.dpo.max_length * sft.MAX_TURN_CHARS_PER_TOKEN
+    if spec == SAMPLES_SOURCE:
+        pairs = preference.sample_pairs(cfg.path("paths.samples_dir"), cfg.training.seed)
+        source = {"kind": "preference_substitute", "name": "sciq+arc_easy+arc_challenge",
+                  "label": preference.SAMPLE_LABEL, "inputs": [str(cfg.path("paths.samples_dir"))]}
+    else:
+        p = cfg.resolve(spec)
+        if p.suffix.lower() in (".jsonl", ".json") or p.exists():
+            pairs = preference.read_jsonl_pairs(p, max_chars, skips)
+            source = {"kind": "jsonl", "name": p.name, "label": "local preference JSONL", "inputs": [str(p)]}
+        else:
+            pairs = preference.hub_pairs(spec, max_chars, skips)
+            source = {"kind": "hub", "name": spec, "label": "Hugging Face hub", "inputs": [spec]}
+    limit = args.limit if args.limit is not None else (TEST_MAX_PAIRS if cfg.test else None)
+    if limit is not None:
+        pairs = pairs[:limit]
+    print(f"dpo prepare: {len(pairs)} pairs from {source['label']} ({source['name']})"
+          + (f"; {skips.total} malformed skipped" if skips.total else "") + ".", flush=True)
+    return pairs, source, skips
+
+
+def require_some(enc, source: dict, skips: sft.Skips, n: int) -> None:
+    """No pair kept is an error naming why (nothing is written)."""
+    if enc.kept:
+        return
+    first = ("; first problems: " + "; ".join(skips.where[:5])) if skips.where else ""
+    raise PipelineError(f"no usable preference pair in {', '.join(source['inputs'])}: {n} read, "
+                        f"{skips.total} malformed, {enc.too_long} longer than dpo.max_length{first}. "
+                        "Fix the records, or raise --max-length.")
+
+
+def write_pairs(cfg, out: Path, tok, tok_info: dict, template: dict, source: dict, skips, enc, split) -> dict:
+    """The arrays, example_pairs.json, then metadata.json (last, atomically)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / sft.METADATA_FILE).unlink(missing_ok=True)     # the set is incomplete until it is rewritten
+    lengths = [len(i) for i in enc.ids]
+    tokens = np.concatenate([np.asarray(i, dtype=np.int64) for i in enc.ids]).astype(dtype_for_vocab(len(tok)))
+    mask = np.concatenate([np.asarray(m, dtype=np.uint8) for m in enc.masks])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    for name, arr in ((sft.TOKENS_FILE, tokens), (sft.MASK_FILE, mask), (sft.OFFSETS_FILE, offsets),
+                      (preference.SPLIT_FILE, split)):
+        save_npy_atomic(out / name, arr)
+    examples = [{"pair": i, "held_out": bool(split[i]), "source": p["source"], "prompt_turns": p["turns"],
+                 "chosen": p["chosen"], "rejected": p["rejected"],
+                 "chosen_rendered": sft.decode_for_people(tok, enc.ids[2 * i]),
+                 "rejected_rendered": sft.decode_for_people(tok, enc.ids[2 * i + 1])}
+                for i, p in enumerate(enc.kept[:3])]
+    write_json_atomic(out / preference.EXAMPLES_FILE, examples)
+    heldout_rows = {}
+    for i, p in enumerate(enc.kept):
+        if split[i] and "row" in p:
+            heldout_rows.setdefault(p["source"], []).append(p["row"])
+    meta = {"format": preference.FORMAT_NAME, "format_version": preference.FORMAT_VERSION,
+            "complete": True, "source": source, "template": template, "tokenizer": tok_info,
+            "counts": {"read": len(enc.kept) + enc.too_long + skips.counts.get("template_does_not_frame", 0)
+                       + sum(v for k, v in skips.counts.items() if k != "template_does_not_frame"),
+                       "kept": len(enc.kept), "too_long": enc.too_long, "held_out": int(split.sum()),
+                       **skips.to_dict()},
+            "val_split": cfg.dpo.val_split, "seed": cfg.training.seed, "max_length": cfg.dpo.max_length,
+            "lengths": sft.length_stats(lengths), "heldout_rows": heldout_rows,
+            "data_fingerprint": preference.fingerprint(tokens, mask, offsets, split)}
+    write_json_atomic(out / sft.METADATA_FILE, meta)
+    return meta
+
+
+# --------------------------------------------------------------------------- train
+def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
+    args, cfg = parse_train(argv)
+    return set_up(cfg, args, full_argv[1:]).finish()
+
+
+def parse_train(argv: Sequence[str]):
+    args, cfg = train_parser().parse(argv)
+    given = [f for f, v in (("--checkpoint", args.checkpoint), ("--init-from-hf", args.init_from_hf),
+                            ("--resume", args.resume)) if v]
+    if len(given) != 1:
+        raise UsageError("dpo train needs exactly one of --checkpoint PATH (the model to start from, "
+                         "usually an SFT run's checkpoint), --init-from-hf DIR (a Hugging Face Llama "
+                         "model) or --resume PATH|auto (continue a DPO run)"
+                         + (f"; got {' and '.join(given)}." if given else "."))
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name or ""):
+        raise UsageError(f"--name {args.name!r}: use letters, digits, '.', '_' or '-'.")
+    if not 0 < args.eval_every <= 1:
+        raise UsageError("--eval-every must be in (0, 1].")
+    return args, cfg
+
+
+def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
+    """The steps of a start, each returning what it makes (utils/stage.py runs the rest)."""
+    from utils import stage     # torch-bound (the model, the trainer): `dpo prepare` does not load it
+    pairs = preference.load_pairs(cfg.path("paths.preference_dir"))
+    src = open_source(cfg, args, pairs.meta)
+    tok, tok_info, pad = open_run_tokenizer(cfg, src, pairs.meta)
+    rules = run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok, pairs.meta["template"])
+    data = split_data(cfg, args, pairs, pad)
+    optimizer, settings = hyperparameters(cfg, args, data)
+    start = stage.Start(src.run_dir.name, src.run_dir, src.model_args,
+                        resume=src.ckpt if src.resumed else None,
+                        weights=None if src.resumed else src.ckpt["model"], rules=rules)
+    latest, made = src.run_dir / "checkpoint_latest.pt", {}     # made: what the spec computed (the reference)
+    parts = stage.Parts(
+        lr_key="dpo.lr", tokenizer=tok,
+        spec=functools.partial(dpo_spec, cfg, src, pairs, data, optimizer, settings, tok_info, rules, pad, made),
+        run_files=functools.partial(run_files, cfg, args, src, pairs, data, made),
+        resume_command="python main.py dpo train " + shlex.join(
+            argv_without(list(argv), ("--resume", "--checkpoint", "--init-from-hf")) + ["--resume", str(latest)]),
+        closing=functools.partial(closing_line, src.run_dir))
+    proc = stage.one_process(resolve_device(cfg.training.device, "training.device"))
+    return stage.set_up(cfg, start, proc, parts)
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a DPO run opens: the starting model (a new run) or the run's checkpoint (a resume)."""
+    run_dir: Path
+    base: Path                    # the checkpoint (or imported model) the run starts from
+    model_args: object
+    ckpt: dict
+    path: Path
+    resumed: bool
+    imported: object = None       # --init-from-hf: utils.hf.import_hf.Imported
+    reference_sha256: Optional[str] = None    # a resume: the reference its checkpoints recorded
+
+
+def open_source(cfg, args, meta: dict) -> Source:
+    """Load and check the starting checkpoint (tokenizer, template, sizes) and name the run
+    folder: ``dpo_<name>_<time>``, or the checkpoint's folder on resume."""
+    data_dir = cfg.path("paths.preference_dir")
+    if args.resume:
+        rpath = resume_checkpoint(cfg.path("paths.checkpoints_dir"), args.resume) if args.resume != "auto" \
+            else newest_latest(cfg.path("paths.checkpoints_dir"), args.name)
+        ckpt = load_checkpoint(rpath, purpose="resume")
+        if ckpt.get("kind") != "dpo":
+            raise PipelineError(f"--resume {rpath}: not a DPO checkpoint (kind '{ckpt.get('kind')}'). "
+                                "To start DPO from it, pass it as --checkpoint.")
+        rec = ckpt.get("dpo") or {}
+        if rec.get("data_fingerprint") != meta["data_fingerprint"]:
+            raise PipelineError(f"--resume {rpath}: the run trained on other preference data than "
+                                f"{data_dir} holds now; resume with the same data (re-run the same "
+                                "`dpo prepare`) or start a new run.")
+        model_args = model_args_of(ckpt, rpath)
+        check_fits(ckpt, rpath, meta, data_dir, model_args)
+        return Source(rpath.parent, Path(rec.get("base_checkpoint") or rpath), model_args,
+                      ckpt, rpath, True, reference_sha256=rec.get("reference_sha256"))
+    imported = None
+    if args.init_from_hf:
+        from utils.hf.import_hf import load_hf_llama    # 2.5 s (torch, transformers): not for dpo prepare
+        imported = load_hf_llama(args.init_from_hf)
+        base, ckpt = Path(imported.source), {"model": imported.model.state_dict(), "tokenizer": imported.tok_info}
+        model_args = imported.model.args
+    else:
+        base = Path(args.checkpoint)
+        ckpt = load_checkpoint(base, purpose="weights")
+        model_args = model_args_of(ckpt, base)
+    check_fits(ckpt, base, meta, data_dir, model_args)
+    stamp = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
+    run_dir = cfg.path("paths.checkpoints_dir") / f"dpo_{args.name}_{stamp}"
+    if run_dir.exists():
+        raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
+    return Source(run_dir, base, model_args, ckpt, base, resumed=False, imported=imported)
+
+
+def newest_latest(checkpoints_dir: Path, name: str) -> Path:
+    """``--resume auto``: the newest dpo_<name>_* run's checkpoint_latest.pt."""
+    runs = sorted(p for p in Path(checkpoints_dir).glob(f"dpo_{name}_*") if (p / "checkpoint_latest.pt").is_file())
+    if not runs:
+        raise PipelineError(f"--resume auto: no dpo_{name}_* run with a checkpoint_latest.pt under "
+                            f"{checkpoints_dir}.")
+    return runs[-1] / "checkpoint_latest.pt"
+
+
+def check_fits(ckpt: dict, path: Path, meta: dict, data_dir: Path, model_args) -> None:
+    """The data was rendered with the checkpoint's chat template and fits its context."""
+    had, have = ckpt.get("chat_template"), meta["template"]
+    if had is not None and had != have:
+        differ = sorted(k for k in set(had) | set(have) if had.get(k) != have.get(k))
+        raise PipelineError(f"{path} was fine-tuned with another chat template than the pairs in {data_dir} "
+                            f"are rendered with ('{had.get('name')}' vs '{have.get('name')}'; they differ in "
+                            f"{', '.join(differ)}). Re-run `python main.py dpo prepare` with the tokenizer and "
+                            "the sft section (template, prefixes) the checkpoint's SFT data was prepared with.")
+    longest, limit = (meta.get("lengths") or {}).get("max", 0), model_args.max_seq_len
+    if longest - 1 > limit:
+        raise PipelineError(f"the longest sequence in {data_dir} has {longest} tokens but {path} takes "
+                            f"{limit} positions (model.max_seq_len). Re-run `python main.py dpo prepare "
+                            f"--max-length {limit}`.")
+
+
+def open_run_tokenizer(cfg, src: Source, meta: dict):
+    """The model's tokenizer, matched against the data's fingerprint; the padding id."""
+    if src.imported is not None:
+        tok, tok_info = src.imported.tok, dict(src.imported.tok_info)
+    else:
+        tok, tok_info = tokenizer_for_checkpoint(src.ckpt, cfg, src.path)
+        tok_info = {k: v for k, v in tok_info.items() if k != "verified"}
+    require_same_tokenizer(tok_info, meta.get("tokenizer"), "the checkpoint's tokenizer",
+                           f"the preference data in {cfg.path('paths.preference_dir')}",
+                           "Re-run `python main.py dpo prepare` with that tokenizer (tokenizer.name).")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if pad is None:
+        raise PipelineError(f"tokenizer '{tok_info.get('name')}' has neither a padding nor an EOS token: "
+                            "batches cannot be padded.")
+    return tok, tok_info, pad
+
+
+def run_rules(kept: Optional[Rules], src: Source, tok, template: dict) -> Rules:
+    """The run's rules: the base model's (utils.stage.kept_rules, else ours) with the data's
+    template and its end-of-turn token, as SFT runs keep them."""
+    base = kept or Rules.ours(tok, src.ckpt.get("chat_template"))
+    stops = tuple(dict.fromkeys(base.stop_ids + stop_ids_of(None, tok, template)))
+    return dataclasses.replace(base, template=template, stop_ids=stops)
+
+
+def split_data(cfg, args, pairs: preference.Pairs, pad: int) -> stage.Data:
+    """Training pairs (shuffled per epoch), held-out pairs (fixed order), the run's length."""
+    from utils.stage import Data    # torch-bound: `dpo prepare` does not load it
+    d, seed = cfg.dpo, cfg.training.seed
+    train_idx, val_idx = pairs.train_indices, pairs.heldout_indices
+    if not len(train_idx):
+        raise PipelineError(f"every pair in {cfg.path('paths.preference_dir')} is held out; prepare "
+                            "again with a smaller --val-split.")
+    train_data = preference.PairLoader(pairs.examples, train_idx, d.batch_size, seed, pad)
+    val_data = preference.PairValData(pairs.examples, val_idx, d.batch_size, pad) if len(val_idx) else None
+    total = d.epochs * len(train_data)
+    cap = args.max_steps or (TEST_MAX_STEPS if cfg.test else None)
+    if cap:
+        total = min(total, cap)
+    return Data(train_data, val_data, len(train_data), total)
+
+
+def hyperparameters(cfg, args, data: stage.Data):
+    """DPO's optimizer and numbers from the ``dpo`` section (how the run executes: training, logging)."""
+    from utils.training.trainer import OptimizerSpec, Settings, eval_interval   # torch-bound
+    d, hp, log = cfg.dpo, cfg.training, cfg.logging
+    optimizer = OptimizerSpec("adamw", d.lr, d.beta1, d.beta2, d.weight_decay)
+    settings = Settings(
+        total_steps=data.total_steps, min_lr=d.lr * d.min_lr_ratio,
+        warmup_steps=int(data.total_steps * d.warmup_ratio + 1e-9), warmup_source="dpo.warmup_ratio",
+        eval_interval=eval_interval(None, args.eval_every, data.steps_per_epoch, data.total_steps),
+        eval_batches=max(1, len(data.val) if data.val is not None else 1),
+        checkpoint_every=data.steps_per_epoch, keep_checkpoints=None,
+        steps_per_epoch=data.steps_per_epoch, grad_accum=1, grad_clip=d.grad_clip, dtype=d.dtype,
+        patience=hp.early_stopping_patience, log_every=log.log_every,
+        smoothing_window=log.smoothing_window, compile=hp.compile,
+        activation_checkpointing=hp.activation_checkpointing)
+    return optimizer, settings
+
+
+def reference(cfg, src: Source, pairs: preference.Pairs, pad: int, model) -> np.ndarray:
+    """The reference log-probabilities: computed by the starting model (a new run), or read
+    from the run folder and checked against the checkpoint's record (a resume)."""
+    from tqdm import tqdm       # with torch: `dpo prepare` does not need it
+    from utils.training import dpo
+    path = src.run_dir / dpo.REFERENCE_FILE
+    if src.resumed:
+        try:
+            ref = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise PipelineError(f"{path} cannot be read ({e}): the run's reference log-probabilities are "
+                                "lost; start a new run from its base.") from None
+        if dpo.array_sha256(ref) != src.reference_sha256 or ref.shape != (2 * len(pairs),):
+            raise PipelineError(f"{path} is not the reference this run's checkpoints recorded (changed or "
+                                "damaged); start a new run from its base.")
+        return ref
+    # the held-out pairs in exactly the batches validation makes of them: their step-0 rewards are 0.0
+    batches = itertools.chain(*(preference.PairValData(pairs.examples, idx, cfg.dpo.batch_size, pad)
+                                for idx in (pairs.train_indices, pairs.heldout_indices)))
+    with tqdm(total=len(pairs), desc="dpo reference log-probs", unit="pair", file=sys.stdout) as bar:
+        return dpo.reference_logps(model, batches, len(pairs), model.device, bar.update)
+
+
+def dpo_spec(cfg, src: Source, pairs, data, optimizer, settings, tok_info, rules, pad, made: dict, model):
+    """DPO as a TrainSpec: the DPO loss against the stored reference, validated on the held-out
+    pairs, one numbered checkpoint per epoch."""
+    import torch
+    from utils import stage
+    from utils.training import dpo
+    from utils.training.trainer import TrainSpec
+    ref = made["reference"] = reference(cfg, src, pairs, pad, model)
+    spe = data.steps_per_epoch
+    print(f"dpo train: {len(data.train.indices)} training / {len(pairs.heldout_indices)} held-out pairs "
+          f"({pairs.meta['source'].get('label')}); {data.total_steps} steps ({spe}/epoch) of "
+          f"{cfg.dpo.batch_size} pairs; beta {cfg.dpo.beta:g}; lr {optimizer.lr:g}; base {src.base}.", flush=True)
+    record = stage.run_record("dpo", cfg, tok_info, rules, {"dpo": {
+        "base_checkpoint": str(src.base), "data_fingerprint": pairs.meta["data_fingerprint"],
+        "reference_sha256": dpo.array_sha256(ref), "beta": cfg.dpo.beta}})
+    return TrainSpec(model, src.model_args, data.train, data.val, optimizer=optimizer, settings=settings,
+                     record=record, loss=dpo.make_loss(torch.from_numpy(ref), cfg.dpo.beta),
+                     count=dpo.pair_count, checkpoint_name=lambda step: f"checkpoint_epoch_{step // spe}.pt")
+
+
+def run_files(cfg, args, src: Source, pairs, data, made: dict, spec) -> dict:
+    """reference_logps.npy (a new run) and dpo_config.json; the log's hyperparameters."""
+    from utils.training import dpo
+    from utils.training.trainer import resolve_dtype
+    st, opt = spec.settings, spec.optimizer
+    if not src.resumed:
+        save_npy_atomic(src.run_dir / dpo.REFERENCE_FILE, made["reference"])
+    hyper = {"beta": cfg.dpo.beta, "epochs": cfg.dpo.epochs, "lr": opt.lr, "min_lr": st.min_lr,
+             "batch_size": cfg.dpo.batch_size, "warmup_steps": st.warmup_steps, "total_steps": st.total_steps,
+             "steps_per_epoch": st.steps_per_epoch, "seed": cfg.training.seed, "eval_every": args.eval_every,
+             "dtype": str(resolve_dtype(st.dtype, spec.model.device)), "device": str(spec.model.device),
+             "weight_decay": opt.weight_decay, "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip}
+    write_json_atomic(src.run_dir / CONFIG_FILE, {
+        "run": src.run_dir.name, "base_checkpoint": str(src.base),
+        "resumed_from": str(args.resume) if src.resumed else None,
+        "reference": {"file": dpo.REFERENCE_FILE, "sha256": spec.record.extra["dpo"]["reference_sha256"],
+                      "how": "the starting model's log-probabilities, computed once at the run's start"},
+        "data": {"dir": str(cfg.path("paths.preference_dir")), "fingerprint": pairs.meta["data_fingerprint"],
+                 "source": pairs.meta["source"], "train_pairs": int(len(data.train.indices)),
+                 "heldout_pairs": int(len(pairs.heldout_indices))},
+        "chat_template": pairs.meta["template"], "hyperparameters": hyper,
+        "model": src.model_args.to_dict(), "tokenizer": spec.record.tokenizer, "config": cfg.to_dict()})
+    return {"run": src.run_dir.name, **hyper}
+
+
+def closing_line(run_dir: Path, result, logger) -> str:
+    """Where the model is and how to try it (checkpoint_best.pt exists only when the held-out
+    loss fell below the start's, which DPO's need not do while its margin grows)."""
+    best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
+    pick = run_dir / "checkpoint_best.pt"
+    pick = pick if pick.is_file() else run_dir / "checkpoint_latest.pt"
+    return (f"dpo train: {result.reason} at step {result.step}; best held-out DPO loss {best}; "
+            f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint {pick}")
+
+
+if __name__ == "__main__":
+    run_stage(main)
