@@ -41,14 +41,15 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from utils.atomic import write_json_atomic
-from utils.cli import PipelineError, StageParser, UsageError, argv_without, cli_nonblank, cli_path, run_stage
+from utils.cli import (PipelineError, StageParser, UsageError, argv_without, cli_lora_flags, cli_nonblank,
+                       cli_path, run_stage)
 from utils.data import preference, sft
 from utils.data.chat import Rules, stop_ids_of
 from utils.data.shards import dtype_for_vocab, save_npy_atomic
 from utils.data.tok import describe, load_tokenizer
 from utils.device import resolve_device
-from utils.run import (load_checkpoint, model_args_of, require_same_tokenizer, resume_checkpoint,
-                       tokenizer_for_checkpoint)
+from utils.run import (base_record, load_checkpoint, model_args_of, read_stage_config,
+                       require_same_tokenizer, resume_checkpoint, tokenizer_for_checkpoint)
 
 if TYPE_CHECKING:    # torch-bound, imported where `dpo train` needs it: `dpo prepare` does not load it
     from utils import stage
@@ -113,6 +114,7 @@ def train_parser() -> StageParser:
                   help="linear warm-up as a fraction of the run's steps")
     p.config_flag("--seed", key="training.seed", type=int, metavar="N", help="random seed (order)")
     p.config_flag("--log-every", key="logging.log_every", type=int, metavar="N", help="steps between log records")
+    cli_lora_flags(p)
     return p
 
 
@@ -237,6 +239,9 @@ def parse_train(argv: Sequence[str]):
         raise UsageError(f"--name {args.name!r}: use letters, digits, '.', '_' or '-'.")
     if not 0 < args.eval_every <= 1:
         raise UsageError("--eval-every must be in (0, 1].")
+    if args.lora:
+        from utils.lora import LoraSettings   # torch-bound: `dpo prepare` does not load it
+        LoraSettings.from_config(cfg.lora)     # an unknown target module: refused before any load
     return args, cfg
 
 
@@ -249,9 +254,11 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
     rules = run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok, pairs.meta["template"])
     data = split_data(cfg, args, pairs, pad)
     optimizer, settings = hyperparameters(cfg, args, data)
+    adapter = stage.lora_for(cfg, "dpo train", args.lora, src.model_args, src.base,
+                             src.ckpt if src.resumed else None, src.path)
     start = stage.Start(src.run_dir.name, src.run_dir, src.model_args,
                         resume=src.ckpt if src.resumed else None,
-                        weights=None if src.resumed else src.ckpt["model"], rules=rules)
+                        weights=None if src.resumed else src.ckpt["model"], rules=rules, lora=adapter)
     latest, made = src.run_dir / "checkpoint_latest.pt", {}     # made: what the spec computed (the reference)
     parts = stage.Parts(
         lr_key="dpo.lr", tokenizer=tok,
@@ -259,7 +266,7 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
         run_files=functools.partial(run_files, cfg, args, src, pairs, data, made),
         resume_command="python main.py dpo train " + shlex.join(
             argv_without(list(argv), ("--resume", "--checkpoint", "--init-from-hf")) + ["--resume", str(latest)]),
-        closing=functools.partial(closing_line, src.run_dir))
+        closing=functools.partial(closing_line, src.run_dir, adapter is not None))
     proc = stage.one_process(resolve_device(cfg.training.device, "training.device"))
     return stage.set_up(cfg, start, proc, parts)
 
@@ -275,6 +282,7 @@ class Source:
     resumed: bool
     imported: object = None       # --init-from-hf: utils.hf.import_hf.Imported
     reference_sha256: Optional[str] = None    # a resume: the reference its checkpoints recorded
+    base_imported: bool = False   # a resumed run whose base is an imported model
 
 
 def open_source(cfg, args, meta: dict) -> Source:
@@ -295,8 +303,10 @@ def open_source(cfg, args, meta: dict) -> Source:
                                 "`dpo prepare`) or start a new run.")
         model_args = model_args_of(ckpt, rpath)
         check_fits(ckpt, rpath, meta, data_dir, model_args)
+        kept = (read_stage_config(rpath.parent) or {}).get("base")
         return Source(rpath.parent, Path(rec.get("base_checkpoint") or rpath), model_args,
-                      ckpt, rpath, True, reference_sha256=rec.get("reference_sha256"))
+                      ckpt, rpath, True, reference_sha256=rec.get("reference_sha256"),
+                      base_imported=bool(kept.get("imported")) if isinstance(kept, dict) else False)
     imported = None
     if args.init_from_hf:
         from utils.hf.import_hf import load_hf_llama    # 2.5 s (torch, transformers): not for dpo prepare
@@ -430,7 +440,8 @@ def dpo_spec(cfg, src: Source, pairs, data, optimizer, settings, tok_info, rules
     from utils import stage
     from utils.training import dpo
     from utils.training.trainer import TrainSpec
-    ref = made["reference"] = reference(cfg, src, pairs, pad, model)
+    ref = made["reference"] = reference(cfg, src, pairs, pad, model)   # a new adapter is zero: the base's
+    stage.say_adapter("dpo train", model)
     spe = data.steps_per_epoch
     print(f"dpo train: {len(data.train.indices)} training / {len(pairs.heldout_indices)} held-out pairs "
           f"({pairs.meta['source'].get('label')}); {data.total_steps} steps ({spe}/epoch) of "
@@ -445,6 +456,7 @@ def dpo_spec(cfg, src: Source, pairs, data, optimizer, settings, tok_info, rules
 
 def run_files(cfg, args, src: Source, pairs, data, made: dict, spec) -> dict:
     """reference_logps.npy (a new run) and dpo_config.json; the log's hyperparameters."""
+    from utils import stage
     from utils.training import dpo
     from utils.training.trainer import resolve_dtype
     st, opt = spec.settings, spec.optimizer
@@ -454,9 +466,11 @@ def run_files(cfg, args, src: Source, pairs, data, made: dict, spec) -> dict:
              "batch_size": cfg.dpo.batch_size, "warmup_steps": st.warmup_steps, "total_steps": st.total_steps,
              "steps_per_epoch": st.steps_per_epoch, "seed": cfg.training.seed, "eval_every": args.eval_every,
              "dtype": str(resolve_dtype(st.dtype, spec.model.device)), "device": str(spec.model.device),
-             "weight_decay": opt.weight_decay, "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip}
+             "weight_decay": opt.weight_decay, "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip,
+             "lora": stage.adapter_record(spec.model)}
     write_json_atomic(src.run_dir / CONFIG_FILE, {
         "run": src.run_dir.name, "base_checkpoint": str(src.base),
+        "base": base_record(src.base, imported=src.imported is not None or src.base_imported),
         "resumed_from": str(args.resume) if src.resumed else None,
         "reference": {"file": dpo.REFERENCE_FILE, "sha256": spec.record.extra["dpo"]["reference_sha256"],
                       "how": "the starting model's log-probabilities, computed once at the run's start"},
@@ -468,14 +482,18 @@ def run_files(cfg, args, src: Source, pairs, data, made: dict, spec) -> dict:
     return {"run": src.run_dir.name, **hyper}
 
 
-def closing_line(run_dir: Path, result, logger) -> str:
+def closing_line(run_dir: Path, adapter: bool, result, logger) -> str:
     """Where the model is and how to try it (checkpoint_best.pt exists only when the held-out
     loss fell below the start's, which DPO's need not do while its margin grows)."""
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
     pick = run_dir / "checkpoint_best.pt"
     pick = pick if pick.is_file() else run_dir / "checkpoint_latest.pt"
-    return (f"dpo train: {result.reason} at step {result.step}; best held-out DPO loss {best}; "
+    line = (f"dpo train: {result.reason} at step {result.step}; best held-out DPO loss {best}; "
             f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint {pick}")
+    if not adapter:
+        return line
+    from utils import stage     # torch-bound: `dpo prepare` does not load it
+    return line + "\n" + stage.write_adapter("dpo train", run_dir, pick)
 
 
 if __name__ == "__main__":

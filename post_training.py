@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from utils.atomic import atomic_open, write_json_atomic
-from utils.cli import PipelineError, StageParser, UsageError, cli_nonblank, cli_path, run_stage
+from utils.cli import (PipelineError, StageParser, UsageError, cli_lora_flags, cli_nonblank, cli_path,
+                       run_stage)
 from utils.config import SFT_MIN_LENGTH
 from utils.data import chat, sft
 from utils.data.chat import Rules, stop_ids_of
@@ -121,28 +122,8 @@ def train_parser() -> StageParser:
     p.config_flag("--log-every", key="logging.log_every", type=int, metavar="N", help="steps between log records")
     p.add_argument("--sample-tokens", type=int, default=32, metavar="N",
                    help="tokens of the sample answer at each validation (0 = none)")
-    lora_flags(p)
+    cli_lora_flags(p)
     return p
-
-
-def lora_flags(p: StageParser) -> None:
-    """``--lora`` and the ``lora`` section's flags (utils/lora.py; docs/lora.md)."""
-    p.add_argument("--lora", action="store_true",
-                   help="train a LoRA adapter (peft) on the frozen model instead of all weights; "
-                        "checkpoints hold the base weights and the adapter, and every stage that "
-                        "reads them gets the merged model")
-    p.config_flag("--lora-rank", key="lora.rank", type=int, metavar="R", help="adapter rank")
-    p.config_flag("--lora-alpha", key="lora.alpha", type=float, metavar="A",
-                  help="adapter scale alpha (output x alpha / rank)")
-    p.config_flag("--lora-dropout", key="lora.dropout", type=float, metavar="P",
-                  help="dropout on the adapter's input")
-    p.config_flag("--lora-target-modules", key="lora.target_modules", type=name_list,
-                  metavar="NAMES", help="comma-separated projections: q_proj,v_proj,... (or ours: "
-                                        "wq,wv,...; or all-linear)")
-
-
-def name_list(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -433,7 +414,8 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
     rules = run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok, examples.meta["template"])
     data = split_data(cfg, args, examples, tok, eos)
     optimizer, settings = sft_hyperparameters(cfg, args, data)
-    adapter = lora_settings(cfg, args, src)
+    adapter = stage.lora_for(cfg, "sft train", args.lora, src.model_args, src.base,
+                             src.ckpt if src.resumed else None, src.path)
     start = stage.Start(src.run_dir.name, src.run_dir, src.model_args,
                         resume=src.ckpt if src.resumed else None,
                         weights=None if src.resumed else src.ckpt["model"], rules=rules, lora=adapter)
@@ -527,29 +509,6 @@ def resumed_source(cfg, args, meta: dict) -> Source:
                             f"template midway. Start a new run: python main.py sft train "
                             f"--checkpoint {base}")
     return Source(rpath.parent, base, model_args, resume, rpath, resumed=True, base_imported=was_imported)
-
-
-def lora_settings(cfg, args, src: Source):
-    """The run's LoRA adapter (utils/lora.py), or None (all weights train): a new run's from
-    the ``lora`` section with ``--lora``; a resumed run keeps its checkpoint's."""
-    from utils import lora     # torch-bound: `sft prepare` does not load it
-    if src.resumed:
-        entry = src.ckpt.get("lora")
-        if entry is None and args.lora:
-            raise UsageError(f"--resume {src.path}: that run trains all weights; a run cannot switch "
-                             f"to LoRA midway. Start a new run: python main.py sft train --lora "
-                             f"--checkpoint {src.path}")
-        kept = lora.settings_from_entry(entry) if entry is not None else None
-        if kept is not None and args.lora and lora.LoraSettings.from_config(cfg.lora) != kept:
-            print(f"sft train: note: the resumed run keeps its adapter ({kept.describe()}); the "
-                  "lora section's settings apply to new runs.", flush=True)
-        return kept
-    if not args.lora:
-        return None
-    problem = lora.refusal(src.model_args)
-    if problem:
-        raise UsageError(f"--lora: {src.base}: {problem}.")
-    return lora.LoraSettings.from_config(cfg.lora)
 
 
 def open_run_tokenizer(cfg, src: Source, meta: dict):
@@ -646,7 +605,7 @@ def sft_spec(cfg, args, src: Source, meta: dict, data: stage.Data, optimizer, se
           f"{cfg.sft.batch_size} conversations; lr {optimizer.lr:g}; "
           f"{str(resolve_dtype(settings.dtype, model.device)).replace('torch.', '')} on "
           f"{model.device}; base {src.base}.", flush=True)
-    say_adapter(model)
+    stage.say_adapter("sft train", model)
     record = stage.run_record("sft", cfg, tok_info, rules,
                               {"sft": {"base_checkpoint": str(src.base),
                                        "data_fingerprint": meta["data_fingerprint"]}})
@@ -657,30 +616,11 @@ def sft_spec(cfg, args, src: Source, meta: dict, data: stage.Data, optimizer, se
                                              rules.stop_ids, answer))
 
 
-def say_adapter(model) -> None:
-    """A LoRA run's adapter and what trains (nothing for a full fine-tune)."""
-    from utils import lora     # torch-bound: `sft prepare` does not load it
-    adapter = lora.settings_of(model)
-    if adapter is not None:
-        trainable, total = lora.parameter_counts(model)
-        print(f"sft train: LoRA {adapter.describe()}: {trainable:,} trainable of {total:,} "
-              f"parameters ({100 * trainable / total:.2f}%); the rest is frozen.", flush=True)
-
-
-def adapter_record(model) -> Optional[dict]:
-    """sft_config.json's ``lora``: the adapter's settings and parameter counts (None: full)."""
-    from utils import lora     # torch-bound: `sft prepare` does not load it
-    adapter = lora.settings_of(model)
-    if adapter is None:
-        return None
-    trainable, total = lora.parameter_counts(model)
-    return {**adapter.to_dict(), "trainable_params": trainable, "total_params": total}
-
-
 def run_files(cfg, args, src: Source, meta: dict, data: stage.Data, spec) -> dict:
     """sft_config.json (what the run was trained from and with); the hyperparameters of the
     log's config record."""
-    from utils.training.trainer import resolve_dtype    # torch-bound: `sft prepare` does not load it
+    from utils import stage     # torch-bound: `sft prepare` does not load it
+    from utils.training.trainer import resolve_dtype
     st, opt, device = spec.settings, spec.optimizer, spec.model.device
     n_train, n_val = _example_counts(data)
     hyper = {"epochs": cfg.sft.epochs, "lr": opt.lr, "min_lr": st.min_lr,
@@ -690,7 +630,7 @@ def run_files(cfg, args, src: Source, meta: dict, data: stage.Data, spec) -> dic
              "eval_every": args.eval_every, "dtype": str(resolve_dtype(st.dtype, device)),
              "device": str(device), "weight_decay": opt.weight_decay,
              "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip,
-             "lora": adapter_record(spec.model)}
+             "lora": stage.adapter_record(spec.model)}
     sft_config = {"run": src.run_dir.name, "base_checkpoint": str(src.base),
                   "base": base_record(src.base, imported=src.imported is not None or src.base_imported),
                   "resumed_from": str(args.resume) if src.resumed else None,
@@ -714,11 +654,8 @@ def closing_line(run_dir: Path, adapter: bool, result, logger) -> str:
             f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint {picked}")
     if not adapter:
         return line
-    from utils.hf.adapter import save_adapter   # peft, transformers: a LoRA run's end only
-    ckpt = load_checkpoint(picked, purpose="weights", mmap=True, merge_lora=False)
-    save_adapter(run_dir / "adapter", ckpt["lora"], str((ckpt.get("sft") or {}).get("base_checkpoint") or ""))
-    return (line + f"\nsft train: LoRA adapter of {picked.name} in PEFT format: {run_dir / 'adapter'}; "
-            f"merged export: python main.py export --checkpoint {picked} --format hf")
+    from utils import stage     # torch-bound: `sft prepare` does not load it
+    return line + "\n" + stage.write_adapter("sft train", run_dir, picked)
 
 if __name__ == "__main__":
     run_stage(main)

@@ -23,7 +23,6 @@ same replies and gets the same rewards as an uninterrupted one. Details: docs/rl
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime
 import functools
@@ -35,7 +34,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from utils.atomic import write_json_atomic
-from utils.cli import PipelineError, StageParser, UsageError, argv_without, cli_nonblank, cli_path, run_stage
+from utils.cli import (PipelineError, StageParser, UsageError, argv_without, cli_lora_flags, cli_nonblank,
+                       cli_path, run_stage)
 from utils.data import chat, sft
 from utils.data.chat import Rules, stop_ids_of
 from utils.data.tok import require_bos_eos
@@ -83,6 +83,7 @@ def build_parser() -> StageParser:
     p.config_flag("--seed", key="training.seed", type=int, metavar="N",
                   help="random seed (task split, prompt order, rollouts)")
     p.config_flag("--log-every", key="logging.log_every", type=int, metavar="N", help="steps between log records")
+    cli_lora_flags(p)
     return p
 
 
@@ -102,6 +103,9 @@ def parse(argv: Sequence[str]):
                          "PATH|auto (continue an RL run)" + (f"; got {' and '.join(given)}." if given else "."))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name or ""):
         raise UsageError(f"--name {args.name!r}: use letters, digits, '.', '_' or '-'.")
+    if args.lora:
+        from utils.lora import LoraSettings   # torch-bound: refused before any checkpoint loads
+        LoraSettings.from_config(cfg.lora)
     return args, cfg
 
 
@@ -113,15 +117,17 @@ def set_up(cfg, args, argv: Sequence[str]):
     rules = run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok)
     task = load_task(cfg.rl, cfg.training.seed, cfg.resolve)
     check_fits(task, tok, rules, cfg.rl, src.model_args)
+    adapter = stage.lora_for(cfg, "rl", args.lora, src.model_args, src.base,
+                             src.ckpt if src.resumed else None, src.path)
     start = stage.Start(src.run_dir.name, src.run_dir, src.model_args,
                         resume=src.ckpt if src.resumed else None,
-                        weights=None if src.resumed else src.ckpt["model"], rules=rules)
+                        weights=None if src.resumed else src.ckpt["model"], rules=rules, lora=adapter)
     parts = stage.Parts(
         lr_key="rl.lr", tokenizer=tok,
         spec=functools.partial(rl_spec, cfg, src, task, tok, tok_info, rules),
         run_files=functools.partial(run_files, cfg, args, src, task),
         resume_command=resume_command(argv, src.run_dir / "checkpoint_latest.pt"),
-        closing=functools.partial(closing_line, src.run_dir))
+        closing=functools.partial(closing_line, src.run_dir, adapter is not None))
     proc = stage.one_process(resolve_device(cfg.training.device, "training.device"))
     return stage.set_up(cfg, start, proc, parts)
 
@@ -257,9 +263,10 @@ def reference_model(src: Source, model, kl_beta: float):
             weights = load_checkpoint(src.base, purpose="weights")["model"]
     else:
         weights = src.ckpt["model"]
-    ref = copy.deepcopy(model)
+    from model import create_model      # torch-bound
+    ref = create_model(src.model_args)   # the plain network: a LoRA run's model carries its adapter
     ref.load_state_dict(weights, strict=True)
-    return ref.eval().requires_grad_(False)
+    return ref.to(model.device).eval().requires_grad_(False)
 
 
 def rl_spec(cfg, src: Source, task: Task, tok, tok_info, rules: Rules, model):
@@ -277,6 +284,7 @@ def rl_spec(cfg, src: Source, task: Task, tok, tok_info, rules: Rules, model):
     val_score = scorer(task, task.val, val_p, decode)
     engine = data.engine
     ref = reference_model(src, model, r.kl_beta)
+    stage.say_adapter("rl", model)
     print(f"rl: task {task.name} ({task.source}; checker {task.checker}): {len(task.train)} training / "
           f"{len(task.val)} held-out prompts; {total_steps(cfg)} steps of {r.prompts_per_step} prompts x "
           f"{r.group_size} replies; lr {r.lr:g}; kl_beta {r.kl_beta:g}; advantage {r.advantage}; on "
@@ -321,11 +329,12 @@ def train_settings(cfg, steps_per_epoch: int):
 # --------------------------------------------------------------------------- run files, the end
 def run_files(cfg, args, src: Source, task: Task, spec) -> dict:
     """rl_config.json (what the run started from, its task and settings); the log's hyperparameters."""
-    from utils.training.trainer import resolve_dtype    # torch-bound
+    from utils import stage     # torch-bound
+    from utils.training.trainer import resolve_dtype
     st = spec.settings
     hyper = {**dataclasses.asdict(cfg.rl), "total_steps": st.total_steps, "seed": cfg.training.seed,
              "dtype": str(resolve_dtype(st.dtype, spec.model.device)), "device": str(spec.model.device),
-             "steps_per_epoch": st.steps_per_epoch}
+             "steps_per_epoch": st.steps_per_epoch, "lora": stage.adapter_record(spec.model)}
     write_json_atomic(src.run_dir / RL_CONFIG_FILE, {
         "run": src.run_dir.name, "base_checkpoint": str(src.base),
         "base": base_record(src.base, imported=src.imported is not None or src.base_imported),
@@ -340,9 +349,15 @@ def resume_command(argv: Sequence[str], latest: Path) -> str:
     return "python main.py rl " + shlex.join(out + ["--resume", str(latest)])
 
 
-def closing_line(run_dir: Path, result, logger) -> str:
-    return (f"rl: {result.reason} at step {result.step}; checkpoints in {run_dir}. Report: python main.py "
-            f"report {run_dir.name}; try it: python main.py infer --checkpoint {run_dir / 'checkpoint_latest.pt'}")
+def closing_line(run_dir: Path, adapter: bool, result, logger) -> str:
+    """Where the model is and how to try it; a LoRA run also writes its adapter as a PEFT folder."""
+    latest = run_dir / "checkpoint_latest.pt"
+    line = (f"rl: {result.reason} at step {result.step}; checkpoints in {run_dir}. Report: python main.py "
+            f"report {run_dir.name}; try it: python main.py infer --checkpoint {latest}")
+    if not adapter:
+        return line
+    from utils import stage     # torch-bound
+    return line + "\n" + stage.write_adapter("rl", run_dir, latest)
 
 
 if __name__ == "__main__":

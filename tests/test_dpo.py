@@ -249,6 +249,27 @@ def test_sigterm_saves_and_resume_matches_the_uninterrupted_run(work):
     assert r.returncode == 1 and "not the reference this run's checkpoints recorded" in r.stderr, r.stderr
 
 
+def test_dpo_with_lora_trains_an_adapter_against_the_base_reference(work):
+    """`dpo train --lora`: the adapter starts at zero, so its reference log-probs are the base
+    model's (equal to the full run's); only A and B move, the base weights stay, and the
+    adapter is written as a PEFT folder at the end."""
+    import numpy as np
+    import torch
+    q = run_stage("dpo", "train", *work["common"], "--name", "lora", "--lora", "--lora-rank", "2",
+                  "--max-steps", "2")
+    assert q.returncode == 0, q.stdout + q.stderr
+    run, = (work["root"] / "checkpoints").glob("dpo_lora_*")
+    assert "dpo train: LoRA r=2" in q.stdout and (run / "adapter" / "adapter_config.json").is_file()
+    assert np.array_equal(np.load(run / "reference_logps.npy"), np.load(work["run"] / "reference_logps.npy"))
+    ck = torch.load(run / "checkpoint_latest.pt", weights_only=True, map_location="cpu")
+    base = torch.load(work["base"]["ckpt"], weights_only=True, map_location="cpu")
+    assert all(torch.equal(ck["model"][k], v) for k, v in base["model"].items())
+    assert ck["lora"]["rank"] == 2 and any(v.abs().max() > 0 for k, v in ck["lora"]["weights"].items()
+                                           if ".lora_B." in k)
+    dc = json.loads((run / "dpo_config.json").read_text())
+    assert dc["hyperparameters"]["lora"]["rank"] == 2 and dc["base"]["run"] == work["base"]["run"].name
+
+
 def test_status_and_report_show_the_run(work):
     name = work["run"].name
     s = run_stage("status", "--config", work["cfg"])

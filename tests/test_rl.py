@@ -203,12 +203,30 @@ def test_rl_runs_from_an_sft_run_and_shows_in_status_and_report(work, e2e):
     s = run_stage("status", run.name, "--config", work["cfg"])
     assert s.returncode == 0 and f"run {run.name}" in s.stdout, s.stdout + s.stderr
     assert f"rl           started from {work['base'].parent.name}" in s.stdout
-    assert "reward " in s.stdout and "val_pass_at_1 " in s.stdout
+    assert "reward " in s.stdout and "held-out: pass_at_1 " in s.stdout
     rep = run_stage("report", run.name, "--config", work["cfg"])
     assert rep.returncode == 0, rep.stdout + rep.stderr
     md = (root / "reports" / run.name / "report.md").read_text()
     assert "Reinforcement learning (RL) run" in md and "held-out pass@1, first validation" in md
     assert (root / "reports" / run.name / "rl.png").stat().st_size > 1000
+
+
+def test_rl_with_lora_and_a_kl_penalty_trains_the_adapter_alone(work):
+    """`rl --lora --kl-beta`: the reference for the KL term is the plain base network (the
+    policy carries the adapter), only the adapter trains (the base weights stay; the optimizer
+    holds A and B alone), and its PEFT folder is written."""
+    import torch
+    r = run_stage("rl", *work["common"][:-1], "2", "--name", "lora", "--lora", "--lora-rank", "2",
+                  "--kl-beta", "0.1", "--lr", "1e-2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    run, = (work["root"] / "checkpoints").glob("rl_lora_*")
+    assert "rl: LoRA r=2" in r.stdout and (run / "adapter" / "adapter_model.safetensors").is_file()
+    ck = torch.load(run / "checkpoint_latest.pt", weights_only=True, map_location="cpu")
+    base = torch.load(work["base"], weights_only=True, map_location="cpu")
+    assert ck["step"] == 2 and all(torch.equal(ck["model"][k], v) for k, v in base["model"].items())
+    assert ck["lora"]["rank"] == 2            # the optimizer holds the adapter alone:
+    assert len(ck["optimizer"]["adamw"]["state"]) == len(ck["lora"]["weights"]) > 0
+    assert [x["step"] for x in log_records(work["root"], run.name) if x["type"] == "train"] == [1, 2]
 
 
 def test_ctrl_c_saves_and_the_resumed_run_gets_the_same_rewards(work, e2e):

@@ -86,6 +86,28 @@ def cli_path(value: str) -> str:
                                          "that leads back to itself? Give the real path.") from None
 
 
+def cli_names(value: str) -> list[str]:
+    """A comma-separated list of names (``q_proj,v_proj``), blanks dropped."""
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def cli_lora_flags(p: "StageParser") -> None:
+    """``--lora`` and the ``lora`` section's flags, the same on every training stage that takes
+    an adapter (sft train, dpo train, rl; utils/lora.py, docs/lora.md)."""
+    p.add_argument("--lora", action="store_true",
+                   help="train a LoRA adapter (peft) on the frozen model instead of all weights; "
+                        "checkpoints hold the base weights and the adapter, and every stage that "
+                        "reads them gets the merged model")
+    p.config_flag("--lora-rank", key="lora.rank", type=int, metavar="R", help="adapter rank")
+    p.config_flag("--lora-alpha", key="lora.alpha", type=float, metavar="A",
+                  help="adapter scale alpha (output x alpha / rank)")
+    p.config_flag("--lora-dropout", key="lora.dropout", type=float, metavar="P",
+                  help="dropout on the adapter's input")
+    p.config_flag("--lora-target-modules", key="lora.target_modules", type=cli_names,
+                  metavar="NAMES", help="comma-separated projections: q_proj,v_proj,... (or ours: "
+                                        "wq,wv,...; or all-linear)")
+
+
 def cli_nonblank(value: str) -> str:
     """argparse type for a value that names a file, folder, run or model (``--resume PATH|auto``,
     benchmark's CHECKPOINT and --hf-model): an empty or all-space value is refused (exit 2,

@@ -48,12 +48,12 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 
 from model import create_model
-from utils.cli import EXIT_INTERRUPTED, PipelineError
+from utils.cli import EXIT_INTERRUPTED, PipelineError, UsageError
 from utils.data.chat import Rules, rules_of_checkpoint
 from utils import lora
 from utils.generation.engine import generate
 from utils.lora import LoraSettings
-from utils.run import RunOutputs, save_run_tokenizer
+from utils.run import RunOutputs, load_checkpoint, save_run_tokenizer
 from utils.training import distributed as D
 from utils.training.trainer import (RunRecord, TrainResult, Trainer, TrainSpec, diverged_message,
                                     pause_step_from_env, seed_everything)
@@ -227,3 +227,57 @@ def write_run_files(cfg, run_dir: Path, spec: TrainSpec, parts: Parts, logger) -
     run_dir.mkdir(parents=True, exist_ok=True)
     save_run_tokenizer(run_dir, parts.tokenizer, spec.record.tokenizer["name"])
     logger.config(cfg.to_dict(), parts.run_files(spec))
+
+
+# --------------------------------------------------------------------------- LoRA
+def lora_for(cfg, command: str, wanted: bool, model_args, base, resume: Optional[dict], path
+             ) -> Optional[LoraSettings]:
+    """The run's LoRA adapter (utils/lora.py), or None (all weights train): a new run's from
+    the ``lora`` section when ``wanted`` (``--lora``); a resumed run (``resume``: its
+    checkpoint, read at ``path``) keeps its own, and one that trains all weights cannot switch."""
+    if resume is not None:
+        entry = resume.get("lora")
+        if entry is None and wanted:
+            raise UsageError(f"--resume {path}: that run trains all weights; a run cannot switch to LoRA "
+                             f"midway. Start a new run: python main.py {command} --lora --checkpoint {path}")
+        kept = lora.settings_from_entry(entry) if entry is not None else None
+        if kept is not None and wanted and LoraSettings.from_config(cfg.lora) != kept:
+            print(f"{command}: note: the resumed run keeps its adapter ({kept.describe()}); the lora "
+                  "section's settings apply to new runs.", flush=True)
+        return kept
+    if not wanted:
+        return None
+    problem = lora.refusal(model_args)
+    if problem:
+        raise UsageError(f"--lora: {base}: {problem}.")
+    return LoraSettings.from_config(cfg.lora)
+
+
+def say_adapter(command: str, model) -> None:
+    """A LoRA run's adapter and what trains (nothing for a run of all weights)."""
+    adapter = lora.settings_of(model)
+    if adapter is not None:
+        trainable, total = lora.parameter_counts(model)
+        print(f"{command}: LoRA {adapter.describe()}: {trainable:,} trainable of {total:,} "
+              f"parameters ({100 * trainable / total:.2f}%); the rest is frozen.", flush=True)
+
+
+def adapter_record(model) -> Optional[dict]:
+    """A stage config's ``lora``: the adapter's settings and parameter counts (None: all weights)."""
+    adapter = lora.settings_of(model)
+    if adapter is None:
+        return None
+    trainable, total = lora.parameter_counts(model)
+    return {**adapter.to_dict(), "trainable_params": trainable, "total_params": total}
+
+
+def write_adapter(command: str, run_dir: Path, picked: Path) -> str:
+    """A LoRA run's end: the adapter of checkpoint ``picked`` as a PEFT folder
+    (``<run>/adapter/``, utils/hf/adapter.py); returns the line that says where."""
+    from utils.hf.adapter import save_adapter   # peft, transformers: a LoRA run's end only
+    ckpt = load_checkpoint(picked, purpose="weights", mmap=True, merge_lora=False)
+    base = next((str(v["base_checkpoint"]) for v in ckpt.values()
+                 if isinstance(v, dict) and isinstance(v.get("base_checkpoint"), str)), "")
+    save_adapter(run_dir / "adapter", ckpt["lora"], base)
+    return (f"{command}: LoRA adapter of {picked.name} in PEFT format: {run_dir / 'adapter'}; "
+            f"merged export: python main.py export --checkpoint {picked} --format hf")

@@ -475,6 +475,7 @@ def _rl(f: F.RunFacts, s: dict) -> list:
     png = figure_png(rl_panels(f), title=f"{f.name}: reward and pass@1")
     if png:
         out.append(Image("rl.png", f"reward and held-out pass@1 of {f.name}", png))
+    return out
 
 
 DPO_METRICS = (("reward_accuracy", "reward accuracy"), ("reward_margin", "reward margin"),
