@@ -234,7 +234,7 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
     rules = post_start.run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok,
                                  pairs.meta["template"])
     data = split_data(cfg, args, pairs, pad)
-    optimizer, settings = hyperparameters(cfg, args, data)
+    optimizer, settings = post_start.epoch_hyperparameters(cfg, "dpo", args.eval_every, data)
     start = post_start.start_of(cfg, src, "dpo train", args.lora, rules)
     latest, made = src.run_dir / "checkpoint_latest.pt", {}     # made: what the spec computed (the reference)
     parts = stage.Parts(
@@ -308,24 +308,6 @@ def split_data(cfg, args, pairs: preference.Pairs, pad: int) -> stage.Data:
     if cap:
         total = min(total, cap)
     return Data(train_data, val_data, len(train_data), total)
-
-
-def hyperparameters(cfg, args, data: stage.Data):
-    """DPO's optimizer and numbers from the ``dpo`` section (how the run executes: training, logging)."""
-    from utils.training.trainer import OptimizerSpec, Settings, eval_interval   # torch-bound
-    d, hp, log = cfg.dpo, cfg.training, cfg.logging
-    optimizer = OptimizerSpec("adamw", d.lr, d.beta1, d.beta2, d.weight_decay)
-    settings = Settings(
-        total_steps=data.total_steps, min_lr=d.lr * d.min_lr_ratio,
-        warmup_steps=int(data.total_steps * d.warmup_ratio + 1e-9), warmup_source="dpo.warmup_ratio",
-        eval_interval=eval_interval(None, args.eval_every, data.steps_per_epoch, data.total_steps),
-        eval_batches=max(1, len(data.val) if data.val is not None else 1),
-        checkpoint_every=data.steps_per_epoch, keep_checkpoints=None,
-        steps_per_epoch=data.steps_per_epoch, grad_accum=1, grad_clip=d.grad_clip, dtype=d.dtype,
-        patience=hp.early_stopping_patience, log_every=log.log_every,
-        smoothing_window=log.smoothing_window, compile=hp.compile,
-        activation_checkpointing=hp.activation_checkpointing)
-    return optimizer, settings
 
 
 def reference(cfg, src: Source, pairs: preference.Pairs, pad: int, model) -> np.ndarray:

@@ -486,19 +486,8 @@ def _example_counts(data: stage.Data) -> tuple[int, int]:
 def sft_hyperparameters(cfg, args, data: stage.Data):
     """SFT's optimizer and numbers, from the ``sft`` section; what it takes from ``training``
     and ``logging`` (how the run is executed, not how it learns) is said once, here."""
-    from utils.training.trainer import OptimizerSpec, Settings, eval_interval   # torch-bound: `sft prepare` does not load it
-    s, hp, log = cfg.sft, cfg.training, cfg.logging
-    optimizer = OptimizerSpec("adamw", s.lr, s.beta1, s.beta2, s.weight_decay)
-    settings = Settings(
-        total_steps=data.total_steps, min_lr=s.lr * s.min_lr_ratio,
-        warmup_steps=int(data.total_steps * s.warmup_ratio + 1e-9), warmup_source="sft.warmup_ratio",
-        eval_interval=eval_interval(None, args.eval_every, data.steps_per_epoch, data.total_steps),
-        eval_batches=max(1, len(data.val) if data.val is not None else 1),
-        checkpoint_every=data.steps_per_epoch, keep_checkpoints=None,     # one per epoch, all kept
-        steps_per_epoch=data.steps_per_epoch, grad_accum=1, grad_clip=s.grad_clip, dtype=s.dtype,
-        patience=hp.early_stopping_patience, log_every=log.log_every,
-        smoothing_window=log.smoothing_window, compile=hp.compile,
-        activation_checkpointing=hp.activation_checkpointing)
+    optimizer, settings = post_start.epoch_hyperparameters(cfg, "sft", args.eval_every, data)
+    hp, log = cfg.training, cfg.logging
     print(f"sft train: from the training section: device {hp.device}, seed {hp.seed}, compile "
           f"{hp.compile}, activation_checkpointing {hp.activation_checkpointing}, "
           f"early_stopping_patience {hp.early_stopping_patience}; from logging: log_every "

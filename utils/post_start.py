@@ -162,6 +162,27 @@ def run_rules(kept: Optional[Rules], src: Source, tok, template: dict) -> Rules:
     return dataclasses.replace(base, template=template, stop_ids=stops)
 
 
+def epoch_hyperparameters(cfg, kind: str, eval_every: float, data) -> tuple:
+    """(OptimizerSpec, Settings) of a run in epochs (SFT, DPO) from its own config section
+    (``kind``: lr, betas, weight decay, warm-up, clip, dtype) and, for how it is executed,
+    ``training`` and ``logging``: validated every ``eval_every`` of an epoch, one numbered
+    checkpoint per epoch, all kept."""
+    from utils.training.trainer import OptimizerSpec, Settings, eval_interval   # torch-bound: not for prepare
+    s, hp, log = getattr(cfg, kind), cfg.training, cfg.logging
+    optimizer = OptimizerSpec("adamw", s.lr, s.beta1, s.beta2, s.weight_decay)
+    settings = Settings(
+        total_steps=data.total_steps, min_lr=s.lr * s.min_lr_ratio,
+        warmup_steps=int(data.total_steps * s.warmup_ratio + 1e-9), warmup_source=f"{kind}.warmup_ratio",
+        eval_interval=eval_interval(None, eval_every, data.steps_per_epoch, data.total_steps),
+        eval_batches=max(1, len(data.val) if data.val is not None else 1),
+        checkpoint_every=data.steps_per_epoch, keep_checkpoints=None,     # one per epoch, all kept
+        steps_per_epoch=data.steps_per_epoch, grad_accum=1, grad_clip=s.grad_clip, dtype=s.dtype,
+        patience=hp.early_stopping_patience, log_every=log.log_every,
+        smoothing_window=log.smoothing_window, compile=hp.compile,
+        activation_checkpointing=hp.activation_checkpointing)
+    return optimizer, settings
+
+
 def start_of(cfg, src: Source, command: str, lora: bool, rules):
     """utils.stage.Start of the run: its checkpoint (a resume) or the base's weights, its rules,
     and its LoRA adapter (None: all weights train)."""
