@@ -27,29 +27,22 @@ command (exit 130). Details: docs/dpo.md.
 """
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import functools
 import itertools
-import re
-import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
 from utils.atomic import write_json_atomic
-from utils.cli import (PipelineError, StageParser, UsageError, argv_without, cli_lora_flags, cli_nonblank,
-                       cli_path, run_stage)
+from utils.cli import PipelineError, StageParser, UsageError, cli_lora_flags, cli_path, run_stage
 from utils.data import preference, sft
-from utils.data.chat import Rules, stop_ids_of
 from utils.data.shards import dtype_for_vocab, save_npy_atomic
 from utils.data.tok import describe, load_tokenizer
-from utils.device import resolve_device
-from utils.run import (base_record, load_checkpoint, model_args_of, read_stage_config,
-                       require_same_tokenizer, resume_checkpoint, tokenizer_for_checkpoint)
+from utils import post_start
+from utils.post_start import Source
+from utils.run import require_same_tokenizer, resume_command_post
 
 if TYPE_CHECKING:    # torch-bound, imported where `dpo train` needs it: `dpo prepare` does not load it
     from utils import stage
@@ -89,14 +82,10 @@ def prepare_parser() -> StageParser:
 def train_parser() -> StageParser:
     p = StageParser("dpo.py train", "Direct Preference Optimization of a checkpoint on the prepared "
                     "pairs (reference log-probabilities computed once; resumable).")
-    p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH",
-                   help="the model to start from (an SFT run's checkpoint, usually)")
-    p.add_argument("--resume", default=None, metavar="PATH|auto", type=cli_nonblank,
-                   help="continue a DPO run from its checkpoint file, or 'auto': the newest "
-                        "dpo_<name>_* run's checkpoint_latest.pt")
-    p.add_argument("--init-from-hf", type=cli_path, default=None, metavar="DIR",
-                   help="start from a local Hugging Face Llama model (prepare the pairs with its tokenizer)")
-    p.add_argument("--name", default="pref", help="run name: checkpoints/dpo_<name>_<time>/")
+    post_start.start_flags(p, "dpo", "a DPO run",
+                           "the model to start from (an SFT run's checkpoint, usually)",
+                           "start from a local Hugging Face Llama model (prepare the pairs with its "
+                           "tokenizer)", "pref")
     p.config_flag("--beta", key="dpo.beta", type=float, metavar="B", help="DPO's beta")
     p.config_flag("--epochs", key="dpo.epochs", type=int, metavar="N", help="epochs")
     p.config_flag("--lr", key="dpo.lr", type=float, metavar="LR", help="peak learning rate")
@@ -228,20 +217,11 @@ def train(argv: Sequence[str], full_argv: Sequence[str]) -> int:
 
 def parse_train(argv: Sequence[str]):
     args, cfg = train_parser().parse(argv)
-    given = [f for f, v in (("--checkpoint", args.checkpoint), ("--init-from-hf", args.init_from_hf),
-                            ("--resume", args.resume)) if v]
-    if len(given) != 1:
-        raise UsageError("dpo train needs exactly one of --checkpoint PATH (the model to start from, "
-                         "usually an SFT run's checkpoint), --init-from-hf DIR (a Hugging Face Llama "
-                         "model) or --resume PATH|auto (continue a DPO run)"
-                         + (f"; got {' and '.join(given)}." if given else "."))
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name or ""):
-        raise UsageError(f"--name {args.name!r}: use letters, digits, '.', '_' or '-'.")
+    post_start.check_start_flags(args, "dpo train", "the model to start from, usually an SFT run's "
+                                 "checkpoint", "a DPO run")
     if not 0 < args.eval_every <= 1:
         raise UsageError("--eval-every must be in (0, 1].")
-    if args.lora:
-        from utils.lora import LoraSettings   # torch-bound: `dpo prepare` does not load it
-        LoraSettings.from_config(cfg.lora)     # an unknown target module: refused before any load
+    post_start.check_lora_flags(args, cfg)
     return args, cfg
 
 
@@ -251,87 +231,37 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
     pairs = preference.load_pairs(cfg.path("paths.preference_dir"))
     src = open_source(cfg, args, pairs.meta)
     tok, tok_info, pad = open_run_tokenizer(cfg, src, pairs.meta)
-    rules = run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok, pairs.meta["template"])
+    rules = post_start.run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok,
+                                 pairs.meta["template"])
     data = split_data(cfg, args, pairs, pad)
-    optimizer, settings = hyperparameters(cfg, args, data)
-    adapter = stage.lora_for(cfg, "dpo train", args.lora, src.model_args, src.base,
-                             src.ckpt if src.resumed else None, src.path)
-    start = stage.Start(src.run_dir.name, src.run_dir, src.model_args,
-                        resume=src.ckpt if src.resumed else None,
-                        weights=None if src.resumed else src.ckpt["model"], rules=rules, lora=adapter)
+    optimizer, settings = post_start.epoch_hyperparameters(cfg, "dpo", args.eval_every, data)
+    start = post_start.start_of(cfg, src, "dpo train", args.lora, rules)
     latest, made = src.run_dir / "checkpoint_latest.pt", {}     # made: what the spec computed (the reference)
     parts = stage.Parts(
         lr_key="dpo.lr", tokenizer=tok,
         spec=functools.partial(dpo_spec, cfg, src, pairs, data, optimizer, settings, tok_info, rules, pad, made),
         run_files=functools.partial(run_files, cfg, args, src, pairs, data, made),
-        resume_command="python main.py dpo train " + shlex.join(
-            argv_without(list(argv), ("--resume", "--checkpoint", "--init-from-hf")) + ["--resume", str(latest)]),
-        closing=functools.partial(closing_line, src.run_dir, adapter is not None))
-    proc = stage.one_process(resolve_device(cfg.training.device, "training.device"))
-    return stage.set_up(cfg, start, proc, parts)
-
-
-@dataclass(frozen=True)
-class Source:
-    """What a DPO run opens: the starting model (a new run) or the run's checkpoint (a resume)."""
-    run_dir: Path
-    base: Path                    # the checkpoint (or imported model) the run starts from
-    model_args: object
-    ckpt: dict
-    path: Path
-    resumed: bool
-    imported: object = None       # --init-from-hf: utils.hf.import_hf.Imported
-    reference_sha256: Optional[str] = None    # a resume: the reference its checkpoints recorded
-    base_imported: bool = False   # a resumed run whose base is an imported model
+        resume_command=resume_command_post("dpo train", argv, latest),
+        closing=functools.partial(closing_line, src.run_dir, start.lora is not None))
+    return post_start.run_start(cfg, start, parts)
 
 
 def open_source(cfg, args, meta: dict) -> Source:
     """Load and check the starting checkpoint (tokenizer, template, sizes) and name the run
-    folder: ``dpo_<name>_<time>``, or the checkpoint's folder on resume."""
+    folder: ``dpo_<name>_<time>``, or the checkpoint's folder on resume, whose run must have
+    trained on the pairs the data folder holds now (utils/post_start.py)."""
     data_dir = cfg.path("paths.preference_dir")
-    if args.resume:
-        rpath = resume_checkpoint(cfg.path("paths.checkpoints_dir"), args.resume) if args.resume != "auto" \
-            else newest_latest(cfg.path("paths.checkpoints_dir"), args.name)
-        ckpt = load_checkpoint(rpath, purpose="resume")
-        if ckpt.get("kind") != "dpo":
-            raise PipelineError(f"--resume {rpath}: not a DPO checkpoint (kind '{ckpt.get('kind')}'). "
-                                "To start DPO from it, pass it as --checkpoint.")
-        rec = ckpt.get("dpo") or {}
-        if rec.get("data_fingerprint") != meta["data_fingerprint"]:
+
+    def same_data(ckpt: dict, rpath: Path, base: Path) -> None:
+        if (ckpt.get("dpo") or {}).get("data_fingerprint") != meta["data_fingerprint"]:
             raise PipelineError(f"--resume {rpath}: the run trained on other preference data than "
                                 f"{data_dir} holds now; resume with the same data (re-run the same "
                                 "`dpo prepare`) or start a new run.")
-        model_args = model_args_of(ckpt, rpath)
-        check_fits(ckpt, rpath, meta, data_dir, model_args)
-        kept = (read_stage_config(rpath.parent) or {}).get("base")
-        return Source(rpath.parent, Path(rec.get("base_checkpoint") or rpath), model_args,
-                      ckpt, rpath, True, reference_sha256=rec.get("reference_sha256"),
-                      base_imported=bool(kept.get("imported")) if isinstance(kept, dict) else False)
-    imported = None
-    if args.init_from_hf:
-        from utils.hf.import_hf import load_hf_llama    # 2.5 s (torch, transformers): not for dpo prepare
-        imported = load_hf_llama(args.init_from_hf)
-        base, ckpt = Path(imported.source), {"model": imported.model.state_dict(), "tokenizer": imported.tok_info}
-        model_args = imported.model.args
-    else:
-        base = Path(args.checkpoint)
-        ckpt = load_checkpoint(base, purpose="weights")
-        model_args = model_args_of(ckpt, base)
-    check_fits(ckpt, base, meta, data_dir, model_args)
-    stamp = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
-    run_dir = cfg.path("paths.checkpoints_dir") / f"dpo_{args.name}_{stamp}"
-    if run_dir.exists():
-        raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
-    return Source(run_dir, base, model_args, ckpt, base, resumed=False, imported=imported)
 
-
-def newest_latest(checkpoints_dir: Path, name: str) -> Path:
-    """``--resume auto``: the newest dpo_<name>_* run's checkpoint_latest.pt."""
-    runs = sorted(p for p in Path(checkpoints_dir).glob(f"dpo_{name}_*") if (p / "checkpoint_latest.pt").is_file())
-    if not runs:
-        raise PipelineError(f"--resume auto: no dpo_{name}_* run with a checkpoint_latest.pt under "
-                            f"{checkpoints_dir}.")
-    return runs[-1] / "checkpoint_latest.pt"
+    return post_start.open_source(cfg, args, "dpo",
+                                  check=lambda ckpt, path, model_args: check_fits(
+                                      ckpt, path, meta, data_dir, model_args),
+                                  on_resume=same_data)
 
 
 def check_fits(ckpt: dict, path: Path, meta: dict, data_dir: Path, model_args) -> None:
@@ -352,11 +282,7 @@ def check_fits(ckpt: dict, path: Path, meta: dict, data_dir: Path, model_args) -
 
 def open_run_tokenizer(cfg, src: Source, meta: dict):
     """The model's tokenizer, matched against the data's fingerprint; the padding id."""
-    if src.imported is not None:
-        tok, tok_info = src.imported.tok, dict(src.imported.tok_info)
-    else:
-        tok, tok_info = tokenizer_for_checkpoint(src.ckpt, cfg, src.path)
-        tok_info = {k: v for k, v in tok_info.items() if k != "verified"}
+    tok, tok_info = post_start.open_tokenizer(cfg, src)
     require_same_tokenizer(tok_info, meta.get("tokenizer"), "the checkpoint's tokenizer",
                            f"the preference data in {cfg.path('paths.preference_dir')}",
                            "Re-run `python main.py dpo prepare` with that tokenizer (tokenizer.name).")
@@ -365,14 +291,6 @@ def open_run_tokenizer(cfg, src: Source, meta: dict):
         raise PipelineError(f"tokenizer '{tok_info.get('name')}' has neither a padding nor an EOS token: "
                             "batches cannot be padded.")
     return tok, tok_info, pad
-
-
-def run_rules(kept: Optional[Rules], src: Source, tok, template: dict) -> Rules:
-    """The run's rules: the base model's (utils.stage.kept_rules, else ours) with the data's
-    template and its end-of-turn token, as SFT runs keep them."""
-    base = kept or Rules.ours(tok, src.ckpt.get("chat_template"))
-    stops = tuple(dict.fromkeys(base.stop_ids + stop_ids_of(None, tok, template)))
-    return dataclasses.replace(base, template=template, stop_ids=stops)
 
 
 def split_data(cfg, args, pairs: preference.Pairs, pad: int) -> stage.Data:
@@ -392,24 +310,6 @@ def split_data(cfg, args, pairs: preference.Pairs, pad: int) -> stage.Data:
     return Data(train_data, val_data, len(train_data), total)
 
 
-def hyperparameters(cfg, args, data: stage.Data):
-    """DPO's optimizer and numbers from the ``dpo`` section (how the run executes: training, logging)."""
-    from utils.training.trainer import OptimizerSpec, Settings, eval_interval   # torch-bound
-    d, hp, log = cfg.dpo, cfg.training, cfg.logging
-    optimizer = OptimizerSpec("adamw", d.lr, d.beta1, d.beta2, d.weight_decay)
-    settings = Settings(
-        total_steps=data.total_steps, min_lr=d.lr * d.min_lr_ratio,
-        warmup_steps=int(data.total_steps * d.warmup_ratio + 1e-9), warmup_source="dpo.warmup_ratio",
-        eval_interval=eval_interval(None, args.eval_every, data.steps_per_epoch, data.total_steps),
-        eval_batches=max(1, len(data.val) if data.val is not None else 1),
-        checkpoint_every=data.steps_per_epoch, keep_checkpoints=None,
-        steps_per_epoch=data.steps_per_epoch, grad_accum=1, grad_clip=d.grad_clip, dtype=d.dtype,
-        patience=hp.early_stopping_patience, log_every=log.log_every,
-        smoothing_window=log.smoothing_window, compile=hp.compile,
-        activation_checkpointing=hp.activation_checkpointing)
-    return optimizer, settings
-
-
 def reference(cfg, src: Source, pairs: preference.Pairs, pad: int, model) -> np.ndarray:
     """The reference log-probabilities: computed by the starting model (a new run), or read
     from the run folder and checked against the checkpoint's record (a resume)."""
@@ -422,7 +322,8 @@ def reference(cfg, src: Source, pairs: preference.Pairs, pad: int, model) -> np.
         except (OSError, ValueError, EOFError) as e:
             raise PipelineError(f"{path} cannot be read ({e}): the run's reference log-probabilities are "
                                 "lost; start a new run from its base.") from None
-        if dpo.array_sha256(ref) != src.reference_sha256 or ref.shape != (2 * len(pairs),):
+        recorded = (src.ckpt.get("dpo") or {}).get("reference_sha256")   # what the run's checkpoints recorded
+        if dpo.array_sha256(ref) != recorded or ref.shape != (2 * len(pairs),):
             raise PipelineError(f"{path} is not the reference this run's checkpoints recorded (changed or "
                                 "damaged); start a new run from its base.")
         return ref
@@ -470,7 +371,7 @@ def run_files(cfg, args, src: Source, pairs, data, made: dict, spec) -> dict:
              "lora": stage.adapter_record(spec.model)}
     write_json_atomic(src.run_dir / CONFIG_FILE, {
         "run": src.run_dir.name, "base_checkpoint": str(src.base),
-        "base": base_record(src.base, imported=src.imported is not None or src.base_imported),
+        "base": src.base_record(),
         "resumed_from": str(args.resume) if src.resumed else None,
         "reference": {"file": dpo.REFERENCE_FILE, "sha256": spec.record.extra["dpo"]["reference_sha256"],
                       "how": "the starting model's log-probabilities, computed once at the run's start"},
@@ -486,14 +387,10 @@ def closing_line(run_dir: Path, adapter: bool, result, logger) -> str:
     """Where the model is and how to try it (checkpoint_best.pt exists only when the held-out
     loss fell below the start's, which DPO's need not do while its margin grows)."""
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
-    pick = run_dir / "checkpoint_best.pt"
-    pick = pick if pick.is_file() else run_dir / "checkpoint_latest.pt"
+    pick = post_start.best_or_latest(run_dir)
     line = (f"dpo train: {result.reason} at step {result.step}; best held-out DPO loss {best}; "
             f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint {pick}")
-    if not adapter:
-        return line
-    from utils import stage     # torch-bound: `dpo prepare` does not load it
-    return line + "\n" + stage.write_adapter("dpo train", run_dir, pick)
+    return post_start.closing("dpo train", run_dir, adapter, line, pick)
 
 
 if __name__ == "__main__":

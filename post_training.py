@@ -22,12 +22,10 @@ repeats the uninterrupted one. Details: docs/sft_inference.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import functools
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -37,18 +35,16 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from utils.atomic import atomic_open, write_json_atomic
-from utils.cli import (PipelineError, StageParser, UsageError, cli_lora_flags, cli_nonblank, cli_path,
-                       run_stage)
+from utils.cli import PipelineError, StageParser, UsageError, cli_lora_flags, cli_path, run_stage
 from utils.config import SFT_MIN_LENGTH
 from utils.data import chat, sft
-from utils.data.chat import Rules, stop_ids_of
+from utils.data.chat import Rules
 from utils.data.shards import dtype_for_vocab, save_npy_atomic
 from utils.data.tok import describe, load_tokenizer, require_bos_eos
-from utils.device import resolve_device
 from utils.generation.detok import TextDecoder
-from utils.run import (base_record, load_checkpoint, model_args_of, read_stage_config,
-                       require_same_tokenizer, resume_checkpoint, resume_command_sft,
-                       tokenizer_for_checkpoint)
+from utils import post_start
+from utils.post_start import Source
+from utils.run import require_same_tokenizer, resume_command_post
 
 if TYPE_CHECKING:    # torch-bound, imported where `sft train` needs it: `sft prepare` does not load it
     from utils import stage
@@ -88,15 +84,10 @@ def prepare_parser() -> StageParser:
 def train_parser() -> StageParser:
     p = StageParser("post_training.py train", "Supervised fine-tuning of a pretrained checkpoint "
                     "on the prepared instruction data (masked loss, resumable).")
-    p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH",
-                   help="pretrained checkpoint to fine-tune (required unless --resume)")
-    p.add_argument("--resume", default=None, metavar="PATH|auto", type=cli_nonblank,
-                   help="continue an SFT run from its checkpoint file, or 'auto': the newest "
-                        "sft_<name>_* run's checkpoint_latest.pt")
-    p.add_argument("--init-from-hf", type=cli_path, default=None, metavar="DIR",
-                   help="fine-tune a local Hugging Face Llama model (folder or .gguf file) "
-                        "instead of --checkpoint (prepare the data with its tokenizer)")
-    p.add_argument("--name", default="lima", help="run name: checkpoints/sft_<name>_<time>/")
+    post_start.start_flags(p, "sft", "an SFT run",
+                           "pretrained checkpoint to fine-tune (required unless --resume)",
+                           "fine-tune a local Hugging Face Llama model (folder or .gguf file) instead of "
+                           "--checkpoint (prepare the data with its tokenizer)", "lima")
     p.config_flag("--epochs", key="sft.epochs", type=int, metavar="N", help="fine-tuning epochs")
     p.config_flag("--lr", key="sft.lr", type=float, metavar="LR", help="learning rate")
     p.config_flag("--batch-size", key="sft.batch_size", type=int, metavar="N", help="conversations per batch")
@@ -411,114 +402,55 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
     examples = sft.load_examples(cfg.path("paths.post_training_dir"))
     src = open_source(cfg, args, examples.meta)
     tok, tok_info, eos = open_run_tokenizer(cfg, src, examples.meta)
-    rules = run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok, examples.meta["template"])
+    rules = post_start.run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok,
+                                 examples.meta["template"])
     data = split_data(cfg, args, examples, tok, eos)
     optimizer, settings = sft_hyperparameters(cfg, args, data)
-    adapter = stage.lora_for(cfg, "sft train", args.lora, src.model_args, src.base,
-                             src.ckpt if src.resumed else None, src.path)
-    start = stage.Start(src.run_dir.name, src.run_dir, src.model_args,
-                        resume=src.ckpt if src.resumed else None,
-                        weights=None if src.resumed else src.ckpt["model"], rules=rules, lora=adapter)
+    start = post_start.start_of(cfg, src, "sft train", args.lora, rules)
     parts = stage.Parts(
         lr_key="sft.lr", tokenizer=tok,
         spec=functools.partial(sft_spec, cfg, args, src, examples.meta, data, optimizer, settings,
                                tok, tok_info, rules),
         run_files=functools.partial(run_files, cfg, args, src, examples.meta, data),
-        resume_command=resume_command_sft(argv, src.run_dir / "checkpoint_latest.pt"),
-        closing=functools.partial(closing_line, src.run_dir, adapter is not None))
-    proc = stage.one_process(resolve_device(cfg.training.device, "training.device"))
-    return stage.set_up(cfg, start, proc, parts)
+        resume_command=resume_command_post("sft train", argv, src.run_dir / "checkpoint_latest.pt"),
+        closing=functools.partial(closing_line, src.run_dir, start.lora is not None))
+    return post_start.run_start(cfg, start, parts)
 
 
 # --------------------------------------------------------------------------- steps of train
 def parse_train(argv: Sequence[str]):
     args, cfg = train_parser().parse(argv)
-    given = [f for f, v in (("--checkpoint", args.checkpoint), ("--init-from-hf", args.init_from_hf),
-                            ("--resume", args.resume)) if v]
-    if len(given) != 1:
-        raise UsageError("sft train needs exactly one of --checkpoint PATH (a pretrained checkpoint "
-                         "to fine-tune), --init-from-hf DIR (a Hugging Face Llama model) or "
-                         "--resume PATH|auto (continue an SFT run)"
-                         + (f"; got {' and '.join(given)}." if given else "."))
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name or ""):
-        raise UsageError(f"--name {args.name!r}: use letters, digits, '.', '_' or '-'.")
+    post_start.check_start_flags(args, "sft train", "a pretrained checkpoint to fine-tune", "an SFT run")
     if not 0 < args.eval_every <= 1:
         raise UsageError("--eval-every must be in (0, 1].")
-    if args.lora:
-        from utils.lora import LoraSettings   # torch-bound: `sft prepare` does not load it
-        LoraSettings.from_config(cfg.lora)     # an unknown target module: refused before any load
+    post_start.check_lora_flags(args, cfg)
     return args, cfg
-
-
-@dataclass(frozen=True)
-class Source:
-    """What an SFT run opens: the base model (a new run) or the run's own checkpoint (a resume),
-    checked against the SFT data, and where the run lives."""
-    run_dir: Path
-    base: Path                    # the pretrained checkpoint (or imported model) the run fine-tunes
-    model_args: object
-    ckpt: dict                    # the checkpoint read (an imported model: its weights and tokenizer)
-    path: Path                    # where ``ckpt`` was read
-    resumed: bool
-    imported: object = None       # --init-from-hf: utils.hf.import_hf.Imported
-    base_imported: bool = False   # a resumed run whose base is an imported model
 
 
 def open_source(cfg, args, meta: dict) -> Source:
     """Load and check the checkpoint (its tokenizer and sizes against the SFT data) and name
-    the run folder: ``sft_<name>_<time>`` for a new run, the checkpoint's folder on resume."""
-    if args.resume:
-        return resumed_source(cfg, args, meta)
-    imported = None
-    if args.init_from_hf:
-        from utils.hf.import_hf import load_hf_llama    # 2.5 s (torch, transformers): not for sft prepare
-        imported = load_hf_llama(args.init_from_hf)
-        base = Path(imported.source)
-        ckpt = {"model": imported.model.state_dict(), "tokenizer": imported.tok_info}
-        model_args = imported.model.args
-    else:
-        base = Path(args.checkpoint)
-        ckpt = load_checkpoint(base, purpose="weights")
-        model_args = model_args_of(ckpt, base)
-    check_compatible(ckpt, base, meta, cfg.path("paths.post_training_dir"), model_args)
-    stamp = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
-    run_dir = cfg.path("paths.checkpoints_dir") / f"sft_{args.name}_{stamp}"
-    if run_dir.exists():
-        raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
-    return Source(run_dir, base, model_args, ckpt, base, resumed=False, imported=imported)
-
-
-def resumed_source(cfg, args, meta: dict) -> Source:
-    """The SFT run ``--resume`` names: its checkpoint, which must still fit the data and its
-    chat template."""
+    the run folder: ``sft_<name>_<time>`` for a new run, the checkpoint's folder on resume,
+    whose chat template must still be the data's (utils/post_start.py)."""
     data_dir = cfg.path("paths.post_training_dir")
-    rpath = resume_checkpoint(cfg.path("paths.checkpoints_dir"), args.resume, sft_name=args.name)
-    resume = load_checkpoint(rpath, purpose="resume")
-    if resume.get("kind") != "sft":
-        raise PipelineError(f"--resume {rpath}: not an SFT checkpoint (kind "
-                            f"'{resume.get('kind')}'). To fine-tune it, pass it as --checkpoint.")
-    model_args = model_args_of(resume, rpath)
-    check_compatible(resume, rpath, meta, data_dir, model_args)
-    kept = read_stage_config(rpath.parent) or {}
-    base = Path((resume.get("sft") or {}).get("base_checkpoint") or rpath)
-    was_imported = bool((kept.get("base") or {}).get("imported")) if isinstance(kept.get("base"), dict) else False
-    was, now = (resume.get("chat_template") or {}).get("name"), meta["template"].get("name")
-    if was != now:
-        raise PipelineError(f"--resume {rpath}: that run trains on chat template '{was}' but "
-                            f"the SFT data in {data_dir} uses '{now}'; a run cannot change its "
-                            f"template midway. Start a new run: python main.py sft train "
-                            f"--checkpoint {base}")
-    return Source(rpath.parent, base, model_args, resume, rpath, resumed=True, base_imported=was_imported)
+
+    def same_template(resume: dict, rpath: Path, base: Path) -> None:
+        was, now = (resume.get("chat_template") or {}).get("name"), meta["template"].get("name")
+        if was != now:
+            raise PipelineError(f"--resume {rpath}: that run trains on chat template '{was}' but "
+                                f"the SFT data in {data_dir} uses '{now}'; a run cannot change its "
+                                f"template midway. Start a new run: python main.py sft train "
+                                f"--checkpoint {base}")
+
+    return post_start.open_source(cfg, args, "sft",
+                                  check=lambda ckpt, path, model_args: check_compatible(
+                                      ckpt, path, meta, data_dir, model_args),
+                                  on_resume=same_template)
 
 
 def open_run_tokenizer(cfg, src: Source, meta: dict):
     """The base run's own tokenizer (utils.run), after the checkpoint checks (a refusal costs
     no tokenizer load), matched once more against the SFT data's fingerprint."""
-    if src.imported is not None:
-        tok, tok_info = src.imported.tok, dict(src.imported.tok_info)
-    else:
-        tok, tok_info = tokenizer_for_checkpoint(src.ckpt, cfg, src.path)
-        tok_info = {k: v for k, v in tok_info.items() if k != "verified"}
+    tok, tok_info = post_start.open_tokenizer(cfg, src)
     require_same_tokenizer(tok_info, meta.get("tokenizer"), "the checkpoint's tokenizer",
                            f"the SFT data in {cfg.path('paths.post_training_dir')}",
                            "Re-run `python main.py sft prepare` with that tokenizer.")
@@ -529,15 +461,6 @@ def open_run_tokenizer(cfg, src: Source, meta: dict):
         raise PipelineError(f"tokenizer '{name}' has neither an EOS nor a padding token: batches cannot be "
                             "padded.")
     return tok, tok_info, tok.eos_token_id
-
-
-def run_rules(kept: Optional[Rules], src: Source, tok, template: dict) -> Rules:
-    """The run's rules (utils/data/chat.py): the base model's BOS rule, stop ids and generation
-    defaults (``kept``: an imported model's own or those its checkpoint recorded, else ours),
-    with the data's template and its end-of-turn token."""
-    base = kept or Rules.ours(tok, src.ckpt.get("chat_template"))
-    stops = tuple(dict.fromkeys(base.stop_ids + stop_ids_of(None, tok, template)))
-    return dataclasses.replace(base, template=template, stop_ids=stops)
 
 
 def split_data(cfg, args, examples, tok, eos) -> stage.Data:
@@ -563,19 +486,8 @@ def _example_counts(data: stage.Data) -> tuple[int, int]:
 def sft_hyperparameters(cfg, args, data: stage.Data):
     """SFT's optimizer and numbers, from the ``sft`` section; what it takes from ``training``
     and ``logging`` (how the run is executed, not how it learns) is said once, here."""
-    from utils.training.trainer import OptimizerSpec, Settings, eval_interval   # torch-bound: `sft prepare` does not load it
-    s, hp, log = cfg.sft, cfg.training, cfg.logging
-    optimizer = OptimizerSpec("adamw", s.lr, s.beta1, s.beta2, s.weight_decay)
-    settings = Settings(
-        total_steps=data.total_steps, min_lr=s.lr * s.min_lr_ratio,
-        warmup_steps=int(data.total_steps * s.warmup_ratio + 1e-9), warmup_source="sft.warmup_ratio",
-        eval_interval=eval_interval(None, args.eval_every, data.steps_per_epoch, data.total_steps),
-        eval_batches=max(1, len(data.val) if data.val is not None else 1),
-        checkpoint_every=data.steps_per_epoch, keep_checkpoints=None,     # one per epoch, all kept
-        steps_per_epoch=data.steps_per_epoch, grad_accum=1, grad_clip=s.grad_clip, dtype=s.dtype,
-        patience=hp.early_stopping_patience, log_every=log.log_every,
-        smoothing_window=log.smoothing_window, compile=hp.compile,
-        activation_checkpointing=hp.activation_checkpointing)
+    optimizer, settings = post_start.epoch_hyperparameters(cfg, "sft", args.eval_every, data)
+    hp, log = cfg.training, cfg.logging
     print(f"sft train: from the training section: device {hp.device}, seed {hp.seed}, compile "
           f"{hp.compile}, activation_checkpointing {hp.activation_checkpointing}, "
           f"early_stopping_patience {hp.early_stopping_patience}; from logging: log_every "
@@ -632,7 +544,7 @@ def run_files(cfg, args, src: Source, meta: dict, data: stage.Data, spec) -> dic
              "betas": [opt.beta1, opt.beta2], "grad_clip": st.grad_clip,
              "lora": stage.adapter_record(spec.model)}
     sft_config = {"run": src.run_dir.name, "base_checkpoint": str(src.base),
-                  "base": base_record(src.base, imported=src.imported is not None or src.base_imported),
+                  "base": src.base_record(),
                   "resumed_from": str(args.resume) if src.resumed else None,
                   "data": {"dir": str(cfg.path("paths.post_training_dir")),
                            "fingerprint": meta["data_fingerprint"], "source": meta["source"],
@@ -648,14 +560,11 @@ def closing_line(run_dir: Path, adapter: bool, result, logger) -> str:
     """Where the model is and how to try it; a LoRA run also writes its adapter as a PEFT
     folder (``<run>/adapter/``, from its best checkpoint, else its latest)."""
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
-    picked = run_dir / ("checkpoint_best.pt" if (run_dir / "checkpoint_best.pt").exists()
-                        else "checkpoint_latest.pt")
+    picked = post_start.best_or_latest(run_dir)
     line = (f"sft train: {result.reason} at step {result.step}; best masked val loss {best}; "
             f"checkpoints in {run_dir}. Try it: python main.py infer --checkpoint {picked}")
-    if not adapter:
-        return line
-    from utils import stage     # torch-bound: `sft prepare` does not load it
-    return line + "\n" + stage.write_adapter("sft train", run_dir, picked)
+    return post_start.closing("sft train", run_dir, adapter, line, picked)
+
 
 if __name__ == "__main__":
     run_stage(main)

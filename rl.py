@@ -24,26 +24,21 @@ same replies and gets the same rewards as an uninterrupted one. Details: docs/rl
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import re
-import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from utils.atomic import write_json_atomic
-from utils.cli import (PipelineError, StageParser, UsageError, argv_without, cli_lora_flags, cli_nonblank,
-                       cli_path, run_stage)
+from utils.cli import PipelineError, StageParser, cli_lora_flags, run_stage
 from utils.data import chat, sft
-from utils.data.chat import Rules, stop_ids_of
+from utils.data.chat import Rules
 from utils.data.tok import require_bos_eos
-from utils.device import resolve_device
 from utils.generation.detok import TextDecoder
 from utils.rl.tasks import Task, load_task
-from utils.run import (base_record, list_runs, load_checkpoint, model_args_of, read_stage_config,
-                       stage_config_file, tokenizer_for_checkpoint)
+from utils import post_start
+from utils.post_start import Source
+from utils.run import load_checkpoint, resume_command_post, stage_config_file
 
 RL_CONFIG_FILE = stage_config_file("rl")
 
@@ -51,14 +46,9 @@ RL_CONFIG_FILE = stage_config_file("rl")
 def build_parser() -> StageParser:
     p = StageParser("rl.py", "On-policy RL on verifiable rewards (GRPO): sample groups of replies, "
                     "score them with the task's verifier, reinforce the better ones (resumable).")
-    p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH",
-                   help="the checkpoint to start from (an SFT run's, usually)")
-    p.add_argument("--init-from-hf", type=cli_path, default=None, metavar="DIR",
-                   help="start from a local Hugging Face Llama model (folder or .gguf file) instead")
-    p.add_argument("--resume", default=None, metavar="PATH|auto", type=cli_nonblank,
-                   help="continue an RL run from its checkpoint file, or 'auto': the newest "
-                        "rl_<name>_* run's checkpoint_latest.pt")
-    p.add_argument("--name", default="task", help="run name: checkpoints/rl_<name>_<time>/")
+    post_start.start_flags(p, "rl", "an RL run", "the checkpoint to start from (an SFT run's, usually)",
+                           "start from a local Hugging Face Llama model (folder or .gguf file) instead",
+                           "task")
     p.config_flag("--task", key="rl.task", metavar="NAME|FILE",
                   help="arithmetic (synthetic), or a JSONL file of {prompt, answer} lines")
     p.config_flag("--checker", key="rl.checker", choices=["auto", "exact", "numeric"],
@@ -95,107 +85,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def parse(argv: Sequence[str]):
     args, cfg = build_parser().parse(argv)
-    given = [f for f, v in (("--checkpoint", args.checkpoint), ("--init-from-hf", args.init_from_hf),
-                            ("--resume", args.resume)) if v]
-    if len(given) != 1:
-        raise UsageError("rl needs exactly one of --checkpoint PATH (a checkpoint to start from, e.g. an "
-                         "SFT run's), --init-from-hf DIR (a Hugging Face Llama model) or --resume "
-                         "PATH|auto (continue an RL run)" + (f"; got {' and '.join(given)}." if given else "."))
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name or ""):
-        raise UsageError(f"--name {args.name!r}: use letters, digits, '.', '_' or '-'.")
-    if args.lora:
-        from utils.lora import LoraSettings   # torch-bound: refused before any checkpoint loads
-        LoraSettings.from_config(cfg.lora)
+    post_start.check_start_flags(args, "rl", "a checkpoint to start from, e.g. an SFT run's", "an RL run")
+    post_start.check_lora_flags(args, cfg)
     return args, cfg
 
 
 def set_up(cfg, args, argv: Sequence[str]):
     """The steps of a start (utils/stage.py runs the rest); what they hold is freed on return."""
     from utils import stage     # torch-bound (the model, the trainer): --help does not wait for it
-    src = open_source(cfg, args)
-    tok, tok_info = open_tokenizer(cfg, src)
+    src = post_start.open_source(cfg, args, "rl")
+    tok, tok_info = post_start.open_tokenizer(cfg, src)
     rules = run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok)
     task = load_task(cfg.rl, cfg.training.seed, cfg.resolve)
     check_fits(task, tok, rules, cfg.rl, src.model_args)
-    adapter = stage.lora_for(cfg, "rl", args.lora, src.model_args, src.base,
-                             src.ckpt if src.resumed else None, src.path)
-    start = stage.Start(src.run_dir.name, src.run_dir, src.model_args,
-                        resume=src.ckpt if src.resumed else None,
-                        weights=None if src.resumed else src.ckpt["model"], rules=rules, lora=adapter)
+    start = post_start.start_of(cfg, src, "rl", args.lora, rules)
     parts = stage.Parts(
         lr_key="rl.lr", tokenizer=tok,
         spec=functools.partial(rl_spec, cfg, src, task, tok, tok_info, rules),
         run_files=functools.partial(run_files, cfg, args, src, task),
-        resume_command=resume_command(argv, src.run_dir / "checkpoint_latest.pt"),
-        closing=functools.partial(closing_line, src.run_dir, adapter is not None))
-    proc = stage.one_process(resolve_device(cfg.training.device, "training.device"))
-    return stage.set_up(cfg, start, proc, parts)
+        resume_command=resume_command_post("rl", argv, src.run_dir / "checkpoint_latest.pt"),
+        closing=functools.partial(closing_line, src.run_dir, start.lora is not None))
+    return post_start.run_start(cfg, start, parts)
 
 
 # --------------------------------------------------------------------------- the start
-@dataclass(frozen=True)
-class Source:
-    """What an RL run opens: the model it starts from (a new run) or its own checkpoint (a resume)."""
-    run_dir: Path
-    base: Path                    # the checkpoint or imported model the run started from
-    model_args: object
-    ckpt: dict                    # the checkpoint read (an imported model: its weights and tokenizer)
-    path: Path                    # where ``ckpt`` was read
-    resumed: bool
-    imported: object = None       # --init-from-hf: utils.hf.import_hf.Imported
-    base_imported: bool = False   # a resumed run whose base is an imported model
-
-
-def open_source(cfg, args) -> Source:
-    """The base (a checkpoint or an imported model), or the run's own checkpoint on --resume,
-    and the run folder: ``rl_<name>_<time>`` for a new run."""
-    if args.resume:
-        return resumed_source(cfg, args)
-    imported = None
-    if args.init_from_hf:
-        from utils.hf.import_hf import load_hf_llama    # torch and transformers: only for an import
-        imported = load_hf_llama(args.init_from_hf)
-        base, model_args = Path(imported.source), imported.model.args
-        ckpt = {"model": imported.model.state_dict(), "tokenizer": imported.tok_info}
-    else:
-        base = Path(args.checkpoint)
-        ckpt = load_checkpoint(base, purpose="weights")
-        model_args = model_args_of(ckpt, base)
-    stamp = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
-    run_dir = cfg.path("paths.checkpoints_dir") / f"rl_{args.name}_{stamp}"
-    if run_dir.exists():
-        raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
-    return Source(run_dir, base, model_args, ckpt, base, resumed=False, imported=imported)
-
-
-def resumed_source(cfg, args) -> Source:
-    if args.resume == "auto":
-        runs = [r for r in list_runs(cfg.path("paths.checkpoints_dir"))
-                if r.name.startswith(f"rl_{args.name}_") and r.latest is not None]
-        if not runs:
-            raise PipelineError(f"--resume auto: no rl_{args.name}_* run with a checkpoint_latest.pt "
-                                f"under {cfg.path('paths.checkpoints_dir')}.")
-        rpath = runs[0].latest
-    else:
-        rpath = Path(args.resume).expanduser().resolve()
-    ckpt = load_checkpoint(rpath, purpose="resume")
-    if ckpt.get("kind") != "rl":
-        raise PipelineError(f"--resume {rpath}: not an RL checkpoint (kind '{ckpt.get('kind')}'). To "
-                            "start RL from it, pass it as --checkpoint.")
-    base = Path((ckpt.get("rl") or {}).get("base_checkpoint") or rpath)
-    kept = (read_stage_config(rpath.parent) or {}).get("base")
-    imported = bool(kept.get("imported")) if isinstance(kept, dict) else False
-    return Source(rpath.parent, base, model_args_of(ckpt, rpath), ckpt, rpath, resumed=True,
-                  base_imported=imported)
-
-
-def open_tokenizer(cfg, src: Source):
-    if src.imported is not None:
-        return src.imported.tok, dict(src.imported.tok_info)
-    tok, tok_info = tokenizer_for_checkpoint(src.ckpt, cfg, src.path)
-    return tok, {k: v for k, v in tok_info.items() if k != "verified"}
-
-
 def run_rules(kept: Optional[Rules], src: Source, tok) -> Rules:
     """The base's rules with its chat template: an SFT run's or an imported model's own; a
     model without one (pre-trained only) is prompted in our User/Assistant template."""
@@ -206,8 +119,7 @@ def run_rules(kept: Optional[Rules], src: Source, tok) -> Rules:
         template = sft.default_template()
         print("rl: the base has no chat template (not fine-tuned?); prompts use ours (User/Assistant).",
               flush=True)
-    stops = tuple(dict.fromkeys(base.stop_ids + stop_ids_of(None, tok, template)))
-    return dataclasses.replace(base, template=template, stop_ids=stops)
+    return post_start.run_rules(base, src, tok, template)
 
 
 def prompt_ids(tok, rules: Rules, items) -> list[list[int]]:
@@ -337,16 +249,11 @@ def run_files(cfg, args, src: Source, task: Task, spec) -> dict:
              "steps_per_epoch": st.steps_per_epoch, "lora": stage.adapter_record(spec.model)}
     write_json_atomic(src.run_dir / RL_CONFIG_FILE, {
         "run": src.run_dir.name, "base_checkpoint": str(src.base),
-        "base": base_record(src.base, imported=src.imported is not None or src.base_imported),
+        "base": src.base_record(),
         "resumed_from": str(args.resume) if src.resumed else None, "task": task.describe(),
         "chat_template": spec.record.chat_template, "hyperparameters": hyper,
         "model": src.model_args.to_dict(), "tokenizer": spec.record.tokenizer, "config": cfg.to_dict()})
     return {"run": src.run_dir.name, **hyper}
-
-
-def resume_command(argv: Sequence[str], latest: Path) -> str:
-    out = argv_without(list(argv), ("--resume", "--checkpoint", "--init-from-hf"))
-    return "python main.py rl " + shlex.join(out + ["--resume", str(latest)])
 
 
 def closing_line(run_dir: Path, adapter: bool, result, logger) -> str:
@@ -354,10 +261,7 @@ def closing_line(run_dir: Path, adapter: bool, result, logger) -> str:
     latest = run_dir / "checkpoint_latest.pt"
     line = (f"rl: {result.reason} at step {result.step}; checkpoints in {run_dir}. Report: python main.py "
             f"report {run_dir.name}; try it: python main.py infer --checkpoint {latest}")
-    if not adapter:
-        return line
-    from utils import stage     # torch-bound
-    return line + "\n" + stage.write_adapter("rl", run_dir, latest)
+    return post_start.closing("rl", run_dir, adapter, line, latest)
 
 
 if __name__ == "__main__":

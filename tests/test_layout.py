@@ -28,6 +28,7 @@ LAYERS = (
     ("dataloader", "utils.generation", "utils.hf"),
     ("utils.run",),
     ("utils.bench", "utils.stage", "utils.serve", "utils.rl"),
+    ("utils.post_start",),                                   # the start of sft train, dpo train, rl
     ("utils.report",),
     tuple(sorted(STAGES)),
 )

@@ -14,7 +14,7 @@ seed's old flat layout of ``*.pt`` files directly in the folder is one "legacy" 
     pick_checkpoint(path, say)                  a file as given; a folder: its best (else latest)
     is_hf_model(path)                           a Hugging Face folder / .gguf file, not a run of ours
     resume_checkpoint(checkpoints_dir, spec, name=None, prefix=None)   ``--resume PATH|auto``
-    resume_command_train(...) / resume_command_sft(...)   what the user runs to continue
+    resume_command_train(...) / resume_command_post(...)   what the user runs to continue
     with RunOutputs(run_dir, logs_dir, run) as out:   what train / sft train write for a run: a
         logger = out.open_logger(...); ...           start that fails before out.begin() leaves
         out.begin()                                  nothing new behind, nothing old changed
@@ -319,17 +319,16 @@ def age_text(seconds: float) -> str:
 
 # --------------------------------------------------------------------------- resuming
 def resume_checkpoint(checkpoints_dir, spec: str, name: Optional[str] = None,
-                      sft_name: Optional[str] = None) -> Path:
+                      prefix: Optional[str] = None) -> Path:
     """The checkpoint ``--resume spec`` means: a path as given; ``auto``: the latest
-    checkpoint of run ``name`` (or of the newest run), or with ``sft_name`` of the newest
-    ``sft_<sft_name>_*`` run."""
+    checkpoint of run ``name`` (or of the newest run), or with ``prefix`` (a post-training
+    run's ``<kind>_<name>_``) the checkpoint_latest.pt of the newest run so named."""
     if spec != "auto":
         return Path(os.path.expanduser(spec)).resolve()
-    if sft_name is not None:
-        runs = [r for r in list_runs(checkpoints_dir)
-                if r.name.startswith(f"sft_{sft_name}_") and r.latest is not None]
+    if prefix is not None:
+        runs = [r for r in list_runs(checkpoints_dir) if r.name.startswith(prefix) and r.latest is not None]
         if not runs:
-            raise PipelineError(f"--resume auto: no sft_{sft_name}_* run with a "
+            raise PipelineError(f"--resume auto: no {prefix}* run with a "
                                 f"checkpoint_latest.pt under {checkpoints_dir}.")
         return runs[0].latest
     run = find_run(checkpoints_dir, name)
@@ -354,11 +353,11 @@ def resume_command_train(argv: Sequence[str], run: str, world_size: int,
     return f"python main.py train {shlex.join(rest)}"
 
 
-def resume_command_sft(argv: Sequence[str], latest: Path) -> str:
-    """The command that continues an SFT run from its ``latest`` checkpoint (``argv``: the
-    arguments after ``sft train``)."""
+def resume_command_post(command: str, argv: Sequence[str], latest: Path) -> str:
+    """The command that continues a post-training run from its ``latest`` checkpoint
+    (``command``: ``sft train``, ``dpo train``, ``rl``; ``argv``: the arguments after it)."""
     out = argv_without(list(argv), ("--resume", "--checkpoint", "--init-from-hf"))
-    return "python main.py sft train " + shlex.join(out + ["--resume", str(latest)])
+    return f"python main.py {command} " + shlex.join(out + ["--resume", str(latest)])
 
 
 # --------------------------------------------------------------------------- run outputs

@@ -32,15 +32,13 @@ Contract (docs/dpo.md):
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from utils.cli import PipelineError
-from utils.config import json_error_text
 from utils.data import chat, sft
 from utils.data.textio import replace_surrogates
 from utils.data.tok import require_bos_eos
@@ -142,28 +140,11 @@ def normalize_pair(obj: Any, loc: str, skips: sft.Skips, max_chars: int) -> Opti
 def read_jsonl_pairs(path: Path, max_chars: int, skips: sft.Skips) -> list[dict]:
     """Pairs of a local JSON Lines file; each bad line is skipped as ``file:line: reason``."""
     path = Path(path)
-    if not path.is_file():
-        raise PipelineError(f"preference source {path} does not exist (or is not a file). Pass a JSON "
-                            "Lines file with one {\"prompt\", \"chosen\", \"rejected\"} object per line, "
-                            "or --dataset samples for the offline substitute.")
-    raw = path.read_bytes()
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
-        skips.note("utf8_bom_removed")
+    raw = sft.read_source_bytes(path, skips, f"preference source {path} does not exist (or is not a file). "
+                                "Pass a JSON Lines file with one {\"prompt\", \"chosen\", \"rejected\"} "
+                                "object per line, or --dataset samples for the offline substitute.")
     out = []
-    for lineno, line in enumerate(raw.split(b"\n"), 1):
-        line = line.rstrip(b"\r")
-        if not line.strip():
-            continue
-        loc = f"{path.name}:{lineno}"
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            skips.skip("invalid_utf8", loc, f"byte {e.start}")
-            continue
-        except (ValueError, RecursionError) as e:
-            skips.skip("invalid_json", loc, json_error_text(e))
-            continue
+    for loc, obj in sft.jsonl_objects(raw, path.name, skips):
         rec = normalize_pair(obj, loc, skips, max_chars)
         if rec is not None:
             out.append(rec)
@@ -361,26 +342,12 @@ def collate_pairs(examples: sft.Examples, pair_idx: Sequence[int], pad_id: int) 
 class PairLoader(sft.SFTLoader):
     """Training batches of pairs (``indices`` are pair indices), SFT's shuffling and position."""
 
-    def __iter__(self) -> Iterator[dict]:
-        order = self.order(self.epoch)
-        while self.index < len(order):
-            idx = order[self.index:self.index + self.batch_size]
-            self.index += len(idx)
-            yield collate_pairs(self.examples, idx, self.pad_id)
-        self.epoch += 1
-        self.index = 0
+    def collate_batch(self, idx) -> dict:
+        return collate_pairs(self.examples, idx, self.pad_id)
 
 
-class PairValData:
+class PairValData(sft.SFTValData):
     """Batches of pairs in a fixed order (re-iterable): validation, and the reference pass."""
 
-    def __init__(self, examples: sft.Examples, indices: Sequence[int], batch_size: int, pad_id: int):
-        self.examples, self.indices = examples, np.asarray(indices, dtype=np.int64)
-        self.batch_size, self.pad_id = int(batch_size), pad_id
-
-    def __len__(self) -> int:
-        return math.ceil(len(self.indices) / self.batch_size)
-
-    def __iter__(self) -> Iterator[dict]:
-        for s in range(0, len(self.indices), self.batch_size):
-            yield collate_pairs(self.examples, self.indices[s:s + self.batch_size], self.pad_id)
+    def collate_batch(self, idx) -> dict:
+        return collate_pairs(self.examples, idx, self.pad_id)

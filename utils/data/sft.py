@@ -303,14 +303,9 @@ def normalize_record(obj: Any, loc: str, skips: Skips, max_turn_chars: int) -> O
 def read_jsonl_records(path: Path, max_turn_chars: int, skips: Skips) -> list[dict]:
     """Records of a local JSONL file (see module docstring for the repairs and skips)."""
     path = Path(path)
-    if not path.is_file():
-        raise PipelineError(f"SFT source {path} does not exist (or is not a file). Pass a JSON "
-                            "Lines file with one {\"conversations\": [user, assistant, ...]} "
+    raw = read_source_bytes(path, skips, f"SFT source {path} does not exist (or is not a file). Pass a "
+                            "JSON Lines file with one {\"conversations\": [user, assistant, ...]} "
                             "object per line, or --dataset samples for the offline QA data.")
-    raw = path.read_bytes()
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
-        skips.note("utf8_bom_removed")
     name = path.name
     stripped = raw.lstrip()
     if stripped.startswith(b"["):
@@ -327,6 +322,29 @@ def read_jsonl_records(path: Path, max_turn_chars: int, skips: Skips) -> list[di
                     out.append(rec)
             return out
     out = []
+    for loc, obj in jsonl_objects(raw, name, skips, note_crlf=True):
+        rec = normalize_record(obj, loc, skips, max_turn_chars)
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+def read_source_bytes(path: Path, skips: Skips, missing: str) -> bytes:
+    """The bytes of a local source file (SFT records, preference pairs), a UTF-8 BOM removed
+    (noted ``utf8_bom_removed``); a missing file is an error saying ``missing``."""
+    if not path.is_file():
+        raise PipelineError(missing)
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+        skips.note("utf8_bom_removed")
+    return raw
+
+
+def jsonl_objects(raw: bytes, name: str, skips: Skips, note_crlf: bool = False) -> Iterator[tuple[str, Any]]:
+    """(``name:line``, object) of each JSON line of ``raw``; blank lines passed over, a line
+    that is not UTF-8 or not JSON skipped (``invalid_utf8``, ``invalid_json``), CRLF ends
+    removed (counted as ``crlf_line_ends`` with ``note_crlf``)."""
     crlf = 0
     for lineno, line in enumerate(raw.split(b"\n"), 1):
         if line.endswith(b"\r"):
@@ -345,12 +363,9 @@ def read_jsonl_records(path: Path, max_turn_chars: int, skips: Skips) -> list[di
         except (ValueError, RecursionError) as e:   # syntax, too deep, an integer of 4,300+ digits
             skips.skip("invalid_json", loc, json_error_text(e))
             continue
-        rec = normalize_record(obj, loc, skips, max_turn_chars)
-        if rec is not None:
-            out.append(rec)
-    if crlf:
+        yield loc, obj
+    if crlf and note_crlf:
         skips.note("crlf_line_ends", crlf)
-    return out
 
 
 def lima_records(name: str, split: str = "train") -> list[dict]:
@@ -547,9 +562,13 @@ class SFTLoader:
         while self.index < len(order):
             idx = order[self.index:self.index + self.batch_size]
             self.index += len(idx)
-            yield collate(self.examples, idx, self.pad_id)
+            yield self.collate_batch(idx)
         self.epoch += 1
         self.index = 0
+
+    def collate_batch(self, idx) -> dict:
+        """The batch of examples ``idx`` (a subclass batches other rows: DPO's pairs)."""
+        return collate(self.examples, idx, self.pad_id)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "batch_size": self.batch_size,
@@ -575,7 +594,11 @@ class SFTValData:
 
     def __iter__(self) -> Iterator[dict]:
         for s in range(0, len(self.indices), self.batch_size):
-            yield collate(self.examples, self.indices[s:s + self.batch_size], self.pad_id)
+            yield self.collate_batch(self.indices[s:s + self.batch_size])
+
+    def collate_batch(self, idx) -> dict:
+        """The batch of examples ``idx`` (a subclass batches other rows: DPO's pairs)."""
+        return collate(self.examples, idx, self.pad_id)
 
 
 def decode_for_people(tok, ids: Iterable[int]) -> str:
