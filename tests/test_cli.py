@@ -174,10 +174,10 @@ def test_no_flag_of_any_stage_states_its_default_twice(monkeypatch):
     monkeypatch.setattr(StageParser, "parse", built)
     for name, stage in router.STAGES.items():
         module = importlib.import_module(stage.module)
-        for argv in ([["prepare"], ["train"]] if name == "sft" else [[]]):
+        for argv in ([["prepare"], ["train"]] if name in ("sft", "dpo") else [[]]):
             with pytest.raises(Built):
                 module.main(argv)
-    assert len(parsers) == len(router.STAGES) + 1
+    assert len(parsers) == len(router.STAGES) + 2
     twice = [f"{p.prog} {'/'.join(a.option_strings)}: {text}" for p in parsers for a in p._actions
              if a.help and (text := p._get_formatter()._expand_help(a)).count("(default:") > 1]
     assert not twice, twice
