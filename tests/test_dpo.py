@@ -283,8 +283,8 @@ def test_status_and_report_show_the_run(work):
     assert str(work["base"]["ckpt"]) in md
 
 
-def test_the_menu_runs_the_dpo_stage(tmp_path):
-    """`python main.py` (the interactive menu, on a pty) lists dpo and runs it."""
+def test_the_menu_runs_the_dpo_and_rl_stages(tmp_path):
+    """`python main.py` (the interactive menu, on a pty) lists dpo and rl and runs each."""
     child = pexpect.spawn(sys.executable, [str(ROOT / "main.py")], cwd=str(tmp_path), env=offline_env(),
                           encoding="utf-8", timeout=120, dimensions=(50, 200), preexec_fn=default_signals)
     child.expect(r"Choose a stage \[1-(\d+)\]: ")
@@ -295,6 +295,16 @@ def test_the_menu_runs_the_dpo_stage(tmp_path):
     child.expect("mask on the answers")
     child.expect("--val-split")
     child.expect("Stage 'dpo' finished successfully.")
+    child.expect(r"Run another stage\? \[y/N\]: ")
+    child.sendline("y")
+    child.expect(r"Choose a stage \[1-(\d+)\]: ")
+    assert "rl" in child.before and "verifiable rewards" in child.before
+    child.sendline(str(main.MENU_ORDER.index("rl") + 1))
+    child.expect("Arguments for 'rl'")
+    child.sendline("--help")
+    child.expect("--group-size")
+    child.expect("--lora")
+    child.expect("Stage 'rl' finished successfully.")
     child.expect(r"Run another stage\? \[y/N\]: ")
     child.sendline("n")
     child.expect(pexpect.EOF)
