@@ -235,7 +235,7 @@ def eval_interval(eval_steps: Optional[int], eval_every: float, steps_per_epoch:
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
     """What every checkpoint says about the run beyond its training state."""
-    kind: str = "pretrain"              # "pretrain" | "sft" | "dpo"
+    kind: str = "pretrain"              # "pretrain" | "sft" | "dpo" | "rl"
     config: dict = dataclasses.field(default_factory=dict)     # the resolved config
     tokenizer: Optional[dict] = None    # utils.data.tok.describe
     chat_template: Any = None           # SFT: the template its data was rendered with
@@ -749,9 +749,10 @@ class Trainer:
         extra = {**self._val_metrics, **self._val_fn_metrics()} if val is not None or self.spec.val_fn else {}
         self._last_eval_step = self.step
         if val is None:
-            if extra:
-                self.logger.log("val", self.step, {**extra, "epoch": self.epoch_float})
-                self._print(f"step {self.step}/{self.total_steps} | validation" + self._say_metrics(extra))
+            if self.spec.val_fn is not None:        # the same on every rank: each must call save
+                if extra:                            # val_fn's numbers: rank 0's
+                    self.logger.log("val", self.step, {**extra, "epoch": self.epoch_float})
+                    self._print(f"step {self.step}/{self.total_steps} | validation" + self._say_metrics(extra))
                 self._samples()
                 if self.step > 0:
                     self.save("checkpoint_latest.pt")
