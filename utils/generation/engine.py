@@ -54,6 +54,7 @@ import torch
 
 from utils.attention import AttnSpec
 from utils.generation import threads as thread_policy
+from utils.generation.constrained import Grammars, constrain
 from utils.generation.cpu import greedy
 from utils.generation.detok import TextStream
 from utils.generation.pack import DecodePack, build_pack, pack_head, pack_key
@@ -129,7 +130,9 @@ class SamplingParams:
     and the k most likely alternatives (of the model's distribution, before temperature);
     ``prompt_logprobs``: also each prompt token's after the first (with ``logprobs``' k
     alternatives), in ``Sequence.prompt_logprobs`` once the prompt is prefilled (scoring text,
-    as OpenAI's ``echo`` with ``logprobs``)."""
+    as OpenAI's ``echo`` with ``logprobs``); ``grammar``: None, or an llguidance grammar the
+    new tokens must follow (utils/generation/constrained.py ``json_grammar``; needs a
+    tokenizer on the sequence)."""
     max_new_tokens: int
     temperature: float = 1.0
     top_k: int = 0
@@ -139,6 +142,7 @@ class SamplingParams:
     stop: tuple = ()
     logprobs: Optional[int] = None
     prompt_logprobs: bool = False
+    grammar: Optional[str] = None
 
     def problems(self) -> list[str]:
         out = []
@@ -179,6 +183,10 @@ class Sequence:
             if tok is not None else None
         if params.stop and tok is None:
             raise ValueError("stop strings need a tokenizer on the sequence")
+        if params.grammar is not None and tok is None:
+            raise ValueError("an output grammar needs a tokenizer on the sequence")
+        self.tok = tok
+        self.constraint = None          # params.grammar's state, from the first step (constrained.py)
         # text_by_caller, without stop strings (they decide when the sequence ends, so the engine
         # must read the text): the events carry no text and the caller feeds ``caller_text`` the
         # tokens on its own thread (see Event)
@@ -473,14 +481,21 @@ class Batcher:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
         check_finite(logits, f"position {max(s.pos for s in seqs)}")
+        allowed, broken = constrain(seqs, logits, self.engine.grammars)     # per-row token masks
         if all(s.params.greedy for s in seqs):
-            toks = greedy(logits)
+            toks = greedy(allowed)
         else:
-            toks = [int(sample_next(logits[r:r + 1], s.params.temperature, s.params.top_k,
+            toks = [int(sample_next(allowed[r:r + 1], s.params.temperature, s.params.top_k,
                                     s.params.top_p, s.generator)) for r, s in enumerate(seqs)]
         events, finished = [], []
         for r, (s, t) in enumerate(zip(seqs, toks)):
             e = Event(s, t)
+            if r in broken:                                # its grammar failed: it ends, alone
+                s.error, e.token = broken[r], None
+                e.finish = s.finish = "error"
+                finished.append(s)
+                events.append(e)
+                continue
             if s.params.logprobs is not None:
                 lp = logits[r].log_softmax(dim=-1)
                 e.logprob = float(lp[t])
@@ -495,6 +510,8 @@ class Batcher:
                 if s.text is not None:
                     e.text, hit = s.text.push(t)
                     e.finish = "stop" if hit else None
+                if e.finish is None and s.constraint is not None and s.constraint.advance(t):
+                    e.finish = "stop"                      # the JSON is complete: nothing can follow
                 if e.finish is None and (len(s.tokens) >= s.params.max_new_tokens or s.pos >= self.capacity):
                     e.finish = "length"
             if e.finish is not None:
@@ -536,6 +553,7 @@ class Engine:
         self.model = model
         self.threads = threads
         self._pack: Optional[DecodePack] = None
+        self.grammars = Grammars()          # output grammars' vocabularies, one per tokenizer
 
     def batcher(self, slots: int, capacity: Optional[int] = None) -> Batcher:
         """A continuous-batching :class:`Batcher` with ``slots`` cache slots of ``capacity``

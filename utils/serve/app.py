@@ -7,7 +7,8 @@ stage script runs it with uvicorn).
 :class:`~utils.generation.loop.Lane` on the server's one engine thread). Endpoints: ``GET /``
 (the chat page, ``utils/serve/static``), ``GET /health``, ``GET /v1/models`` (and
 ``/v1/models/{id}``), each also answering HEAD (GET's headers, no body), ``POST
-/v1/completions``, ``POST /v1/chat/completions`` (plain JSON or server-sent events); a 405
+/v1/completions``, ``POST /v1/chat/completions`` (plain JSON or server-sent events), ``GET
+/metrics`` (Prometheus, utils/serve/metrics.py; behind the key when one is set); a 405
 names the methods a path takes (``Allow``). Every error is OpenAI's JSON shape with a 4xx/5xx status
 (utils/serve/protocol.py), written ASCII-escaped so it encodes whatever client text it quotes;
 a client that leaves while sending its body costs one short log line, and a body that does not
@@ -37,6 +38,7 @@ from starlette.requests import ClientDisconnect
 from utils.serve.connections import INVALID_HTTP
 from utils.serve.intake import fit, pick_model, read_json
 from utils.serve.job import Job
+from utils.serve.metrics import ServeMetrics
 from utils.serve.middleware import AsteriskForm, BearerAuth
 from utils.serve.protocol import ApiError, Limits, clip, error_body, new_id, read_chat, read_completion
 from utils.serve.responses import ErrorResponse, answer
@@ -51,12 +53,15 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 
 
 
 def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional[str] = None,
-               log: Callable[[str], None] = print, cors_origins: Sequence_[str] = ()) -> FastAPI:
+               log: Callable[[str], None] = print, cors_origins: Sequence_[str] = (),
+               prefix_stats: Optional[Callable[[], dict]] = None) -> FastAPI:
     """The API and the chat page. ``cors_origins`` (serve.cors_origins, checked by
     :func:`utils.serve.protocol.check_origins`): pages of these origins may call it from a
-    browser; a preflight (OPTIONS, which never carries the key) is answered before the key check."""
+    browser; a preflight (OPTIONS, which never carries the key) is answered before the key check.
+    ``prefix_stats``: the prefix caches' figures for /metrics (utils/serve/metrics.py)."""
     app = FastAPI(title="llm-pipeline serve", docs_url=None, redoc_url=None, openapi_url=None)
-    _error_handlers(app, log)
+    metrics = ServeMetrics(models, prefix_stats)
+    _error_handlers(app, log, metrics)
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)
     app.add_middleware(AsteriskForm)
@@ -65,15 +70,21 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
                            allow_methods=["GET", "HEAD", "POST"], allow_headers=["Authorization", "Content-Type"],
                            max_age=600)
     _page_routes(app, models)
-    _generation_routes(app, models, limits, log)
+    _generation_routes(app, models, limits, log, metrics)
+
+    @_get(app, "/metrics")
+    async def _metrics():
+        body, kind = metrics.render()
+        return Response(body, media_type=kind)
     return app
 
 
-def _error_handlers(app: FastAPI, log: Callable[[str], None]) -> None:
-    """Every error in OpenAI's shape: ours (ApiError), Starlette's 404 / 405, a client gone
-    before its body arrived (no answer), anything unexpected (500, one log line)."""
+def _error_handlers(app: FastAPI, log: Callable[[str], None], metrics: ServeMetrics) -> None:
+    """Every error in OpenAI's shape: ours (ApiError, counted in the metrics), Starlette's 404 /
+    405, a client gone before its body arrived (no answer), anything unexpected (500, one log line)."""
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
+        metrics.refused(e.status, e.code)
         return ErrorResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -141,7 +152,7 @@ def _page_routes(app: FastAPI, models: dict[str, ServedModel]) -> None:
 
 
 def _generation_routes(app: FastAPI, models: dict[str, ServedModel], limits: Limits,
-                       log: Callable[[str], None]) -> None:
+                       log: Callable[[str], None], metrics: ServeMetrics) -> None:
     """POST /v1/completions and /v1/chat/completions: the request read and admitted
     (utils/serve/intake.py), then run and answered as a Job."""
     @app.post("/v1/completions")
@@ -150,7 +161,8 @@ def _generation_routes(app: FastAPI, models: dict[str, ServedModel], limits: Lim
         s, texts = read_completion(body, limits)
         m = pick_model(models, s.model)
         prompts = [m.completion_ids(t) for t in texts]
-        return await answer(request, Job(m, s, fit(m, s, prompts, False), texts, False, new_id("cmpl")), log)
+        return await answer(request, Job(m, s, fit(m, s, prompts, False), texts, False, new_id("cmpl"),
+                                         metrics), log)
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request):
@@ -159,4 +171,4 @@ def _generation_routes(app: FastAPI, models: dict[str, ServedModel], limits: Lim
         m = pick_model(models, s.model)
         prompts = [m.chat_ids(chat)]
         return await answer(request, Job(m, s, fit(m, s, prompts, True), [chat.question], True,
-                                         new_id("chatcmpl")), log)
+                                         new_id("chatcmpl"), metrics), log)

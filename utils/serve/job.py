@@ -7,6 +7,7 @@ answer (text, finish reasons, logprobs in the completion and chat shapes).
                                                    refused; RuntimeError: the engine is stopping)
     for e in await job.arrived(): job.take(e)      until job.done
     job.cancel()                                   whatever is not finished (idempotent)
+    job.end(log)                                   once: its log line and metrics
 
 The engine thread calls each sequence's sink; the asyncio loop that built the Job reads the
 events through :meth:`Job.arrived` (see the class for when it is woken). The answer's shapes
@@ -40,8 +41,9 @@ class Job:
     small, fast model is a large share of its CPU time."""
 
     def __init__(self, m: ServedModel, s: Sampling, prompts: list[list[int]], texts: list[str],
-                 chat: bool, rid: str):
+                 chat: bool, rid: str, metrics=None):
         self.m, self.s, self.chat, self.id = m, s, chat, rid
+        self.metrics = metrics              # utils/serve/metrics.py ServeMetrics, told in end()
         self.t0 = time.perf_counter()
         self.ttft: Optional[float] = None
         self.inbox: deque[Event] = deque()
@@ -71,7 +73,7 @@ class Job:
                 params = SamplingParams(max_tokens, temperature, top_k, top_p,
                                         None if s.seed is None else s.seed + i,
                                         frozenset(m.rules.stop_ids), s.stop, s.logprobs,
-                                        prompt_logprobs=s.echo and s.logprobs is not None)
+                                        prompt_logprobs=s.echo and s.logprobs is not None, grammar=s.grammar)
                 self.seqs.append(Sequence(ids, params, tok=m.tok, sink=sink, tag=p * s.n + i,
                                           continues=continues, lead=lead, text_by_caller=True))
         self.text = [""] * len(self.seqs)
@@ -125,6 +127,12 @@ class Job:
         c = sum(len(s.tokens) for s in self.seqs)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c,
                 "total_tokens": self.prompt_tokens + c}
+
+    def end(self, log) -> None:
+        """The request is over: its log line, and its counts in the metrics."""
+        log(self.log_line())
+        if self.metrics is not None:
+            self.metrics.request_ended(self)
 
     def log_line(self) -> str:
         secs = time.perf_counter() - self.t0

@@ -1,7 +1,7 @@
 """The ASGI middleware of ``serve`` (library; no side effects): each wraps the app and answers
 a request itself only when it refuses it, in OpenAI's error shape.
 
-    app.add_middleware(BearerAuth, key=api_key)     /v1/ requests need the key (401)
+    app.add_middleware(BearerAuth, key=api_key)     /v1/ and /metrics requests need the key (401)
     app.add_middleware(AsteriskForm)                the request target ``*`` (OPTIONS: 200; else 400)
 
 Plain ASGI: an ``@app.middleware("http")`` function relays every streamed chunk through
@@ -42,13 +42,15 @@ class AsteriskForm:
 
 
 class BearerAuth:
-    """``/v1/`` requests need ``Authorization: Bearer <key>`` (401 otherwise)."""
+    """``/v1/`` and ``/metrics`` requests need ``Authorization: Bearer <key>`` (401 otherwise)."""
+
+    PROTECTED = ("/v1/", "/metrics")
 
     def __init__(self, app, key: str):
         self.app, self.want = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED):
             scheme, _, token = Headers(scope=scope).get("authorization", "").strip().partition(" ")
             # the scheme's name is case-insensitive (RFC 9110 11.1): "bearer KEY" is as good
             if not (hmac.compare_digest(token.strip().encode("latin-1"), self.want)

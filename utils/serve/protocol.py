@@ -6,15 +6,16 @@ send instead (:class:`ApiError`). Fields read (docs/serve.md lists them and what
 
 - both: ``model``, ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature`` (0..2),
   ``top_p`` (0..1], ``top_k`` (extra field, >= 0), ``n``, ``seed``, ``stop`` (string or list of
-  up to 4), ``stream``, ``stream_options.include_usage``; ``presence_penalty`` /
+  up to 4), ``stream``, ``stream_options.include_usage``, ``response_format`` (text, json_object,
+  json_schema: :func:`read_response_format`); ``presence_penalty`` /
   ``frequency_penalty`` only as 0 (refused otherwise: not implemented), other servers' sampling
   extras (``min_p``, ``repetition_penalty`` ...: :data:`SAMPLING_EXTRAS_OFF`) only as their
-  "off" value, their structured-output extras (``guided_json`` ...) not at all; ``user`` ignored.
+  "off" value, their structured-output extras (``guided_json`` ...) not at all (send
+  ``response_format``); ``user`` ignored.
 - completions: ``prompt`` (a string, or a list of one or more strings), ``logprobs`` (0..5),
   ``echo``; ``suffix``, ``best_of`` (beyond ``n``) and ``logit_bias`` refused.
 - chat: ``messages`` (roles system / user / assistant; content a string or a list of text
-  parts), ``logprobs`` (bool) with ``top_logprobs`` (0..20); tools, functions, structured
-  output, ``logit_bias``, other modalities, audio, predicted outputs and web search refused.
+  parts), ``logprobs`` (bool) with ``top_logprobs`` (0..20); tools, functions, ``logit_bias``, other modalities, audio, predicted outputs and web search refused.
 
 A field that would change what a request means, which this server cannot do, is refused
 (400, ``unsupported_parameter``) unless it holds the value that means "off": never ignored.
@@ -31,6 +32,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from utils.generation.constrained import ConstraintError, json_grammar
 
 
 class ApiError(Exception):
@@ -174,6 +177,7 @@ class Sampling:
     logprobs: Optional[int] = None        # None: not asked; k: the token's and k alternatives
     echo: bool = False
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from (chat: or max_completion_tokens)
+    grammar: Optional[str] = None         # response_format's output grammar (utils/generation/constrained.py)
 
 
 def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
@@ -200,12 +204,63 @@ def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
                        "invalid_value")
     _refuse_sampling_extras(body)
     seed = _num(body, "seed", None, integer=True)
+    grammar = read_response_format(body.get("response_format"))
     temperature, top_p = _num(body, "temperature", None, lo=0, hi=2), _num(body, "top_p", None, lo=0, hi=1, lo_open=True)
     return Sampling(model, max_tokens, None if temperature is None else float(temperature),
                     None if top_p is None else float(top_p), _num(body, "top_k", None, lo=0, integer=True),
                     _num(body, "n", 1, lo=1, hi=limits.max_n, integer=True),
                     None if seed is None else int(seed) % (1 << 63),
-                    _stop(body), stream, include_usage, max_tokens_param=max_tokens_param)
+                    _stop(body), stream, include_usage, max_tokens_param=max_tokens_param, grammar=grammar)
+
+
+# --------------------------------------------------------------------------- response_format
+FORMAT_HELP = ("send {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}, "
+               "{\"type\": \"json_object\"} or {\"type\": \"text\"}")
+
+
+def read_response_format(fmt: Any) -> Optional[str]:
+    """``response_format`` as the grammar of the reply (None: plain text): ``json_object``
+    any JSON object, ``json_schema`` JSON matching ``json_schema.schema`` (always enforced:
+    ``strict`` changes nothing). 400 naming the field at fault, or the schema features the
+    grammar compiler lacks (``unsupported_schema``)."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise ApiError(400, f"'response_format' must be an object with a 'type': {FORMAT_HELP}.",
+                       "response_format", "invalid_type")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _grammar(None)
+    if kind != "json_schema":
+        raise ApiError(400, f"'response_format.type' {shown(kind)} is not supported: {FORMAT_HELP}.",
+                       "response_format.type", "invalid_value")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "'response_format.json_schema' must be an object with 'name' and 'schema'.",
+                       "response_format.json_schema", "invalid_type")
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise ApiError(400, f"'response_format.json_schema.name' must be 1 to 64 letters, digits, '_' or "
+                       f"'-', got {shown(name)}.", "response_format.json_schema.name", "invalid_value")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise ApiError(400, "'response_format.json_schema.strict' must be true or false.",
+                       "response_format.json_schema.strict", "invalid_type")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"'response_format.json_schema.schema' must be a JSON Schema object, got "
+                       f"{shown(schema)}.", "response_format.json_schema.schema", "invalid_type")
+    return _grammar(schema)
+
+
+def _grammar(schema: Optional[dict]) -> str:
+    try:
+        return json_grammar(schema)
+    except ConstraintError as e:
+        raise ApiError(400, f"'response_format.json_schema.schema' cannot be enforced: {clip(str(e))}. "
+                       "Leave those features out of the schema.", "response_format.json_schema.schema",
+                       "unsupported_schema") from None
 
 
 # --------------------------------------------------------------------------- refused fields
@@ -229,7 +284,8 @@ def _refuse_sampling_extras(body: dict) -> None:
                                f"send {json.dumps(off)} or leave it out")
     for key in GUIDED_EXTRAS:
         if body.get(key) is not None:
-            raise _unsupported(key, "(structured output)", "leave it out, and ask for the format in the prompt")
+            raise _unsupported(key, "(another server's structured output)", "send 'response_format' "
+                               "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": ...}}")
 
 
 def _on(v: Any) -> bool:
@@ -256,7 +312,7 @@ def _refuse_completion_fields(body: dict, n: int) -> None:
 
 def _refuse_chat_fields(body: dict) -> None:
     """Chat fields that would change the request's meaning, refused unless "off": the model
-    only writes plain text, so tool calls, structured output, biased tokens, other modalities,
+    only writes text (JSON through ``response_format``), so tool calls, biased tokens, other modalities,
     predicted outputs and web search cannot be honoured."""
     for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
         if _on(body.get(tools)) and body.get(choice) != "none":
@@ -265,12 +321,6 @@ def _refuse_chat_fields(body: dict) -> None:
         if body.get(choice) not in (None, "none", "auto"):
             raise _unsupported(choice, f"{shown(body.get(choice))} (calling tools)",
                                "send \"none\" or \"auto\", or leave it out")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        kind = fmt.get("type", fmt) if isinstance(fmt, dict) else fmt
-        raise _unsupported("response_format", f"{shown(kind)} (structured output)",
-                           "send {\"type\": \"text\"} or leave it out, and ask for the format in "
-                           "the messages")
     if _on(body.get("logit_bias")):
         raise _unsupported("logit_bias", "(biasing tokens)", "leave it out or send {}")
     if body.get("modalities") not in (None, ["text"]):

@@ -53,7 +53,7 @@ async def answer(request: Request, job: Job, log):
     finally:
         watcher.cancel()
         job.cancel()
-    log(job.log_line())
+    job.end(log)
     if job.error():
         raise ApiError(500, f"generation failed: {job.error()}", None, "engine_error", "server_error")
     return JSONResponse(full_body(job))

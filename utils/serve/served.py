@@ -10,40 +10,14 @@ kind and rules (utils/data/chat.py) with its lane on the server's one engine thr
 """
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
 from utils.data.chat import ChatTemplateError, chat_prompt_ids
 from utils.generation.engine import UNBOUNDED
+from utils.generation.vocab import byte_level, piece_bytes
 from utils.serve.protocol import ApiError, Chat, Sampling
-
-
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet reversed: the character each byte is written as in a
-    byte-level BPE vocabulary (printable Latin-1 bytes as themselves, the other 68 as U+0100
-    onwards, in byte order) -> that byte."""
-    kept = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)}
-    table, extra = {}, 0
-    for b in range(256):
-        if b in kept:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
-
-
-BYTE_ALPHABET = _byte_alphabet()
-BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")     # a SentencePiece byte-fallback piece
-
-
-def _has_type(node: dict, name: str) -> bool:
-    """Whether a tokenizers component's JSON is of type ``name`` or a sequence holding one."""
-    return node.get("type") == name or any(_has_type(d, name) for d in node.get("decoders") or [])
 
 
 @dataclass
@@ -100,23 +74,15 @@ class ServedModel:
     def byte_level(self) -> bool:
         """Whether the tokenizer is a byte-level BPE (GPT-2 style): its backend decoder is, or
         holds, ByteLevel (a slow tokenizer: it has GPT-2's ``byte_decoder``)."""
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        if backend is None or backend.decoder is None:
-            return hasattr(self.tok, "byte_decoder")
-        return _has_type(json.loads(backend.decoder.__getstate__()), "ByteLevel")  # its tokenizer.json entry
+        return byte_level(self.tok)
 
     def token_bytes(self, token: int) -> bytes:
         """The token's own bytes (chat logprobs' ``bytes``: a client joins them to rebuild a
         character split over tokens): a byte-level BPE piece read back through GPT-2's byte
         alphabet; a SentencePiece byte-fallback piece ``<0xHH>`` is that one byte; any other
         token (a special or added one included) the UTF-8 of its text."""
-        piece = self.tok.convert_ids_to_tokens(int(token))
-        if self.byte_level:
-            if all(c in BYTE_ALPHABET for c in piece):
-                return bytes(BYTE_ALPHABET[c] for c in piece)
-        elif (hit := BYTE_PIECE.fullmatch(piece)) is not None:
-            return bytes([int(hit[1], 16)])
-        return self.token_text(token).encode("utf-8")
+        got = piece_bytes(self.tok.convert_ids_to_tokens(int(token)), self.byte_level)
+        return got if got is not None else self.token_text(token).encode("utf-8")
 
     def describe(self) -> dict:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "llm-pipeline",

@@ -41,7 +41,7 @@ async def event_stream(job: Job, log):
                 yield "".join(out)
     finally:
         job.cancel()
-        log(job.log_line())
+        job.end(log)
 
 
 class _Chunks:

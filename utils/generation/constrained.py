@@ -1,0 +1,157 @@
+"""Constrained decoding: replies that are JSON matching a schema (library; no side effects),
+through llguidance (docs/serve.md, Structured output, says why it over xgrammar and
+outlines-core: measured by perf/structured_overhead.py).
+
+    grammar = json_grammar(schema)               llguidance's grammar text; ConstraintError (a
+                                                 ValueError) naming what it cannot do
+    grammars = Grammars()                        per-tokenizer vocabularies, built once (an Engine
+                                                 holds one)
+    masked, broken = constrain(seqs, logits, grammars)   each constrained row's logits masked
+    seq.constraint.advance(token) -> bool        True once the JSON is complete
+
+Contract: a sequence whose ``SamplingParams.grammar`` is set samples only tokens the grammar
+allows next; its stop ids (EOS) only while the grammar accepts (the JSON is complete); once
+nothing can follow, it finishes ("stop") without waiting for EOS. A cut-off by max_new_tokens
+before then finishes "length" with the JSON incomplete, as OpenAI's API does. Masks are per
+row: a constrained row's logits are replaced in a copy, so the other rows of the batch are
+sampled from exactly the logits they had (their tokens are what they are without it).
+Logprobs stay the model's (the unmasked distribution).
+
+White space between JSON tokens is bounded as llama.cpp's JSON grammars bound it (a space, or
+one or two newlines and up to 20 spaces or tabs): a model that would write white space for
+ever (a random one does) cannot, so an object of bounded strings and arrays always ends.
+
+The vocabulary llguidance reads is each token's bytes (utils/generation/vocab.py): special
+tokens and the model's ids past the tokenizer's are marked special, never text. Building it
+takes a pass over the vocabulary (about half a second for 49k tokens), once per tokenizer.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import llguidance
+import numpy as np
+import torch
+
+from utils.data.tok import encode_plain
+from utils.generation.vocab import vocab_bytes
+
+WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"     # between JSON tokens (see the module docstring)
+
+
+class ConstraintError(ValueError):
+    """A schema llguidance cannot turn into a grammar (a feature it lacks, a broken ``$ref``):
+    the message names it."""
+
+
+def json_grammar(schema: Optional[dict]) -> str:
+    """The grammar of JSON text matching ``schema`` (None: any JSON object), white space
+    bounded (``WHITESPACE``). ConstraintError naming an unsupported feature."""
+    schema = {"type": "object"} if schema is None else schema
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, overrides={"whitespace_pattern": WHITESPACE})
+    except ValueError as e:
+        raise ConstraintError(f"the schema is not a JSON object ({e})") from None
+    bad, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if bad:
+        raise ConstraintError(messages[0])
+    return grammar
+
+
+class _Vocabulary:
+    """A tokenizer as llguidance's ``TokenizerWrapper`` protocol reads it: each id's bytes,
+    the special ids, and a text encoder (llguidance re-tokenizes forced text with it)."""
+
+    def __init__(self, tok, n_vocab: int):
+        self.tok = tok
+        self.tokens = vocab_bytes(tok, n_vocab)
+        self.eos_token_id = tok.eos_token_id if tok.eos_token_id is not None else 0
+        self.bos_token_id = tok.bos_token_id
+        # 0xFF starts llguidance's names of special tokens; it is never in UTF-8 text (a
+        # byte-fallback piece <0xFF> is the one token with it): those are special too
+        never = {i for i, b in enumerate(self.tokens) if b.startswith(b"\xff")}
+        self.special_token_ids = sorted(set(tok.all_special_ids) | set(range(len(tok), n_vocab)) | never)
+        self.is_tokenizer_wrapper = True
+
+        self.greedy = None              # the LLTokenizer's own greedy_tokenize, once it exists
+
+    def __call__(self, text) -> list[int]:
+        """Ids whose bytes are exactly ``text``'s (llguidance fails on others): the tokenizer's
+        own, else (a SentencePiece tokenizer puts a space before a text's first word)
+        llguidance's greedy longest-match over the same vocabulary."""
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        ids = encode_plain(self.tok, [text])[0]
+        if b"".join(self.tokens[i] for i in ids) == text.encode("utf-8") or self.greedy is None:
+            return ids
+        return self.greedy(text)
+
+
+class Constraint:
+    """One sequence's grammar state: the allowed next tokens and the tokens taken."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, n_vocab: int, stop_ids: frozenset):
+        self.matcher, self.n_vocab = matcher, n_vocab
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+    def allowed(self) -> torch.Tensor:
+        """(V,) bool: the tokens the grammar takes next; the stop ids only while it accepts."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allow = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.n_vocab].astype(bool))
+        allow[self.stop_ids] = self.matcher.is_accepting()
+        return allow
+
+    def advance(self, token: int) -> bool:
+        """Take ``token``; True when the grammar is complete (nothing can follow)."""
+        self.matcher.consume_token(int(token))
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+
+class Grammars:
+    """The vocabularies of the tokenizers sequences came with (built on first use, kept: one
+    per tokenizer object) and the constraints made from them."""
+
+    def __init__(self):
+        self._vocab: dict[int, tuple[object, llguidance.LLTokenizer]] = {}
+
+    def vocabulary(self, tok, n_vocab: int) -> llguidance.LLTokenizer:
+        held = self._vocab.get(id(tok))
+        if held is None or held[0] is not tok:
+            wrapper = _Vocabulary(tok, n_vocab)
+            held = (tok, llguidance.LLTokenizer(wrapper, n_vocab=n_vocab))
+            wrapper.greedy = held[1].greedy_tokenize
+            self._vocab[id(tok)] = held
+        return held[1]
+
+    def start(self, grammar: str, tok, n_vocab: int, stop_ids: frozenset) -> Constraint:
+        matcher = llguidance.LLMatcher(self.vocabulary(tok, n_vocab), grammar, log_level=0)
+        return Constraint(matcher, n_vocab, stop_ids)
+
+
+def constrain(seqs: list, logits: torch.Tensor, grammars: Grammars) -> tuple[torch.Tensor, dict[int, str]]:
+    """``logits`` with each constrained row's disallowed tokens at -inf (a copy when any row
+    is constrained; ``logits`` itself otherwise), and ``{row: error}`` for the rows whose
+    grammar failed (left unmasked: the caller ends them). A sequence's constraint starts at
+    its first step (``seq.constraint``, from ``seq.params.grammar`` and ``seq.tok``)."""
+    rows = [r for r, s in enumerate(seqs) if s.params.grammar is not None]
+    if not rows:
+        return logits, {}
+    masked, broken = logits.clone(), {}
+    n_vocab = logits.shape[-1]
+    for r in rows:
+        s = seqs[r]
+        if s.constraint is None:
+            s.constraint = grammars.start(s.params.grammar, s.tok, n_vocab, s.params.stop_ids)
+        allow = s.constraint.allowed() if not s.constraint.error else None
+        if s.constraint.error or not bool(allow.any()):
+            broken[r] = f"the output grammar failed: {s.constraint.error or 'no token is allowed'}"
+            continue
+        masked[r].masked_fill_(~allow, float("-inf"))
+    return masked, broken
+
+
+__all__ = ["json_grammar", "ConstraintError", "Grammars", "Constraint", "constrain", "WHITESPACE"]
