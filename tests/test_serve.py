@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
+import jsonschema
 import openai
 import pytest
 import torch
 
 from tests.conftest import headless_chromium, needs_browser, offline_env, popen_main, wait_for_line, write_config
 from tests.test_sft import TOK_NAME, make_checkpoint, tokenizer
+from tests.test_structured import MAX_TOKENS, SCHEMAS
 from utils.data.chat import Rules
 
 TIMEOUT = 60
@@ -449,7 +451,7 @@ def _raw_request(url: str, method: str, path: str) -> tuple[int, bytes]:
 
 CHAT_REFUSED = [("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
                 ("tool_choice", "required"), ("functions", [{"name": "f", "parameters": {}}]),
-                ("function_call", {"name": "f"}), ("response_format", {"type": "json_object"}),
+                ("function_call", {"name": "f"}),
                 ("logit_bias", {"1": 5}), ("modalities", ["audio"]), ("audio", {}), ("prediction", {}),
                 ("web_search_options", {}), ("min_p", 0.1), ("repetition_penalty", 1.3),
                 ("guided_json", {"type": "object"})]
@@ -462,7 +464,7 @@ COMPLETION_REFUSED = [("logit_bias", {"1": 5}), ("best_of", 3), ("suffix", "x"),
                          + [("/v1/completions", k, v) for k, v in COMPLETION_REFUSED],
                          ids=[f"chat-{k}" for k, _ in CHAT_REFUSED] + [f"completions-{k}" for k, _ in COMPLETION_REFUSED])
 def test_fields_the_server_cannot_honour_are_refused(server, path, key, value):
-    """Tools, structured output, biased tokens, audio, ... would change what the request means:
+    """Tools, biased tokens, audio, ... would change what the request means:
     a 400 naming the field (never silently ignored)."""
     base = ({"model": "sft_chat", "messages": [{"role": "user", "content": "x"}]} if "chat" in path
             else {"model": "base", "prompt": "x", "n": 1})
@@ -483,6 +485,160 @@ def test_the_off_values_of_refused_fields_are_accepted(server):
     for more in ({"best_of": 1, "suffix": ""}, {"best_of": 2, "n": 2, "suffix": None, "logit_bias": {}}):
         r = _post(server, "/v1/completions", json.dumps({"model": "base", "prompt": "x", "max_tokens": 2, **more}))
         assert r.status_code == 200 and r.json()["object"] == "text_completion", (more, r.text)
+
+
+# --------------------------------------------------------------------------- structured output
+# response_format json_schema / json_object (utils/generation/constrained.py); the schemas and the
+# engine-level checks are tests/test_structured.py's
+def _schema_format(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+
+
+def _json_chat(server, fmt, stream: bool, seed: int, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
+    kw = dict(model="sft_chat", messages=[{"role": "user", "content": "Describe someone as JSON."}],
+              max_tokens=max_tokens, temperature=1.0, seed=seed, response_format=fmt)
+    if not stream:
+        r = server.client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, reason = "", None
+    for chunk in server.client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            reason = ch.finish_reason or reason
+    return text, reason
+
+
+def _json_completion(server, fmt, stream: bool, seed: int, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
+    kw = dict(model="base", prompt="The record:", max_tokens=max_tokens, temperature=1.0, seed=seed,
+              extra_body={"response_format": fmt})      # the client's completions take it as an extra
+    if not stream:
+        r = server.client.completions.create(**kw)
+        return r.choices[0].text, r.choices[0].finish_reason
+    text, reason = "", None
+    for chunk in server.client.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            text += ch.text
+            reason = ch.finish_reason or reason
+    return text, reason
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_reply_is_json_valid_against_its_schema_chat_and_completions_streamed_and_not(server, name):
+    """A random model under the grammar's mask: chat and completions, streamed and not, each reply
+    parses and validates, and ends by itself ("stop") well within max_tokens; a streamed reply
+    is the same text as the plain one of the same seed."""
+    for ask in (_json_chat, _json_completion):
+        plain, plain_reason = ask(server, _schema_format(name), False, seed=7)
+        streamed, streamed_reason = ask(server, _schema_format(name), True, seed=7)
+        assert plain_reason == streamed_reason == "stop", (ask.__name__, plain)
+        assert streamed == plain
+        jsonschema.validate(json.loads(plain), SCHEMAS[name])
+
+
+def test_json_object_replies_parse_and_a_cut_off_is_length(server):
+    """json_object: any JSON object; a max_tokens cut-off before the JSON is complete finishes
+    "length" with the text as far as it got (as OpenAI's API does)."""
+    for seed in (1, 2):
+        text, reason = _json_chat(server, {"type": "json_object"}, False, seed=seed, max_tokens=230)
+        assert reason == "stop", text
+        assert isinstance(json.loads(text), dict)
+    text, reason = _json_completion(server, _schema_format("nested"), False, seed=7, max_tokens=3)
+    assert reason == "length" and text.lstrip().startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+def test_unsupported_schema_features_and_bad_formats_get_a_400_naming_them(server):
+    c = server.client
+    msgs = [{"role": "user", "content": "Hi"}]
+    bad = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="sft_chat", messages=msgs, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": bad}})
+    err = e.value.body
+    assert e.value.status_code == 400 and err["code"] == "unsupported_schema", err
+    assert err["param"] == "response_format.json_schema.schema" and '"not"' in err["message"], err
+    for fmt, param in (({"type": "yaml"}, "response_format.type"),
+                       ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
+                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": 3}},
+                        "response_format.json_schema.schema")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="base", prompt="x", max_tokens=4, extra_body={"response_format": fmt})
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_mixed_concurrent_requests_each_equal_their_lone_run(server):
+    """32 concurrent requests on 4 slots, free and constrained, greedy and sampled: each equals
+    the same request sent alone (a constrained neighbour changes no free row's tokens)."""
+    reqs = [dict(model="base", prompt=f"Item {i}:", max_tokens=40 if i % 2 else 6 + (i * 5) % 14,
+                 temperature=0 if i % 3 == 0 else 0.9, seed=50 + i,
+                 extra_body={"response_format": _schema_format("required_fields")} if i % 2 else {})
+            for i in range(32)]
+
+    def ask(kw):
+        r = server.client.completions.create(**kw)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    with cf.ThreadPoolExecutor(32) as ex:
+        together = list(ex.map(ask, reqs))
+    alone = [ask(kw) for kw in reqs]
+    assert together == alone
+    for kw, (text, reason) in zip(reqs, together):
+        if kw["extra_body"]:
+            assert reason == "stop", text
+            jsonschema.validate(json.loads(text), SCHEMAS["required_fields"])
+
+
+# --------------------------------------------------------------------------- /metrics
+def scrape(url: str, headers=None) -> dict:
+    """GET /metrics parsed: {(name, ((label, value), ...)): value} of every sample."""
+    from prometheus_client.parser import text_string_to_metric_families
+    r = httpx.get(url + "/metrics", headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value
+            for family in text_string_to_metric_families(r.text) for x in family.samples}
+
+
+def _grew(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_the_requests_tokens_and_latencies_exactly(server):
+    """/metrics before and after real requests (this module's tests run one at a time): choices
+    by finish reason, prompt and generated tokens as the usage counts them, one time to first
+    token and one end-to-end latency per request, an inter-token latency per token after each
+    choice's first, a refusal by status and code; then nothing running or waiting, and the KV
+    cache's slots and bytes as the checkpoints' sizes give them."""
+    before = scrape(server.url)
+    chat = server.client.chat.completions.create(model="sft_chat", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=7, n=2, temperature=0.9, seed=5)
+    parts = list(server.client.completions.create(model="base", prompt="Once", max_tokens=6, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True}))
+    usage = parts[-1].usage
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model="base", prompt="Once", max_tokens=10_000)
+    after = scrape(server.url)
+    reasons = {"sft_chat": [c.finish_reason for c in chat.choices],
+               "base": [next(c.finish_reason for p in parts for c in p.choices if c.finish_reason)]}
+    for mid, got in reasons.items():
+        for why in ("stop", "length"):
+            assert _grew(before, after, "llm_request_success_total", model_name=mid, finished_reason=why) \
+                   == got.count(why), (mid, why)
+    for mid, u, choices in (("sft_chat", chat.usage, 2), ("base", usage, 1)):
+        assert _grew(before, after, "llm_prompt_tokens_total", model_name=mid) == u.prompt_tokens
+        assert _grew(before, after, "llm_generation_tokens_total", model_name=mid) == u.completion_tokens
+        for hist in ("llm_time_to_first_token_seconds", "llm_e2e_request_latency_seconds"):
+            assert _grew(before, after, f"{hist}_count", model_name=mid) == 1, hist
+        assert _grew(before, after, "llm_inter_token_latency_seconds_count", model_name=mid) \
+               == u.completion_tokens - choices
+    assert _grew(before, after, "llm_request_errors_total", status="400", code="context_length_exceeded") == 1
+    per_slot = 2 * 2 * 2 * 256 * 16 * 4          # layers x (k, v) x kv heads x context x head dim x fp32
+    for mid in ("sft_chat", "base"):
+        assert after[("llm_num_requests_running", (("model_name", mid),))] == 0
+        assert after[("llm_num_requests_waiting", (("model_name", mid),))] == 0
+        assert after[("llm_kv_cache_slots_total", (("model_name", mid),))] == 4
+        assert after[("llm_kv_cache_bytes_total", (("model_name", mid),))] == 4 * per_slot
 
 
 def test_request_bodies_uncompressed_utf8_json(server):
@@ -1211,6 +1367,10 @@ def test_api_key_int8_and_an_hf_folder_beside_a_checkpoint(work, hf_dir):
                  .choices[0].text for mid in ("base", "base-hf")]
         assert texts[0] == texts[1] and texts[0]           # the same weights through both loaders
         assert "int8 weights" in s.stderr() and "MiB" in s.stderr()
+        # /metrics is behind the key too, and counts this server's two requests
+        assert httpx.get(s.url + "/metrics", timeout=TIMEOUT).status_code == 401
+        seen = scrape(s.url, {"Authorization": "Bearer s3cret"})
+        assert sum(v for (name, labels), v in seen.items() if name == "llm_request_success_total") == 2
     finally:
         assert s.stop() == 130
 

@@ -1,23 +1,20 @@
-"""Structured output (``response_format`` json_schema / json_object): a live `main.py serve` on
-127.0.0.1 driven by the official `openai` client, chat and completions, streamed and not, on
-tiny random models (whose replies are JSON only because the grammar's mask makes them so),
-each reply parsed and validated with `jsonschema`; a 400 naming an unsupported schema feature;
-the engine's per-row masks leave a free neighbour's tokens as they are alone; the vocabulary
-adapter's bytes are each tokenizer's own (SentencePiece, byte-level BPE, SmolLM2's). Every
-request loop is bounded in count and time."""
+"""Structured output (``response_format`` json_schema / json_object, utils/generation/
+constrained.py) in the engine: a constrained row's mask leaves its batch neighbours' tokens as
+they are alone, and its reply validates (`jsonschema`) on tiny random models whose text is JSON
+only because the mask makes it so; schemas the grammar compiler cannot enforce are named; the
+vocabulary adapter's bytes are each tokenizer's own (SentencePiece, byte-level BPE, SmolLM2's).
+Through the official `openai` client against a live server (chat and completions, streamed and
+not, a 400 naming an unsupported feature, 32 mixed concurrent requests each equal to its lone
+run): tests/test_serve.py, on its module's server, with the schemas below."""
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 
 import jsonschema
-import openai
 import pytest
 import torch
 
-from tests.conftest import SAMPLES, bpe_tokenizer, spm_tokenizer, write_config
-from tests.test_serve import Server
-from tests.test_sft import TOK_NAME, make_checkpoint
+from tests.conftest import SAMPLES, bpe_tokenizer, spm_tokenizer
 
 NAME_AGE = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
             "properties": {"name": {"type": "string", "maxLength": 12},
@@ -39,125 +36,6 @@ SCHEMAS = {
                                                   "tag": {"type": "string", "maxLength": 6}}}},
 }
 MAX_TOKENS = 160
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory, samples):
-    from utils.data import sft
-    root = tmp_path_factory.mktemp("structured")
-    cfg = write_config(root, {"tokenizer": {"name": TOK_NAME}, "serve": {"max_batch": 4}})
-    ck = root / "checkpoints"
-    chat = make_checkpoint(ck / "sft_chat" / "checkpoint_best.pt", kind="sft", seed=3,
-                           chat_template=sft.default_template())
-    base = make_checkpoint(ck / "base" / "checkpoint_best.pt", seed=1)
-    return {"root": root, "cfg": cfg, "chat": chat, "base": base}
-
-
-@pytest.fixture(scope="module")
-def server(work):
-    s = Server(work["root"], work["cfg"], "--checkpoint", work["chat"].parent, "--checkpoint", work["base"])
-    yield s
-    s.client.close()                    # its kept-alive connection would hold the shutdown up
-    assert s.stop() == 130, s.stderr()
-
-
-def _fmt(name: str) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
-
-
-def _chat(server, fmt, stream: bool, seed: int, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
-    kw = dict(model="sft_chat", messages=[{"role": "user", "content": "Describe someone as JSON."}],
-              max_tokens=max_tokens, temperature=1.0, seed=seed, response_format=fmt)
-    if not stream:
-        r = server.client.chat.completions.create(**kw)
-        return r.choices[0].message.content, r.choices[0].finish_reason
-    text, reason = "", None
-    for chunk in server.client.chat.completions.create(stream=True, **kw):
-        for ch in chunk.choices:
-            text += ch.delta.content or ""
-            reason = ch.finish_reason or reason
-    return text, reason
-
-
-def _completion(server, fmt, stream: bool, seed: int, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
-    kw = dict(model="base", prompt="The record:", max_tokens=max_tokens, temperature=1.0, seed=seed,
-              extra_body={"response_format": fmt})      # the client's completions take it as an extra
-    if not stream:
-        r = server.client.completions.create(**kw)
-        return r.choices[0].text, r.choices[0].finish_reason
-    text, reason = "", None
-    for chunk in server.client.completions.create(stream=True, **kw):
-        for ch in chunk.choices:
-            text += ch.text
-            reason = ch.finish_reason or reason
-    return text, reason
-
-
-@pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_every_reply_is_json_valid_against_its_schema_chat_and_completions_streamed_and_not(server, name):
-    """A random model under the grammar's mask: chat and completions, streamed and not, each reply
-    parses and validates, and ends by itself ("stop") well within max_tokens; a streamed reply
-    is the same text as the plain one of the same seed."""
-    for ask in (_chat, _completion):
-        plain, plain_reason = ask(server, _fmt(name), False, seed=7)
-        streamed, streamed_reason = ask(server, _fmt(name), True, seed=7)
-        assert plain_reason == streamed_reason == "stop", (ask.__name__, plain)
-        assert streamed == plain
-        jsonschema.validate(json.loads(plain), SCHEMAS[name])
-
-
-def test_json_object_replies_parse_and_a_cut_off_is_length(server):
-    """json_object: any JSON object; a max_tokens cut-off before the JSON is complete finishes
-    "length" with the text as far as it got (as OpenAI's API does)."""
-    for seed in (1, 2):
-        text, reason = _chat(server, {"type": "json_object"}, False, seed=seed, max_tokens=230)
-        assert reason == "stop", text
-        assert isinstance(json.loads(text), dict)
-    text, reason = _completion(server, _fmt("nested"), False, seed=7, max_tokens=3)
-    assert reason == "length" and text.lstrip().startswith("{")
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(text)
-
-
-def test_unsupported_schema_features_and_bad_formats_get_a_400_naming_them(server):
-    c = server.client
-    msgs = [{"role": "user", "content": "Hi"}]
-    bad = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
-    with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="sft_chat", messages=msgs, max_tokens=4, response_format={
-            "type": "json_schema", "json_schema": {"name": "bad", "schema": bad}})
-    err = e.value.body
-    assert e.value.status_code == 400 and err["code"] == "unsupported_schema", err
-    assert err["param"] == "response_format.json_schema.schema" and '"not"' in err["message"], err
-    for fmt, param in (({"type": "yaml"}, "response_format.type"),
-                       ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
-                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": 3}},
-                        "response_format.json_schema.schema")):
-        with pytest.raises(openai.BadRequestError) as e:
-            c.completions.create(model="base", prompt="x", max_tokens=4, extra_body={"response_format": fmt})
-        assert e.value.body["param"] == param, e.value.body
-
-
-def test_mixed_concurrent_requests_each_equal_their_lone_run(server):
-    """32 concurrent requests on 4 slots, free and constrained, greedy and sampled: each equals
-    the same request sent alone (a constrained neighbour changes no free row's tokens)."""
-    reqs = [dict(model="base", prompt=f"Item {i}:", max_tokens=50 if i % 2 else 10 + (i * 5) % 20,
-                 temperature=0 if i % 3 == 0 else 0.9, seed=50 + i,
-                 extra_body={"response_format": _fmt("required_fields")} if i % 2 else {})
-            for i in range(32)]
-
-    def ask(kw):
-        r = server.client.completions.create(**kw)
-        return r.choices[0].text, r.choices[0].finish_reason
-
-    with cf.ThreadPoolExecutor(32) as ex:
-        together = list(ex.map(ask, reqs))
-    alone = [ask(kw) for kw in reqs]
-    assert together == alone
-    for kw, (text, reason) in zip(reqs, together):
-        if kw["extra_body"]:
-            assert reason == "stop", text
-            jsonschema.validate(json.loads(text), SCHEMAS["required_fields"])
 
 
 def _tiny(tok, seed: int = 0):
