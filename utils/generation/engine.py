@@ -15,7 +15,9 @@ Contract: greedy (temperature 0, or below ``GREEDY_BELOW``), temperature, top-k 
 top-p (1.0 disables); each sequence samples with a private ``torch.Generator`` seeded by its
 ``seed`` (the global RNG is untouched; None draws a fresh seed; ``generate`` gives row r
 ``seed + r``); EOS (one id or several) ends a row and is never returned; stop strings end it
-and never appear in its text (detok.py ``TextStream``). Every call goes through
+and never appear in its text (detok.py ``TextStream``); a sequence with an output grammar
+(``SamplingParams.grammar``, constrained.py) samples under its own token mask, the other rows
+from their logits as they are. Every call goes through
 :class:`Batcher`: a prompt is prefilled alone into its own cache slot, then all running rows
 decode together, each at its own position, and rows join and leave at step boundaries; each
 row gets what it would get alone (to float rounding, see Batcher). The model is put in eval
