@@ -86,3 +86,18 @@ def test_the_vocabulary_bytes_are_each_tokenizer_s_own():
         ids = encode_plain(tok, [text])[0]
         assert b"".join(table[i] for i in ids) == (lead + text).encode("utf-8"), type(tok)
         assert table[-5:] == [b""] * 5
+
+
+def test_a_grammar_that_fails_ends_its_own_sequence_with_an_error_and_no_other():
+    """A grammar llguidance cannot build (not one serve makes: it compiles each request's schema
+    first) ends that sequence with ``finish == "error"`` naming it; its batch neighbour runs on."""
+    from utils.generation.engine import Engine, SamplingParams, Sequence
+    tok = spm_tokenizer()
+    engine = Engine(_tiny(tok))
+    b = engine.batcher(2, 256)
+    free = b.add(Sequence([tok.bos_token_id, 11], SamplingParams(6, 0.0), tok=tok))
+    bad = b.add(Sequence([tok.bos_token_id, 12], SamplingParams(6, 0.0, grammar='{"grammars": 7}'), tok=tok))
+    for _ in engine.run(b):
+        pass
+    assert bad.finish == "error" and bad.tokens == [] and "the output grammar failed" in bad.error
+    assert free.finish == "length" and len(free.tokens) == 6
