@@ -16,7 +16,10 @@ engine's decoding under a JSON schema against without one (utils/generation/cons
    constrained by ``RECORDS`` (an array of at least 1,000 ``SCHEMA`` records, which no row
    completes: every row of both runs decodes ``--tokens`` tokens, the free ones with EOS off),
    the same prompts: milliseconds per decoded token after the first (prefill excluded),
-   interleaved repeats, and the ratio constrained / free (min / median / max over repeats).
+   interleaved repeats, and the ratio constrained / free (min / median / max over repeats);
+   and, since a loaded machine's noise can exceed the difference, the constrained row's own
+   work (its mask computed and applied, its token taken) replayed along the tokens it decoded,
+   in microseconds and as a share of a free token.
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ def tokenizers() -> dict:
 # --------------------------------------------------------------------------- 1. the libraries
 def llguidance_case(tok, table, path):
     import llguidance
+    import numpy as np
 
     from utils.generation.constrained import Grammars, json_grammar
     t = time.perf_counter()
@@ -75,10 +79,12 @@ def llguidance_case(tok, table, path):
     llguidance.LLMatcher(lt, grammar, log_level=0)
     compiled = time.perf_counter() - t
 
+    mask = np.zeros((len(table) + 31) // 32, dtype=np.int32)
+
     def run():
         m = llguidance.LLMatcher(lt, grammar, log_level=0)
         for tok_id in path:
-            m.compute_bitmask()
+            m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
             assert m.consume_token(tok_id), m.get_error()
     return built, compiled, run
 
@@ -162,8 +168,9 @@ def libraries(toks: dict, repeats: int) -> None:
 
 
 # --------------------------------------------------------------------------- 2. the engine
-def decode_ms_per_token(engine, tok, prompts, tokens: int, grammar) -> float:
-    """Greedy decoding of ``prompts`` together: ms per new token after each row's first."""
+def decode_ms_per_token(engine, tok, prompts, tokens: int, grammar) -> tuple[float, list]:
+    """Greedy decoding of ``prompts`` together: ms per new token after each row's first, and
+    the rows' tokens."""
     from utils.generation.engine import SamplingParams, Sequence
     b = engine.batcher(len(prompts), max(len(p) for p in prompts) + tokens + 1)
     stops = frozenset({tok.eos_token_id}) if grammar else frozenset()
@@ -176,7 +183,20 @@ def decode_ms_per_token(engine, tok, prompts, tokens: int, grammar) -> float:
         pass
     decoded = sum(len(s.tokens) - 1 for s in seqs)
     assert decoded == len(seqs) * (tokens - 1), [s.finish for s in seqs]
-    return (time.perf_counter() - t) / max(1, decoded) * 1e3
+    return (time.perf_counter() - t) / max(1, decoded) * 1e3, [s.tokens for s in seqs]
+
+
+def constraint_us_per_token(engine, tok, grammar, tokens: list, vocab: int) -> float:
+    """The constrained row's own work per token (mask computed, applied to a logits row,
+    token taken), replayed along ``tokens``: microseconds."""
+    import torch
+    row = torch.zeros(vocab)
+    c = engine.grammars.start(grammar, tok, vocab, frozenset({tok.eos_token_id}))
+    t = time.perf_counter()
+    for tok_id in tokens:
+        c.mask(row, c.allowed())
+        c.advance(tok_id)
+    return (time.perf_counter() - t) / len(tokens) * 1e6
 
 
 def engine_overhead(models: dict, repeats: int, tokens: int) -> None:
@@ -190,13 +210,19 @@ def engine_overhead(models: dict, repeats: int, tokens: int) -> None:
         for batch in (1, 4):
             prompts = [base + encode_plain(tok, [f"Book {i}:"])[0] for i in range(batch)]
             decode_ms_per_token(engine, tok, prompts, 4, grammar)          # warm-up: pack, vocabulary
-            free, held = [], []
+            free, held, own = [], [], []
             for _ in range(repeats):
-                free.append(decode_ms_per_token(engine, tok, prompts, tokens, None))
-                held.append(decode_ms_per_token(engine, tok, prompts, tokens, grammar))
+                free.append(decode_ms_per_token(engine, tok, prompts, tokens, None)[0])
+                ms, rows = decode_ms_per_token(engine, tok, prompts, tokens, grammar)
+                held.append(ms)
+                own.append(constraint_us_per_token(engine, tok, grammar, rows[0], model.args.vocab_size))
             ratio = [h / f for f, h in zip(free, held)]
             print(f"  {label}, batch {batch}: free {spread(free, '.2f')} ms/token; constrained "
                   f"{spread(held, '.2f')} ms/token; ratio {spread(ratio, '.2f')}")
+            if batch == 1:
+                share = [u / 1e3 / f for u, f in zip(own, free)]
+                print(f"    a constrained row's own work (mask, apply, advance; replayed): {spread(own, '.0f')} "
+                      f"us/token = {spread([x * 100 for x in share], '.2f')} % of a free token")
 
 
 def engine_models(smollm2: bool, toks: dict) -> dict:
