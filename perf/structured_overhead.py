@@ -7,10 +7,11 @@ engine's decoding under a JSON schema against without one (utils/generation/cons
    Mistral v1, 32,000; a byte-level BPE of 4,000 trained on the news sample): the one-off
    vocabulary build and schema compile, then, along the same byte-exact token ids of one valid
    JSON document, the next-token mask plus the advance, in microseconds per token (interleaved
-   repeats, min / median / max). llguidance (what serve uses) and outlines-core are
-   requirements-light wheels; xgrammar is measured when it imports (its wheel requires torch,
-   transformers and triton, so it is not installed here: put it in a separate folder with
-   ``pip install --no-deps --target DIR xgrammar apache-tvm-ffi`` and run with PYTHONPATH=DIR).
+   repeats, min / median / max). llguidance is what serve uses (requirements.txt); outlines-core
+   and xgrammar are measured when they import, and are not project requirements (xgrammar's
+   wheel requires torch, transformers and triton): put them in a folder of their own,
+   ``pip install --no-deps --target DIR outlines-core==0.2.14 xgrammar==0.2.9
+   apache-tvm-ffi==0.1.15.post2``, and run with ``PYTHONPATH=DIR``.
 2. Engine: greedy decoding of SmolLM2-135M (imported from data/samples/smollm2, fp32) and of a
    7m random model (the sample SentencePiece vocabulary), batches of 1 and 4 rows, free against
    constrained by ``RECORDS`` (an array of at least 1,000 ``SCHEMA`` records, which no row
