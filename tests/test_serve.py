@@ -570,7 +570,7 @@ def test_unsupported_schema_features_and_bad_formats_get_a_400_naming_them(serve
 def test_mixed_concurrent_requests_each_equal_their_lone_run(server):
     """32 concurrent requests on 4 slots, free and constrained, greedy and sampled: each equals
     the same request sent alone (a constrained neighbour changes no free row's tokens)."""
-    reqs = [dict(model="base", prompt=f"Item {i}:", max_tokens=40 if i % 2 else 6 + (i * 5) % 14,
+    reqs = [dict(model="base", prompt=f"Item {i}:", max_tokens=80 if i % 2 else 6 + (i * 5) % 14,
                  temperature=0 if i % 3 == 0 else 0.9, seed=50 + i,
                  extra_body={"response_format": _schema_format("required_fields")} if i % 2 else {})
             for i in range(32)]
@@ -618,7 +618,10 @@ def test_metrics_count_the_requests_tokens_and_latencies_exactly(server):
     usage = parts[-1].usage
     with pytest.raises(openai.BadRequestError):
         server.client.completions.create(model="base", prompt="Once", max_tokens=10_000)
-    after = scrape(server.url)
+    deadline = time.monotonic() + 10                  # a stream is counted as its generator closes
+    while _grew(before, after := scrape(server.url), "llm_e2e_request_latency_seconds_count",
+                model_name="base") < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     reasons = {"sft_chat": [c.finish_reason for c in chat.choices],
                "base": [next(c.finish_reason for p in parts for c in p.choices if c.finish_reason)]}
     for mid, got in reasons.items():
