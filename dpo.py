@@ -352,7 +352,7 @@ def dpo_spec(cfg, src: Source, pairs, data, optimizer, settings, tok_info, rules
         "reference_sha256": dpo.array_sha256(ref), "beta": cfg.dpo.beta}})
     return TrainSpec(model, src.model_args, data.train, data.val, optimizer=optimizer, settings=settings,
                      record=record, loss=dpo.make_loss(torch.from_numpy(ref), cfg.dpo.beta),
-                     count=dpo.pair_count, checkpoint_name=lambda step: f"checkpoint_epoch_{step // spe}.pt")
+                     count=dpo.pair_count, next_token_loss=False, checkpoint_name=lambda step: f"checkpoint_epoch_{step // spe}.pt")
 
 
 def run_files(cfg, args, src: Source, pairs, data, made: dict, spec) -> dict:

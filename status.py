@@ -283,8 +283,9 @@ def format_summary(s: dict) -> str:
                  + (f"; {s['tokens_seen']:,} tokens seen" if isinstance(s["tokens_seen"], int) else ""))
     if s["state"] == "running":
         lines.append(f"  ETA          {_dur(s['eta_s'])}")
-    lines.append(f"  validation   loss {_num(s['val_loss'])} (best {_num(s['best_val_loss'])}), "
-                 f"perplexity {_num(s['perplexity'], '.2f')}, bits/byte {_num(s['bits_per_byte'])}")
+    lines.append(f"  validation   loss {_num(s['val_loss'])} (best {_num(s['best_val_loss'])})"
+                 + ("" if s["val_loss"] is not None and s["perplexity"] is None   # not a next-token loss (DPO)
+                    else f", perplexity {_num(s['perplexity'], '.2f')}, bits/byte {_num(s['bits_per_byte'])}"))
     if s.get("metrics") or s.get("val_metrics"):
         said = [", ".join(f"{k} {v:.4g}" for k, v in sorted(s["metrics"].items()))]
         if s.get("val_metrics"):

@@ -212,6 +212,7 @@ def test_training_raises_the_reward_margin_and_writes_the_run(work):
     assert all(r["rewards_chosen"] > r["rewards_rejected"] and r["loss"] < 0.5 for r in last_epoch)
     assert val[-1]["val_reward_margin"] > val[0]["val_reward_margin"]
     assert val[-1]["val_loss"] < math.log(2)
+    assert all(r["perplexity"] is None and r["bits_per_byte"] is None for r in val)   # not a next-token loss
     cfg = json.loads((run / "dpo_config.json").read_text())
     assert cfg["base_checkpoint"] == str(work["base"]["ckpt"]) and cfg["data"]["heldout_pairs"] == 4
     ref = np.load(run / "reference_logps.npy")
@@ -276,6 +277,7 @@ def test_status_and_report_show_the_run(work):
     assert s.returncode == 0 and name in s.stdout, s.stdout + s.stderr
     s = run_stage("status", "--config", work["cfg"], name)
     assert s.returncode == 0 and "reward_accuracy" in s.stdout, s.stdout + s.stderr
+    assert "perplexity" not in s.stdout and "validation   loss" in s.stdout, s.stdout
     r = run_stage("report", "--config", work["cfg"], name)
     assert r.returncode == 0, r.stdout + r.stderr
     md = (work["root"] / "reports" / name / "report.md").read_text()

@@ -302,6 +302,10 @@ class TrainSpec:
     sample_fn: Optional[Callable[[nn.Module], list[tuple[str, str]]]] = None
     val_fn: Optional[Callable[[nn.Module], dict]] = None
     bytes_per_token: Optional[float] = None     # for bits per byte
+    # the loss is a mean next-token cross-entropy, so exp(loss) is a perplexity and loss / ln 2
+    # per byte is bits per byte; a mode whose loss is something else (DPO's) sets False and
+    # its validation logs neither (a "perplexity" of a preference loss would mean nothing)
+    next_token_loss: bool = True
     flops_per_token: Optional[float] = None     # for MFU (default: the model's own count)
 
 
@@ -764,13 +768,14 @@ class Trainer:
             return "diverged"
         self._last_val = val
         is_best = self.metrics.update_val(self.step, val)
-        rec = {"val_loss": val, "perplexity": perplexity(val),
-               "bits_per_byte": bits_per_byte(val, self.bytes_per_token),
+        lm = self.spec.next_token_loss
+        rec = {"val_loss": val, "perplexity": perplexity(val) if lm else None,
+               "bits_per_byte": bits_per_byte(val, self.bytes_per_token) if lm else None,
                "best_val_loss": self.metrics.best_val_loss, "epoch": self.epoch_float, **extra}
         self.logger.log("val", self.step, rec)
         bpb = rec["bits_per_byte"]
-        self._print(f"step {self.step}/{self.total_steps} | val loss {val:.4f} | ppl "
-                    f"{rec['perplexity']:.1f}" + (f" | bpb {bpb:.3f}" if bpb else "")
+        self._print(f"step {self.step}/{self.total_steps} | val loss {val:.4f}"
+                    + (f" | ppl {rec['perplexity']:.1f}" if lm else "") + (f" | bpb {bpb:.3f}" if bpb else "")
                     + (" | best" if is_best else f" | best {self.metrics.best_val_loss:.4f}")
                     + self._say_metrics(extra))
         self._samples()
