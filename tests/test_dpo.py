@@ -109,6 +109,20 @@ def test_malformed_records_are_named_by_file_and_line(work, tmp_path):
     assert not (tmp_path / "none" / "metadata.json").exists()
 
 
+def test_prepare_reads_a_local_dataset_folder(work, tmp_path):
+    """A hub preference dataset's local copy: a folder of parquet files, as the hub stores one."""
+    import datasets
+    rows = [{"prompt": f"Is {i} even?", "chosen": "yes" if i % 2 == 0 else "no",
+             "rejected": "no" if i % 2 == 0 else "yes"} for i in range(6)]
+    (tmp_path / "prefs" / "data").mkdir(parents=True)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "prefs" / "data" / "train-00000-of-00001.parquet"))
+    out = tmp_path / "pref"
+    r = run_stage("dpo", "prepare", "--config", work["cfg"], "--dataset", tmp_path / "prefs", "--output-dir", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["counts"]["kept"] == 6 and meta["source"]["kind"] == "local_dataset", meta
+
+
 def test_train_refuses_pairs_rendered_with_another_template(work, tmp_path):
     """The SFT checkpoint records its chat template: pairs rendered with another one (here our
     template with other prefixes) are refused before anything is written."""
