@@ -577,6 +577,7 @@ class Engine:
         if self.model.args.segment:
             return "off: Infini-attention models keep no per-position KV to reuse"
         self.prefix_cache = PrefixCache(budget_bytes, block_tokens)
+        self.prefix_cache.bind(self.model)
         return None
 
     def batcher(self, slots: int, capacity: Optional[int] = None) -> Batcher:

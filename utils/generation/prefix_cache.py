@@ -76,13 +76,13 @@ class PrefixCache:
             raise ValueError("the prefix cache needs a budget >= 0 bytes and blocks of >= 1 token")
         self.budget_bytes, self.block_tokens = int(budget_bytes), int(block_tokens)
         self.blocks: OrderedDict[tuple, _Block] = OrderedDict()     # least recently used first
-        self.block_bytes = 0                    # set by the first model seen (see _bind)
+        self.block_bytes = 0                    # set by the first model seen (see bind)
         self.identity: Optional[tuple] = None
         self.next_id = 1                        # 0 is the parent of a first block
         self.hit_tokens = self.queried_tokens = self.evicted_blocks = 0
 
     # -- the model the blocks belong to
-    def _bind(self, model) -> None:
+    def bind(self, model) -> None:
         ident = weights_identity(model)
         if ident != self.identity:
             self.clear()
@@ -122,7 +122,7 @@ class PrefixCache:
         """Copy the KV of the longest stored prefix of ``ids[:limit]`` (whole blocks) into cache
         slot ``slot`` of ``kv`` (per layer (k, v), each (slots, n_kv_heads, positions,
         head_dim)), from position 0; return its length in tokens (0: nothing stored)."""
-        self._bind(model)
+        self.bind(model)
         self.queried_tokens += len(ids)
         chain = self._chain(ids, max(limit, 0) // self.block_tokens, create=False)
         if not chain:
@@ -141,7 +141,7 @@ class PrefixCache:
         """Store the full blocks of ``ids`` (whose KV cache slot ``slot`` holds from position 0)
         that are not stored yet, evicting the least recently used beyond the budget; return the
         number of blocks added. A chain longer than the capacity keeps its first blocks."""
-        self._bind(model)
+        self.bind(model)
         chain = self._chain(ids, min(len(ids) // self.block_tokens, self.capacity), create=True)
         first_new = next((j for j, b in enumerate(chain) if b is None), len(chain))
         for blk in chain[:first_new]:
