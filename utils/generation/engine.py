@@ -10,6 +10,7 @@ products of cpu.py), the thread policy of a step (threads.py) and incremental de
     generate(model, prompts, ...)                           one-off: a throwaway Engine
     b = engine.batcher(slots=8)                             continuous batching (serve):
     b.add(Sequence(ids, SamplingParams(...), tok=tok, sink=fn)); b.step() -> [Event, ...]
+    engine.use_prefix_cache(budget_bytes)                   reuse the KV of prompt starts seen before
 
 Contract: greedy (temperature 0, or below ``GREEDY_BELOW``), temperature, top-k (0 disables),
 top-p (1.0 disables); each sequence samples with a private ``torch.Generator`` seeded by its
@@ -36,6 +37,14 @@ With fp32 weights on CPU the engine also keeps a transposed, contiguous copy of 
 (:meth:`Engine.decode_pack`, utils/generation/pack.py: the weights' bytes once more plus the
 head's, bounded by ``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights change (storage
 or ``_version``: an optimizer step or ``load_state_dict``) and freed with the engine.
+
+Prefix cache (``use_prefix_cache``; utils/generation/prefix_cache.py): the engine owns one
+store of KV blocks for its model, shared by all its batchers; a prefill copies the longest
+cached whole-block prefix of the prompt into the slot (never the last token: its logits give
+the first new token) and computes the rest over it with a causal mask aligned to its
+positions; the prompt's blocks are stored after its prefill, a finished sequence's prompt +
+output when it leaves its slot. Logits agree with a whole prefill's to float rounding. Not for
+Infini-attention models nor for sequences that score their prompt (``prompt_logprobs``).
 
 Decode steps (``Block.decode`` over the pack) pay a fixed dispatch cost per tensor operation on
 CPU, which is most of a small model's token: the step fuses projections, rotates q and k
