@@ -4,7 +4,8 @@
     python perf/prefix_cache.py [--model tiny|smollm2|both] [--repeats 3] [--turns 10] [--shared 8]
 
 Two servers of the same model run side by side on 127.0.0.1 (``--max-batch 2 --context
-2048``), one with the cache and one without, driven by the official ``openai`` client,
+2048 --threads 1``: on a machine shared with other jobs, one intra-op thread per step is the
+steadier; ``--threads`` changes it), one with the cache and one without, driven by the official ``openai`` client,
 streaming, greedy: TTFT is request sent -> first content chunk.
 
 1. Chat: a conversation of ``--turns`` turns (each user message ~40 tokens, each answer up to
@@ -104,7 +105,7 @@ def run_model(label: str, cmd_of, a) -> None:
     with tempfile.TemporaryDirectory(prefix="perf-prefix-") as tmp, Servers(Path(tmp)) as servers:
         for name, mb in (("cache", "256"), ("no cache", "0")):
             servers._start(name, [*cmd_of(Path(tmp)), "--max-batch", "2", "--context", "2048",
-                                  "--prefix-cache-mb", mb], "/health", "")
+                                  "--threads", str(a.threads), "--prefix-cache-mb", mb], "/health", "")
         clients = {}
         for name, (url, _) in servers.urls.items():
             client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
@@ -112,6 +113,7 @@ def run_model(label: str, cmd_of, a) -> None:
         chats = {name: [] for name in clients}
         shares = {name: [] for name in clients}
         for r in range(a.repeats):
+            print(f"({label.split(' ')[0]}: repeat {r + 1} of {a.repeats})", file=sys.stderr, flush=True)
             for name, ts in chat(clients, a, r).items():
                 chats[name].append(ts)
             for name, ts in shared(clients, a, r).items():
@@ -145,10 +147,12 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--shared", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of each server's engine steps")
     a = ap.parse_args()
     print(f"perf/prefix_cache.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at "
-          f"start, torch {torch.__version__}; {a.repeats} repeats, servers alternating request by request")
+          f"start, torch {torch.__version__}; {a.repeats} repeats, servers alternating request by request, "
+          f"{a.threads} engine thread(s) each")
     main_py = [sys.executable, str(ROOT / "main.py"), "serve"]
     if a.model in ("tiny", "both"):
         def tiny(tmp: Path) -> list[str]:
