@@ -20,6 +20,11 @@ streaming, greedy: TTFT is request sent -> first content chunk.
    is new. Printed: TTFT of the first request and of the later ones (median of each repeat's
    later requests), and the ratio cached / uncached of the later ones.
 
+3. Exactness (SmolLM2, in-process, ``--model smollm2`` or ``both``): the first-token logits of
+   prompts whose start is cached against a prefill of the whole prompt (the largest absolute
+   difference, and whether the argmax agrees), also for a next turn over a greedy answer
+   whose KV the decode steps wrote.
+
 Models: the tiny random-initialised checkpoint of perf/serve_throughput.py (the sample Mistral
 SentencePiece tokenizer, 32k vocabulary), and SmolLM2-135M-Instruct from its Hugging Face folder
 in the offline samples (``--hf-model``, imported at start). The load average is printed at start
@@ -139,6 +144,39 @@ def report(label: str, chats: dict, shares: dict, a) -> None:
     print(f"  later requests, cache / no cache: {' '.join(f'{x:.2f}' for x in ratio)}")
 
 
+def first_logits(engine, prompt: list[int]):
+    """(the logits a prefill of ``prompt`` samples its first token from, prompt tokens reused)."""
+    import torch
+    from utils.generation.engine import Sequence, SamplingParams
+    b = engine.batcher(1, 2048)
+    got, real = {}, b._sample
+    b._sample = lambda seqs, logits: got.setdefault("x", logits.clone()) is None or real(seqs, logits)
+    seq = b.add(Sequence(prompt, SamplingParams(1, 0.0)))
+    with torch.no_grad():
+        b.step()
+    return got["x"][0], seq.cached
+
+
+def exactness() -> None:
+    from utils.config import load_config
+    from utils.generation.engine import Engine
+    from utils.run import open_for_generation
+    o = open_for_generation(SMOLLM2, load_config(), "cpu", say=lambda s: None)
+    ids = o.tok.encode(SYSTEM * 4)
+    cached, plain = Engine(o.model), Engine(o.model)
+    cached.use_prefix_cache(256 << 20)
+    print("\n== SmolLM2-135M-Instruct: first-token logits with a cached start against a whole prefill")
+    cases = [(f"prompt of {cut + 30} tokens after one of {cut}", ids[:cut], ids[:cut + 30]) for cut in (40, 97, 150)]
+    answer = plain.generate([ids[:120]], 40, temperature=0)[0]
+    cases.append(("next turn over a 40-token greedy answer (KV written by decode steps)", ids[:120],
+                  ids[:120] + answer + o.tok.encode(" And?")))
+    for what, before, prompt in cases:
+        cached.generate([before], 40, temperature=0)                    # stores its prompt + answer
+        (a, n), (b, _) = first_logits(cached, prompt), first_logits(plain, prompt)
+        print(f"  {what}: {n} reused, largest |difference| {float((a - b).abs().max()):.2e} "
+              f"(logits up to {float(b.abs().max()):.0f}), argmax {'same' if a.argmax() == b.argmax() else 'DIFFERS'}")
+
+
 def main() -> int:
     import torch
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -162,6 +200,7 @@ def main() -> int:
             return [*main_py, "--config", str(cfg), "--checkpoint", str(ck)]
         run_model("tiny (2 layers, d_model 64, 32k vocabulary; our chat template)", tiny, a)
     if a.model in ("smollm2", "both"):
+        exactness()
         run_model("SmolLM2-135M-Instruct (--hf-model, fp32)", lambda tmp: [*main_py, "--hf-model", str(SMOLLM2)], a)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
     return 0
