@@ -15,9 +15,10 @@ the caller's ``log`` and ``worker.cache`` a dict that lives as long as the proce
 share loaded tokenizers through it). ``info`` (with ``tok``) is sent back, pickled: it must
 not hold the model. A :class:`RemoteLane` is used as a :class:`~utils.generation.loop.Lane`
 is: ``submit``, ``cancel``, ``check``, ``active``, ``running``, ``slots``, ``capacity``,
-``bytes_per_slot``, ``prefix_cache`` (the stats as of the engine's last pass). The caller's :class:`~utils.generation.engine.Sequence` is a mirror: the
-engine process runs its own copy (same prompt, parameters and text options) and sends each
-pass's events back in one message; a receiving thread here appends the tokens, sets
+``bytes_per_slot``, ``prefix_cache`` (its stats as of the engine's last pass). The caller's
+:class:`~utils.generation.engine.Sequence` is a mirror: the engine process runs its own copy
+(same prompt, parameters and text options) and sends each pass's events back in one message;
+a receiving thread here appends the tokens, sets
 ``finish`` / ``error`` / ``prompt_logprobs`` and calls the sequence's sink with an
 :class:`~utils.generation.engine.Event` of the mirror, as a Lane's thread would.
 
