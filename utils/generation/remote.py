@@ -18,9 +18,9 @@ is: ``submit``, ``cancel``, ``check``, ``active``, ``running``, ``slots``, ``cap
 ``bytes_per_slot``, ``prefix_cache`` (its stats as of the engine's last pass). The caller's
 :class:`~utils.generation.engine.Sequence` is a mirror: the engine process runs its own copy
 (same prompt, parameters and text options) and sends each pass's events back in one message;
-a receiving thread here appends the tokens, sets
-``finish`` / ``error`` / ``prompt_logprobs`` and calls the sequence's sink with an
-:class:`~utils.generation.engine.Event` of the mirror, as a Lane's thread would.
+a receiving thread here appends the tokens, sets ``finish`` / ``error`` / ``prompt_logprobs``
+and calls the sequence's sink with an :class:`~utils.generation.engine.Event` of the mirror,
+as a Lane's thread would.
 
 Why: with the engine on a thread of the HTTP process, each event-loop wake-up (parsing a
 request, writing a chunk) held the interpreter lock the engine's next step waited for; in two
