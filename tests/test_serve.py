@@ -2,8 +2,8 @@
 user would) driven with the official `openai` client and raw HTTP: chat and completions,
 plain and streaming, seeds, stop strings, n > 1, logprobs, errors in OpenAI's shape, auth,
 HEAD, connection deadlines over raw sockets (idle, slow headers and bodies), disconnects, 32
-concurrent streams equal to their lone runs, SIGTERM, int8 weights, an HF
-folder served beside checkpoints. Every request loop is bounded in count and time."""
+concurrent streams equal to their lone runs, the prefix cache (reuse counted in /health, answers
+as uncached, models apart), SIGTERM, int8 weights, an HF folder served beside checkpoints. Every request loop is bounded in count and time."""
 from __future__ import annotations
 
 import concurrent.futures as cf
