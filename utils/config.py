@@ -406,6 +406,8 @@ class InferenceConfig:
     top_k: int = _f(50, "top-k filter (0 = off)", min=0)
     top_p: float = _f(0.95, "nucleus filter (1.0 = off)", min=0, max=1, min_exclusive=True)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
+    prefix_cache_mb: int = _f(256, "MiB of KV the interactive chat keeps for reuse by later turns "
+                              "(prefix cache; 0: off)", min=0)
 
 
 @dataclass
@@ -464,6 +466,8 @@ class ServeConfig:
                              "after its last answer) stays open", min=0, min_exclusive=True)
     read_timeout: float = _f(30.0, "seconds a request has, from its first byte, to send its headers and "
                              "its whole body (beyond: HTTP 408, connection closed)", min=0, min_exclusive=True)
+    prefix_cache_mb: int = _f(256, "MiB of KV per model kept for reuse by later requests that start "
+                              "with the same tokens (prefix cache, LRU; 0: off)", min=0)
     cors_origins: list[str] = _f([], "origins (scheme://host[:port], or \"*\" for any) whose web pages may "
                                  "call the API from a browser (CORS); []: only the server's own chat page")
 
