@@ -296,6 +296,11 @@ class TrainingConfig:
                                   "parameter group (null: training.lr)", min=0, min_exclusive=True)
     gate_weight_decay: Optional[float] = _f(None, "infini: weight decay of the memory gates "
                                             "(null: 0, as for the other 1-D parameters)", min=0)
+    parallel: Literal["ddp", "fsdp"] = _f("ddp", "several processes: ddp (the model on every GPU) or fsdp "
+                                          "(FSDP2: weights, gradients and optimizer state sharded; "
+                                          "sharded checkpoints, docs/training.md)")
+    cpu_offload: bool = _f(False, "fsdp: keep the sharded weights, gradients and optimizer state in "
+                           "CPU memory (slower; for models whose shards do not fit the GPUs)")
 
 
 @dataclass

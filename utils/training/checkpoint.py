@@ -333,7 +333,14 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
         raise ValueError(f"purpose must be 'weights' or 'resume', not {purpose!r}")
     path = Path(path)
     _sniff(path)
-    ckpt = _torch_load(path, map_location, mmap)
+    return validate(path, _torch_load(path, map_location, mmap), purpose, shapes_of)
+
+
+def validate(path: Path, ckpt, purpose: str, shapes_of: Optional[Callable[[dict, dict], dict]] = None,
+             weights: bool = True) -> dict:
+    """The checks of :func:`read_checkpoint` on a loaded payload (a plain file's, or a sharded
+    checkpoint's, utils/training/sharded.py); ``weights`` False: the weights are names only
+    (their shapes were checked elsewhere), so their values are not looked at."""
     _check_layout(path, ckpt)
     _check_entry_types(path, ckpt)
     _check_kind_and_template(path, ckpt)
@@ -341,13 +348,14 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
     if purpose == "resume":
         _check_resumable(path, ckpt)
     ckpt["model"] = strip_prefixes(ckpt["model"])
-    expected = None
-    if shapes_of is not None:
-        try:
-            expected = shapes_of(dict(ckpt["model_args"]), ckpt["model"])
-        except Exception as e:   # whatever the stored args get wrong: the file is unusable
-            raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
-    check_weights(path, ckpt, expected)
+    if weights:
+        expected = None
+        if shapes_of is not None:
+            try:
+                expected = shapes_of(dict(ckpt["model_args"]), ckpt["model"])
+            except Exception as e:   # whatever the stored args get wrong: the file is unusable
+                raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
+        check_weights(path, ckpt, expected)
     ckpt.setdefault("kind", "pretrain")
     ckpt.setdefault("chat_template", None)
     return ckpt
