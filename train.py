@@ -80,11 +80,6 @@ def build_parser() -> StageParser:
                   help="torch.compile the model")
     p.config_flag("--activation-checkpointing", key="training.activation_checkpointing",
                   action="store_const", const=True, help="recompute activations in backward")
-    p.config_flag("--parallel", key="training.parallel", choices=["ddp", "fsdp"],
-                  help="several processes: ddp (default), or fsdp: FSDP2 shards weights, gradients "
-                       "and optimizer state; sharded checkpoints (*.dcp folders)")
-    p.config_flag("--cpu-offload", key="training.cpu_offload", action="store_const", const=True,
-                  help="fsdp: sharded state in CPU memory")
     p.config_flag("--device", key="training.device", help="auto, cpu, cuda or cuda:N")
     p.config_flag("--seed", key="training.seed", type=int, help="random seed")
     p.config_flag("--eval-every", key="training.eval_every", type=float,
@@ -110,10 +105,20 @@ def build_parser() -> StageParser:
                    help="start from a local Hugging Face Llama model (folder or .gguf file): its "
                         "weights, shape and tokenizer (the shards must be made with that "
                         "tokenizer: tokenizer.name DIR)")
+    add_process_flags(p)
+    return p
+
+
+def add_process_flags(p: StageParser) -> None:
+    """How many processes train and how they share the model."""
     p.add_argument("--nproc-per-node", type=_positive_int, default=1, metavar="N",
                    help="DDP on N processes of this machine (one per GPU; gloo on CPU): "
                         "torchrun --standalone, launched for you")
-    return p
+    p.config_flag("--parallel", key="training.parallel", choices=["ddp", "fsdp"],
+                  help="several processes: ddp (default), or fsdp: FSDP2 shards weights, gradients "
+                       "and optimizer state; sharded checkpoints (*.dcp folders)")
+    p.config_flag("--cpu-offload", key="training.cpu_offload", action="store_const", const=True,
+                  help="fsdp: sharded state in CPU memory")
 
 
 def _positive_int(text: str) -> int:
