@@ -190,6 +190,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "default": dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_hidden=None, tie_embeddings=True),
     "125m": dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=None, tie_embeddings=False),
     "200m": dict(d_model=1024, n_layers=6, n_heads=8, n_kv_heads=8, ffn_hidden=4096, tie_embeddings=False),
+    "1b": dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192, tie_embeddings=True),
 }
 MODEL_SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings")
 
@@ -202,9 +203,10 @@ def llama_ffn_hidden(d_model: int, multiple_of: int = 256) -> int:
 
 @dataclass
 class ModelConfig:
-    preset: Literal["tiny", "default", "125m", "200m", "custom"] = _f(
+    preset: Literal["tiny", "default", "125m", "200m", "1b", "custom"] = _f(
         "default", "size preset giving the shape keys (tiny: CPU tests; default: the seed's ~25M; "
-        "125m; 200m: seeds/000's Llama); non-null shape keys override it; custom: set them all")
+        "125m; 200m: seeds/000's Llama; 1b: Llama-3.2-1B's shape, for FSDP on 24 GB GPUs); non-null shape "
+        "keys override it; custom: set them all")
     vocab_size: Optional[int] = _f(None, "default: the tokenizer's vocabulary size (token ids are stored as uint32)", min=2, max=1 << 32)
     d_model: Optional[int] = _f(None, "hidden size (null: from the preset)", min=1)
     n_layers: Optional[int] = _f(None, "transformer blocks (null: from the preset)", min=1)

@@ -355,6 +355,9 @@ def resume_checkpoint(checkpoints_dir, spec: str, name: Optional[str] = None,
             raise PipelineError(f"--resume auto: no {prefix}* run with a "
                                 f"checkpoint_latest.pt under {checkpoints_dir}.")
         return runs[0].latest
+    if name is not None and (Path(checkpoints_dir) / name).is_dir():
+        from utils.training import sharded                       # torch (see the imports)
+        sharded.recover(Path(checkpoints_dir) / name)            # a sharded save killed mid-swap
     run = find_run(checkpoints_dir, name)
     if run is None:
         what = f"run '{name}'" if name else "any run"
