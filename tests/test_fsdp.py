@@ -13,7 +13,8 @@ checkpointed; gradient accumulation 2):
 - ``full``: the user's launch, `main.py train --nproc-per-node 2 --parallel fsdp`, batch B per
   rank, with activation checkpointing: the same global batch as ``single``;
 - ``cut``: two ranks continuing ``full``'s step-2 checkpoint, stopped by SIGTERM after step 4;
-- ``grow``: two ranks continuing ``single``'s step-2 checkpoint (1 -> 2 processes).
+- ``grow``: two ranks continuing ``single``'s step-2 checkpoint (1 -> 2 processes; marked
+  ``slow``, run with --runslow: a third two-rank launch would double this file's time).
 
 Tolerances are test_ddp.py's (:func:`tests.test_ddp.assert_same_training`): the two sum the
 same numbers in another order, so step 1's loss agrees to float32 rounding (tokens x 2**-24,
@@ -155,6 +156,7 @@ def test_two_rank_checkpoint_continues_on_one_process(root, cfg, full, cut):
     assert 0 < max_diff(a["model"], b["model"]) <= bound
 
 
+@pytest.mark.slow      # a third two-rank launch (~10-20 s): --runslow; docs/training.md, FSDP2
 def test_one_process_checkpoint_continues_on_two_ranks(root, cfg, single):
     """1 -> 2: DCP reshards the one-process checkpoint into the ranks' shards."""
     continue_from(root, "single", "checkpoint_step_2.dcp", "grow")

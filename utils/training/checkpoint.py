@@ -19,6 +19,10 @@ Format (``FORMAT_VERSION``): ``torch.save`` of a dict of plain data and tensors 
     model_rules (a run started from a Hugging Face model: its BOS rule, stop ids and generation
     defaults, utils/data/chat.py), metrics (smoothing window, patience, ...).
 
+An FSDP run's checkpoints are folders with the same entries (utils/training/sharded.py: DCP
+shards plus meta.pt), checked by the same :func:`validate`; utils.run.load_checkpoint reads
+both forms.
+
 A "weights" load needs format_version, model and model_args; a "resume" load needs the
 training state too. Every defect of a file becomes one :class:`CheckpointError` (exit 1)
 naming the file and the problem: missing, empty, a Git LFS pointer or other non-checkpoint
@@ -85,14 +89,15 @@ def remove_stale_temps(directory) -> list[Path]:
             pid = int(p.name.rsplit("-", 1)[1])
         except ValueError:
             continue
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and pid_alive(pid):
             continue
         p.unlink(missing_ok=True)
         removed.append(p)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (the owner of a temp file or folder)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

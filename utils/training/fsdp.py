@@ -8,7 +8,8 @@ for sharded checkpoints (library; nothing happens on import).
   keeps 1/N of every weight, gradient and optimizer moment; a block's weights are gathered for
   its forward and again for its backward, its gradients reduce-scattered after. The order of
   the wrappers is torchtitan's: activation checkpointing (model.py's per-block switch), then
-  torch.compile per block (``Module.compile``, in place), then ``fully_shard``.
+  torch.compile per block (the compiled wrapper replaces the block in ``model.layers``; the
+  distributed state-dict API drops its ``_orig_mod.`` from the names), then ``fully_shard``.
 - Mixed precision comes from ``training.dtype`` as a ``MixedPrecisionPolicy``: bf16 gathers
   and computes the blocks in bf16 and reduces gradients in fp32, the sharded master weights
   and AdamW's moments stay fp32 (so the trainer does not autocast on top); fp32 is plain fp32;
@@ -66,13 +67,14 @@ def refusal(optimizer: str, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: ``model.layers`` (model.py), else the first ModuleList."""
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks: ``model.layers`` (model.py), else the first ModuleList (empty
+    when there is none)."""
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.ModuleList):
-        return list(layers)
+        return layers
     found = next((m for m in model.modules() if isinstance(m, nn.ModuleList)), None)
-    return list(found) if found is not None else []
+    return found if found is not None else nn.ModuleList()
 
 
 def mixed_precision(dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -90,11 +92,11 @@ def shard(model: nn.Module, dtype: torch.dtype, cpu_offload: bool = False,
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
     blocks = blocks_of(model)
-    for block in blocks:
-        if compile_blocks:
-            block.compile()
+    for i in range(len(blocks)):
+        if compile_blocks:        # the compiled wrapper takes the block's place (torchtitan's way);
+            blocks[i] = torch.compile(blocks[i])    # state-dict names keep no _orig_mod. (DCP's API)
         # The last block's weights are needed again at once by the backward pass: keep them.
-        fully_shard(block, reshard_after_forward=block is not blocks[-1], **kw)
+        fully_shard(blocks[i], reshard_after_forward=i < len(blocks) - 1, **kw)
     fully_shard(model, **kw)
     return len(blocks)
 
@@ -124,10 +126,10 @@ def state_for_save(model: nn.Module, optimizers: dict) -> tuple[dict, dict]:
 
 def load_into(path, model: nn.Module, optimizers: dict, groups: dict, distributed: bool) -> None:
     """Load sharded checkpoint ``path`` into this rank's shards (DCP reshards from the world
-    size that wrote it); ``groups``: its meta.pt ``optimizer_groups``. Each rank first checks
-    the files it may read (all of them: with resharding any rank may read any file)."""
+    size that wrote it); ``groups``: its meta.pt ``optimizer_groups``. The files were checked
+    against the manifest when it was opened (utils.run.load_checkpoint, on every rank: with
+    resharding any rank may read any file)."""
     path = Path(path)
-    sharded.verify(path)
     target = {sharded.MODEL: get_model_state_dict(model), sharded.OPTIMIZER: {}}
     osds = {}
     for name, opt in optimizers.items():

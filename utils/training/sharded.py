@@ -57,7 +57,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from utils.training import distributed as D
-from utils.training.checkpoint import FORMAT_VERSION, CheckpointError, validate
+from utils.training.checkpoint import FORMAT_VERSION, CheckpointError, pid_alive, validate
 
 SUFFIX = ".dcp"
 META_FILE = "meta.pt"
@@ -155,7 +155,8 @@ def recover(directory) -> list[Path]:
     for p in sorted(Path(directory).glob(f".*{SUFFIX}.*-*")):
         stem, _, pid = p.name.rpartition("-")
         kind = stem.rsplit(".", 1)[-1]
-        if not p.is_dir() or kind not in ("old", "tmp") or not pid.isdigit() or _alive(int(pid)):
+        if not p.is_dir() or kind not in ("old", "tmp") or not pid.isdigit() or (
+                int(pid) != os.getpid() and pid_alive(int(pid))):
             continue
         target = p.with_name(stem[1:].rsplit(".", 1)[0])
         if kind == "old" and not target.exists():
@@ -164,18 +165,6 @@ def recover(directory) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
         touched.append(p)
     return touched
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove(path) -> None:
@@ -294,9 +283,14 @@ def read(path, purpose: str = "weights", shapes_of: Optional[Callable[[dict, dic
     rank by rank: :func:`load_into`), the weights' names and shapes checked from DCP's index."""
     path = Path(path)
     recover(path.parent)
-    verify(path)
+    manifest = verify(path)
     meta = read_meta(path)
     index = read_index(path)
+    unlisted = sorted({str(getattr(info, "relative_path", "?")) for info in index.storage_data.values()}
+                      - set(manifest))
+    if unlisted:
+        raise CheckpointError(path, f"DCP's index names files the manifest does not list ({', '.join(unlisted[:3])}): "
+                                    "a damaged or mixed-up checkpoint. Use another checkpoint of the run.")
     shapes = {k[len(MODEL) + 1:]: tuple(v.size) for k, v in index.state_dict_metadata.items()
               if k.startswith(MODEL + ".")}
     ckpt = dict(meta)

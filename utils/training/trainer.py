@@ -499,6 +499,9 @@ class Trainer:
             problem = fsdp.refusal(spec.optimizer.optimizer, self.dtype)
             if problem:
                 raise UsageError(problem)
+        if st.cpu_offload and self.device.type != "cuda":
+            raise UsageError("training.cpu_offload moves FSDP's sharded state from the GPUs to CPU "
+                             f"memory; training on {self.device.type} it is there already: leave it out.")
         self.amp_dtype = torch.float32 if self.fsdp else self.dtype   # FSDP's policy casts instead
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
         self.flops_per_token = spec.flops_per_token
