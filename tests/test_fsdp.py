@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -239,7 +240,8 @@ def test_muon_is_refused_with_the_alternatives(cfg):
 
 
 def test_readers_take_a_sharded_checkpoint_as_a_file(root, cfg, full, tmp_path):
-    """infer, export and status on the two-rank run: weights consolidated in the reading process."""
+    """infer, export, status and report on the two-rank run: weights consolidated in the reading
+    process, sizes of the folders' files."""
     folder = root / "checkpoints" / "full"
     r = ok(run_stage("infer", "--config", cfg, "--checkpoint", folder, "--prompt", "The history of",
                      "--max-new-tokens", 3))
@@ -253,6 +255,10 @@ def test_readers_take_a_sharded_checkpoint_as_a_file(root, cfg, full, tmp_path):
     assert torch.equal(exported["model.layers.1.mlp.down_proj.weight"], mine["layers.1.mlp.w_down.weight"])
     st = ok(run_stage("status", "full", "--config", cfg)).stdout
     assert "checkpoint_latest.dcp" in st and " 0.0 MB" not in st
+    ok(run_stage("report", "full", "--config", cfg))
+    md = (root / "reports" / "full" / "report.md").read_text()
+    assert re.search(r"\| `checkpoint_latest\.dcp` \| [1-9][\d.]* MB \|", md), md
+    assert "| parameters | 2,171,200" in md               # model_args from the sharded checkpoint
 
 
 @pytest.mark.cuda

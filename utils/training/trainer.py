@@ -495,13 +495,7 @@ class Trainer:
         self.dtype = resolve_dtype(st.dtype, self.device)
         self.sharded = st.parallel == "fsdp"          # checkpoints: sharded (DCP) folders
         self.fsdp = self.sharded and dist.enabled     # the model: sharded across the ranks
-        if self.sharded:
-            problem = fsdp.refusal(spec.optimizer.optimizer, self.dtype)
-            if problem:
-                raise UsageError(problem)
-        if st.cpu_offload and self.device.type != "cuda":
-            raise UsageError("training.cpu_offload moves FSDP's sharded state from the GPUs to CPU "
-                             f"memory; training on {self.device.type} it is there already: leave it out.")
+        self._refuse_parallel()
         self.amp_dtype = torch.float32 if self.fsdp else self.dtype   # FSDP's policy casts instead
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
         self.flops_per_token = spec.flops_per_token
@@ -528,6 +522,15 @@ class Trainer:
         self._last_val: Optional[float] = None
         self._last_eval_step = -1
         self._resumed_from: Optional[int] = None
+
+    def _refuse_parallel(self) -> None:
+        """Settings FSDP cannot train with (utils/training/fsdp.py), as a UsageError."""
+        problem = fsdp.refusal(self.spec.optimizer.optimizer, self.dtype) if self.sharded else None
+        if problem:
+            raise UsageError(problem)
+        if self.settings.cpu_offload and self.device.type != "cuda":
+            raise UsageError("training.cpu_offload moves FSDP's sharded state from the GPUs to CPU "
+                             f"memory; training on {self.device.type} it is there already: leave it out.")
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         """Activation checkpointing, torch.compile, then DDP or FSDP2 (in that order, as
