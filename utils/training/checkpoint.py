@@ -111,6 +111,10 @@ def pid_alive(pid: int) -> bool:
 def _sniff(path: Path) -> None:
     """Refuse what is plainly not a torch checkpoint before handing it to torch.load."""
     if not path.exists():
+        sharded = path.with_suffix(".dcp")
+        if path.suffix == ".pt" and sharded.is_dir():
+            raise CheckpointError(path, f"file not found; the run is sharded (FSDP): its checkpoint is the "
+                                        f"folder {sharded.name}.")
         raise CheckpointError(path, "file not found. List runs with `python main.py status`.")
     if path.is_dir():
         raise CheckpointError(path, "is a directory; pass a checkpoint_*.pt file inside it "

@@ -160,7 +160,12 @@ def recover(directory) -> list[Path]:
             continue
         target = p.with_name(stem[1:].rsplit(".", 1)[0])
         if kind == "old" and not target.exists():
-            os.replace(p, target)
+            try:
+                os.replace(p, target)
+            except OSError as e:
+                raise CheckpointError(target, f"a save killed mid-way left the previous checkpoint at {p}, "
+                                              f"which cannot be renamed back ({e.strerror or e}); rename "
+                                              f"it to {target.name} yourself.") from None
         else:
             shutil.rmtree(p, ignore_errors=True)
         touched.append(p)
