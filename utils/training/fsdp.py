@@ -131,13 +131,11 @@ def load_into(path, model: nn.Module, optimizers: dict, groups: dict, distribute
     resharding any rank may read any file)."""
     path = Path(path)
     target = {sharded.MODEL: get_model_state_dict(model), sharded.OPTIMIZER: {}}
-    osds = {}
-    for name, opt in optimizers.items():
-        osds[name] = get_optimizer_state_dict(model, opt)      # initializes an empty state
-        target[sharded.OPTIMIZER][name] = {"state": osds[name]["state"]}
+    for name, opt in optimizers.items():            # (an empty state is initialized first)
+        target[sharded.OPTIMIZER][name] = {"state": get_optimizer_state_dict(model, opt)["state"]}
     try:
         dcp.load(target, storage_reader=sharded.SafeReader(path), no_dist=not distributed)
-    except Exception as e:   # DCP wraps every reader failure on any rank into one exception
+    except sharded.READ_ERRORS as e:
         raise CheckpointError(path, f"its shards cannot be loaded ({type(e).__name__}: "
                                     f"{str(e).splitlines()[0][:200] if str(e) else ''}).") from None
     set_model_state_dict(model, target[sharded.MODEL])

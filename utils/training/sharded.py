@@ -54,8 +54,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
+from utils.disk import named
 from utils.training import distributed as D
 from utils.training.checkpoint import FORMAT_VERSION, CheckpointError, pid_alive, validate
 
@@ -64,6 +66,9 @@ META_FILE = "meta.pt"
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = ".metadata"
 MODEL, OPTIMIZER = "model", "optimizer"
+# What DCP's load raises when shards and index disagree: CheckpointException gathers every rank's
+# failure; one process raises the reader's own (a size mismatch is an AssertionError there).
+READ_ERRORS = (CheckpointException, RuntimeError, OSError, ValueError, KeyError, AssertionError)
 
 
 def is_sharded(path) -> bool:
@@ -98,18 +103,36 @@ def save(path, tensors: dict, meta: dict, dist: D.DistInfo) -> Path:
         own = {f.name: _file_record(f) for f in sorted(tmp.glob(f"__{dist.rank}_*.distcp"))}
         records = D.gather_objects(dist, own)
         if dist.is_main:
-            torch.save({"format_version": FORMAT_VERSION, **meta}, tmp / META_FILE)
+            with open(tmp / META_FILE, "wb") as f:
+                torch.save({"format_version": FORMAT_VERSION, **meta}, f)
+                f.flush()
+                os.fsync(f.fileno())
             manifest = {name: rec for part in records for name, rec in part.items()}
             for name in (INDEX_FILE, META_FILE):
                 manifest[name] = _file_record(tmp / name)
             _write_synced(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
             _swap_in(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        refused = _refused_write(path, e)
+        if refused is None:
+            raise
+        raise refused from None
     D.barrier(dist)
     return path
+
+
+def _refused_write(path: Path, e: BaseException):
+    """A full disk or a refused write (DCP's CheckpointException carries each rank's own) as
+    utils.disk's WriteError naming the folder and ``paths.checkpoints_dir``; None otherwise."""
+    causes = [pair[0] for pair in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    for cause in causes:
+        refused = named(path, cause, setting="paths.checkpoints_dir") if isinstance(
+            cause, (OSError, RuntimeError)) else None
+        if refused is not None:
+            return refused
+    return None
 
 
 def _file_record(f: Path) -> dict:
@@ -346,7 +369,7 @@ def _load_flat(path: Path, index, keys: list[str]) -> dict:
         with warnings.catch_warnings():     # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             dcp.load(nested, storage_reader=SafeReader(path), no_dist=True)
-    except Exception as e:   # DCP wraps every reader failure; the manifest passed, so the index lies
+    except READ_ERRORS as e:  # the manifest passed, so the index and the shards disagree
         raise CheckpointError(path, f"its shards cannot be read ({type(e).__name__}: "
                                     f"{str(e).splitlines()[0][:200] if str(e) else ''}). Use another "
                                     "checkpoint of the run.") from None
