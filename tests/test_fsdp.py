@@ -46,7 +46,7 @@ B = 2                # windows per rank per micro-batch (one process: 2 * B)
 ACCUM = 2
 STEPS = 4
 RUN = ["--parallel", "fsdp", "--grad-accum", ACCUM, "--checkpoint-every", 1,
-       "--keep-checkpoints", STEPS + 1, "--max-steps", STEPS]
+       "--keep-checkpoints", STEPS + 1, "--max-steps", STEPS, "--sample-tokens", 0]
 
 
 @pytest.fixture(scope="module")
