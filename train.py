@@ -112,8 +112,8 @@ def build_parser() -> StageParser:
 def add_process_flags(p: StageParser) -> None:
     """How many processes train and how they share the model."""
     p.add_argument("--nproc-per-node", type=_positive_int, default=1, metavar="N",
-                   help="DDP on N processes of this machine (one per GPU; gloo on CPU): "
-                        "torchrun --standalone, launched for you")
+                   help="N processes of this machine (one per GPU; gloo on CPU), DDP or "
+                        "--parallel fsdp: torchrun --standalone, launched for you")
     p.config_flag("--parallel", key="training.parallel", choices=["ddp", "fsdp"],
                   help="several processes: ddp (default), or fsdp: FSDP2 shards weights, gradients "
                        "and optimizer state; sharded checkpoints (*.dcp folders)")
