@@ -101,9 +101,10 @@ browser:
 	else echo "make: no apt-get: install chromium and chromedriver by hand for the browser test"; fi
 
 # The whole suite, what CI runs (.ci/run): two pytest workers (pytest-xdist), one per core, each
-# test file on one worker (its module fixtures, a trained run or a server, are built once)
+# test file on one worker (its module fixtures, a trained run or a server, are built once); the 25
+# slowest tests are listed at the end, to keep the suite within its budget
 test: samples $(VENV)/.installed-test browser
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 # The edit loop (not CI): the unit tests only (their files less the tests of a command line), under 3 minutes
 UNIT_TESTS := tests/test_checkpoint.py tests/test_config.py tests/test_dataloader.py \

@@ -151,12 +151,15 @@ def read_pairs(cfg, args) -> tuple[list, dict, sft.Skips]:
                   "label": preference.SAMPLE_LABEL, "inputs": [str(cfg.path("paths.samples_dir"))]}
     else:
         p = cfg.resolve(spec)
-        if p.suffix.lower() in (".jsonl", ".json") or p.exists():
+        if p.suffix.lower() in (".jsonl", ".json") or p.is_file():
             pairs = preference.read_jsonl_pairs(p, max_chars, skips)
             source = {"kind": "jsonl", "name": p.name, "label": "local preference JSONL", "inputs": [str(p)]}
         else:
-            pairs = preference.hub_pairs(spec, max_chars, skips)
-            source = {"kind": "hub", "name": spec, "label": "Hugging Face hub", "inputs": [spec]}
+            local = p.is_dir()          # a save_to_disk folder or a folder of data files
+            pairs = preference.hub_pairs(str(p) if local else spec, max_chars, skips)
+            source = {"kind": "local_dataset" if local else "hub", "name": p.name if local else spec,
+                      "label": "local dataset folder" if local else "Hugging Face hub",
+                      "inputs": [str(p) if local else spec]}
     limit = args.limit if args.limit is not None else (TEST_MAX_PAIRS if cfg.test else None)
     if limit is not None:
         pairs = pairs[:limit]
@@ -352,7 +355,7 @@ def dpo_spec(cfg, src: Source, pairs, data, optimizer, settings, tok_info, rules
         "reference_sha256": dpo.array_sha256(ref), "beta": cfg.dpo.beta}})
     return TrainSpec(model, src.model_args, data.train, data.val, optimizer=optimizer, settings=settings,
                      record=record, loss=dpo.make_loss(torch.from_numpy(ref), cfg.dpo.beta),
-                     count=dpo.pair_count, checkpoint_name=lambda step: f"checkpoint_epoch_{step // spe}.pt")
+                     count=dpo.pair_count, next_token_loss=False, checkpoint_name=lambda step: f"checkpoint_epoch_{step // spe}.pt")
 
 
 def run_files(cfg, args, src: Source, pairs, data, made: dict, spec) -> dict:

@@ -58,8 +58,8 @@ from utils.cli import PipelineError, StageParser, UsageError, cli_path, run_stag
 from utils.config import PROJECT_ROOT
 from utils.disk import WriteError, free_bytes, named
 from utils.hf.card import Sources, model_card
-from utils.run import (POST_TRAINING, is_hf_model, load_model_and_tokenizer, pick_checkpoint,
-                       read_stage_config, stored_config)
+from utils.run import (POST_TRAINING, checkpoint_bytes, is_hf_model, load_model_and_tokenizer,
+                       pick_checkpoint, read_stage_config, stored_config)
 
 # What imports torch or transformers (utils/hf/* but card.py, bench's adapters and report; 1-3
 # s) or the tokenizer and SFT-data modules (huggingface_hub, numpy; ~0.3 s) is imported in the
@@ -364,7 +364,7 @@ def write_export(cfg, args, loaded: Loaded, folder: Path, dtype: Optional[str]) 
     path = write_gguf(folder / f"{loaded.run}-{dtype}.gguf", loaded.model, loaded.tok, dtype=dtype,
                       name=loaded.run, chat_template=template, add_bos=adds_bos(loaded.hf_tok))
     if dtype in ("q8_0", "bf16"):
-        card += quantization_report(cfg, loaded, dtype, path.stat().st_size)
+        card += quantization_report(cfg, loaded, dtype, checkpoint_bytes(path))
     (folder / "README.md").write_text(card, encoding="utf-8")
     return [path, folder / "README.md"]
 

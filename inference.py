@@ -129,6 +129,8 @@ def build_parser() -> StageParser:
     p.config_flag("--top-k", key="inference.top_k", type=int, metavar="K", help="top-k filter (0 = off)")
     p.config_flag("--top-p", key="inference.top_p", type=float, metavar="P", help="nucleus filter (1.0 = off)")
     p.config_flag("--device", key="inference.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.config_flag("--prefix-cache-mb", key="inference.prefix_cache_mb", type=int, metavar="MB",
+                  help="MiB of KV kept for reuse by later chat turns (0: off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.add_argument("--json", action="store_true",
                    help="scripted mode: print one JSON object (text and statistics)")
@@ -171,6 +173,7 @@ class Stats:
     ttft: Optional[float]
     stopped: bool = False
     prompt_tokens: Optional[int] = None     # what the model was given (chat: history included)
+    reused: int = 0                         # of them, taken from the prefix cache (not recomputed)
 
     @property
     def rate(self) -> float:
@@ -179,6 +182,7 @@ class Stats:
     def line(self) -> str:
         ttft = f"{self.ttft:.3f} s" if self.ttft is not None else "n/a"
         prompt = f"; prompt {self.prompt_tokens} tokens" if self.prompt_tokens is not None else ""
+        prompt += f", {self.reused} reused" if self.reused else ""
         return (f"{self.tokens} tokens in {self.seconds:.2f} s ({self.rate:.1f} tokens/s; first "
                 f"token after {ttft}{prompt})" + (" [stopped]" if self.stopped else ""))
 
@@ -248,6 +252,9 @@ class Session:
             print(f"infer: {quantize_int8(o.model).line()}", file=self.err)
         engine = Engine(o.model)
         engine.decode_pack()            # the CPU decode weights now, as part of loading, not of the first reply
+        why_not = engine.use_prefix_cache(self.cfg.inference.prefix_cache_mb << 20)   # later turns reuse the KV
+        if why_not and self.cfg.inference.prefix_cache_mb:
+            self.note(f"prefix cache {why_not}")
         return Loaded(o.path, label or o.label, o.model, o.kind, o.rules, n, o.tok, engine)
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:
@@ -297,6 +304,8 @@ class Session:
         stopped = False
         stream = None
         ids: list[int] = []
+        store = m.engine.prefix_cache
+        hits = store.hit_tokens if store is not None else 0
         try:
             ids = self.prompt_ids(m, text, p.max_new_tokens, note)
             text_out = TextDecoder(m.tok, ids[-1:] if continues else (), lead)
@@ -328,7 +337,8 @@ class Session:
                  "(the model ended the text immediately (end-of-text token))")
         if m.chat and not stopped:
             m.history.append((text, final))
-        return final, Stats(len(text_out.ids), seconds, ttft, stopped, len(ids))
+        reused = store.hit_tokens - hits if store is not None else 0
+        return final, Stats(len(text_out.ids), seconds, ttft, stopped, len(ids), reused)
 
 
 def _label(path: Path) -> str:

@@ -148,10 +148,14 @@ def _load_source(cfg, spec: str, max_turn_chars: int, skips) -> tuple[list, dict
                                  ("sciq", "arc_easy", "arc_challenge")]}, None
     p = Path(os.path.expanduser(spec))
     p = p if p.is_absolute() else (cfg.resolve(spec) if cfg.resolve(spec).exists() else p.resolve())
-    if p.suffix.lower() in (".jsonl", ".json") or p.exists():
+    if p.suffix.lower() in (".jsonl", ".json") or p.is_file():
         recs = sft.read_jsonl_records(p, max_turn_chars, skips)
         return recs, {"kind": "jsonl", "name": p.name, "label": "local LIMA-schema JSONL",
                       "inputs": [str(p)]}, p
+    if p.is_dir():                      # a save_to_disk folder or a folder of data files
+        recs = sft.lima_records(str(p))
+        return recs, {"kind": "local_dataset", "name": p.name, "label": "local dataset folder (LIMA's schema)",
+                      "inputs": [str(p)]}, None
     recs = sft.lima_records(spec)
     return recs, {"kind": "hub", "name": spec, "label": "LIMA (Hugging Face hub)", "inputs": [spec]}, None
 
@@ -291,7 +295,8 @@ def write_source_copy(out: Path, src: Records) -> str:
         with open(src.local, "rb") as source, atomic_open(out / copy_name, "wb") as f:
             shutil.copyfileobj(source, f)
         return copy_name
-    copy_name = "lima_train.jsonl" if src.source["kind"] == "hub" else "qa_substitute_lima_schema.jsonl"
+    copy_name = {"hub": "lima_train.jsonl", "local_dataset": f"{src.source['name']}.jsonl"}.get(
+        src.source["kind"], "qa_substitute_lima_schema.jsonl")
     with atomic_open(out / copy_name, "w") as f:
         for r in src.records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")

@@ -61,6 +61,8 @@ def build_parser() -> StageParser:
     p.config_flag("--quantize", key="serve.quantize", choices=["none", "int8"],
                   help="weights of the served models")
     p.config_flag("--device", key="serve.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.config_flag("--prefix-cache-mb", key="serve.prefix_cache_mb", type=int, metavar="MB",
+                  help="MiB of KV per model kept for reuse by requests with the same start (0: off)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="intra-op threads of each engine step (default: the engine's rule, 1 for a "
                         "small model's small steps, all cores for models of 64M+ weights; 1 on a busy machine)")
@@ -172,7 +174,9 @@ def open_models(args, cfg, loop) -> dict:
         mb = lane.bytes_per_slot / 2 ** 20
         shown = "unbounded (Infini-attention)" if lane.capacity >= UNBOUNDED else lane.capacity
         say(f"model '{mid}': {o['label']} ({o['kind']}{', chat' if o['rules'].chat else ''}), context "
-            f"{shown}, {lane.slots} slots x {mb:.1f} MiB of KV cache")
+            f"{shown}, {lane.slots} slots x {mb:.1f} MiB of KV cache, "
+            + (f"prefix cache {pc['bytes_budget'] / 2 ** 20:g} MiB ({pc['blocks_capacity']} blocks of "
+               f"{pc['block_tokens']} tokens)" if (pc := lane.prefix_cache) else "no prefix cache"))
     return models
 
 

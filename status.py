@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from utils.cli import PipelineError, StageParser, printable, run_stage
-from utils.run import check_run_name, lineage, list_runs, run_checkpoints, run_kind
+from utils.run import checkpoint_bytes, check_run_name, lineage, list_runs, run_checkpoints, run_kind
 from utils.training.logging_utils import (TERMINAL_EVENTS, LogRead, finite as _finite, json_safe, latest_per_step,
                                           read_log)
 
@@ -123,7 +123,8 @@ def checkpoint_files(run_dir: Path, now: float) -> list[dict]:
     out = []
     for p in sorted(run_checkpoints(run_dir), key=lambda p: p.stat().st_mtime, reverse=True):
         st = p.stat()
-        out.append({"file": p.name, "mb": round(st.st_size / 1e6, 1), "age_s": round(now - st.st_mtime, 1)})
+        out.append({"file": p.name, "mb": round(checkpoint_bytes(p) / 1e6, 1),      # a *.dcp folder: its files
+                    "age_s": round(now - st.st_mtime, 1)})
     return out
 
 
@@ -283,8 +284,9 @@ def format_summary(s: dict) -> str:
                  + (f"; {s['tokens_seen']:,} tokens seen" if isinstance(s["tokens_seen"], int) else ""))
     if s["state"] == "running":
         lines.append(f"  ETA          {_dur(s['eta_s'])}")
-    lines.append(f"  validation   loss {_num(s['val_loss'])} (best {_num(s['best_val_loss'])}), "
-                 f"perplexity {_num(s['perplexity'], '.2f')}, bits/byte {_num(s['bits_per_byte'])}")
+    lines.append(f"  validation   loss {_num(s['val_loss'])} (best {_num(s['best_val_loss'])})"
+                 + ("" if s["val_loss"] is not None and s["perplexity"] is None   # not a next-token loss (DPO)
+                    else f", perplexity {_num(s['perplexity'], '.2f')}, bits/byte {_num(s['bits_per_byte'])}"))
     if s.get("metrics") or s.get("val_metrics"):
         said = [", ".join(f"{k} {v:.4g}" for k, v in sorted(s["metrics"].items()))]
         if s.get("val_metrics"):

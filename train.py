@@ -5,6 +5,7 @@
     python main.py train --name exp1 --resume auto     continue exp1 exactly where it stopped
     python main.py train --resume checkpoints/exp1/checkpoint_step_2000.pt
     python main.py train --nproc-per-node 4 --name exp1   DDP on 4 GPUs of this machine (gloo on CPU)
+    python main.py train --nproc-per-node 4 --parallel fsdp --name exp1   FSDP2 (sharded; *.dcp checkpoints)
     torchrun --nproc_per_node=4 train.py --name exp1   the same through torchrun (multi-node flags)
 
 The loop itself is utils/training/trainer.py (shared with SFT); checkpoints go through
@@ -35,6 +36,7 @@ from utils.hf.import_hf import load_hf_llama
 from utils.run import (check_run_name, load_checkpoint, model_args_of, require_same_tokenizer,
                        resume_checkpoint, resume_command_train)
 from utils.training import distributed as D
+from utils.training import fsdp
 from utils.training.allocator import cpu_allocator_plan
 from utils.training.metrics import measure_bytes_per_token
 from utils.training.trainer import OptimizerSpec, Settings, TrainSpec, resolve_dtype
@@ -103,10 +105,20 @@ def build_parser() -> StageParser:
                    help="start from a local Hugging Face Llama model (folder or .gguf file): its "
                         "weights, shape and tokenizer (the shards must be made with that "
                         "tokenizer: tokenizer.name DIR)")
-    p.add_argument("--nproc-per-node", type=_positive_int, default=1, metavar="N",
-                   help="DDP on N processes of this machine (one per GPU; gloo on CPU): "
-                        "torchrun --standalone, launched for you")
+    add_process_flags(p)
     return p
+
+
+def add_process_flags(p: StageParser) -> None:
+    """How many processes train and how they share the model."""
+    p.add_argument("--nproc-per-node", type=_positive_int, default=1, metavar="N",
+                   help="N processes of this machine (one per GPU; gloo on CPU), DDP or "
+                        "--parallel fsdp: torchrun --standalone, launched for you")
+    p.config_flag("--parallel", key="training.parallel", choices=["ddp", "fsdp"],
+                  help="several processes: ddp (default), or fsdp: FSDP2 shards weights, gradients "
+                       "and optimizer state; sharded checkpoints (*.dcp folders)")
+    p.config_flag("--cpu-offload", key="training.cpu_offload", action="store_const", const=True,
+                  help="fsdp: sharded state in CPU memory")
 
 
 def _positive_int(text: str) -> int:
@@ -122,6 +134,7 @@ def _positive_int(text: str) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, cfg = parse(argv)
+    refuse_parallel(cfg)
     if args.nproc_per_node > 1:
         return launch_ranks(argv, args.nproc_per_node)
     return set_up(cfg, args, argv).finish()
@@ -153,6 +166,19 @@ def parse(argv: list[str]):
         parser.set_defaults(**{dest: value for flag, (dest, value) in TEST_DEFAULTS.items()
                                if not any(a == flag or a.startswith(flag + "=") for a in argv)})
     return parser.parse(argv)
+
+
+def refuse_parallel(cfg) -> None:
+    """Settings FSDP cannot train with, refused before any rank starts (utils/training/fsdp.py)."""
+    hp = cfg.training
+    if hp.parallel == "fsdp":
+        named = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(hp.dtype, torch.float32)
+        problem = fsdp.refusal(hp.optimizer, named)
+        if problem:
+            raise UsageError(problem)
+    elif hp.cpu_offload:
+        raise UsageError("training.cpu_offload applies to training.parallel fsdp only (DDP keeps the "
+                         "whole model on each GPU); add --parallel fsdp or leave it out.")
 
 
 def launch_ranks(argv: list[str], n: int) -> int:
@@ -241,7 +267,9 @@ def resumed_run(cfg, args, tok, tok_info, proc: stage.Process) -> stage.Start:
     settings are named)."""
     hp, ckdir = cfg.training, cfg.path("paths.checkpoints_dir")
     path = resume_checkpoint(ckdir, args.resume, hp.run_name)
-    ckpt = load_checkpoint(path, purpose="resume")
+    # An FSDP run loads a sharded checkpoint's tensors rank by rank (each its shards); one
+    # process or DDP reads them whole.
+    ckpt = load_checkpoint(path, purpose="resume", tensors=not (hp.parallel == "fsdp" and proc.dist.enabled))
     run = hp.run_name or (path.parent.name if path.parent != ckdir else "legacy")
     require_same_tokenizer(ckpt.get("tokenizer"), tok_info, str(path), "the configured tokenizer",
                            "Resume with the run's tokenizer (its config's tokenizer.name).")
@@ -333,6 +361,7 @@ def say_model(cfg, start: stage.Start, data: stage.Data, model, proc: stage.Proc
              f"tokens ({data.steps_per_epoch or '?'} steps/epoch); {hp.optimizer}, lr {hp.lr:g} -> "
              f"{hp.min_lr:g}, {str(dtype).replace('torch.', '')} on {proc.device}"
              + (f", {proc.dist.world_size} processes ({proc.dist.backend})" if proc.dist.enabled else "")
+             + (", FSDP2" if proc.dist.enabled and hp.parallel == "fsdp" else "")
              + ".")
 
 
@@ -371,7 +400,7 @@ def _take(loader, n: int):
 _EXACTNESS_KEYS = ("dataset.window", "dataset.stride", "dataset.seed", "dataset.val_split",
                    "dataset.source", "training.batch_size", "training.grad_accum",
                    "training.optimizer", "training.lr", "training.min_lr", "training.warmup_steps",
-                   "training.weight_decay", "training.dtype", "training.seed")
+                   "training.weight_decay", "training.dtype", "training.seed", "training.parallel")
 
 
 def _report_config_changes(old: dict, new: dict, say) -> None:

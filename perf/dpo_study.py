@@ -4,6 +4,7 @@ between the pairs' answers, and the benchmark's ARC scores, before and after a s
     python perf/dpo_study.py --sft checkpoints/sft_demo_<time>/checkpoint_best.pt     the demo's SFT model
     python perf/dpo_study.py --hf data/samples/smollm2/SmolLM2-135M-Instruct --pairs 200 --steps 20 \\
         --lr 5e-6 --batch-size 4
+    python perf/dpo_study.py --hf data/samples/smollm2/SmolLM2-135M-Instruct --lora --lr 5e-5 ...
 
 Every stage runs as `python main.py ...` (a user's commands) under a config in --workdir:
 ``dpo prepare --dataset samples --limit PAIRS`` (the first PAIRS of the offline substitute are
@@ -101,6 +102,9 @@ def main() -> int:
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--arc-limit", type=int, default=200, help="ARC items per task")
+    ap.add_argument("--eval-every", type=float, default=1.0, help="validate every F of an epoch (dpo train's flag)")
+    ap.add_argument("--lora", action="store_true", help="train a LoRA adapter (the lora config section) "
+                    "instead of every weight")
     a = ap.parse_args()
     t0 = time.time()
     tokenizer = str(a.hf.resolve()) if a.hf else str(a.sft.resolve().parent / "tokenizer")
@@ -109,13 +113,13 @@ def main() -> int:
     model = [str(a.hf or a.sft)]        # an HF folder is imported through our model, as after DPO
     before = arc(cfg, model, a.workdir / "bench_before", a.arc_limit)
     start = ["--init-from-hf", str(a.hf)] if a.hf else ["--checkpoint", str(a.sft)]
-    stage("dpo", "train", "--config", str(cfg), *start, "--max-steps", str(a.steps), "--eval-every", "1",
-          "--name", "study")
+    stage("dpo", "train", "--config", str(cfg), *start, "--max-steps", str(a.steps),
+          "--eval-every", str(a.eval_every), "--name", "study", *(["--lora"] if a.lora else []))
     run = sorted((a.workdir / "checkpoints").glob("dpo_study_*"))[-1]
     after = arc(cfg, [str(run / "checkpoint_latest.pt")], a.workdir / "bench_after", a.arc_limit)
     pref = own_preference(run, a.workdir / "data" / "preference", run / "checkpoint_latest.pt")
     result = {"model": str(a.hf or a.sft), "pairs": a.pairs, "lr": a.lr, "beta": a.beta,
-              "batch_size": a.batch_size, **held_out_rewards(a.workdir, run),
+              "batch_size": a.batch_size, "lora": a.lora, **held_out_rewards(a.workdir, run),
               "own_preference_before": pref[0], "own_preference_after": pref[1],
               **{f"{k}_before": v for k, v in before.items()}, **{f"{k}_after": v for k, v in after.items()},
               "arc_items_per_task": a.arc_limit, "wall_s": round(time.time() - t0, 1), "run": str(run)}

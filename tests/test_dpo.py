@@ -109,6 +109,20 @@ def test_malformed_records_are_named_by_file_and_line(work, tmp_path):
     assert not (tmp_path / "none" / "metadata.json").exists()
 
 
+def test_prepare_reads_a_local_dataset_folder(work, tmp_path):
+    """A hub preference dataset's local copy: a folder of parquet files, as the hub stores one."""
+    import datasets
+    rows = [{"prompt": f"Is {i} even?", "chosen": "yes" if i % 2 == 0 else "no",
+             "rejected": "no" if i % 2 == 0 else "yes"} for i in range(6)]
+    (tmp_path / "prefs" / "data").mkdir(parents=True)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "prefs" / "data" / "train-00000-of-00001.parquet"))
+    out = tmp_path / "pref"
+    r = run_stage("dpo", "prepare", "--config", work["cfg"], "--dataset", tmp_path / "prefs", "--output-dir", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["counts"]["kept"] == 6 and meta["source"]["kind"] == "local_dataset", meta
+
+
 def test_train_refuses_pairs_rendered_with_another_template(work, tmp_path):
     """The SFT checkpoint records its chat template: pairs rendered with another one (here our
     template with other prefixes) are refused before anything is written."""
@@ -212,6 +226,7 @@ def test_training_raises_the_reward_margin_and_writes_the_run(work):
     assert all(r["rewards_chosen"] > r["rewards_rejected"] and r["loss"] < 0.5 for r in last_epoch)
     assert val[-1]["val_reward_margin"] > val[0]["val_reward_margin"]
     assert val[-1]["val_loss"] < math.log(2)
+    assert all(r["perplexity"] is None and r["bits_per_byte"] is None for r in val)   # not a next-token loss
     cfg = json.loads((run / "dpo_config.json").read_text())
     assert cfg["base_checkpoint"] == str(work["base"]["ckpt"]) and cfg["data"]["heldout_pairs"] == 4
     ref = np.load(run / "reference_logps.npy")
@@ -276,6 +291,7 @@ def test_status_and_report_show_the_run(work):
     assert s.returncode == 0 and name in s.stdout, s.stdout + s.stderr
     s = run_stage("status", "--config", work["cfg"], name)
     assert s.returncode == 0 and "reward_accuracy" in s.stdout, s.stdout + s.stderr
+    assert "perplexity" not in s.stdout and "validation   loss" in s.stdout, s.stdout
     r = run_stage("report", "--config", work["cfg"], name)
     assert r.returncode == 0, r.stdout + r.stderr
     md = (work["root"] / "reports" / name / "report.md").read_text()

@@ -223,35 +223,40 @@ def test_interactive_single_model_session(work):
 
 def test_interactive_sft_chat_keeps_the_conversation(work):
     """The second turn's prompt holds the first exchange (its token count, printed with the
-    statistics, equals the chat template rendered over that history); /clear forgets it."""
+    statistics, equals the chat template rendered over that history), whose KV the prefix cache
+    gives back (the reused tokens, printed too: whole blocks of the first turn's prompt and
+    answer); /clear forgets it."""
     from utils.data import sft
     tok, template = tokenizer(), sft.default_template()
     bos, eos = tok.bos_token_id, tok.eos_token_id
     c = _spawn(work, "--checkpoint", work["chat"], "--max-new-tokens", "4", "--temperature", "0")
     c.expect("chat \\(User/Assistant template\\)")
-    counts = []
-    for text in ("Hello", "Why?", "/clear", "Why?"):
+    counts, reused = [], []
+    q1 = "Hello, tell me about the history of the rivers and mountains"
+    for text in (q1, "Why?", "/clear", "Why?"):
         c.expect("to forget the conversation\\): ")  # the prompt line
         c.sendline(text)
         if text == "/clear":
             c.expect("conversation cleared")
             continue
         c.sendline("")                                # default parameters
-        c.expect(r"tokens/s; first token after [\d.]+ s; prompt (\d+) tokens\)")
+        c.expect(r"tokens/s; first token after [\d.]+ s; prompt (\d+) tokens(, (\d+) reused)?\)")
         counts.append(int(c.match.group(1)))
+        reused.append(int(c.match.group(3) or 0))
     c.expect("to forget the conversation\\): ")
     c.sendeof()                                       # end of input: clean exit
     c.expect("Bye.")
     c.expect(pexpect.EOF)
     c.close()
     assert c.exitstatus == 0
-    first = sft.encode_prompt(tok, template, [], "Hello", bos, eos)
+    first = sft.encode_prompt(tok, template, [], q1, bos, eos)
     answer = Engine(_model(work["chat"])).generate([first], 4, temperature=0, eos_id=eos)[0]
-    history = [("Hello", tok.decode(answer, skip_special_tokens=True))]
+    history = [(q1, tok.decode(answer, skip_special_tokens=True))]
     assert counts == [len(first),
                       len(sft.encode_prompt(tok, template, history, "Why?", bos, eos)),
                       len(sft.encode_prompt(tok, template, [], "Why?", bos, eos))]
     assert counts[1] > counts[2] + len(answer)        # the first exchange is in turn two
+    assert reused[0] == reused[2] == 0 and reused[1] >= len(first) // 16 * 16 > 0, (reused, len(first))
 
 
 def test_interactive_multi_model_comparison_with_colors(work):

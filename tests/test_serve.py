@@ -2,8 +2,8 @@
 user would) driven with the official `openai` client and raw HTTP: chat and completions,
 plain and streaming, seeds, stop strings, n > 1, logprobs, errors in OpenAI's shape, auth,
 HEAD, connection deadlines over raw sockets (idle, slow headers and bodies), disconnects, 32
-concurrent streams equal to their lone runs, SIGTERM, int8 weights, an HF
-folder served beside checkpoints. Every request loop is bounded in count and time."""
+concurrent streams equal to their lone runs, the prefix cache (reuse counted in /health, answers
+as uncached, models apart), SIGTERM, int8 weights, an HF folder served beside checkpoints. Every request loop is bounded in count and time."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -311,6 +311,68 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(
     assert "".join(x.choices[0].text for x in stream if x.choices) == got.text
     plain = c.completions.create(model="base", prompt=text, max_tokens=1, temperature=0, echo=True).choices[0]
     assert plain.text == got.text and plain.logprobs is None
+
+
+# --------------------------------------------------------------------------- prefix cache
+def _reused(server, model: str) -> int:
+    """Prompt tokens of ``model`` whose KV came from its prefix cache so far (/health)."""
+    return server.health()["models"][model]["prefix_cache"]["hit_tokens"]
+
+
+def test_prefix_cache_reuses_a_repeated_and_a_longer_prompt_and_answers_as_uncached(server, work):
+    """A second identical request and a longer one reuse the first one's KV (the hit counter in
+    /health grows by whole blocks), and every answer is the uncached engine's (greedy and
+    seeded); the same prompt to another model reuses nothing; an echo request (scored prompt)
+    reuses nothing. /health states the budget."""
+    from utils.generation.engine import Engine
+    from utils.run import load_model
+    tok, pre = tokenizer(), Engine(load_model(work["pre"])[0])
+    health = server.health()["models"]["base"]["prefix_cache"]
+    assert health["bytes_budget"] == 256 << 20 and health["blocks_capacity"] > 0
+    assert health["bytes_used"] <= health["bytes_budget"] and health["blocks_used"] <= health["blocks_capacity"]
+    for i, kw in enumerate(({"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 5})):
+        text = f"{i}: Prefix caching keeps the keys and values of a prompt's start for the next request " * 3
+        reused = []
+        for prompt in (text, text, text + "and the one after it"):
+            ids = [tok.bos_token_id] + tok.encode(prompt, add_special_tokens=False)
+            before = _reused(server, "base")
+            got = server.client.completions.create(model="base", prompt=prompt, max_tokens=8, **kw)
+            want = pre.generate([ids], 8, eos_id=tok.eos_token_id, **kw)[0]
+            assert got.choices[0].text == _continuation(tok, ids, want)
+            reused.append(_reused(server, "base") - before)
+        n = len(tok.encode(text, add_special_tokens=False))             # BOS + n tokens
+        assert reused[0] == 0 and reused[1] == n // 16 * 16 and reused[2] >= (n - 2) // 16 * 16 > 0, reused
+    ids = [tok.bos_token_id] + tok.encode(text, add_special_tokens=False)
+    other = _reused(server, "long")
+    got = server.client.completions.create(model="long", prompt=text, max_tokens=6, temperature=0)
+    assert got.choices[0].text == _continuation(tok, ids, _lone(work, "long", ids, 6, temperature=0,
+                                                                eos_id=tok.eos_token_id))
+    assert _reused(server, "long") == other                  # base's KV is base's alone
+    before = _reused(server, "base")
+    server.client.completions.create(model="base", prompt=text, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert _reused(server, "base") == before
+
+
+def test_prefix_cache_a_chat_s_next_turn_reuses_the_conversation(server, work):
+    """The chat page and every client resend the conversation: the second turn (streamed, as
+    the page asks) reuses the first turn's prompt and answer, and answers as uncached."""
+    from utils.data import sft
+    tok, template = tokenizer(), sft.default_template()
+    q1, q2 = "Tell me about the rivers and mountains of a country far away from here.", "And its lakes?"
+    first = server.client.chat.completions.create(model="sft_chat", messages=[{"role": "user", "content": q1}],
+                                                  max_tokens=12, temperature=0).choices[0].message.content
+    msgs = [{"role": "user", "content": q1}, {"role": "assistant", "content": first},
+            {"role": "user", "content": q2}]
+    before = _reused(server, "sft_chat")
+    stream = server.client.chat.completions.create(model="sft_chat", messages=msgs, max_tokens=12,
+                                                   temperature=0, stream=True)
+    got = "".join(x.choices[0].delta.content or "" for x in stream if x.choices)
+    ids1 = sft.encode_prompt(tok, template, [], q1, tok.bos_token_id, tok.eos_token_id)
+    ids = sft.encode_prompt(tok, template, [(q1, first)], q2, tok.bos_token_id, tok.eos_token_id)
+    want = _lone(work, "chat", ids, 12, temperature=0, eos_id=tok.eos_token_id)
+    text = _continuation(tok, ids, want)
+    assert got == text[1:] if text.startswith(" ") else text
+    assert _reused(server, "sft_chat") - before >= len(ids1) // 16 * 16 > 0
 
 
 def test_stop_strings_never_leak(server):

@@ -301,6 +301,27 @@ def test_prepare_local_jsonl_copies_source_and_reports_skips(tmp_path):
     assert int((toks == tok.eos_token_id).sum()) == 1      # the literal "</s>" stayed text
 
 
+def test_prepare_reads_a_local_copy_of_a_hub_dataset(tmp_path):
+    """Offline, a dataset saved with save_to_disk (a Dataset, or a DatasetDict's train split)
+    stands in for its hub name; a folder without LIMA's column or the split is named."""
+    import datasets
+    cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
+    rows = [{"conversations": ["Why is the sky blue?", "Rayleigh scattering."], "source": "mine"},
+            {"conversations": ["2+2?", "4", "and 3+3?", "6"], "source": "mine"}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "lima_copy"))
+    r = run_stage("sft", "prepare", "--config", cfg, "--dataset", str(tmp_path / "lima_copy"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = json.loads((tmp_path / "data" / "post-training" / "metadata.json").read_text())
+    assert meta["counts"]["kept"] == 2 and meta["source"]["kind"] == "local_dataset", meta
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "no_train"))
+    datasets.Dataset.from_list([{"text": "hi"}]).save_to_disk(str(tmp_path / "no_column"))
+    for folder, said in (("no_train", "holds the splits ['test'], not 'train'"), ("no_column", "no 'conversations' column")):
+        r = run_stage("sft", "prepare", "--config", cfg, "--dataset", str(tmp_path / folder),
+                      "--output-dir", str(tmp_path / "none"))
+        assert r.returncode == 1 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "none").exists()
+
+
 def test_prepare_batch_size_is_tokenizer_calls_and_never_changes_the_data(work, tmp_path):
     """--batch-size N: N conversations per tokenizer call. Prepared with 1 and with 7 (neither
     divides 48) the arrays are byte-identical to the default run's."""

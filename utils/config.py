@@ -190,6 +190,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "default": dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_hidden=None, tie_embeddings=True),
     "125m": dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=None, tie_embeddings=False),
     "200m": dict(d_model=1024, n_layers=6, n_heads=8, n_kv_heads=8, ffn_hidden=4096, tie_embeddings=False),
+    "1b": dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192, tie_embeddings=True),
 }
 MODEL_SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings")
 
@@ -202,9 +203,10 @@ def llama_ffn_hidden(d_model: int, multiple_of: int = 256) -> int:
 
 @dataclass
 class ModelConfig:
-    preset: Literal["tiny", "default", "125m", "200m", "custom"] = _f(
+    preset: Literal["tiny", "default", "125m", "200m", "1b", "custom"] = _f(
         "default", "size preset giving the shape keys (tiny: CPU tests; default: the seed's ~25M; "
-        "125m; 200m: seeds/000's Llama); non-null shape keys override it; custom: set them all")
+        "125m; 200m: seeds/000's Llama; 1b: Llama-3.2-1B's shape, for FSDP on 24 GB GPUs); non-null shape "
+        "keys override it; custom: set them all")
     vocab_size: Optional[int] = _f(None, "default: the tokenizer's vocabulary size (token ids are stored as uint32)", min=2, max=1 << 32)
     d_model: Optional[int] = _f(None, "hidden size (null: from the preset)", min=1)
     n_layers: Optional[int] = _f(None, "transformer blocks (null: from the preset)", min=1)
@@ -296,6 +298,11 @@ class TrainingConfig:
                                   "parameter group (null: training.lr)", min=0, min_exclusive=True)
     gate_weight_decay: Optional[float] = _f(None, "infini: weight decay of the memory gates "
                                             "(null: 0, as for the other 1-D parameters)", min=0)
+    parallel: Literal["ddp", "fsdp"] = _f("ddp", "several processes: ddp (the model on every GPU) or fsdp "
+                                          "(FSDP2: weights, gradients and optimizer state sharded; "
+                                          "sharded checkpoints, docs/training.md)")
+    cpu_offload: bool = _f(False, "fsdp: keep the sharded weights, gradients and optimizer state in "
+                           "CPU memory (slower; for models whose shards do not fit the GPUs)")
 
 
 @dataclass
@@ -406,6 +413,8 @@ class InferenceConfig:
     top_k: int = _f(50, "top-k filter (0 = off)", min=0)
     top_p: float = _f(0.95, "nucleus filter (1.0 = off)", min=0, max=1, min_exclusive=True)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
+    prefix_cache_mb: int = _f(256, "MiB of KV the interactive chat keeps for reuse by later turns "
+                              "(prefix cache; 0: off)", min=0)
 
 
 @dataclass
@@ -464,6 +473,8 @@ class ServeConfig:
                              "after its last answer) stays open", min=0, min_exclusive=True)
     read_timeout: float = _f(30.0, "seconds a request has, from its first byte, to send its headers and "
                              "its whole body (beyond: HTTP 408, connection closed)", min=0, min_exclusive=True)
+    prefix_cache_mb: int = _f(256, "MiB of KV per model kept for reuse by later requests that start "
+                              "with the same tokens (prefix cache, LRU; 0: off)", min=0)
     cors_origins: list[str] = _f([], "origins (scheme://host[:port], or \"*\" for any) whose web pages may "
                                  "call the API from a browser (CORS); []: only the server's own chat page")
 

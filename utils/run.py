@@ -98,15 +98,23 @@ def _weight_shapes(model_args: dict, weights: Optional[dict] = None) -> dict:
 
 
 def load_checkpoint(path, purpose: str = "weights", map_location="cpu", mmap: bool = False,
-                    merge_lora: bool = True) -> dict:
+                    merge_lora: bool = True, tensors: bool = True) -> dict:
     """The one checkpoint loader (``read_checkpoint``'s checks, plus the weights' names and
     shapes against the model the stored model_args build). purpose "weights": what SFT,
     inference, benchmark and export need; "resume": also the full training state. ``mmap``:
     tensors stay in the file (memory-mapped) until touched, for readers of the metadata.
     ``merge_lora`` False: a LoRA run's adapter stays apart for "weights" too (export's
-    adapter folder)."""
+    adapter folder). A sharded checkpoint (a ``*.dcp`` folder of an FSDP run,
+    utils/training/sharded.py) reads as a file does: the same dict, its tensors consolidated
+    in this process; ``tensors`` False: none read (an FSDP resume loads them rank by rank)."""
+    from utils.training import sharded                           # torch (see the imports)
     from utils.training.checkpoint import read_checkpoint        # torch (see the imports)
-    ckpt = read_checkpoint(path, purpose, map_location, shapes_of=_weight_shapes, mmap=mmap)
+    if sharded.is_sharded(path):
+        if purpose not in ("weights", "resume"):
+            raise ValueError(f"purpose must be 'weights' or 'resume', not {purpose!r}")
+        ckpt = sharded.read(path, purpose, shapes_of=_weight_shapes, tensors=tensors)
+    else:
+        ckpt = read_checkpoint(path, purpose, map_location, shapes_of=_weight_shapes, mmap=mmap)
     if ckpt.get("lora") is not None:
         _open_adapter(ckpt, Path(path), merge=purpose == "weights" and merge_lora)
     return ckpt
@@ -202,13 +210,15 @@ class RunInfo:
 
     @property
     def latest(self) -> Optional[Path]:
-        p = self.path / "checkpoint_latest.pt"
-        return p if p in self.checkpoints else None
+        return self._named("checkpoint_latest")
 
     @property
     def best(self) -> Optional[Path]:
-        p = self.path / "checkpoint_best.pt"
-        return p if p in self.checkpoints else None
+        return self._named("checkpoint_best")
+
+    def _named(self, stem: str) -> Optional[Path]:
+        """``stem.pt``, or the sharded folder ``stem.dcp`` of an FSDP run."""
+        return next((p for p in self.checkpoints if p.stem == stem), None)
 
     @property
     def legacy(self) -> bool:
@@ -244,11 +254,24 @@ def _ckpt_order(p: Path) -> tuple:
     return (2, -int(m.group(1)) if m else 0, name)
 
 
+SHARDED_GLOB = "*.dcp"      # an FSDP run's sharded checkpoint folders (utils/training/sharded.py)
+
+
 def run_checkpoints(directory) -> list[Path]:
-    """The ``*.pt`` checkpoint files of a run folder (no temp files), best/latest first."""
+    """The checkpoints of a run folder: its ``*.pt`` files and the ``*.dcp`` folders of a
+    sharded (FSDP) run, no temp files or folders; best/latest first."""
     d = Path(directory)
     files = [p for p in d.glob("*.pt") if p.is_file() and not p.name.startswith(".")]
+    files += [p for p in d.glob(SHARDED_GLOB) if p.is_dir() and not p.name.startswith(".")]
     return sorted(files, key=_ckpt_order)
+
+
+def checkpoint_bytes(path) -> int:
+    """A checkpoint's size on disk: a file's, or the files of a sharded folder added up."""
+    p = Path(path)
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+    return p.stat().st_size
 
 
 def list_runs(checkpoints_dir) -> list[RunInfo]:
@@ -285,14 +308,14 @@ def find_run(checkpoints_dir, name: Optional[str] = None) -> Optional[RunInfo]:
 
 
 def pick_checkpoint(path, say: Callable[[str], None] = lambda s: None) -> Path:
-    """``path`` itself when it is a file; for a run folder its best checkpoint (else latest,
-    else the newest step), said in one line."""
+    """``path`` itself when it is a file or a sharded checkpoint folder (``*.dcp``); for a run
+    folder its best checkpoint (else latest, else the newest step), said in one line."""
     path = Path(path)
-    if not path.is_dir():
+    if not path.is_dir() or path.suffix == ".dcp":
         return path
     files = run_checkpoints(path)
     if not files:
-        raise PipelineError(f"{path} is a folder without checkpoint files (*.pt); pass "
+        raise PipelineError(f"{path} is a folder without checkpoint files (*.pt, or *.dcp folders of a sharded run); pass "
                             "a checkpoint file or a run folder that holds one.")
     say(f"using {files[0].name} of {path}")
     return files[0]
@@ -303,7 +326,8 @@ def is_hf_model(path) -> bool:
     what utils/hf/import_hf.py opens instead of :func:`pick_checkpoint`."""
     path = Path(path)
     return (path.is_file() and path.suffix == ".gguf") or (
-        path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.pt")))
+        path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.pt"))
+        and not any(path.glob(SHARDED_GLOB)))
 
 
 def age_text(seconds: float) -> str:
@@ -331,6 +355,9 @@ def resume_checkpoint(checkpoints_dir, spec: str, name: Optional[str] = None,
             raise PipelineError(f"--resume auto: no {prefix}* run with a "
                                 f"checkpoint_latest.pt under {checkpoints_dir}.")
         return runs[0].latest
+    if name is not None and (Path(checkpoints_dir) / name).is_dir():
+        from utils.training import sharded                       # torch (see the imports)
+        sharded.recover(Path(checkpoints_dir) / name)            # a sharded save killed mid-swap
     run = find_run(checkpoints_dir, name)
     if run is None:
         what = f"run '{name}'" if name else "any run"

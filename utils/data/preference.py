@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from utils.cli import PipelineError
-from utils.data import chat, sft
+from utils.data import chat, hub, sft
 from utils.data.textio import replace_surrogates
 from utils.data.tok import require_bos_eos
 
@@ -152,15 +152,11 @@ def read_jsonl_pairs(path: Path, max_chars: int, skips: sft.Skips) -> list[dict]
 
 
 def hub_pairs(name: str, max_chars: int, skips: sft.Skips, split: str = "train") -> list[dict]:
-    """A preference dataset of the Hugging Face hub (TRL's shape) through ``datasets``."""
-    try:
-        import datasets     # 0.9 s: only for the hub and the samples
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # offline, gated, a missing split: the hub's reason, in one line
-        raise PipelineError(
-            f"cannot load the preference dataset '{name}' from the Hugging Face hub ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200] if str(e) else ''}). Offline, use `--dataset samples` or "
-            "`--dataset FILE.jsonl` (dpo.dataset in config.json).") from None
+    """A preference dataset in TRL's shape: a hub name or its local copy (a ``save_to_disk``
+    folder or a folder of data files), through ``datasets`` (hub.load_table)."""
+    ds = hub.load_table(name, split, lambda e: (
+        f"cannot load the preference dataset '{name}' ({hub.reason(e)}). Offline, use `--dataset samples`, "
+        "`--dataset FILE.jsonl`, or a local dataset folder (dpo.dataset in config.json)."))
     out = [normalize_pair(dict(r), f"{name}[{i}]", skips, max_chars) for i, r in enumerate(ds)]
     return [r for r in out if r is not None]
 

@@ -51,6 +51,7 @@ import numpy as np
 
 from utils.cli import PipelineError
 from utils.config import json_error_text
+from utils.data import hub
 from utils.data.textio import replace_surrogates
 from utils.data.tok import encode_plain  # the one plain-text encoder (also used as sft.encode_plain)
 
@@ -369,17 +370,16 @@ def jsonl_objects(raw: bytes, name: str, skips: Skips, note_crlf: bool = False) 
 
 
 def lima_records(name: str, split: str = "train") -> list[dict]:
-    """LIMA from the Hugging Face hub through ``datasets`` (the default source when online)."""
-    try:
-        import datasets     # 0.9 s: only for this source and the samples; a JSONL file needs none
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # offline, gated, or a hub error
-        raise PipelineError(
-            f"cannot load the SFT dataset '{name}' from the Hugging Face hub ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200] if str(e) else ''}). Offline, use `--dataset samples` "
-            "(real SciQ and ARC question/answer pairs converted into LIMA's schema, labelled as a "
-            "substitute) or `--dataset FILE.jsonl` with one {\"conversations\": [...]} per line "
-            "(sft.dataset in config.json).") from None
+    """LIMA (the default source when online), or any dataset of its schema: a hub name or its
+    local copy (a ``save_to_disk`` folder or a folder of data files), through ``datasets``."""
+    ds = hub.load_table(name, split, lambda e: (
+        f"cannot load the SFT dataset '{name}' ({hub.reason(e)}). Offline, use `--dataset samples` "
+        "(real SciQ and ARC question/answer pairs converted into LIMA's schema, labelled as a "
+        "substitute), `--dataset FILE.jsonl` with one {\"conversations\": [...]} per line, or a local "
+        "dataset folder (sft.dataset in config.json)."))
+    if "conversations" not in ds.column_names:
+        raise PipelineError(f"the SFT dataset '{name}' has no 'conversations' column (its columns: "
+                            f"{', '.join(ds.column_names)}); LIMA's schema is one list of turns per row.")
     return [{"conversations": list(r["conversations"]), "source": r.get("source", "lima")} for r in ds]
 
 

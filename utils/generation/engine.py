@@ -10,6 +10,7 @@ products of cpu.py), the thread policy of a step (threads.py) and incremental de
     generate(model, prompts, ...)                           one-off: a throwaway Engine
     b = engine.batcher(slots=8)                             continuous batching (serve):
     b.add(Sequence(ids, SamplingParams(...), tok=tok, sink=fn)); b.step() -> [Event, ...]
+    engine.use_prefix_cache(budget_bytes)                   reuse the KV of prompt starts seen before
 
 Contract: greedy (temperature 0, or below ``GREEDY_BELOW``), temperature, top-k (0 disables),
 top-p (1.0 disables); each sequence samples with a private ``torch.Generator`` seeded by its
@@ -39,6 +40,14 @@ With fp32 weights on CPU the engine also keeps a transposed, contiguous copy of 
 head's, bounded by ``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights change (storage
 or ``_version``: an optimizer step or ``load_state_dict``) and freed with the engine.
 
+Prefix cache (``use_prefix_cache``; utils/generation/prefix_cache.py): the engine owns one
+store of KV blocks for its model, shared by all its batchers; a prefill copies the longest
+cached whole-block prefix of the prompt into the slot (never the last token: its logits give
+the first new token) and computes the rest over it with a causal mask aligned to its
+positions; the prompt's blocks are stored after its prefill, a finished sequence's prompt +
+output when it leaves its slot. Logits agree with a whole prefill's to float rounding. Not for
+Infini-attention models nor for sequences that score their prompt (``prompt_logprobs``).
+
 Decode steps (``Block.decode`` over the pack) pay a fixed dispatch cost per tensor operation on
 CPU, which is most of a small model's token: the step fuses projections, rotates q and k
 together, writes the cache with one ``index_copy_`` per tensor, skips the key mask when every
@@ -60,6 +69,7 @@ from utils.generation.constrained import Grammars, constrain
 from utils.generation.cpu import greedy
 from utils.generation.detok import TextStream
 from utils.generation.pack import DecodePack, build_pack, pack_head, pack_key
+from utils.generation.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
 from utils.infini import InfiniCache
 
 UNBOUNDED = 1 << 62               # positions per sequence of an Infini-attention batcher by default
@@ -204,6 +214,7 @@ class Sequence:
         # params.prompt_logprobs: (token, logprob, [(id, logprob) x k]) of prompt[1:], set by the prefill
         self.prompt_logprobs: Optional[list[tuple[int, float, list]]] = None
         self.cancelled = False
+        self.cached = 0                 # prompt tokens whose KV the prefix cache gave (set by the prefill)
         self.generator: Optional[torch.Generator] = None
 
     @property
@@ -423,14 +434,38 @@ class Batcher:
                     caches = [_PrefillCache(k, v, seq.slot, m) for (k, v), m in zip(self.kv, self.mem)]
                     hs.append(model.trunk(idx[:, s:s + self.segment], None, AttnSpec("causal"), caches))
             else:
-                caches = [_PrefillCache(k, v, seq.slot) for k, v in self.kv]
-                hs.append(model.trunk(idx, None, AttnSpec("causal"), caches))    # (1, T, d_model)
+                hs.append(self._prefill_plain(seq, idx))                    # (1, T - cached, d_model)
             h = hs[-1]
             if seq.params.prompt_logprobs:
                 seq.prompt_logprobs = self._prompt_logprobs(seq, torch.cat(hs, dim=1)[0], head)
             logits = head(h[:, -1]).float()                                 # (1, V)
             seq.pos = len(seq.prompt)
             return self._sample([seq], logits)
+
+    def _prefill_plain(self, seq: Sequence, idx: torch.Tensor) -> torch.Tensor:
+        """The prefill of a prompt (1, T) into its slot -> hidden states (1, T - n, d_model):
+        the engine's prefix cache (utils/generation/prefix_cache.py) gives the KV of its first n
+        tokens (whole blocks, at least the last token recomputed for its logits; none when every
+        prompt position is scored), the rest attends over them with an explicit causal mask
+        (SDPA's ``is_causal`` aligns a shorter query block to the first key), and the prompt's
+        full blocks are then stored."""
+        store, model = self.engine.prefix_cache, self.model
+        n = 0
+        if store is not None and not seq.params.prompt_logprobs:
+            n = store.load(model, seq.prompt, self.kv, seq.slot, len(seq.prompt) - 1)
+        caches = [_PrefillCache(k, v, seq.slot) for k, v in self.kv]
+        spec = AttnSpec("causal")
+        if n:
+            for c in caches:
+                c.pos = n
+            T = idx.shape[1]
+            keys = torch.arange(T, device=idx.device)
+            spec = AttnSpec("mask", mask=keys[None, None, None, :] <= keys[n:, None])
+        h = model.trunk(idx[:, n:], None, spec, caches)
+        if store is not None:
+            store.save(model, seq.prompt, self.kv, seq.slot)
+        seq.cached = n
+        return h
 
     def _prompt_logprobs(self, seq: Sequence, h: torch.Tensor, head) -> list:
         """Each prompt token after the first: (id, its log-probability given the tokens before
@@ -534,6 +569,8 @@ class Batcher:
     def _release(self, seq: Sequence) -> None:
         """Free ``seq``'s slot; the last running sequence moves into it (cache rows copied)."""
         i, last = seq.slot, self.running[-1]
+        if self.engine.prefix_cache is not None and seq.finish in ("stop", "length"):   # the next turn's prefix
+            self.engine.prefix_cache.save(self.model, (seq.prompt + seq.tokens)[:seq.pos], self.kv, i)
         self.running.pop()
         if last is not seq:
             for k, v in self.kv:
@@ -556,6 +593,21 @@ class Engine:
         self.threads = threads
         self._pack: Optional[DecodePack] = None
         self.grammars = Grammars()          # output grammars' vocabularies, one per tokenizer
+        self.prefix_cache: Optional[PrefixCache] = None
+
+    def use_prefix_cache(self, budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Optional[str]:
+        """Reuse the KV of prompt prefixes seen before, within ``budget_bytes`` (0: off), across
+        every batcher of this engine (utils/generation/prefix_cache.py); None, or why not (an
+        Infini-attention model: its slots hold a segment and a compressive memory, no
+        per-position KV to reuse)."""
+        self.prefix_cache = None
+        if budget_bytes <= 0:
+            return "off (a budget of 0)"
+        if self.model.args.segment:
+            return "off: Infini-attention models keep no per-position KV to reuse"
+        self.prefix_cache = PrefixCache(budget_bytes, block_tokens)
+        self.prefix_cache.bind(self.model)
+        return None
 
     def batcher(self, slots: int, capacity: Optional[int] = None) -> Batcher:
         """A continuous-batching :class:`Batcher` with ``slots`` cache slots of ``capacity``

@@ -73,6 +73,12 @@ class Lane:
     def bytes_per_slot(self) -> int:
         return self.batcher.bytes_per_slot
 
+    @property
+    def prefix_cache(self) -> Optional[dict]:
+        """The engine's prefix-cache stats (utils/generation/prefix_cache.py), None when off."""
+        store = self.engine.prefix_cache
+        return None if store is None else store.stats()
+
     def check(self, seq: Sequence) -> None:
         """ValueError if the batcher would refuse ``seq`` (thread-safe: reads no batch state)."""
         check_sequence(seq, self.engine.model.args.vocab_size, self.capacity)

@@ -15,11 +15,12 @@ the caller's ``log`` and ``worker.cache`` a dict that lives as long as the proce
 share loaded tokenizers through it). ``info`` (with ``tok``) is sent back, pickled: it must
 not hold the model. A :class:`RemoteLane` is used as a :class:`~utils.generation.loop.Lane`
 is: ``submit``, ``cancel``, ``check``, ``active``, ``running``, ``slots``, ``capacity``,
-``bytes_per_slot``. The caller's :class:`~utils.generation.engine.Sequence` is a mirror: the
-engine process runs its own copy (same prompt, parameters and text options) and sends each
-pass's events back in one message; a receiving thread here appends the tokens, sets
-``finish`` / ``error`` / ``prompt_logprobs`` and calls the sequence's sink with an
-:class:`~utils.generation.engine.Event` of the mirror, as a Lane's thread would.
+``bytes_per_slot``, ``prefix_cache`` (its stats as of the engine's last pass). The caller's
+:class:`~utils.generation.engine.Sequence` is a mirror: the engine process runs its own copy
+(same prompt, parameters and text options) and sends each pass's events back in one message;
+a receiving thread here appends the tokens, sets ``finish`` / ``error`` / ``prompt_logprobs``
+and calls the sequence's sink with an :class:`~utils.generation.engine.Event` of the mirror,
+as a Lane's thread would.
 
 Why: with the engine on a thread of the HTTP process, each event-loop wake-up (parsing a
 request, writing a chunk) held the interpreter lock the engine's next step waited for; in two
@@ -89,11 +90,12 @@ class RemoteLane:
     """One model's lane in the engine process (see the module docstring)."""
 
     def __init__(self, loop: "RemoteLoop", index: int, vocab_size: int, capacity: int, slots: int,
-                 bytes_per_slot: int):
+                 bytes_per_slot: int, prefix_cache: Optional[dict] = None):
         self.loop, self.index = loop, index
         self.vocab_size, self.capacity, self.slots, self.bytes_per_slot = vocab_size, capacity, slots, bytes_per_slot
         self.active = 0                 # submitted and not finished (the finishing event leaves it first)
         self.running = 0                # in the batch, as of the engine's last pass
+        self.prefix_cache = prefix_cache    # its stats (None: off), as of the engine's last pass
 
     def check(self, seq: Sequence) -> None:
         check_sequence(seq, self.vocab_size, self.capacity)
@@ -151,8 +153,8 @@ class RemoteLoop:
             call = next(self._uids)
             self._calls[call] = future
             self._send(("open", call, opener, args))
-        index, vocab, capacity, slots, per_slot, info = future.result()
-        lane = RemoteLane(self, index, vocab, capacity, slots, per_slot)
+        index, vocab, capacity, slots, per_slot, info, cached = future.result()
+        lane = RemoteLane(self, index, vocab, capacity, slots, per_slot, cached)
         self.lanes.append(lane)
         return lane, info
 
@@ -263,9 +265,9 @@ class RemoteLoop:
             self.log(msg[1])
 
     def _events(self, events: list, running: list) -> None:
-        for index, n in running:
+        for index, n, cached in running:
             if index < len(self.lanes):             # a lane whose open() has not returned yet
-                self.lanes[index].running = n
+                self.lanes[index].running, self.lanes[index].prefix_cache = n, cached
         for uid, token, text, logprob, top, finish, error, scored in events:
             with self._lock:
                 lane, seq = self._seqs[uid] if finish is None else self._seqs.pop(uid)
@@ -342,7 +344,7 @@ class _Worker:
             lane = self.loop.add(engine, slots, capacity)
             self.toks.append(tok)
             value, ok = (len(self.toks) - 1, engine.model.args.vocab_size, lane.capacity, lane.slots,
-                         lane.bytes_per_slot, info), True
+                         lane.bytes_per_slot, info, lane.prefix_cache), True
         except Exception as e:                          # noqa: BLE001 (raised in the caller's open())
             e.add_note(f"(in the engine process)\n{''.join(traceback.format_exception(e))}")
             value, ok = _portable(e), False
@@ -396,7 +398,7 @@ class _Worker:
                     self.started.add(e[0])
                 else:
                     self.started.discard(e[0])
-            running = [(i, lane.running) for i, lane in enumerate(self.loop.lanes)]
+            running = [(i, lane.running, lane.prefix_cache) for i, lane in enumerate(self.loop.lanes)]
             _send(self.conn, ("events", events, running))
 
 

@@ -35,8 +35,8 @@ from utils.config import Config
 from utils.data.sft import read_metadata as read_sft_metadata
 from utils.data.shards import read_metadata as read_shard_metadata
 from utils.data.tok import INFO_FILE
-from utils.run import (RUN_TOKENIZER_DIR, lineage, load_checkpoint, read_stage_config, run_checkpoints,
-                       run_kind, runs_started_from, stored_config)
+from utils.run import (RUN_TOKENIZER_DIR, checkpoint_bytes, lineage, load_checkpoint, read_stage_config,
+                       run_checkpoints, run_kind, runs_started_from, stored_config)
 from utils.training.logging_utils import (TERMINAL_EVENTS, LogRead, finite, latest_per_step,
                                           read_log)
 
@@ -237,7 +237,7 @@ def _read_run_folder(f: RunFacts) -> None:
                         "config or tokenizer copy).")
         return
     files = run_checkpoints(f.run_dir)
-    f.checkpoint_files = [(p.name, p.stat().st_size) for p in files]
+    f.checkpoint_files = [(p.name, checkpoint_bytes(p)) for p in files]
     f.sft_config = read_stage_config(f.run_dir)
     f.kind = run_kind(f.run_dir)
     f.dpo_config = f.sft_config if f.kind == "dpo" else None
@@ -259,12 +259,12 @@ def _tokenizer_copy(run_dir: Path) -> Optional[dict]:
 
 def _checkpoint_meta(f: RunFacts, files: list) -> Optional[CheckpointMeta]:
     """The metadata of the run's latest checkpoint (else the next readable one)."""
-    order = sorted(files, key=lambda p: p.name != "checkpoint_latest.pt")
+    order = sorted(files, key=lambda p: p.stem != "checkpoint_latest")
     if not order:
         f.note("model", f"no checkpoint in {f.run_dir}.")
     for p in order:
         try:
-            ck = load_checkpoint(p, purpose="weights", mmap=True)
+            ck = load_checkpoint(p, purpose="weights", mmap=True, tensors=False)   # metadata only
         except PipelineError as e:
             f.note("model", f"{p.name} could not be read: {str(e).splitlines()[0][:300]}")
             continue

@@ -139,7 +139,8 @@ def _page_routes(app: FastAPI, models: dict[str, ServedModel]) -> None:
     @_get(app, "/health")
     async def _health():
         return {"status": "ok", "models": {k: {"active": m.lane.active, "slots": m.lane.slots,
-                                               "running": m.lane.running}
+                                               "running": m.lane.running,
+                                               "prefix_cache": m.lane.prefix_cache}
                                            for k, m in models.items()}}
 
     @_get(app, "/v1/models")

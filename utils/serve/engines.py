@@ -22,6 +22,9 @@ def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
         worker.log(quantize_int8(o.model).line())
     engine = Engine(o.model, threads=threads)
     engine.decode_pack()
+    why_not = engine.use_prefix_cache(cfg.serve.prefix_cache_mb << 20)
+    if why_not and cfg.serve.prefix_cache_mb:
+        worker.log(f"{o.label}: prefix cache {why_not}")
     own = o.model.args.context
     context = min(cfg.serve.context, own or cfg.serve.context) if cfg.serve.context else own
     info = {"tok": o.tok, "kind": o.kind, "rules": o.rules, "label": o.label}

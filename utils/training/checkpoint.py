@@ -19,6 +19,10 @@ Format (``FORMAT_VERSION``): ``torch.save`` of a dict of plain data and tensors 
     model_rules (a run started from a Hugging Face model: its BOS rule, stop ids and generation
     defaults, utils/data/chat.py), metrics (smoothing window, patience, ...).
 
+An FSDP run's checkpoints are folders with the same entries (utils/training/sharded.py: DCP
+shards plus meta.pt), checked by the same :func:`validate`; utils.run.load_checkpoint reads
+both forms.
+
 A "weights" load needs format_version, model and model_args; a "resume" load needs the
 training state too. Every defect of a file becomes one :class:`CheckpointError` (exit 1)
 naming the file and the problem: missing, empty, a Git LFS pointer or other non-checkpoint
@@ -85,14 +89,15 @@ def remove_stale_temps(directory) -> list[Path]:
             pid = int(p.name.rsplit("-", 1)[1])
         except ValueError:
             continue
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and pid_alive(pid):
             continue
         p.unlink(missing_ok=True)
         removed.append(p)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (the owner of a temp file or folder)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -106,6 +111,10 @@ def _alive(pid: int) -> bool:
 def _sniff(path: Path) -> None:
     """Refuse what is plainly not a torch checkpoint before handing it to torch.load."""
     if not path.exists():
+        sharded = path.with_suffix(".dcp")
+        if path.suffix == ".pt" and sharded.is_dir():
+            raise CheckpointError(path, f"file not found; the run is sharded (FSDP): its checkpoint is the "
+                                        f"folder {sharded.name}.")
         raise CheckpointError(path, "file not found. List runs with `python main.py status`.")
     if path.is_dir():
         raise CheckpointError(path, "is a directory; pass a checkpoint_*.pt file inside it "
@@ -333,7 +342,14 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
         raise ValueError(f"purpose must be 'weights' or 'resume', not {purpose!r}")
     path = Path(path)
     _sniff(path)
-    ckpt = _torch_load(path, map_location, mmap)
+    return validate(path, _torch_load(path, map_location, mmap), purpose, shapes_of)
+
+
+def validate(path: Path, ckpt, purpose: str, shapes_of: Optional[Callable[[dict, dict], dict]] = None,
+             weights: bool = True) -> dict:
+    """The checks of :func:`read_checkpoint` on a loaded payload (a plain file's, or a sharded
+    checkpoint's, utils/training/sharded.py); ``weights`` False: the weights are names only
+    (their shapes were checked elsewhere), so their values are not looked at."""
     _check_layout(path, ckpt)
     _check_entry_types(path, ckpt)
     _check_kind_and_template(path, ckpt)
@@ -341,13 +357,14 @@ def read_checkpoint(path, purpose: str = "weights", map_location="cpu",
     if purpose == "resume":
         _check_resumable(path, ckpt)
     ckpt["model"] = strip_prefixes(ckpt["model"])
-    expected = None
-    if shapes_of is not None:
-        try:
-            expected = shapes_of(dict(ckpt["model_args"]), ckpt["model"])
-        except Exception as e:   # whatever the stored args get wrong: the file is unusable
-            raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
-    check_weights(path, ckpt, expected)
+    if weights:
+        expected = None
+        if shapes_of is not None:
+            try:
+                expected = shapes_of(dict(ckpt["model_args"]), ckpt["model"])
+            except Exception as e:   # whatever the stored args get wrong: the file is unusable
+                raise CheckpointError(path, f"model_args cannot rebuild the model: {e}") from None
+        check_weights(path, ckpt, expected)
     ckpt.setdefault("kind", "pretrain")
     ckpt.setdefault("chat_template", None)
     return ckpt

@@ -72,9 +72,10 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from utils.training import distributed as D
+from utils.training import fsdp, sharded
 from utils.training.checkpoint import CHECKPOINT_GLOB, remove_stale_temps, save_checkpoint
 from utils.disk import bytes_of, device_of, free_bytes, mb
-from utils.cli import PipelineError
+from utils.cli import PipelineError, UsageError
 from utils.training.metrics import (MetricsTracker, Throughput, bits_per_byte, device_peak_flops, mfu,
                            mfu_unavailable_reason,
                            peak_memory_mb, perplexity)
@@ -206,6 +207,8 @@ class Settings:
     compile: bool = False
     activation_checkpointing: bool = False
     warmup_source: str = "training.warmup_steps"   # named when the cap applies
+    parallel: str = "ddp"               # ddp | fsdp (utils/training/fsdp.py; sharded checkpoints)
+    cpu_offload: bool = False           # fsdp: sharded state in CPU memory
 
     @classmethod
     def from_config(cls, hp, log_cfg, total_steps: int,
@@ -218,7 +221,8 @@ class Settings:
                    grad_accum=hp.grad_accum, grad_clip=hp.grad_clip, dtype=hp.dtype,
                    patience=hp.early_stopping_patience, log_every=log_cfg.log_every,
                    smoothing_window=log_cfg.smoothing_window, compile=hp.compile,
-                   activation_checkpointing=hp.activation_checkpointing)
+                   activation_checkpointing=hp.activation_checkpointing,
+                   parallel=hp.parallel, cpu_offload=hp.cpu_offload)
 
 
 def eval_interval(eval_steps: Optional[int], eval_every: float, steps_per_epoch: Optional[int],
@@ -302,6 +306,10 @@ class TrainSpec:
     sample_fn: Optional[Callable[[nn.Module], list[tuple[str, str]]]] = None
     val_fn: Optional[Callable[[nn.Module], dict]] = None
     bytes_per_token: Optional[float] = None     # for bits per byte
+    # the loss is a mean next-token cross-entropy, so exp(loss) is a perplexity and loss / ln 2
+    # per byte is bits per byte; a mode whose loss is something else (DPO's) sets False and
+    # its validation logs neither (a "perplexity" of a preference loss would mean nothing)
+    next_token_loss: bool = True
     flops_per_token: Optional[float] = None     # for MFU (default: the model's own count)
 
 
@@ -485,7 +493,15 @@ class Trainer:
         self.clock = clock                   # what tokens/s is timed with
 
         self.dtype = resolve_dtype(st.dtype, self.device)
+        self.sharded = st.parallel == "fsdp"          # checkpoints: sharded (DCP) folders
+        self.fsdp = self.sharded and dist.enabled     # the model: sharded across the ranks
+        self._refuse_parallel()
+        self.amp_dtype = torch.float32 if self.fsdp else self.dtype   # FSDP's policy casts instead
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+        self.flops_per_token = spec.flops_per_token
+        if self.flops_per_token is None and hasattr(model, "flops_per_token"):
+            self.flops_per_token = float(model.flops_per_token())
+        self.model = self._wrap(model)              # before the optimizers: FSDP replaces the weights
         self.optimizers = spec.optimizer.build(model, self.device)
         warmup = effective_warmup(st.warmup_steps, self.total_steps)
         self.warmup_capped = warmup != st.warmup_steps
@@ -495,22 +511,9 @@ class Trainer:
         self.metrics = MetricsTracker(st.smoothing_window, st.patience)
         self.step = 0
         self.tokens_seen = 0
-        self.flops_per_token = spec.flops_per_token
-        if self.flops_per_token is None and hasattr(model, "flops_per_token"):
-            self.flops_per_token = float(model.flops_per_token())
         self.peak_flops = device_peak_flops(self.device)
         self.mfu_note = mfu_unavailable_reason(self.device, self.flops_per_token)
 
-        # Model wrappers (the raw model stays reachable for saving and generation).
-        m = model
-        self.checkpointed_blocks = 0
-        if st.activation_checkpointing:
-            self.checkpointed_blocks = enable_activation_checkpointing(m)
-        if st.compile:
-            m = torch.compile(m)
-        if dist.enabled:
-            m = DDP(m, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.model = m
         self.eval_interval = st.eval_interval
         self._pending: list[torch.Tensor] = []   # per-step losses not yet pulled to the host
         self._step_metrics: list[dict] = []      # spec.loss's metrics of the steps since the last log record
@@ -519,6 +522,29 @@ class Trainer:
         self._last_val: Optional[float] = None
         self._last_eval_step = -1
         self._resumed_from: Optional[int] = None
+
+    def _refuse_parallel(self) -> None:
+        """Settings FSDP cannot train with (utils/training/fsdp.py), as a UsageError."""
+        problem = fsdp.refusal(self.spec.optimizer.optimizer, self.dtype) if self.sharded else None
+        if problem:
+            raise UsageError(problem)
+        if self.settings.cpu_offload and self.device.type != "cuda":
+            raise UsageError("training.cpu_offload moves FSDP's sharded state from the GPUs to CPU "
+                             f"memory; training on {self.device.type} it is there already: leave it out.")
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """Activation checkpointing, torch.compile, then DDP or FSDP2 (in that order, as
+        torchtitan: utils/training/fsdp.py); the raw model stays reachable for saving and
+        generation (under FSDP it is the sharded model itself)."""
+        st = self.settings
+        self.checkpointed_blocks = enable_activation_checkpointing(model) if st.activation_checkpointing else 0
+        if self.fsdp:
+            fsdp.shard(model, self.dtype, st.cpu_offload, compile_blocks=st.compile)
+            return model
+        m = torch.compile(model) if st.compile else model
+        if self.dist.enabled:
+            m = DDP(m, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        return m
 
     # ------------------------------------------------------------------ progress
     @property
@@ -530,17 +556,21 @@ class Trainer:
         return float(pos["epoch"])
 
     # ------------------------------------------------------------------ state
-    def state_payload(self) -> dict:
-        """Everything DESIGN.md section 3 lists, as plain data and tensors."""
+    def state_payload(self, tensors: bool = True) -> dict:
+        """Everything DESIGN.md section 3 lists, as plain data and tensors (``tensors`` False:
+        without the weights and optimizer states, which a sharded save writes through DCP)."""
         self._flush_losses()
         ranks = D.gather_objects(self.dist, rng_state()) if self.dist.enabled else [rng_state()]
         rec = self.spec.record
-        return {
-            "kind": rec.kind,
+        weights = {
             "model": lora.split_state(self.raw_model)[0],     # base weights under plain names
             **lora.checkpoint_entries(self.raw_model),         # {"lora": the adapter} of a LoRA run
-            "model_args": self.model_args.to_dict(),
             "optimizer": {k: o.state_dict() for k, o in self.optimizers.items()},
+        } if tensors else {}
+        return {
+            "kind": rec.kind,
+            **weights,
+            "model_args": self.model_args.to_dict(),
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "step": self.step,
@@ -570,15 +600,27 @@ class Trainer:
                                 "resume from another checkpoint of the run, or start a new run "
                                 "without --resume.") from None
 
-    def _load_state(self, ckpt: dict) -> None:
-        lora.load_weights(self.raw_model, ckpt)        # with the adapter, unmerged, of a LoRA run
+    def _load_weights(self, ckpt: dict) -> None:
+        """The weights and optimizer states: a sharded checkpoint's shards straight into this
+        rank's (``ckpt["sharded"]`` without "model": utils/training/fsdp.py), a whole state
+        into the sharded model, or a plain state into the plain model."""
         opt_states = ckpt["optimizer"]
         if set(opt_states) != set(self.optimizers):
             raise PipelineError(f"the checkpoint was trained with optimizer(s) {sorted(opt_states)}"
                                 f" but training.optimizer now gives {sorted(self.optimizers)}; "
                                 "resume with the same training.optimizer.")
-        for k, o in self.optimizers.items():
-            o.load_state_dict(opt_states[k])
+        if "model" not in ckpt and ckpt.get("sharded"):
+            fsdp.load_into(ckpt["sharded"]["path"], self.raw_model, self.optimizers,
+                           ckpt["optimizer_groups"], self.dist.enabled)
+        elif self.fsdp:
+            fsdp.load_full(self.raw_model, self.optimizers, ckpt["model"], opt_states)
+        else:
+            lora.load_weights(self.raw_model, ckpt)    # with the adapter, unmerged, of a LoRA run
+            for k, o in self.optimizers.items():
+                o.load_state_dict(opt_states[k])
+
+    def _load_state(self, ckpt: dict) -> None:
+        self._load_weights(ckpt)
         changed = self.scheduler.load_state_dict(ckpt["scheduler"])
         if changed and self.dist.is_main:
             print("resume: the learning-rate schedule differs from the checkpoint's ("
@@ -588,6 +630,11 @@ class Trainer:
         self.step = int(ckpt["step"])
         self.tokens_seen = int(ckpt["tokens_seen"])
         pos = dict(ckpt["data_position"])
+        ranks = ckpt["rng"].get("ranks")
+        if not isinstance(ranks, list) or not ranks:   # damage, not another world size
+            raise ValueError("entry 'rng' holds no list of per-process RNG states")
+        if len(ranks) != self.dist.world_size:
+            pos = self._resharded(ckpt, pos, len(ranks))
         if "rank" in pos:
             pos["rank"] = self.dist.rank
         self.train_data.load_state_dict(pos)
@@ -597,34 +644,73 @@ class Trainer:
         self._last_eval_step = int(m.get("last_eval_step", -1))
         if self.bytes_per_token is None:
             self.bytes_per_token = m.get("bytes_per_token")
-        ranks = ckpt["rng"].get("ranks")
-        if not isinstance(ranks, list) or not ranks:   # damage, not another world size
-            raise ValueError("entry 'rng' holds no list of per-process RNG states")
-        if len(ranks) != self.dist.world_size:
-            raise PipelineError(f"the checkpoint was written by {len(ranks)} process(es) but this "
-                                f"run has {self.dist.world_size}; resume with the same world size "
-                                "(torchrun --nproc_per_node) for an exact continuation.")
-        set_rng_state(ranks[self.dist.rank])
+        set_rng_state(ranks[self.dist.rank % len(ranks)])
         self._resumed_from = self.step
+
+    def _resharded(self, ckpt: dict, pos: dict, old: int) -> dict:
+        """The data position of a run continued on another number of processes (sharded runs
+        only: DCP reshards the weights and optimizer state): the same global window, each rank
+        its slice of what follows (dataloader.ResumableSampler: rank r takes positions
+        r + j x world size); RNG states of rank r mod ``old``."""
+        new = self.dist.world_size
+        if not (self.sharded or ckpt.get("sharded")):
+            raise PipelineError(f"the checkpoint was written by {old} process(es) but this "
+                                f"run has {new}; resume with the same world size "
+                                "(torchrun --nproc_per_node) for an exact continuation, or use "
+                                "--parallel fsdp, whose sharded checkpoints continue on any number.")
+        if "world_size" not in pos:
+            raise PipelineError(f"the checkpoint was written by {old} process(es) and this run has {new}: "
+                                "on-the-fly data cannot continue at the same place on another number of "
+                                "processes; resume with the same world size.")
+        consumed = int(pos["index"]) * old
+        pos.update(index=consumed // new, world_size=new)
+        if self.dist.is_main:
+            print(f"resume: the checkpoint was written by {old} process(es), this run has {new}: the "
+                  "weights and optimizer state are resharded; the data continues at window "
+                  f"{consumed // new * new} of the epoch (the checkpoint's {consumed})"
+                  + ("" if consumed % new == 0 else f", {consumed % new} window(s) seen twice") +
+                  f"; each process continues with the random state saved by rank (its rank mod {old}).",
+                  file=self.out)
+        return pos
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, name: str) -> Optional[Path]:
-        """Write ``run_dir/name`` on rank 0 (every rank must call: RNG states are gathered). A
-        run folder removed while the run wrote to it is said once and made again."""
-        payload = self.state_payload()
+        """Write ``run_dir/name`` on rank 0 (every rank must call: RNG states are gathered); a
+        sharded run writes ``name`` as a DCP folder (``.dcp`` for ``.pt``), every rank its
+        shards. The other format's checkpoint of that name (a run that changed
+        training.parallel) is removed after the save. A run folder removed while the run wrote
+        to it is said once and made again."""
+        if self.sharded:
+            name = sharded.sharded_name(name)
+            payload = self.state_payload(tensors=False)
+            tensors, payload["optimizer_groups"] = fsdp.state_for_save(self.raw_model, self.optimizers)
+            payload["sharded"] = {"world_size": self.dist.world_size}
+        else:
+            payload = self.state_payload()
         path = self.run_dir / name
-        if self.dist.is_main:
-            if self._started and not self.run_dir.is_dir():
-                self._print(f"warning: {self.run_dir} vanished while the run wrote to it (removed?); made "
-                            "it again for this checkpoint (what it held is gone).")
+        if self.dist.is_main and self._started and not self.run_dir.is_dir():
+            self._print(f"warning: {self.run_dir} vanished while the run wrote to it (removed?); made "
+                        "it again for this checkpoint (what it held is gone).")
+        if self.sharded:
+            sharded.save(path, tensors, payload if self.dist.is_main else {}, self.dist)
+        elif self.dist.is_main:
             save_checkpoint(path, payload)
+        if self.dist.is_main:
+            other = path.with_suffix(".pt" if self.sharded else sharded.SUFFIX)
+            if other.is_dir():
+                sharded.remove(other)
+            elif other.is_file():
+                other.unlink()
         D.barrier(self.dist)
         return path
 
     def checkpoint_bytes(self) -> int:
         """About the bytes of one checkpoint of this run: the weights (fp32 as saved) and the
         optimizer state they will have (AdamW: two moments per weight; Muon: one)."""
-        weights = bytes_of(self.raw_model.state_dict())                    # tied weights once
+        if self.fsdp:        # DTensor shards: their global sizes (all ranks write one folder)
+            weights = sum(p.numel() * p.element_size() for p in self.raw_model.parameters())
+        else:
+            weights = bytes_of(self.raw_model.state_dict())                # tied weights once
         state = 0
         for name, opt in self.optimizers.items():
             per = 1 if name == "muon" else 2
@@ -672,10 +758,13 @@ class Trainer:
         keep = self.settings.keep_checkpoints
         if keep is None:                                   # keep every numbered checkpoint
             return
-        files = sorted(self.run_dir.glob("checkpoint_step_*.pt"),
+        files = sorted([*self.run_dir.glob("checkpoint_step_*.pt"), *self.run_dir.glob("checkpoint_step_*.dcp")],
                        key=lambda p: int(p.stem.rsplit("_", 1)[1]) if p.stem.rsplit("_", 1)[1].isdigit() else -1)
         for p in files[:max(0, len(files) - keep)]:
-            p.unlink(missing_ok=True)
+            if p.is_dir():
+                sharded.remove(p)
+            else:
+                p.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -695,7 +784,7 @@ class Trainer:
                 if i >= max_batches:
                     break
                 b = _to(_as_dict(batch), self.device)
-                with autocast_ctx(self.device, self.dtype):
+                with autocast_ctx(self.device, self.amp_dtype):
                     loss, metrics = split_loss(self.spec.loss(self.raw_model, b))
                 n = self.spec.count(b)
                 total += float(loss) * n
@@ -711,13 +800,13 @@ class Trainer:
 
     def _val_fn_metrics(self) -> dict:
         """``spec.val_fn``'s numbers (rank 0, eval mode, training randomness untouched)."""
-        if self.spec.val_fn is None or not self.dist.is_main:
+        if self.spec.val_fn is None or not self.dist.is_main or self.fsdp:   # rank 0 alone cannot run it
             return {}
         was = self.raw_model.training
         self.raw_model.eval()
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                with torch.no_grad(), autocast_ctx(self.device, self.dtype):
+                with torch.no_grad(), autocast_ctx(self.device, self.amp_dtype):
                     got = self.spec.val_fn(self.raw_model)
         finally:
             self.raw_model.train(was)
@@ -727,13 +816,13 @@ class Trainer:
         return "".join(f" | {k.removeprefix('val_')} {v:.4g}" for k, v in metrics.items())
 
     def _samples(self) -> None:
-        if self.sample_fn is None or not self.dist.is_main:
+        if self.sample_fn is None or not self.dist.is_main or self.fsdp:   # see _announce
             return
         was = self.raw_model.training
         self.raw_model.eval()
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                with torch.no_grad(), autocast_ctx(self.device, self.dtype):
+                with torch.no_grad(), autocast_ctx(self.device, self.amp_dtype):
                     pairs = self.sample_fn(self.raw_model)
         finally:
             self.raw_model.train(was)
@@ -764,13 +853,14 @@ class Trainer:
             return "diverged"
         self._last_val = val
         is_best = self.metrics.update_val(self.step, val)
-        rec = {"val_loss": val, "perplexity": perplexity(val),
-               "bits_per_byte": bits_per_byte(val, self.bytes_per_token),
+        lm = self.spec.next_token_loss
+        rec = {"val_loss": val, "perplexity": perplexity(val) if lm else None,
+               "bits_per_byte": bits_per_byte(val, self.bytes_per_token) if lm else None,
                "best_val_loss": self.metrics.best_val_loss, "epoch": self.epoch_float, **extra}
         self.logger.log("val", self.step, rec)
         bpb = rec["bits_per_byte"]
-        self._print(f"step {self.step}/{self.total_steps} | val loss {val:.4f} | ppl "
-                    f"{rec['perplexity']:.1f}" + (f" | bpb {bpb:.3f}" if bpb else "")
+        self._print(f"step {self.step}/{self.total_steps} | val loss {val:.4f}"
+                    + (f" | ppl {rec['perplexity']:.1f}" if lm else "") + (f" | bpb {bpb:.3f}" if bpb else "")
                     + (" | best" if is_best else f" | best {self.metrics.best_val_loss:.4f}")
                     + self._say_metrics(extra))
         self._samples()
@@ -822,6 +912,7 @@ class Trainer:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.run_dir)
+            sharded.recover(self.run_dir)
         self._started = True                         # the run folder exists from here on
         if self.step >= self.total_steps:
             self._print(f"the run is already complete: step {self.step} of {self.total_steps}. "
@@ -871,6 +962,16 @@ class Trainer:
         if self.checkpointed_blocks:
             self._print(f"activation checkpointing: {self.checkpointed_blocks} blocks recompute "
                         "their activations in the backward pass.")
+        if self.fsdp:
+            self._print(f"FSDP2: {len(fsdp.blocks_of(self.raw_model))} blocks and the root sharded over "
+                        f"{self.dist.world_size} processes"
+                        + (", weights and optimizer state in CPU memory" if st.cpu_offload else "")
+                        + "; checkpoints are sharded folders (*.dcp). Validation samples are not drawn "
+                        "(generation would need the whole model on one rank): `python main.py infer` "
+                        "reads the checkpoints.")
+        elif self.sharded:
+            self._print("training.parallel fsdp on one process: nothing to shard; checkpoints are "
+                        "sharded folders (*.dcp), which continue on any number of processes.")
         path = getattr(self.raw_model, "attention_path", None)
         if path is not None:
             self._print(f"attention: {path(self.device.type, self.dtype)}.")
@@ -940,9 +1041,11 @@ class Trainer:
         for micro in range(accum):
             b = _to(next(batches), self.device)
             last = micro == accum - 1
-            sync = contextlib.nullcontext() if (last or not self.dist.enabled) else self.model.no_sync()
+            if self.fsdp:
+                fsdp.set_grad_sync(self.model, last)
+            sync = contextlib.nullcontext() if (last or not self.dist.enabled or self.fsdp) else self.model.no_sync()
             with sync:
-                with autocast_ctx(self.device, self.dtype):
+                with autocast_ctx(self.device, self.amp_dtype):
                     loss, metrics = split_loss(self.spec.loss(self.model, b))
                 self.scaler.scale(loss / accum).backward()
             for k, v in metrics.items():
@@ -955,7 +1058,7 @@ class Trainer:
             self.scaler.unscale_(o)
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         max_norm = st.grad_clip if st.grad_clip > 0 else float("inf")
-        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self._grad_norm = fsdp.local_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.scheduler.apply(self.step)
         for o in self.optimizers.values():
             self.scaler.step(o)
