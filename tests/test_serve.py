@@ -673,7 +673,7 @@ def test_metrics_count_the_requests_tokens_and_latencies_exactly(server):
     by finish reason, prompt and generated tokens as the usage counts them, one time to first
     token and one end-to-end latency per request, an inter-token latency per token after each
     choice's first, a refusal by status and code; then nothing running or waiting, and the KV
-    cache's slots and bytes as the checkpoints' sizes give them."""
+    cache's slots and bytes as the checkpoints' sizes give them, the prefix caches' as /health."""
     before = scrape(server.url)
     chat = server.client.chat.completions.create(model="sft_chat", messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=7, n=2, temperature=0.9, seed=5)
@@ -706,6 +706,12 @@ def test_metrics_count_the_requests_tokens_and_latencies_exactly(server):
         assert after[("llm_num_requests_waiting", (("model_name", mid),))] == 0
         assert after[("llm_kv_cache_slots_total", (("model_name", mid),))] == 4
         assert after[("llm_kv_cache_bytes_total", (("model_name", mid),))] == 4 * per_slot
+    health = server.health()["models"]                 # the prefix caches' stats, as /health shows them
+    for mid in ("sft_chat", "base"):
+        pc, m = health[mid]["prefix_cache"], (("model_name", mid),)
+        assert after[("llm_prefix_cache_queries_total", m)] == pc["queried_tokens"] > 0
+        assert after[("llm_prefix_cache_hits_total", m)] == pc["hit_tokens"]
+        assert after[("llm_prefix_cache_bytes_used", m)] == pc["bytes_used"]
 
 
 def test_request_bodies_uncompressed_utf8_json(server):

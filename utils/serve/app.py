@@ -53,14 +53,12 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 
 
 
 def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional[str] = None,
-               log: Callable[[str], None] = print, cors_origins: Sequence_[str] = (),
-               prefix_stats: Optional[Callable[[], dict]] = None) -> FastAPI:
+               log: Callable[[str], None] = print, cors_origins: Sequence_[str] = ()) -> FastAPI:
     """The API and the chat page. ``cors_origins`` (serve.cors_origins, checked by
     :func:`utils.serve.protocol.check_origins`): pages of these origins may call it from a
-    browser; a preflight (OPTIONS, which never carries the key) is answered before the key check.
-    ``prefix_stats``: the prefix caches' figures for /metrics (utils/serve/metrics.py)."""
+    browser; a preflight (OPTIONS, which never carries the key) is answered before the key check."""
     app = FastAPI(title="llm-pipeline serve", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServeMetrics(models, prefix_stats)
+    metrics = ServeMetrics(models)
     _error_handlers(app, log, metrics)
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)

@@ -1,7 +1,7 @@
 """The Prometheus metrics of ``serve`` at ``GET /metrics`` (library; no side effects: each app
 has its own ``CollectorRegistry``, nothing is registered in prometheus_client's global one).
 
-    metrics = ServeMetrics(models, prefix_stats=None)
+    metrics = ServeMetrics(models)       models: id -> ServedModel (its lane's figures are read per scrape)
     metrics.request_ended(job)          once per admitted request, as it ends (utils/serve/job.py)
     metrics.refused(status, code)       once per request answered with an ApiError
     body, content_type = metrics.render()
@@ -23,16 +23,18 @@ rules in Prometheus' conventions); every series carries ``model_name`` where it 
   in the batch / queued), ``llm_kv_cache_slots_used`` / ``llm_kv_cache_slots_total``, their
   ratio ``llm_kv_cache_usage_perc`` (0..1, as vLLM's), ``llm_kv_cache_bytes_used`` /
   ``llm_kv_cache_bytes_total`` (a slot holds the whole context: slots x bytes per slot).
-- Prefix cache, when ``prefix_stats`` is given: a callable returning ``{model id: stats}``
-  with ``hit_tokens``, ``queried_tokens`` (cumulative), ``blocks_used``, ``blocks_capacity``,
-  ``bytes_used``, ``bytes_budget``, exposed as ``llm_prefix_cache_hits_total`` and
+- Prefix cache, of each model whose lane has one (``lane.prefix_cache``: the store's
+  ``stats()``, utils/generation/prefix_cache.py, as of the engine's last pass): its cumulative
+  ``hit_tokens`` and ``queried_tokens`` as ``llm_prefix_cache_hits_total`` and
   ``llm_prefix_cache_queries_total`` (vLLM's pair, in tokens: ``rate(hits) / rate(queries)`` is
-  the hit rate), ``llm_prefix_cache_hit_rate`` (since start) and the block and byte gauges.
+  the hit rate), ``llm_prefix_cache_evicted_blocks_total``, ``llm_prefix_cache_hit_rate``
+  (since start) and the gauges ``llm_prefix_cache_blocks_used``, ``_blocks_capacity``,
+  ``_bytes_used``, ``_bytes_budget``.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -45,14 +47,14 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
-PREFIX_KEYS = ("hit_tokens", "queried_tokens", "blocks_used", "blocks_capacity", "bytes_used", "bytes_budget")
+PREFIX_GAUGES = ("blocks_used", "blocks_capacity", "bytes_used", "bytes_budget")   # of a store's stats()
 
 
 class ServeMetrics:
     """The app's registry: request counters and histograms fed as requests end, and the
     batch, KV-cache and prefix-cache figures read at each scrape."""
 
-    def __init__(self, models: dict, prefix_stats: Optional[Callable[[], dict]] = None):
+    def __init__(self, models: dict):
         self.registry = r = CollectorRegistry()
         model = ["model_name"]
         self.success = Counter("llm_request_success", "Choices finished, by finish reason (stop, length, "
@@ -67,7 +69,7 @@ class ServeMetrics:
                              "(its request's mean).", model, buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("llm_e2e_request_latency_seconds", "Time from a request's arrival to its "
                              "end.", model, buckets=E2E_BUCKETS, registry=r)
-        r.register(_LiveCollector(models, prefix_stats))
+        r.register(_LiveCollector(models))
 
     def request_ended(self, job) -> None:
         """Count one admitted request (a utils/serve/job.py Job) as it ends."""
@@ -97,10 +99,10 @@ class ServeMetrics:
 
 
 class _LiveCollector:
-    """The figures read at each scrape from the models' lanes and the prefix caches' stats."""
+    """The figures read at each scrape from the models' lanes (their prefix caches' too)."""
 
-    def __init__(self, models: dict, prefix_stats: Optional[Callable[[], dict]]):
-        self.models, self.prefix_stats = models, prefix_stats
+    def __init__(self, models: dict):
+        self.models = models
 
     def collect(self):
         gauges = {name: GaugeMetricFamily(f"llm_{name}", text, labels=["model_name"]) for name, text in (
@@ -122,8 +124,9 @@ class _LiveCollector:
                                 ("kv_cache_bytes_total", slots * lane.bytes_per_slot)):
                 gauges[name].add_metric([mid], value)
         yield from gauges.values()
-        if self.prefix_stats is not None:
-            yield from prefix_families(self.prefix_stats())
+        cached = {mid: s for mid, m in self.models.items() if (s := getattr(m.lane, "prefix_cache", None))}
+        if cached:
+            yield from prefix_families(cached)
 
 
 def prefix_families(stats: dict) -> list:
@@ -132,14 +135,17 @@ def prefix_families(stats: dict) -> list:
                                labels=["model_name"])
     queries = CounterMetricFamily("llm_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                   "cache.", labels=["model_name"])
+    evicted = CounterMetricFamily("llm_prefix_cache_evicted_blocks", "Blocks evicted from the prefix "
+                                  "cache (least recently used first).", labels=["model_name"])
     rate = GaugeMetricFamily("llm_prefix_cache_hit_rate", "Hit tokens over queried tokens since start "
                              "(0 before any query).", labels=["model_name"])
     gauges = [GaugeMetricFamily(f"llm_prefix_cache_{key}", f"The prefix cache's {key.replace('_', ' ')}.",
-                                labels=["model_name"]) for key in PREFIX_KEYS[2:]]
+                                labels=["model_name"]) for key in PREFIX_GAUGES]
     for mid, s in stats.items():
         hits.add_metric([mid], s["hit_tokens"])
         queries.add_metric([mid], s["queried_tokens"])
+        evicted.add_metric([mid], s["evicted_blocks"])
         rate.add_metric([mid], s["hit_tokens"] / s["queried_tokens"] if s["queried_tokens"] else 0.0)
-        for g, key in zip(gauges, PREFIX_KEYS[2:]):
+        for g, key in zip(gauges, PREFIX_GAUGES):
             g.add_metric([mid], s[key])
-    return [hits, queries, rate, *gauges]
+    return [hits, queries, evicted, rate, *gauges]
