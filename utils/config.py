@@ -406,6 +406,13 @@ class InferenceConfig:
     top_k: int = _f(50, "top-k filter (0 = off)", min=0)
     top_p: float = _f(0.95, "nucleus filter (1.0 = off)", min=0, max=1, min_exclusive=True)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
+    prompt_lookup_num_tokens: int = _f(0, "prompt-lookup speculative decoding: tokens drafted per step "
+                                       "from the text's own n-grams for greedy sequences decoding alone "
+                                       "(0 = off); infer's and serve's default (a request's "
+                                       "prompt_lookup_num_tokens wins)", min=0, max=64)
+    compile: Literal["auto", "on", "off"] = _f("auto", "torch.compile the decode step of infer and serve "
+                                               "(compiled when the model loads, before any request): auto "
+                                               "= on CUDA only, where it pays (docs/performance.md)")
 
 
 @dataclass

@@ -53,10 +53,13 @@ from typing import Sequence as Sequence_
 import torch
 
 from utils.attention import AttnSpec
+from utils.generation import speculative
 from utils.generation import threads as thread_policy
+from utils.generation.compiled import CompiledStep, compile_applies, compile_mode
 from utils.generation.cpu import greedy
 from utils.generation.detok import TextStream
 from utils.generation.pack import DecodePack, build_pack, pack_head, pack_key
+from utils.generation.speculative import NgramIndex
 from utils.infini import InfiniCache
 
 UNBOUNDED = 1 << 62               # positions per sequence of an Infini-attention batcher by default
@@ -139,6 +142,8 @@ class SamplingParams:
     stop: tuple = ()
     logprobs: Optional[int] = None
     prompt_logprobs: bool = False
+    prompt_lookup: Optional[int] = None     # draft tokens per step (speculative.py); None: the engine's
+
 
     def problems(self) -> list[str]:
         out = []
@@ -154,6 +159,8 @@ class SamplingParams:
             out.append("logprobs must be >= 0")
         if self.prompt_logprobs and self.logprobs is None:
             out.append("prompt_logprobs needs logprobs (the number of alternatives, 0 for none)")
+        if self.prompt_lookup is not None and self.prompt_lookup < 0:
+            out.append("prompt_lookup must be >= 0 (0 turns it off)")
         return out
 
     @property
@@ -195,6 +202,7 @@ class Sequence:
         self.prompt_logprobs: Optional[list[tuple[int, float, list]]] = None
         self.cancelled = False
         self.generator: Optional[torch.Generator] = None
+        self.lookup: Optional[NgramIndex] = None    # prompt lookup's n-grams of its text (speculative.py)
 
     @property
     def done(self) -> bool:
@@ -444,6 +452,10 @@ class Batcher:
         return out
 
     def _decode(self) -> list[Event]:
+        if len(self.running) == 1:          # a lone greedy row may take several tokens (speculative.py)
+            events = speculative.step(self, self.running[0])
+            if events is not None:
+                return events
         model, run = self.model, self.running
         n, device = len(run), model.device
         at = [s.pos % self.segment if self.segment else s.pos for s in run]   # infini: within the segment
@@ -452,8 +464,15 @@ class Batcher:
         pack, head, n_weights = self.weights()
         packs = pack.layers if pack is not None else [None] * len(model.layers)
         Hkv = model.args.n_kv_heads
+        compiled = self.engine.compiled_step(pack)
         with thread_policy.step_mode(self.engine.step_threads(n, n_weights)):
             pos = torch.tensor(at, device=device)                           # (n,) the new tokens' positions
+            if compiled is not None:                                        # the same pass as one graph
+                logits = compiled(self.kv, torch.tensor([s.tokens[-1] for s in run], device=device), pos,
+                                  length, cos_all, sin_all)
+                for s in run:
+                    s.pos += 1
+                return self._sample(list(run), logits)
             cos, sin = model.decode_rope(cos_all, sin_all, pos)            # (n, 1, hd)
             key_bias = None                                                 # rows at one position see all keys
             if min(at) != length - 1:
@@ -530,11 +549,15 @@ class Batcher:
 # --------------------------------------------------------------------------- the engine
 class Engine:
     """Generation over one model (see the module docstring). ``threads``: intra-op threads of
-    every step (None: the ``step_threads`` rule)."""
+    every step (None: the ``step_threads`` rule); ``prompt_lookup``: draft tokens per step of a
+    greedy sequence whose parameters leave it None (utils/generation/speculative.py; 0: off)."""
 
-    def __init__(self, model, threads: Optional[int] = None):
+    def __init__(self, model, threads: Optional[int] = None, prompt_lookup: int = 0, compile: str = "off"):
         self.model = model
         self.threads = threads
+        self.prompt_lookup = prompt_lookup
+        self.compile = compile
+        self._compiled: Optional[CompiledStep] = None
         self._pack: Optional[DecodePack] = None
 
     def batcher(self, slots: int, capacity: Optional[int] = None) -> Batcher:
@@ -616,6 +639,34 @@ class Engine:
             self._pack = None                                                # free the old copy first
             self._pack = build_pack(self.model, key, self.pack_panels()) if key is not None else None
         return self._pack
+
+    def compiled_step(self, pack: Optional[DecodePack]) -> Optional[CompiledStep]:
+        """The compiled decode step over ``pack`` (the batcher's decode weights; None: the
+        model's modules) where ``compile`` turns it on for this model and device
+        (utils/generation/compiled.py ``compile_applies``), else None (the eager step). Made
+        on the first call and kept while the decode weights stay the same."""
+        m = self.model
+        if not compile_applies(self.compile, m.device.type, m.args.segment):
+            return None
+        if self._compiled is None or self._compiled.pack is not pack:
+            packs = pack.layers if pack is not None else [None] * len(m.layers)
+            head = m.lm_head if pack is None else pack_head(pack, onednn=False)
+            self._compiled = CompiledStep(m, packs, head, pack, mode=compile_mode(m.device.type))
+        return self._compiled
+
+    @torch.no_grad()
+    def compile_now(self) -> Optional[float]:
+        """Compile the decode step now (where ``compile`` turns it on) on a throwaway 2-slot
+        batcher, so that no request waits for it: the seconds it took, None when the step is
+        not compiled."""
+        step = self.compiled_step(self.decode_pack())
+        if step is None:
+            return None
+        b = self.batcher(2, 16)
+        b._alloc()
+        cos, sin = self.model.rope(16, self.model.device)
+        with thread_policy.step_mode(self.step_threads(1, self.n_weights())):
+            return step.warm(b.kv, cos, sin)
 
     def n_weights(self) -> int:
         """Weights a token multiplies by (utils/generation/threads.py ``n_weights``)."""

@@ -20,8 +20,12 @@ def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
     o = open_for_generation(path, cfg, device, say=worker.log, cache=worker.cache)
     if cfg.serve.quantize == "int8":
         worker.log(quantize_int8(o.model).line())
-    engine = Engine(o.model, threads=threads)
+    engine = Engine(o.model, threads=threads, prompt_lookup=cfg.inference.prompt_lookup_num_tokens,
+                    compile=cfg.inference.compile)
     engine.decode_pack()
+    seconds = engine.compile_now()          # before the server listens: no request waits for it
+    if seconds is not None:
+        worker.log(f"compiled the decode step in {seconds:.1f} s (inference.compile {cfg.inference.compile})")
     own = o.model.args.context
     context = min(cfg.serve.context, own or cfg.serve.context) if cfg.serve.context else own
     info = {"tok": o.tok, "kind": o.kind, "rules": o.rules, "label": o.label}
