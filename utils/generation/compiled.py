@@ -31,6 +31,9 @@ import time
 from typing import Callable, Optional
 
 import torch
+from torch.fx.experimental import _config as fx_config
+
+BACKEND = "inductor"     # torch.compile's backend (tests trace with "eager": dynamo's graphs, seconds not minutes)
 
 
 def compile_applies(setting: str, device_type: str, segment: Optional[int]) -> bool:
@@ -55,14 +58,14 @@ class _StepCache:
     go to ``cells`` of the flat (slots * Hkv * positions, hd) cache; the keys returned are
     rows 0..n-1's first ``length`` positions (the model's ``update``)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, cells: torch.Tensor, length):
-        self.k, self.v, self.cells, self.length = k, v, cells, length
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, cells: torch.Tensor, shape: tuple, length):
+        self.k, self.v, self.cells, self.shape, self.length = k, v, cells, shape, length
 
     def update(self, k, v):                                   # (n, Hkv, hd)
         n, hd = k.shape[0], k.shape[-1]
-        self.k.view(-1, hd).index_copy_(0, self.cells, k.reshape(-1, hd))
-        self.v.view(-1, hd).index_copy_(0, self.cells, v.reshape(-1, hd))
-        return self.k[:n, :, :self.length], self.v[:n, :, :self.length]
+        self.k.index_copy_(0, self.cells, k.reshape(-1, hd))
+        self.v.index_copy_(0, self.cells, v.reshape(-1, hd))
+        return self.k.view(self.shape)[:n, :, :self.length], self.v.view(self.shape)[:n, :, :self.length]
 
 
 class CompiledStep:
@@ -76,13 +79,14 @@ class CompiledStep:
                  static: Optional[bool] = None):
         self.model, self.packs, self.head, self.pack = model, packs, head, pack
         self.static = model.device.type == "cuda" if static is None else static
-        self.compiled = torch.compile(self._logits, mode=mode, dynamic=not self.static)
+        self.compiled = torch.compile(self._logits, backend=BACKEND, mode=mode, dynamic=not self.static)
         self.seconds = 0.0               # spent compiling (warm)
 
-    def _logits(self, kv: list, tokens: torch.Tensor, pos: torch.Tensor, length: int,
+    def _logits(self, flat: list, cache_len: int, tokens: torch.Tensor, pos: torch.Tensor, length: int,
                 cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
         model = self.model
-        n, Hkv, cache_len = tokens.shape[0], model.args.n_kv_heads, kv[0][0].shape[2]
+        n, Hkv, hd = tokens.shape[0], model.args.n_kv_heads, model.args.head_dim
+        shape = (-1, Hkv, cache_len, hd)
         cos, sin = model.decode_rope(cos_all, sin_all, pos)                # (n, 1, hd)
         keys = torch.arange(length, device=pos.device)
         key_bias = torch.zeros(n, length, dtype=cos.dtype, device=pos.device).masked_fill(
@@ -90,28 +94,32 @@ class CompiledStep:
         cells = ((torch.arange(n, device=pos.device)[:, None] * Hkv + torch.arange(Hkv, device=pos.device))
                  * cache_len + pos[:, None]).view(-1)                       # (n * Hkv,)
         h = model.tok_embeddings(tokens)
-        for layer, (k, v), packed in zip(model.layers, kv, self.packs):
-            h = layer.decode(h, cos, sin, _StepCache(k, v, cells, length), key_bias, packed)
+        for layer, (k, v), packed in zip(model.layers, flat, self.packs):
+            h = layer.decode(h, cos, sin, _StepCache(k, v, cells, shape, length), key_bias, packed)
         return self.head(model.norm(h)).float()
 
-    def __call__(self, kv: list, tokens: torch.Tensor, pos: torch.Tensor, length: int,
+    def __call__(self, flat: list, cache_len: int, tokens: torch.Tensor, pos: torch.Tensor, length: int,
                  cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
         """(n, V) fp32 logits of rows 0..n-1 (``tokens`` at positions ``pos``), their keys and
-        values written into ``kv`` (a batcher's caches); ``length``: the longest row's
-        position + 1 (the slot's capacity when static)."""
+        values written into a batcher's caches, ``flat``: each layer's (k, v) seen as (slots *
+        n_kv_heads * cache_len, head_dim); ``length``: the longest row's position + 1 (the
+        slot's capacity when static). Sizes are not duck-typed (two sizes that happen to be
+        equal at the first call are not assumed equal after), and the flat caches keep a
+        1-slot batcher's from being a size-1 dimension, which dynamo would specialize."""
         if self.static:
-            length = kv[0][0].shape[2]
-        return self.compiled(kv, tokens, pos, length, cos_all[:kv[0][0].shape[2]], sin_all[:kv[0][0].shape[2]])
+            length = cache_len
+        with fx_config.patch(use_duck_shape=False):
+            return self.compiled(flat, cache_len, tokens, pos, length, cos_all, sin_all)
 
-    def warm(self, kv: list, cos_all: torch.Tensor, sin_all: torch.Tensor) -> float:
-        """Compile the step for batch 1 and, where ``kv`` has two slots or more, for batches of
-        2 or more, on ``kv`` (their cache rows 0..1, positions 0..2, are overwritten: call it
-        before a batcher holds sequences); returns the seconds it took."""
+    def warm(self, flat: list, cache_len: int, cos_all: torch.Tensor, sin_all: torch.Tensor) -> float:
+        """Compile the step for batch 1 and batches of 2 or more on a batcher's caches of two
+        slots or more (``flat``, see :meth:`__call__`; their slots 0..1, positions 0..2, are
+        overwritten: call it before the batcher holds sequences); returns the seconds it took."""
         t0 = time.perf_counter()
-        device = kv[0][0].device
-        for n in (1, 2)[:min(2, kv[0][0].shape[0])]:
+        device = flat[0][0].device
+        for n in (1, 2):
             for length in (2, 3):                        # two lengths: the graph is made dynamic in it
                 tokens = torch.zeros(n, dtype=torch.long, device=device)
-                self(kv, tokens, torch.full((n,), length - 1, device=device), length, cos_all, sin_all)
+                self(flat, cache_len, tokens, torch.full((n,), length - 1, device=device), length, cos_all, sin_all)
         self.seconds += time.perf_counter() - t0
         return time.perf_counter() - t0

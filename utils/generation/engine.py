@@ -58,6 +58,7 @@ from utils.generation import threads as thread_policy
 from utils.generation.compiled import CompiledStep, compile_applies, compile_mode
 from utils.generation.cpu import greedy
 from utils.generation.detok import TextStream
+from utils.generation.threads import DecodeThreads
 from utils.generation.pack import DecodePack, build_pack, pack_head, pack_key
 from utils.generation.speculative import NgramIndex
 from utils.infini import InfiniCache
@@ -396,8 +397,11 @@ class Batcher:
     def _alloc(self) -> None:
         a, w = self.model.args, self.model.tok_embeddings.weight
         shape = (self.slots, a.n_kv_heads, self.cache_len, a.head_dim)
-        self.kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(a.n_layers)]
-        self.kv_flat = [(k.view(-1, a.head_dim), v.view(-1, a.head_dim)) for k, v in self.kv]
+        # the flat (slots * Hkv * positions, hd) tensors own the memory (the compiled step takes
+        # them: a 1-slot cache is then no size-1 dimension, which dynamo would specialize)
+        self.kv_flat = [(w.new_zeros(math.prod(shape[:3]), a.head_dim), w.new_zeros(math.prod(shape[:3]), a.head_dim))
+                        for _ in range(a.n_layers)]
+        self.kv = [(k.view(shape), v.view(shape)) for k, v in self.kv_flat]
         if self.segment:
             mem = (self.slots, a.n_kv_heads, a.head_dim)
             self.mem = [(w.new_zeros(shape), torch.zeros(*mem, a.head_dim, device=w.device),
@@ -462,33 +466,40 @@ class Batcher:
         length = max(at) + 1
         cos_all, sin_all = model.rope(length, device)                       # outside inference mode: kept
         pack, head, n_weights = self.weights()
-        packs = pack.layers if pack is not None else [None] * len(model.layers)
-        Hkv = model.args.n_kv_heads
         compiled = self.engine.compiled_step(pack)
-        with thread_policy.step_mode(self.engine.step_threads(n, n_weights)):
+        threads, chooser = self.engine.decode_threads(n, n_weights)
+        with thread_policy.step_mode(threads):
             pos = torch.tensor(at, device=device)                           # (n,) the new tokens' positions
+            tokens = torch.tensor([s.tokens[-1] for s in run], device=device)
             if compiled is not None:                                        # the same pass as one graph
-                logits = compiled(self.kv, torch.tensor([s.tokens[-1] for s in run], device=device), pos,
-                                  length, cos_all, sin_all)
-                for s in run:
-                    s.pos += 1
-                return self._sample(list(run), logits)
-            cos, sin = model.decode_rope(cos_all, sin_all, pos)            # (n, 1, hd)
-            key_bias = None                                                 # rows at one position see all keys
-            if min(at) != length - 1:
-                key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
-                key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
-            rows = torch.arange(n, device=device)
-            cells = ((rows[:, None] * Hkv + torch.arange(Hkv, device=device)) * self.cache_len
-                     + pos[:, None]).view(-1)                               # (n * Hkv,) in the flat caches
-            h = model.tok_embeddings(torch.tensor([s.tokens[-1] for s in run], device=device))   # (n, d_model)
-            mems = self.mem or [None] * len(model.layers)
-            for layer, (k, v), flat, m, packed in zip(model.layers, self.kv, self.kv_flat, mems, packs):
-                h = layer.decode(h, cos, sin, _DecodeCache(k, v, flat, cells, pos, length, m), key_bias, packed)
-            logits = head(model.norm(h)).float()                            # (n, V)
+                logits = compiled(self.kv_flat, self.cache_len, tokens, pos, length, cos_all, sin_all)
+            else:
+                logits = self._decode_logits(tokens, pos, at, length, model.decode_rope(cos_all, sin_all, pos))
+            if chooser is not None:
+                chooser.done()
             for s in run:
                 s.pos += 1
             return self._sample(list(run), logits)
+
+    def _decode_logits(self, tokens: torch.Tensor, pos: torch.Tensor, at: list[int], length: int,
+                       rope: tuple) -> torch.Tensor:
+        """The eager decode step's network pass: (n, V) fp32 logits of rows 0..n-1."""
+        model, device, (cos, sin) = self.model, self.model.device, rope
+        n, Hkv = len(at), model.args.n_kv_heads
+        pack, head, _ = self.weights()
+        packs = pack.layers if pack is not None else [None] * len(model.layers)
+        key_bias = None                                                     # rows at one position see all keys
+        if min(at) != length - 1:
+            key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
+            key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
+        rows = torch.arange(n, device=device)
+        cells = ((rows[:, None] * Hkv + torch.arange(Hkv, device=device)) * self.cache_len
+                 + pos[:, None]).view(-1)                                   # (n * Hkv,) in the flat caches
+        h = model.tok_embeddings(tokens)                                    # (n, d_model)
+        mems = self.mem or [None] * len(model.layers)
+        for layer, (k, v), flat, m, packed in zip(model.layers, self.kv, self.kv_flat, mems, packs):
+            h = layer.decode(h, cos, sin, _DecodeCache(k, v, flat, cells, pos, length, m), key_bias, packed)
+        return head(model.norm(h)).float()                                  # (n, V)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
         check_finite(logits, f"position {max(s.pos for s in seqs)}")
@@ -558,6 +569,7 @@ class Engine:
         self.prompt_lookup = prompt_lookup
         self.compile = compile
         self._compiled: Optional[CompiledStep] = None
+        self._decode_threads: Optional[DecodeThreads] = None
         self._pack: Optional[DecodePack] = None
 
     def batcher(self, slots: int, capacity: Optional[int] = None) -> Batcher:
@@ -666,7 +678,19 @@ class Engine:
         b._alloc()
         cos, sin = self.model.rope(16, self.model.device)
         with thread_policy.step_mode(self.step_threads(1, self.n_weights())):
-            return step.warm(b.kv, cos, sin)
+            return step.warm(b.kv_flat, b.cache_len, cos, sin)
+
+    def decode_threads(self, n: int, n_weights: int) -> tuple[Optional[int], Optional[DecodeThreads]]:
+        """(threads, chooser) of a decode step of ``n`` rows: ``step_threads``' count where it
+        gives one (chooser None); else, on CPU, the count this engine's
+        :class:`~utils.generation.threads.DecodeThreads` picks by measurement (call its
+        ``done`` after the step)."""
+        threads = self.step_threads(n, n_weights)
+        if threads is not None or self.model.device.type != "cpu":
+            return threads, None
+        if self._decode_threads is None:
+            self._decode_threads = DecodeThreads(torch.get_num_threads())
+        return self._decode_threads.pick(n), self._decode_threads
 
     def n_weights(self) -> int:
         """Weights a token multiplies by (utils/generation/threads.py ``n_weights``)."""
