@@ -75,9 +75,9 @@ def test_decode_threads_follow_the_faster_count_and_a_change_of_load(monkeypatch
         return picked
 
     first = steps(3 * chooser.EXPLORE)
-    assert first[:2] == [1, 2] and first[2:].count(2) <= 3 and first[-1] == 1
+    assert first[:4] == [1, 2, 1, 2] and first[4:].count(2) <= 3 and first[-1] == 1
     cost.update({1: 3.0, 2: 1.0})               # the load went away: two threads faster
     later = steps(4 * chooser.EXPLORE)
     assert later[-chooser.EXPLORE + 1:] == [2] * (chooser.EXPLORE - 1)
-    assert steps(2, n=4) == [1, 2]              # each batch size measured on its own
+    assert steps(4, n=4) == [1, 2, 1, 2]        # each batch size measured on its own
     assert threads.DecodeThreads(1).pick(1) == 1

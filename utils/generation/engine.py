@@ -41,6 +41,13 @@ Decode steps (``Block.decode`` over the pack) pay a fixed dispatch cost per tens
 CPU, which is most of a small model's token: the step fuses projections, rotates q and k
 together, writes the cache with one ``index_copy_`` per tensor, skips the key mask when every
 row is at the same position and takes the greedy token with NumPy (utils/generation/cpu.py).
+Where the thread rule gives a decode step all threads, the count is chosen by measurement
+(threads.py ``DecodeThreads``: on cores shared with other work one thread can be many times
+faster). A lone greedy row may take several tokens per step by prompt-lookup speculative
+decoding (speculative.py, ``Engine(prompt_lookup=k)`` or the request's
+``SamplingParams.prompt_lookup``: the same tokens), and the step's network pass may run as one
+``torch.compile`` graph (compiled.py, ``Engine(compile="auto"|"on"|"off")``, compiled by
+``compile_now`` when a model loads: the same tokens).
 """
 from __future__ import annotations
 

@@ -92,14 +92,15 @@ class DecodeThreads:
         self.counts = (1, all_threads) if all_threads > 1 else (all_threads,)
         self.seconds: dict[tuple[int, int], float] = {}     # (rows, threads) -> moving average
         self.steps: dict[int, int] = {}                     # rows -> steps so far
+        self.warmed: set[tuple[int, int]] = set()           # (rows, threads) run once
         self._started: Optional[tuple[int, int, float]] = None
 
     def pick(self, n: int) -> int:
         step = self.steps.get(n, 0)
         self.steps[n] = step + 1
         known = [(self.seconds[(n, t)], t) for t in self.counts if (n, t) in self.seconds]
-        if len(known) < len(self.counts):                  # each count measured once first
-            t = self.counts[len(known)]
+        if len(known) < len(self.counts):       # the counts in turn until each has a measured step
+            t = self.counts[step % len(self.counts)]
         else:
             best = min(known)[1]
             other = [t for t in self.counts if t != best]
@@ -112,5 +113,8 @@ class DecodeThreads:
             return
         n, t, t0 = self._started
         dt, self._started = time.perf_counter() - t0, None
+        if (n, t) not in self.warmed:           # a count's first step starts its threads: not counted
+            self.warmed.add((n, t))
+            return
         old = self.seconds.get((n, t))
         self.seconds[(n, t)] = dt if old is None else old + self.WEIGHT * (dt - old)
