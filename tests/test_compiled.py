@@ -58,12 +58,14 @@ def test_compiled_step_with_cuda_graphs_equals_the_eager_one_on_cuda():
 
 def test_decode_threads_follow_the_faster_count_and_a_change_of_load(monkeypatch):
     """utils/generation/threads.py DecodeThreads: each count measured, then the faster one
-    used, the other tried every EXPLORE steps, and a change of which is faster followed."""
+    used, the other tried again after a pause as long as it was slow, and a change of which
+    count is faster followed."""
     import utils.generation.threads as threads
     clock = [0.0]
     monkeypatch.setattr(threads.time, "perf_counter", lambda: clock[0])
     cost = {1: 1.0, 2: 5.0}                     # two threads slow: cores shared with other work
     chooser = threads.DecodeThreads(2)
+    T, E = chooser.TRY, chooser.EXPLORE
 
     def steps(k, n=1):
         picked = []
@@ -74,10 +76,11 @@ def test_decode_threads_follow_the_faster_count_and_a_change_of_load(monkeypatch
             picked.append(t)
         return picked
 
-    first = steps(3 * chooser.EXPLORE)
-    assert first[:4] == [1, 2, 1, 2] and first[4:].count(2) <= 3 and first[-1] == 1
+    first = steps(2 * T + 5 * E)
+    assert first[:2 * T - 1] == [1] * T + [2] * (T - 1)    # each count's first step not measured
+    assert first[2 * T:].count(2) == T          # one try in 5 x EXPLORE steps: it was 5x slower
     cost.update({1: 3.0, 2: 1.0})               # the load went away: two threads faster
-    later = steps(4 * chooser.EXPLORE)
-    assert later[-chooser.EXPLORE + 1:] == [2] * (chooser.EXPLORE - 1)
-    assert steps(4, n=4) == [1, 2, 1, 2]        # each batch size measured on its own
+    later = steps(20 * E)
+    assert later[-E // 2:] == [2] * (E // 2) and later.count(1) < 8 * E
+    assert steps(2 * T - 1, n=4) == [1] * T + [2] * (T - 1)   # each batch size measured on its own
     assert threads.DecodeThreads(1).pick(1) == 1

@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Hashable, Iterable, Iterator, Optional
 from typing import Sequence as Sequence_
 
 import torch
@@ -687,17 +687,18 @@ class Engine:
         with thread_policy.step_mode(self.step_threads(1, self.n_weights())):
             return step.warm(b.kv_flat, b.cache_len, cos, sin)
 
-    def decode_threads(self, n: int, n_weights: int) -> tuple[Optional[int], Optional[DecodeThreads]]:
-        """(threads, chooser) of a decode step of ``n`` rows: ``step_threads``' count where it
-        gives one (chooser None); else, on CPU, the count this engine's
-        :class:`~utils.generation.threads.DecodeThreads` picks by measurement (call its
-        ``done`` after the step)."""
+    def decode_threads(self, n: int, n_weights: int, kind: Hashable = None) -> tuple[Optional[int], Optional[DecodeThreads]]:
+        """(threads, chooser) of a decode step of ``n`` rows (or ``n`` tokens of one row's
+        verify pass, utils/generation/speculative.py: ``kind`` "verify", all lengths measured
+        together): ``step_threads``' count where it gives one (chooser None); else, on CPU,
+        the count this engine's :class:`~utils.generation.threads.DecodeThreads` picks by
+        measurement (call its ``done`` after the step)."""
         threads = self.step_threads(n, n_weights)
         if threads is not None or self.model.device.type != "cpu":
             return threads, None
         if self._decode_threads is None:
             self._decode_threads = DecodeThreads(torch.get_num_threads())
-        return self._decode_threads.pick(n), self._decode_threads
+        return self._decode_threads.pick(n if kind is None else kind), self._decode_threads
 
     def n_weights(self) -> int:
         """Weights a token multiplies by (utils/generation/threads.py ``n_weights``)."""

@@ -118,7 +118,8 @@ def verify_logits(batcher, seq, ids: list[int]) -> torch.Tensor:
     cos_all, sin_all = model.rope(length, device)                           # outside inference mode: kept
     pack, head, n_weights = batcher.weights()
     packs = pack.layers if pack is not None else [None] * len(model.layers)
-    with thread_policy.step_mode(batcher.engine.step_threads(T, n_weights)):
+    threads, chooser = batcher.engine.decode_threads(T, n_weights, "verify")
+    with thread_policy.step_mode(threads):
         pos = torch.arange(p0, length, device=device)
         cos, sin = model.decode_rope(cos_all, sin_all, pos)                # (T, 1, hd)
         key_bias = torch.zeros(T, length, dtype=model.tok_embeddings.weight.dtype, device=device)
@@ -128,7 +129,10 @@ def verify_logits(batcher, seq, ids: list[int]) -> torch.Tensor:
         h = model.tok_embeddings(torch.tensor(ids, device=device))         # (T, d_model)
         for layer, (k, v), flat, packed in zip(model.layers, batcher.kv, batcher.kv_flat, packs):
             h = layer.decode(h, cos, sin, _SlotCache(k, v, flat, cells, seq.slot, length), key_bias, packed)
-        return head(model.norm(h)).float()                                  # (T, V)
+        logits = head(model.norm(h)).float()                                # (T, V)
+        if chooser is not None:
+            chooser.done()
+        return logits
 
 
 def step(batcher, seq) -> Optional[list]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 
@@ -83,28 +83,36 @@ def step_mode(threads: Optional[int]):
 class DecodeThreads:
     """The threads of decode steps for which the rule gives all threads (``step_threads``
     None), chosen by measurement (see the module docstring): :meth:`pick` before a step of
-    ``n`` rows, :meth:`done` after it."""
+    ``n`` rows (any key of steps measured together), :meth:`done` after it. Each count runs ``TRY`` steps in a row when tried, and
+    the first step after a change of count is not measured (the thread team's start-up); the
+    other count is tried again after ``EXPLORE`` steps times how much slower it was, so trying
+    a count that is many times slower costs a few percent of the time at most."""
 
-    EXPLORE = 24          # steps between two tries of the other thread count
+    EXPLORE = 32          # steps between two tries of the other count, times its slowness
+    TRY = 3               # steps per try (the first not measured)
     WEIGHT = 0.3          # of the newest step in each count's moving average of step time
 
     def __init__(self, all_threads: int):
         self.counts = (1, all_threads) if all_threads > 1 else (all_threads,)
         self.seconds: dict[tuple[int, int], float] = {}     # (rows, threads) -> moving average
         self.steps: dict[int, int] = {}                     # rows -> steps so far
-        self.warmed: set[tuple[int, int]] = set()           # (rows, threads) run once
+        self.trying: dict[int, tuple[int, int]] = {}        # rows -> (try ends, next try) steps
+        self._last: Optional[int] = None                    # threads of the last step
         self._started: Optional[tuple[int, int, float]] = None
 
-    def pick(self, n: int) -> int:
+    def pick(self, n: Hashable) -> int:
         step = self.steps.get(n, 0)
         self.steps[n] = step + 1
         known = [(self.seconds[(n, t)], t) for t in self.counts if (n, t) in self.seconds]
-        if len(known) < len(self.counts):       # the counts in turn until each has a measured step
-            t = self.counts[step % len(self.counts)]
+        if len(known) < len(self.counts):                   # the counts in turn, TRY steps each
+            t = self.counts[(step // self.TRY) % len(self.counts)]
         else:
-            best = min(known)[1]
-            other = [t for t in self.counts if t != best]
-            t = other[0] if other and step % self.EXPLORE == 0 else best
+            (best_s, best), (other_s, other) = min(known), max(known)
+            end, nxt = self.trying.setdefault(n, (0, step + self.EXPLORE))
+            if step >= nxt:
+                end, nxt = step + self.TRY, step + int(self.EXPLORE * max(1.0, other_s / best_s))
+                self.trying[n] = (end, nxt)
+            t = other if step < end and other != best else best
         self._started = (n, t, time.perf_counter())
         return t
 
@@ -113,8 +121,8 @@ class DecodeThreads:
             return
         n, t, t0 = self._started
         dt, self._started = time.perf_counter() - t0, None
-        if (n, t) not in self.warmed:           # a count's first step starts its threads: not counted
-            self.warmed.add((n, t))
+        switched, self._last = self._last != t, t
+        if switched:                            # the step started the count's threads: not counted
             return
         old = self.seconds.get((n, t))
         self.seconds[(n, t)] = dt if old is None else old + self.WEIGHT * (dt - old)
