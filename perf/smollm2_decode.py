@@ -24,14 +24,20 @@ def spread(xs, fmt):
 
 
 def read_bandwidth() -> float:
-    """Bytes/s this machine's torch reads on all threads: the best of 5 sums over 256 MiB."""
+    """Bytes/s this machine's torch reads on all threads: the best of 5 reads of 256 MiB of
+    fp32, each read by a sum and by a one-row product over column panels (how the fp32 decode
+    pack streams its weights, utils/generation/cpu.py), whichever is faster."""
     import torch
+    from utils.generation.cpu import panel_mm, panels
     x = torch.ones(1 << 26)
+    w = panels(x.view(4096, 1 << 14), torch.get_num_threads())
+    row = torch.ones(1, 4096)
     best = float("inf")
     for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
+        for read in (x.sum, lambda: panel_mm(row, w)):
+            t0 = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best
 
 
