@@ -577,6 +577,7 @@ class Engine:
         self.compile = compile
         self._compiled: Optional[CompiledStep] = None
         self._decode_threads: Optional[DecodeThreads] = None
+        self.verify_weights: Optional[tuple] = None   # (pack, block weights of verify passes), speculative.py
         self._pack: Optional[DecodePack] = None
 
     def batcher(self, slots: int, capacity: Optional[int] = None) -> Batcher:
@@ -601,6 +602,7 @@ class Engine:
             model.train(was_training)
             if was_training:
                 self._pack = None      # training moves the weights on: the copy would only hold memory
+                self.verify_weights = None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,

@@ -47,6 +47,8 @@ from typing import Optional
 import torch
 
 from utils.generation import threads as thread_policy
+from utils.generation.cpu import RowsProduct, onednn_linear_available
+from utils.generation.pack import INT8, PackedLayer
 
 MAX_NGRAM = 3     # longest suffix looked up (transformers' default is 2, vLLM's prompt_lookup_max 4..5)
 MIN_NGRAM = 1
@@ -117,7 +119,7 @@ def verify_logits(batcher, seq, ids: list[int]) -> torch.Tensor:
     length = p0 + T
     cos_all, sin_all = model.rope(length, device)                           # outside inference mode: kept
     pack, head, n_weights = batcher.weights()
-    packs = pack.layers if pack is not None else [None] * len(model.layers)
+    packs = verify_layers(batcher.engine, pack)
     threads, chooser = batcher.engine.decode_threads(T, n_weights, "verify")
     with thread_policy.step_mode(threads):
         pos = torch.arange(p0, length, device=device)
@@ -133,6 +135,34 @@ def verify_logits(batcher, seq, ids: list[int]) -> torch.Tensor:
         if chooser is not None:
             chooser.done()
         return logits
+
+
+def _rows_mm(x: torch.Tensor, w: RowsProduct) -> torch.Tensor:
+    return w(x)
+
+
+def verify_layers(engine, pack) -> list:
+    """The block weights of verify passes: for an fp32 decode pack (utils/generation/pack.py),
+    oneDNN-packed copies of each block matrix (utils/generation/cpu.py ``RowsProduct``), made at
+    the engine's first verify pass and kept with the pack: MKL's product of a few rows by the
+    pack's transposed matrix costs 2.5x a row's (9 rows of SmolLM2's gate|up), the packed
+    copy's about one row's, so a pass of k+1 tokens reads the weights about once. The cost:
+    another copy of the block weights while the engine holds them. Otherwise the pack's own
+    layers (int8: its row-by-row kernel; no pack: the model's Linear layers)."""
+    kept = engine.verify_weights
+    if kept is not None and kept[0] is pack:
+        return kept[1]
+    if pack is None:
+        layers = [None] * len(engine.model.layers)
+    elif pack.key == INT8 or not onednn_linear_available():
+        layers = pack.layers
+    else:
+        cat = lambda *ms: torch.cat([m.weight for m in ms])  # noqa: E731
+        layers = [PackedLayer(RowsProduct(cat(b.attn.wq, b.attn.wk, b.attn.wv)), RowsProduct(b.attn.wo.weight),
+                              RowsProduct(cat(b.mlp.w_gate, b.mlp.w_up)), RowsProduct(b.mlp.w_down.weight), _rows_mm)
+                  for b in engine.model.layers]
+    engine.verify_weights = (pack, layers)
+    return layers
 
 
 def step(batcher, seq) -> Optional[list]:
