@@ -24,6 +24,11 @@ def test_the_draft_follows_the_first_occurrence_of_the_longest_suffix():
     assert run.draft([4, 4, 4, 4, 4, 4, 4], 5) == [4, 4, 4, 4]
     assert NgramIndex().draft([1, 2, 3], 4) == []          # nothing repeats: no draft
     assert NgramIndex().draft([7], 4) == []
+    pauses = []
+    for accepted in (0, 0, 0, 0, 0, 0, 2, 0):      # failed drafts pause drafting longer each time
+        idx.verified(accepted)
+        pauses.append(idx.pause)
+    assert pauses == [1, 2, 4, 8, 16, 16, 0, 1]
 
 
 def _run(engine, prompt, n, slots=1, **params):

@@ -17,6 +17,8 @@ Contract:
   token), and the up-to-k tokens that followed it are the draft. The index is a dict per
   n-gram length, extended by the tokens new since the last step, so a step's lookup is O(new
   tokens), whatever the prompt's length. No match: no draft, and the step is a plain one.
+  A draft wholly rejected pauses drafting for 1, 2, 4 .. 16 steps while drafts keep failing
+  (``NgramIndex.verified``): free text matches short n-grams often and copies them rarely.
 - **Verify.** The last token and the k drafted ones go through the model in one forward over
   the sequence's cache slot (positions pos..pos+k written, each attending causally: the model's
   one-token ``decode`` step with the queries of one sequence folded together,
@@ -52,6 +54,7 @@ from utils.generation.pack import INT8, PackedLayer
 
 MAX_NGRAM = 3     # longest suffix looked up (transformers' default is 2, vLLM's prompt_lookup_max 4..5)
 MIN_NGRAM = 1
+MAX_PAUSE = 16    # steps at most without drafting after drafts that failed (NgramIndex.verified)
 
 
 class NgramIndex:
@@ -62,6 +65,15 @@ class NgramIndex:
         self.sizes = range(max_n, min_n - 1, -1)
         self.ends: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
         self.indexed = 0              # n-grams ending at 1..indexed are in the index
+        self.misses = 0               # drafts in a row of which nothing was accepted
+        self.pause = 0                # steps left without a draft (see ``verified``)
+
+    def verified(self, accepted: int) -> None:
+        """After a verify pass that accepted ``accepted`` drafted tokens: a draft wholly
+        rejected pauses drafting for 1, 2, 4 .. ``MAX_PAUSE`` steps (doubling while they keep
+        failing), so text that does not copy its prompt pays for few useless passes."""
+        self.misses = 0 if accepted else self.misses + 1
+        self.pause = min(1 << (self.misses - 1), MAX_PAUSE) if self.misses else 0
 
     def draft(self, ids: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the first occurrence of the longest
@@ -108,6 +120,9 @@ def draft_for(batcher, seq) -> list[int]:
         return []
     if seq.lookup is None:
         seq.lookup = NgramIndex()
+    if seq.lookup.pause:
+        seq.lookup.pause -= 1
+        return []
     return seq.lookup.draft(seq.prompt + seq.tokens, min(k, room))
 
 
@@ -180,4 +195,5 @@ def step(batcher, seq) -> Optional[list]:
         events += batcher._sample([seq], logits[i:i + 1])
         if seq.done or i == len(draft) or seq.tokens[-1] != draft[i]:
             break
+    seq.lookup.verified(i)
     return events
