@@ -35,7 +35,9 @@ at a time, and the positions of a sequence are unbounded (``capacity`` only caps
 With fp32 weights on CPU the engine also keeps a transposed, contiguous copy of the weights
 (:meth:`Engine.decode_pack`, utils/generation/pack.py: the weights' bytes once more plus the
 head's, bounded by ``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights change (storage
-or ``_version``: an optimizer step or ``load_state_dict``) and freed with the engine.
+or ``_version``: an optimizer step or ``load_state_dict``) and freed with the engine. Prompt
+lookup's verify passes add a oneDNN-packed copy of the block weights at the first one
+(speculative.py ``verify_layers``).
 
 Decode steps (``Block.decode`` over the pack) pay a fixed dispatch cost per tensor operation on
 CPU, which is most of a small model's token: the step fuses projections, rotates q and k

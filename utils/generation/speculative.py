@@ -37,10 +37,13 @@ Contract:
   (``speculative_disable_by_batch_size``): several rows already share each pass over the
   weights, and a row's verification alone would read them once more per row. Not for
   Infini-attention models (a draft could cross a segment's end, where the memory updates).
-- **Cost.** A missed draft costs a k+1-row forward in place of a one-row one: on CPU a few
-  percent at k = 4..10 for fp32 weights, more for int8 (its row-by-row kernel's time grows with
-  the rows), which is why the option is per request and off by default
-  (docs/performance.md, Speculative decoding).
+- **Cost.** A pass of k+1 tokens must read the weights about once to save time: an fp32
+  model's verify passes multiply by oneDNN-packed copies of its block matrices
+  (:func:`verify_layers`: another copy of the block weights while the engine holds them),
+  int8's by its row-by-row kernel (a pass then costs several steps, so it gains less). A
+  missed draft costs one such pass in place of a step, and a draft wholly rejected pauses
+  drafting (above). Off by default; measured gains and losses: docs/performance.md, Decode at
+  batch 1.
 """
 from __future__ import annotations
 
