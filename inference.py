@@ -131,6 +131,9 @@ def build_parser() -> StageParser:
     p.config_flag("--device", key="inference.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
     p.config_flag("--prefix-cache-mb", key="inference.prefix_cache_mb", type=int, metavar="MB",
                   help="MiB of KV kept for reuse by later chat turns (0: off)")
+    p.config_flag("--prompt-lookup", key="inference.prompt_lookup_num_tokens", type=int, metavar="K",
+                  help="prompt-lookup speculative decoding: K tokens drafted per step from the text's own "
+                       "n-grams, greedy only, same tokens (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.add_argument("--json", action="store_true",
                    help="scripted mode: print one JSON object (text and statistics)")
@@ -250,11 +253,15 @@ class Session:
         if self.quantize == "int8":
             from utils.quant import quantize_int8           # torch (see the imports)
             print(f"infer: {quantize_int8(o.model).line()}", file=self.err)
-        engine = Engine(o.model)
+        inf = self.cfg.inference
+        engine = Engine(o.model, prompt_lookup=inf.prompt_lookup_num_tokens, compile=inf.compile)
         engine.decode_pack()            # the CPU decode weights now, as part of loading, not of the first reply
-        why_not = engine.use_prefix_cache(self.cfg.inference.prefix_cache_mb << 20)   # later turns reuse the KV
-        if why_not and self.cfg.inference.prefix_cache_mb:
+        why_not = engine.use_prefix_cache(inf.prefix_cache_mb << 20)   # later turns reuse the KV
+        if why_not and inf.prefix_cache_mb:
             self.note(f"prefix cache {why_not}")
+        seconds = engine.compile_now()  # and the compiled step, if on
+        if seconds is not None:
+            self.note(f"(compiled the decode step in {seconds:.1f} s: inference.compile {inf.compile})")
         return Loaded(o.path, label or o.label, o.model, o.kind, o.rules, n, o.tok, engine)
 
     def prompt_ids(self, m: Loaded, text: str, max_new: int, note: Callable[[str], None]) -> list[int]:

@@ -240,7 +240,10 @@ class Attention(nn.Module):
         Plain matmul attention (softmax(q k^T / sqrt(hd) + key_bias) v, the query heads of one
         KV head batched together) instead of SDPA, whose CPU kernel pays a parallel region per
         call for a single query. ``key_bias`` (B, L): 0 for keys to attend, -inf for padding;
-        None when every row attends over all L keys. ``packed``: this layer's decode weights
+        None when every row attends over all L keys. When ``cache.update`` returns the keys of
+        one sequence (1, n_kv_heads, L, hd), the B rows are B consecutive tokens of it (prompt
+        lookup's verify pass, utils/generation/speculative.py): their queries are folded into
+        one product, each with its own row of ``key_bias``. ``packed``: this layer's decode weights
         (``utils.generation.engine.PackedLayer``: fused q|k|v and products by ``packed.mm``);
         None: the Linear layers. A decode step pays a fixed dispatch cost per operation on CPU,
         so q and k are rotated together and the projections are fused."""
@@ -254,11 +257,19 @@ class Attention(nn.Module):
         qk = apply_rope_rolled(qkv[:, :H + Hkv], cos, sin_signed)          # (B, H + Hkv, hd)
         v = qkv[:, H + Hkv:]                                                # (B, Hkv, hd)
         keys, values = cache.update(qk[:, H:], v)                           # (B, Hkv, L, hd)
-        att = torch.matmul(qk[:, :H].view(B, Hkv, G, hd), keys.transpose(-1, -2))   # (B, Hkv, G, L)
+        q, L = qk[:, :H].view(B, Hkv, G, hd), keys.shape[2]
+        bias = None if key_bias is None else key_bias[:, None, None, :L]   # (B, 1, 1, L)
+        one = keys.shape[0] != B               # B tokens of one sequence: their queries side by side
+        if one:
+            q = q.transpose(0, 1).reshape(1, Hkv, B * G, hd)
+            bias = None if key_bias is None else key_bias.repeat_interleave(G, dim=0)[None, None, :, :L]
+        att = torch.matmul(q, keys.transpose(-1, -2))                       # (B, Hkv, G, L)
         att.mul_(1.0 / math.sqrt(hd))
-        if key_bias is not None:
-            att.add_(key_bias[:, None, None, :keys.shape[2]])
+        if bias is not None:
+            att.add_(bias)
         y = torch.matmul(att.softmax(dim=-1, dtype=torch.float32).to(values.dtype), values)  # (B, Hkv, G, hd)
+        if one:
+            y = y.view(Hkv, B, G, hd).transpose(0, 1)
         if self.memory is not None:                                         # local y + memory (pre-RoPE q, k)
             y = self.memory(y.view(B, 1, H, hd), qkv[:, None, :H], qkv[:, None, H:H + Hkv], v[:, None],
                             cache.infini)

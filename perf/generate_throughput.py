@@ -23,6 +23,20 @@ infer`` runs per prompt: ``Engine.stream`` plus incremental detokenization and a
 callback per token) with the sample Mistral tokenizer (32k vocabulary, the same size),
 reporting its time to first token (prompt in, first token out, prefill included) and its
 new tokens/s, next to ``generate``'s, so the streaming layer's cost is visible.
+
+``--smollm2``: SmolLM2-135M-Instruct at batch 1 against llama.cpp (llama-cpp-python's
+``Llama``, in this process, ``--llama-threads`` threads) on the same weights (the sample's
+Q4_1 GGUF imported once, as perf/serve_throughput.py --smollm2 does, and exported by
+``main.py export`` as f32 and q8_0 GGUF): ours fp32 and int8 by the engine's rules (decode
+threads chosen by measurement, utils/generation/threads.py ``DecodeThreads``), ours with the
+decode steps fixed on all threads (the rule before), llama.cpp f32 and q8_0; then a prompt
+whose answer copies it (an edit) with prompt-lookup speculative decoding
+(utils/generation/speculative.py) against plain decoding and llama.cpp; with ``--compile``
+also ours with the compiled decode step (compile time printed). All contenders alternate per
+repeat; each prints new tokens/s (64 new tokens, greedy, min / median / max) and its ratio to
+llama.cpp at the same precision, and ours its fraction of the machine's memory-bandwidth
+bound (bytes of weights read per token / read bandwidth measured here). ``--quick``: 1
+repeat, 32 new tokens.
 """
 from __future__ import annotations
 
@@ -55,7 +69,15 @@ def main() -> int:
     ap.add_argument("--size", default="7m", choices=sorted(SIZES))
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    ap.add_argument("--smollm2", action="store_true", help="SmolLM2-135M at batch 1 against llama.cpp")
+    ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "smollm2")
+    ap.add_argument("--llama-threads", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="--smollm2: also the compiled decode step")
+    ap.add_argument("--quick", action="store_true", help="--smollm2: 1 repeat, 32 new tokens")
     a = ap.parse_args()
+    if a.smollm2:
+        from perf.smollm2_decode import smollm2_batch1
+        return smollm2_batch1(a)
 
     import torch
     if a.threads > 0:

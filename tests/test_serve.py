@@ -1841,3 +1841,28 @@ def test_the_demo_example_streams_a_chat_reply_and_stops_the_server(work):
                        env=offline_env(), cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "assistant: " in r.stdout and "exit 130" in r.stdout
+
+
+def test_prompt_lookup_gives_the_same_greedy_text_and_its_bad_values_are_named(server):
+    """prompt_lookup_num_tokens (utils/generation/speculative.py): a greedy request's text is
+    plain decoding's, plain and streamed, chat and completions; a sampled request with a seed
+    is unchanged; a bad value is a 400 naming the field."""
+    c = server.client
+    prompt = "the cat sat on the mat and the cat sat on the mat and the cat"
+    for model, kw in (("base", dict(prompt=prompt)), ("script", dict(prompt="Hello"))):
+        plain = c.completions.create(model=model, max_tokens=24, temperature=0, **kw).choices[0].text
+        fast = c.completions.create(model=model, max_tokens=24, temperature=0,
+                                    extra_body={"prompt_lookup_num_tokens": 6}, **kw).choices[0].text
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model=model, max_tokens=24, temperature=0, stream=True, extra_body={"prompt_lookup_num_tokens": 3}, **kw)
+            if ch.choices)
+        assert plain == fast == streamed and plain, (model, plain, fast, streamed)
+    msgs = [{"role": "user", "content": prompt}]
+    chat = [c.chat.completions.create(model="sft_chat", messages=msgs, max_tokens=16, temperature=t, seed=4,
+                                      extra_body=extra).choices[0].message.content
+            for t in (0, 0.8) for extra in ({}, {"prompt_lookup_num_tokens": 5})]
+    assert chat[0] == chat[1] and chat[2] == chat[3], chat
+    for bad in (-1, 65, 2.5, "4"):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="base", prompt="x", max_tokens=2, extra_body={"prompt_lookup_num_tokens": bad})
+        assert e.value.body["param"] == "prompt_lookup_num_tokens", e.value.body

@@ -415,6 +415,13 @@ class InferenceConfig:
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
     prefix_cache_mb: int = _f(256, "MiB of KV the interactive chat keeps for reuse by later turns "
                               "(prefix cache; 0: off)", min=0)
+    prompt_lookup_num_tokens: int = _f(0, "prompt-lookup speculative decoding: tokens drafted per step "
+                                       "from the text's own n-grams for greedy sequences decoding alone "
+                                       "(0 = off); infer's and serve's default (a request's "
+                                       "prompt_lookup_num_tokens wins)", min=0, max=64)
+    compile: Literal["auto", "on", "off"] = _f("auto", "torch.compile the decode step of infer and serve "
+                                               "(compiled when the model loads, before any request): auto "
+                                               "= on CUDA only, where it pays (docs/performance.md)")
 
 
 @dataclass

@@ -38,7 +38,9 @@ at a time, and the positions of a sequence are unbounded (``capacity`` only caps
 With fp32 weights on CPU the engine also keeps a transposed, contiguous copy of the weights
 (:meth:`Engine.decode_pack`, utils/generation/pack.py: the weights' bytes once more plus the
 head's, bounded by ``DECODE_PACK_MAX_BYTES``); it is rebuilt when the weights change (storage
-or ``_version``: an optimizer step or ``load_state_dict``) and freed with the engine.
+or ``_version``: an optimizer step or ``load_state_dict``) and freed with the engine. Prompt
+lookup's verify passes add a oneDNN-packed copy of the block weights at the first one
+(speculative.py ``verify_layers``).
 
 Prefix cache (``use_prefix_cache``; utils/generation/prefix_cache.py): the engine owns one
 store of KV blocks for its model, shared by all its batchers; a prefill copies the longest
@@ -52,24 +54,35 @@ Decode steps (``Block.decode`` over the pack) pay a fixed dispatch cost per tens
 CPU, which is most of a small model's token: the step fuses projections, rotates q and k
 together, writes the cache with one ``index_copy_`` per tensor, skips the key mask when every
 row is at the same position and takes the greedy token with NumPy (utils/generation/cpu.py).
+Where the thread rule gives a decode step all threads, the count is chosen by measurement
+(threads.py ``DecodeThreads``: on cores shared with other work one thread can be many times
+faster). A lone greedy row may take several tokens per step by prompt-lookup speculative
+decoding (speculative.py, ``Engine(prompt_lookup=k)`` or the request's
+``SamplingParams.prompt_lookup``: the same tokens), and the step's network pass may run as one
+``torch.compile`` graph (compiled.py, ``Engine(compile="auto"|"on"|"off")``, compiled by
+``compile_now`` when a model loads: the same tokens).
 """
 from __future__ import annotations
 
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Hashable, Iterable, Iterator, Optional
 from typing import Sequence as Sequence_
 
 import torch
 
 from utils.attention import AttnSpec
+from utils.generation import speculative
 from utils.generation import threads as thread_policy
+from utils.generation.compiled import CompiledStep, compile_applies, compile_mode
 from utils.generation.constrained import Grammars, constrain
 from utils.generation.cpu import greedy
 from utils.generation.detok import TextStream
 from utils.generation.pack import DecodePack, build_pack, pack_head, pack_key
 from utils.generation.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
+from utils.generation.speculative import NgramIndex
+from utils.generation.threads import DecodeThreads
 from utils.infini import InfiniCache
 
 UNBOUNDED = 1 << 62               # positions per sequence of an Infini-attention batcher by default
@@ -155,6 +168,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: bool = False
     grammar: Optional[str] = None
+    prompt_lookup: Optional[int] = None     # draft tokens per step (speculative.py); None: the engine's
 
     def problems(self) -> list[str]:
         out = []
@@ -170,6 +184,8 @@ class SamplingParams:
             out.append("logprobs must be >= 0")
         if self.prompt_logprobs and self.logprobs is None:
             out.append("prompt_logprobs needs logprobs (the number of alternatives, 0 for none)")
+        if self.prompt_lookup is not None and self.prompt_lookup < 0:
+            out.append("prompt_lookup must be >= 0 (0 turns it off)")
         return out
 
     @property
@@ -216,6 +232,7 @@ class Sequence:
         self.cancelled = False
         self.cached = 0                 # prompt tokens whose KV the prefix cache gave (set by the prefill)
         self.generator: Optional[torch.Generator] = None
+        self.lookup: Optional[NgramIndex] = None    # prompt lookup's n-grams of its text (speculative.py)
 
     @property
     def done(self) -> bool:
@@ -409,8 +426,11 @@ class Batcher:
     def _alloc(self) -> None:
         a, w = self.model.args, self.model.tok_embeddings.weight
         shape = (self.slots, a.n_kv_heads, self.cache_len, a.head_dim)
-        self.kv = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(a.n_layers)]
-        self.kv_flat = [(k.view(-1, a.head_dim), v.view(-1, a.head_dim)) for k, v in self.kv]
+        # the flat (slots * Hkv * positions, hd) tensors own the memory (the compiled step takes
+        # them: a 1-slot cache is then no size-1 dimension, which dynamo would specialize)
+        self.kv_flat = [(w.new_zeros(math.prod(shape[:3]), a.head_dim), w.new_zeros(math.prod(shape[:3]), a.head_dim))
+                        for _ in range(a.n_layers)]
+        self.kv = [(k.view(shape), v.view(shape)) for k, v in self.kv_flat]
         if self.segment:
             mem = (self.slots, a.n_kv_heads, a.head_dim)
             self.mem = [(w.new_zeros(shape), torch.zeros(*mem, a.head_dim, device=w.device),
@@ -489,32 +509,50 @@ class Batcher:
         return out
 
     def _decode(self) -> list[Event]:
+        if len(self.running) == 1:          # a lone greedy row may take several tokens (speculative.py)
+            events = speculative.step(self, self.running[0])
+            if events is not None:
+                return events
         model, run = self.model, self.running
         n, device = len(run), model.device
         at = [s.pos % self.segment if self.segment else s.pos for s in run]   # infini: within the segment
         length = max(at) + 1
         cos_all, sin_all = model.rope(length, device)                       # outside inference mode: kept
         pack, head, n_weights = self.weights()
-        packs = pack.layers if pack is not None else [None] * len(model.layers)
-        Hkv = model.args.n_kv_heads
-        with thread_policy.step_mode(self.engine.step_threads(n, n_weights)):
+        compiled = self.engine.compiled_step(pack)
+        threads, chooser = self.engine.decode_threads(n, n_weights)
+        with thread_policy.step_mode(threads):
             pos = torch.tensor(at, device=device)                           # (n,) the new tokens' positions
-            cos, sin = model.decode_rope(cos_all, sin_all, pos)            # (n, 1, hd)
-            key_bias = None                                                 # rows at one position see all keys
-            if min(at) != length - 1:
-                key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
-                key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
-            rows = torch.arange(n, device=device)
-            cells = ((rows[:, None] * Hkv + torch.arange(Hkv, device=device)) * self.cache_len
-                     + pos[:, None]).view(-1)                               # (n * Hkv,) in the flat caches
-            h = model.tok_embeddings(torch.tensor([s.tokens[-1] for s in run], device=device))   # (n, d_model)
-            mems = self.mem or [None] * len(model.layers)
-            for layer, (k, v), flat, m, packed in zip(model.layers, self.kv, self.kv_flat, mems, packs):
-                h = layer.decode(h, cos, sin, _DecodeCache(k, v, flat, cells, pos, length, m), key_bias, packed)
-            logits = head(model.norm(h)).float()                            # (n, V)
+            tokens = torch.tensor([s.tokens[-1] for s in run], device=device)
+            if compiled is not None:                                        # the same pass as one graph
+                logits = compiled(self.kv_flat, self.cache_len, tokens, pos, length, cos_all, sin_all)
+            else:
+                logits = self._decode_logits(tokens, pos, at, length, model.decode_rope(cos_all, sin_all, pos))
+            if chooser is not None:
+                chooser.done()
             for s in run:
                 s.pos += 1
             return self._sample(list(run), logits)
+
+    def _decode_logits(self, tokens: torch.Tensor, pos: torch.Tensor, at: list[int], length: int,
+                       rope: tuple) -> torch.Tensor:
+        """The eager decode step's network pass: (n, V) fp32 logits of rows 0..n-1."""
+        model, device, (cos, sin) = self.model, self.model.device, rope
+        n, Hkv = len(at), model.args.n_kv_heads
+        pack, head, _ = self.weights()
+        packs = pack.layers if pack is not None else [None] * len(model.layers)
+        key_bias = None                                                     # rows at one position see all keys
+        if min(at) != length - 1:
+            key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
+            key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
+        rows = torch.arange(n, device=device)
+        cells = ((rows[:, None] * Hkv + torch.arange(Hkv, device=device)) * self.cache_len
+                 + pos[:, None]).view(-1)                                   # (n * Hkv,) in the flat caches
+        h = model.tok_embeddings(tokens)                                    # (n, d_model)
+        mems = self.mem or [None] * len(model.layers)
+        for layer, (k, v), flat, m, packed in zip(model.layers, self.kv, self.kv_flat, mems, packs):
+            h = layer.decode(h, cos, sin, _DecodeCache(k, v, flat, cells, pos, length, m), key_bias, packed)
+        return head(model.norm(h)).float()                                  # (n, V)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
         check_finite(logits, f"position {max(s.pos for s in seqs)}")
@@ -586,11 +624,17 @@ class Batcher:
 # --------------------------------------------------------------------------- the engine
 class Engine:
     """Generation over one model (see the module docstring). ``threads``: intra-op threads of
-    every step (None: the ``step_threads`` rule)."""
+    every step (None: the ``step_threads`` rule); ``prompt_lookup``: draft tokens per step of a
+    greedy sequence whose parameters leave it None (utils/generation/speculative.py; 0: off)."""
 
-    def __init__(self, model, threads: Optional[int] = None):
+    def __init__(self, model, threads: Optional[int] = None, prompt_lookup: int = 0, compile: str = "off"):
         self.model = model
         self.threads = threads
+        self.prompt_lookup = prompt_lookup
+        self.compile = compile
+        self._compiled: Optional[CompiledStep] = None
+        self._decode_threads: Optional[DecodeThreads] = None
+        self.verify_weights: Optional[tuple] = None   # (pack, block weights of verify passes), speculative.py
         self._pack: Optional[DecodePack] = None
         self.grammars = Grammars()          # output grammars' vocabularies, one per tokenizer
         self.prefix_cache: Optional[PrefixCache] = None
@@ -631,6 +675,7 @@ class Engine:
             model.train(was_training)
             if was_training:
                 self._pack = None      # training moves the weights on: the copy would only hold memory
+                self.verify_weights = None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
@@ -688,6 +733,47 @@ class Engine:
             self._pack = None                                                # free the old copy first
             self._pack = build_pack(self.model, key, self.pack_panels()) if key is not None else None
         return self._pack
+
+    def compiled_step(self, pack: Optional[DecodePack]) -> Optional[CompiledStep]:
+        """The compiled decode step over ``pack`` (the batcher's decode weights; None: the
+        model's modules) where ``compile`` turns it on for this model and device
+        (utils/generation/compiled.py ``compile_applies``), else None (the eager step). Made
+        on the first call and kept while the decode weights stay the same."""
+        m = self.model
+        if not compile_applies(self.compile, m.device.type, m.args.segment):
+            return None
+        if self._compiled is None or self._compiled.pack is not pack:
+            packs = pack.layers if pack is not None else [None] * len(m.layers)
+            head = m.lm_head if pack is None else pack_head(pack, onednn=False)
+            self._compiled = CompiledStep(m, packs, head, pack, mode=compile_mode(m.device.type))
+        return self._compiled
+
+    @torch.no_grad()
+    def compile_now(self) -> Optional[float]:
+        """Compile the decode step now (where ``compile`` turns it on) on a throwaway 2-slot
+        batcher, so that no request waits for it: the seconds it took, None when the step is
+        not compiled."""
+        step = self.compiled_step(self.decode_pack())
+        if step is None:
+            return None
+        b = self.batcher(2, 16)
+        b._alloc()
+        cos, sin = self.model.rope(16, self.model.device)
+        with thread_policy.step_mode(self.step_threads(1, self.n_weights())):
+            return step.warm(b.kv_flat, b.cache_len, cos, sin)
+
+    def decode_threads(self, n: int, n_weights: int, kind: Hashable = None) -> tuple[Optional[int], Optional[DecodeThreads]]:
+        """(threads, chooser) of a decode step of ``n`` rows (or ``n`` tokens of one row's
+        verify pass, utils/generation/speculative.py: ``kind`` "verify", all lengths measured
+        together): ``step_threads``' count where it gives one (chooser None); else, on CPU,
+        the count this engine's :class:`~utils.generation.threads.DecodeThreads` picks by
+        measurement (call its ``done`` after the step)."""
+        threads = self.step_threads(n, n_weights)
+        if threads is not None or self.model.device.type != "cpu":
+            return threads, None
+        if self._decode_threads is None:
+            self._decode_threads = DecodeThreads(torch.get_num_threads())
+        return self._decode_threads.pick(n if kind is None else kind), self._decode_threads
 
     def n_weights(self) -> int:
         """Weights a token multiplies by (utils/generation/threads.py ``n_weights``)."""

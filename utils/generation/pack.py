@@ -90,10 +90,11 @@ def build_pack(model, key: tuple, n_panels: int) -> Optional[DecodePack]:
     return DecodePack(key, layers, t(w), rows_product(w), panel_mm)
 
 
-def pack_head(pack: DecodePack):
+def pack_head(pack: DecodePack, onednn: bool = True):
     """The output projection over ``pack``, x (n, d_model) -> (n, vocab): its oneDNN copy for 2
-    or more rows, where it has one."""
-    mm, w, rows = pack.mm, pack.head, pack.head_rows
+    or more rows, where it has one and ``onednn`` (the compiled step leaves it out: dynamo
+    cannot trace an op over a oneDNN-packed tensor, and inductor picks the product itself)."""
+    mm, w, rows = pack.mm, pack.head, pack.head_rows if onednn else None
     if rows is None:
         return lambda x: mm(x, w)
     return lambda x: mm(x, w) if x.shape[0] == 1 else rows(x)

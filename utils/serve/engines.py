@@ -20,8 +20,12 @@ def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
     o = open_for_generation(path, cfg, device, say=worker.log, cache=worker.cache)
     if cfg.serve.quantize == "int8":
         worker.log(quantize_int8(o.model).line())
-    engine = Engine(o.model, threads=threads)
+    engine = Engine(o.model, threads=threads, prompt_lookup=cfg.inference.prompt_lookup_num_tokens,
+                    compile=cfg.inference.compile)
     engine.decode_pack()
+    seconds = engine.compile_now()          # before the server listens: no request waits for it
+    if seconds is not None:
+        worker.log(f"compiled the decode step in {seconds:.1f} s (inference.compile {cfg.inference.compile})")
     why_not = engine.use_prefix_cache(cfg.serve.prefix_cache_mb << 20)
     if why_not and cfg.serve.prefix_cache_mb:
         worker.log(f"{o.label}: prefix cache {why_not}")

@@ -7,7 +7,8 @@ send instead (:class:`ApiError`). Fields read (docs/serve.md lists them and what
 - both: ``model``, ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature`` (0..2),
   ``top_p`` (0..1], ``top_k`` (extra field, >= 0), ``n``, ``seed``, ``stop`` (string or list of
   up to 4), ``stream``, ``stream_options.include_usage``, ``response_format`` (text, json_object,
-  json_schema: :func:`read_response_format`); ``presence_penalty`` /
+  json_schema: :func:`read_response_format`), ``prompt_lookup_num_tokens`` (extra field, 0..64:
+  prompt-lookup speculative decoding of a greedy request); ``presence_penalty`` /
   ``frequency_penalty`` only as 0 (refused otherwise: not implemented), other servers' sampling
   extras (``min_p``, ``repetition_penalty`` ...: :data:`SAMPLING_EXTRAS_OFF`) only as their
   "off" value, their structured-output extras (``guided_json`` ...) not at all (send
@@ -178,6 +179,10 @@ class Sampling:
     echo: bool = False
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from (chat: or max_completion_tokens)
     grammar: Optional[str] = None         # response_format's output grammar (utils/generation/constrained.py)
+    prompt_lookup: Optional[int] = None   # prompt_lookup_num_tokens (None: the server's default)
+
+
+PROMPT_LOOKUP_MAX = 64     # draft tokens per step a request may ask for (rows of one verify pass)
 
 
 def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
@@ -210,7 +215,8 @@ def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
                     None if top_p is None else float(top_p), _num(body, "top_k", None, lo=0, integer=True),
                     _num(body, "n", 1, lo=1, hi=limits.max_n, integer=True),
                     None if seed is None else int(seed) % (1 << 63),
-                    _stop(body), stream, include_usage, max_tokens_param=max_tokens_param, grammar=grammar)
+                    _stop(body), stream, include_usage, max_tokens_param=max_tokens_param, grammar=grammar,
+                    prompt_lookup=_num(body, "prompt_lookup_num_tokens", None, lo=0, hi=PROMPT_LOOKUP_MAX, integer=True))
 
 
 # --------------------------------------------------------------------------- response_format
