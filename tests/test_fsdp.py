@@ -210,6 +210,14 @@ def test_a_forged_index_is_refused_without_running_it(root, full, tmp_path):
     with pytest.raises(CheckpointError, match="index is damaged or not DCP's.*system"):
         load_checkpoint(folder, "weights")
     assert not marker.exists()
+    # the metadata module's other names (a module object: BUILD could overwrite its attributes)
+    for name in ("os", "torch", "dataclass"):
+        data = f"ctorch.distributed.checkpoint.metadata\n{name}\n.".encode()
+        (folder / ".metadata").write_bytes(data)
+        manifest[".metadata"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match=f"not part of DCP's metadata"):
+            load_checkpoint(folder, "weights")
 
 
 def test_a_save_killed_between_its_renames_leaves_the_previous_checkpoint(root, full):

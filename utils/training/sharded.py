@@ -214,7 +214,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
-        if module in self.ALLOWED_MODULES and hasattr(dcp_metadata, name):
+        # classes only: the module's other names (os, torch, dataclass) would give a pickle a
+        # module object whose attributes BUILD could overwrite in this process
+        if module in self.ALLOWED_MODULES and isinstance(getattr(dcp_metadata, name, None), type):
             return getattr(dcp_metadata, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not part of DCP's metadata")
 
