@@ -341,7 +341,24 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
         code = main_fn(argv) or EXIT_OK
     except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - the one place errors become exit codes
         code = exit_code(prog, e)
-    sys.exit(_flush_output(prog, code))
+    code = _flush_output(prog, code)
+    if _torchrun_rank_script():
+        sys.stderr.flush()
+        # A rank skips the interpreter's teardown: it would free the DDP/FSDP model's last
+        # reference to the gloo process group (destroyed by then) with the GIL held, while a gloo
+        # worker thread that holds the group's work lock waits for the GIL to free the last
+        # collective's tensors: a deadlock (a rank hung at exit in test_ddp). Its output is
+        # flushed and its log closed (utils/stage.py) already.
+        os._exit(code)
+    sys.exit(code)
+
+
+def _torchrun_rank_script() -> bool:
+    """This process is a rank torchrun started with a stage script as its program (not a
+    stage run in another program's process, as the tests run them)."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return (int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and "TORCHELASTIC_RUN_ID" in os.environ
+            and main_file is not None and bool(sys.argv) and os.path.realpath(main_file) == os.path.realpath(sys.argv[0]))
 
 
 def _begin(raw_args: list[str]) -> None:
