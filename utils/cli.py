@@ -357,8 +357,10 @@ def _torchrun_rank_script() -> bool:
     """This process is a rank torchrun started with a stage script as its program (not a
     stage run in another program's process, as the tests run them)."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    return (int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and "TORCHELASTIC_RUN_ID" in os.environ
-            and main_file is not None and bool(sys.argv) and os.path.realpath(main_file) == os.path.realpath(sys.argv[0]))
+    if main_file is None or not sys.argv or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    return (int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+            and os.path.realpath(main_file) == os.path.realpath(sys.argv[0]))
 
 
 def _begin(raw_args: list[str]) -> None:
