@@ -82,6 +82,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from utils.cli import PipelineError, StageParser, capped_workers, cli_path, run_stage
+from utils.errors import error_line
 from utils.config import BASE_CONFIG_ENV, DEFAULT_CONFIG_FILE, PROJECT_ROOT, Config
 from utils.data.hub import iter_rows, open_hub_dataset
 from utils.data.packing import encode_frame
@@ -684,9 +685,8 @@ def iter_local_texts(files: Sequence[Path], text_column: str = "text") -> Iterat
 
 def _hub_help(name: str, config: Optional[str], split: str) -> Callable[[BaseException], str]:
     def explain(e: BaseException) -> str:
-        first = str(e).splitlines()[0][:200] if str(e) else ""
         return (f"cannot stream dataset '{name}' (config {config!r}, split {split!r}) from the Hugging "
-                f"Face hub: {type(e).__name__}: {first}. Offline, set dataset.on_the_fly_source to a "
+                f"Face hub: {error_line(e)}. Offline, set dataset.on_the_fly_source to a "
                 "local .parquet/.jsonl/.txt file or folder.")
     return explain
 

@@ -10,6 +10,13 @@ from __future__ import annotations
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
+def error_line(e: BaseException) -> str:
+    """An error's type and the first line of its text (at most 200 characters): what a one-line
+    message says of an exception it reports."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
 class PipelineError(Exception):
     """An expected failure (missing file, bad input, unreachable hub): exit code 1."""
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from utils.cli import PipelineError
+from utils.errors import error_line
 
 OFFLINE_HINT = ("The hub is unreachable or offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); "
                 "use a local copy of the data instead.")
@@ -38,9 +39,8 @@ def open_hub_dataset(name: str, config: Optional[str] = None, split: str = "trai
     except Exception as e:   # offline, no network, unknown name: all end the same way
         if explain is not None:
             raise PipelineError(explain(e)) from e
-        first = str(e).splitlines()[0][:200] if str(e) else ""
         raise PipelineError(f"cannot stream dataset '{name}' (config {config!r}, split {split!r}) from "
-                            f"the Hugging Face hub: {type(e).__name__}: {first}. {OFFLINE_HINT}") from e
+                            f"the Hugging Face hub: {error_line(e)}. {OFFLINE_HINT}") from e
 
 
 def load_table(source: str, split: str, explain: Callable[[BaseException], str]):
@@ -61,11 +61,6 @@ def load_table(source: str, split: str, explain: Callable[[BaseException], str])
                                 "or the Dataset itself, with save_to_disk.")
         ds = ds[split]
     return ds
-
-
-def reason(e: BaseException) -> str:
-    """An error's type and first line (at most 200 characters), for one-line messages."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def iter_rows(ds: Any, batch_size: int = 256) -> Iterator[dict]:

@@ -40,6 +40,7 @@ import numpy as np
 
 from utils.cli import PipelineError
 from utils.data import chat, hub, sft
+from utils.errors import error_line
 from utils.data.textio import replace_surrogates
 from utils.data.tok import require_bos_eos
 
@@ -155,7 +156,7 @@ def hub_pairs(name: str, max_chars: int, skips: sft.Skips, split: str = "train")
     """A preference dataset in TRL's shape: a hub name or its local copy (a ``save_to_disk``
     folder or a folder of data files), through ``datasets`` (hub.load_table)."""
     ds = hub.load_table(name, split, lambda e: (
-        f"cannot load the preference dataset '{name}' ({hub.reason(e)}). Offline, use `--dataset samples`, "
+        f"cannot load the preference dataset '{name}' ({error_line(e)}). Offline, use `--dataset samples`, "
         "`--dataset FILE.jsonl`, or a local dataset folder (dpo.dataset in config.json)."))
     out = [normalize_pair(dict(r), f"{name}[{i}]", skips, max_chars) for i, r in enumerate(ds)]
     return [r for r in out if r is not None]

@@ -52,6 +52,7 @@ import numpy as np
 from utils.cli import PipelineError
 from utils.config import json_error_text
 from utils.data import hub
+from utils.errors import error_line
 from utils.data.textio import replace_surrogates
 from utils.data.tok import encode_plain  # the one plain-text encoder (also used as sft.encode_plain)
 
@@ -373,7 +374,7 @@ def lima_records(name: str, split: str = "train") -> list[dict]:
     """LIMA (the default source when online), or any dataset of its schema: a hub name or its
     local copy (a ``save_to_disk`` folder or a folder of data files), through ``datasets``."""
     ds = hub.load_table(name, split, lambda e: (
-        f"cannot load the SFT dataset '{name}' ({hub.reason(e)}). Offline, use `--dataset samples` "
+        f"cannot load the SFT dataset '{name}' ({error_line(e)}). Offline, use `--dataset samples` "
         "(real SciQ and ARC question/answer pairs converted into LIMA's schema, labelled as a "
         "substitute), `--dataset FILE.jsonl` with one {\"conversations\": [...]} per line, or a local "
         "dataset folder (sft.dataset in config.json)."))

@@ -45,6 +45,7 @@ import torch
 from utils.atomic import atomic_open
 from utils.disk import bytes_of
 from utils.cli import PipelineError
+from utils.errors import error_line
 
 FORMAT_VERSION = 1
 WEIGHTS_KEYS = ("format_version", "model", "model_args")
@@ -210,8 +211,8 @@ def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
                                         "interrupted. Use another checkpoint of the run.") from None
         raise CheckpointError(path, f"cannot be read: {e.strerror or e}") from None
     except Exception as e:  # any other malformed content
-        raise CheckpointError(path, f"corrupt or not a checkpoint: it cannot be read ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0][:200] if str(e) else ''}). Use another "
+        raise CheckpointError(path, f"corrupt or not a checkpoint: it cannot be read "
+                                    f"({error_line(e)}). Use another "
                                     "checkpoint of the run.") from None
 
 

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from utils.errors import error_line
 from utils.training import sharded
 from utils.training.checkpoint import CheckpointError
 
@@ -136,8 +137,7 @@ def load_into(path, model: nn.Module, optimizers: dict, groups: dict, distribute
     try:
         dcp.load(target, storage_reader=sharded.SafeReader(path), no_dist=not distributed)
     except sharded.READ_ERRORS as e:
-        raise CheckpointError(path, f"its shards cannot be loaded ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0][:200] if str(e) else ''}).") from None
+        raise CheckpointError(path, f"its shards cannot be loaded ({error_line(e)}).") from None
     set_model_state_dict(model, target[sharded.MODEL])
     for name, opt in optimizers.items():
         set_optimizer_state_dict(model, opt, {"state": target[sharded.OPTIMIZER][name]["state"],

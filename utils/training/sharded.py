@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from utils.disk import named
+from utils.errors import error_line
 from utils.training import distributed as D
 from utils.training.checkpoint import FORMAT_VERSION, CheckpointError, pid_alive, validate
 
@@ -372,8 +373,7 @@ def _load_flat(path: Path, index, keys: list[str]) -> dict:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             dcp.load(nested, storage_reader=SafeReader(path), no_dist=True)
     except READ_ERRORS as e:  # the manifest passed, so the index and the shards disagree
-        raise CheckpointError(path, f"its shards cannot be read ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0][:200] if str(e) else ''}). Use another "
+        raise CheckpointError(path, f"its shards cannot be read ({error_line(e)}). Use another "
                                     "checkpoint of the run.") from None
     return flat
 
