@@ -303,26 +303,19 @@ def test_the_menu_runs_the_dpo_and_rl_stages(tmp_path):
     """`python main.py` (the interactive menu, on a pty) lists dpo and rl and runs each."""
     child = pexpect.spawn(sys.executable, [str(ROOT / "main.py")], cwd=str(tmp_path), env=offline_env(),
                           encoding="utf-8", timeout=120, dimensions=(50, 200), preexec_fn=default_signals)
-    child.expect(r"Choose a stage \[1-(\d+)\]: ")
-    assert "dpo" in child.before and "preference pairs" in child.before
-    child.sendline(str(main.MENU_ORDER.index("dpo") + 1))
-    child.expect("Arguments for 'dpo'")
-    child.sendline("prepare --help")
-    child.expect("mask on the answers")
-    child.expect("--val-split")
-    child.expect("Stage 'dpo' finished successfully.")
-    child.expect(r"Run another stage\? \[y/N\]: ")
-    child.sendline("y")
-    child.expect(r"Choose a stage \[1-(\d+)\]: ")
-    assert "rl" in child.before and "verifiable rewards" in child.before
-    child.sendline(str(main.MENU_ORDER.index("rl") + 1))
-    child.expect("Arguments for 'rl'")
-    child.sendline("--help")
-    child.expect("--group-size")
-    child.expect("--lora")
-    child.expect("Stage 'rl' finished successfully.")
-    child.expect(r"Run another stage\? \[y/N\]: ")
-    child.sendline("n")
+    for stage, listed, args, said, again in (("dpo", "preference pairs", "prepare --help",
+                                              ("mask on the answers", "--val-split"), "y"),
+                                             ("rl", "verifiable rewards", "--help", ("--group-size", "--lora"), "n")):
+        child.expect(r"Choose a stage \[1-(\d+)\]: ")
+        assert stage in child.before and listed in child.before
+        child.sendline(str(main.MENU_ORDER.index(stage) + 1))
+        child.expect(f"Arguments for '{stage}'")
+        child.sendline(args)
+        for text in said:
+            child.expect(text)
+        child.expect(f"Stage '{stage}' finished successfully.")
+        child.expect(r"Run another stage\? \[y/N\]: ")
+        child.sendline(again)
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
