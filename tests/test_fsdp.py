@@ -13,8 +13,9 @@ checkpointed; gradient accumulation 2):
 - ``full``: the user's launch, `main.py train --nproc-per-node 2 --parallel fsdp`, batch B per
   rank, with activation checkpointing: the same global batch as ``single``;
 - ``cut``: two ranks continuing ``full``'s step-2 checkpoint, stopped by SIGTERM after step 4;
-- ``grow``: two ranks continuing ``single``'s step-2 checkpoint (1 -> 2 processes; marked
-  ``slow``, run with --runslow: a third two-rank launch would double this file's time).
+- ``grow``: two ranks continuing ``single``'s step-2 checkpoint (1 -> 2 processes), with
+  activation checkpointing and ``--compile`` (dynamo with the ``aot_eager`` backend: the tracing
+  under FSDP2 without inductor's code generation, which takes minutes on this CPU).
 
 Tolerances are test_ddp.py's (:func:`tests.test_ddp.assert_same_training`): the two sum the
 same numbers in another order, so step 1's loss agrees to float32 rounding (tokens x 2**-24,
@@ -157,16 +158,34 @@ def test_two_rank_checkpoint_continues_on_one_process(root, cfg, full, cut):
     assert 0 < max_diff(a["model"], b["model"]) <= bound
 
 
-@pytest.mark.slow      # a third two-rank launch (~10-20 s): --runslow; docs/training.md, FSDP2
-def test_one_process_checkpoint_continues_on_two_ranks(root, cfg, single):
-    """1 -> 2: DCP reshards the one-process checkpoint into the ranks' shards."""
+def test_one_process_checkpoint_continues_on_two_ranks_compiled(root, cfg, single, full, tmp_path):
+    """1 -> 2: DCP reshards the one-process checkpoint into the ranks' shards; the ranks run
+    their blocks checkpointed, compiled and sharded (torchtitan's order), through dynamo with the
+    ``aot_eager`` backend (torch's own override, TORCH_COMPILE_OVERRIDE_BACKENDS: the graphs
+    dynamo and AOTAutograd trace around FSDP2's hooks, without inductor's minutes of codegen)."""
     continue_from(root, "single", "checkpoint_step_2.dcp", "grow")
-    ok(run_stage(*two_ranks(cfg, "--name", "grow", "--resume", "auto")))
-    ls, lg = losses(log_of(root, "single")), losses(log_of(root, "grow"))
+    graphs = tmp_path / "graphs.log"
+    with pytest.MonkeyPatch.context() as mp:       # the ranks inherit this process's environment
+        mp.setenv("TORCH_COMPILE_OVERRIDE_BACKENDS", ">=0:aot_eager")
+        mp.setenv("TORCH_LOGS", "graph_code")
+        mp.setenv("TORCH_LOGS_OUT", str(graphs))
+        ok(run_stage(*two_ranks(cfg, "--name", "grow", "--resume", "auto", "--compile",
+                                "--activation-checkpointing")))
+    hp = next(r for r in log_of(root, "grow") if r["type"] == "config")["hparams"]
+    assert hp["compile"] and hp["activation_checkpointing"] and hp["world_size"] == 2
+    # dynamo traced the blocks on both ranks (TORCH_LOGS graph_code: the graphs it compiled)
+    traced = set(re.findall(r"\[rank(\d)\]:.*\] class GraphModule\(", graphs.read_text()))
+    assert traced == {"0", "1"}, graphs.read_text()[:2000]
+    ls, lg, lf = losses(log_of(root, "single")), losses(log_of(root, "grow")), losses(log_of(root, "full"))
     assert sorted(lg) == [3, 4]
     assert all(abs(lg[k] - ls[k]) <= LATER_LOSS_RTOL * ls[k] for k in lg), (lg, ls)
+    assert all(abs(lg[k] - lf[k]) <= LATER_LOSS_RTOL * lf[k] for k in lg), (lg, lf)   # eager FSDP
     g, s = ckpt(root, "grow", "checkpoint_latest.dcp"), ckpt(root, "single", "checkpoint_latest.dcp")
     assert g["step"] == 4 and g["sharded"]["world_size"] == 2 and len(g["rng"]["ranks"]) == 2
+    assert g["model"].keys() == s["model"].keys()              # no compile wrapper in the names
+    betas = s["optimizer"]["adamw"]["param_groups"][0]["betas"]
+    bound = 2 * s["optimizer"]["adamw"]["param_groups"][0]["lr"] * adam_step_bound(STEPS, *betas)
+    assert 0 < max_diff(g["model"], s["model"]) <= bound
     # the same global windows: rank 0 is at half the one process's position
     assert g["data_position"]["index"] == s["data_position"]["index"] // 2
 
