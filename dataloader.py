@@ -55,6 +55,9 @@ Sampler (resumable, DDP-aware)
     (fixed shapes). Validation uses one fixed seeded order (identical at every evaluation and
     every run, never reshuffled, spread over the whole validation set so that the first
     ``eval_batches`` batches are representative), split across ranks the same way.
+    Starting an epoch draws nothing from torch's global RNG (each DataLoader has its own
+    seeded ``generator`` for its workers' seeds), so a resumed run's dropout masks, drawn from
+    the RNG state restored from the checkpoint, are the uninterrupted run's.
 
 On-the-fly mode (``dataset.mode = "on_the_fly"``, seeds/000)
     :class:`OnTheFlyDataset` streams raw text from a Hugging Face dataset name
@@ -478,11 +481,16 @@ def to_device(batch, device):
 
 
 def _dataloader(dataset, *, batch_size: int, sampler=None, drop_last: bool, device,
-                num_workers: int) -> DataLoader:
+                num_workers: int, seed: int = 0) -> DataLoader:
+    """torch's DataLoader over ``dataset``. Its own ``generator`` (seeded with ``seed``): each
+    ``iter()`` draws the workers' base seed from it, not from torch's global RNG, which the
+    trainer restores from a checkpoint before the loader's first ``iter()`` of a resumed run
+    (a draw there would shift every dropout mask after a resume)."""
     pin = torch.device(device).type == "cuda"
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                       num_workers=num_workers, pin_memory=pin, collate_fn=collate_batch,
-                      persistent_workers=False, prefetch_factor=4 if num_workers else None)
+                      persistent_workers=False, prefetch_factor=4 if num_workers else None,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 class TrainLoader:
@@ -507,7 +515,8 @@ class TrainLoader:
         if s.index + self.batch_size <= len(s):
             # The sampler reads s.index once, when the DataLoader starts iterating it.
             loader = _dataloader(self.dataset, batch_size=self.batch_size, sampler=s,
-                                 drop_last=True, device=self.device, num_workers=self.num_workers)
+                                 drop_last=True, device=self.device, num_workers=self.num_workers,
+                                 seed=s.seed + s.epoch)
             it = iter(loader)
             start = s.index
             for b, batch in enumerate(it, 1):
@@ -599,7 +608,8 @@ def build_loaders(cfg: Config, tokenizer: Any = None, *, batch_size: Optional[in
         val_sampler = ResumableSampler(len(val_ds), seed=ds.seed + 1, fixed_order=True, rank=rank,
                                        world_size=world_size)
         val_loader = _dataloader(val_ds, batch_size=batch_size, sampler=val_sampler,
-                                 drop_last=False, device=device, num_workers=num_workers)
+                                 drop_last=False, device=device, num_workers=num_workers,
+                                 seed=ds.seed + 1)
     info = {"mode": "shards", "shard_dir": str(d), "tokenizer": meta["tokenizer"].get("name"),
             "dtype": meta["dtype"], "shards": len(arrays), "total_tokens": int(sum(len(a) for a in arrays)),
             "window": ds.window, "stride": cfg.stride, "batch_size": batch_size,
