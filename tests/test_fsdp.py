@@ -75,6 +75,13 @@ def steps_of(root, run, first=1, last=STEPS) -> list[dict]:
     return [ckpt(root, run, f"checkpoint_step_{k}.dcp") for k in range(first, last + 1)]
 
 
+def weight_bound(c: dict) -> float:
+    """How far two runs' weights after STEPS steps may be apart (test_ddp's bound: Adam's step
+    size at checkpoint ``c``'s learning rate, per run)."""
+    group = c["optimizer"]["adamw"]["param_groups"][0]
+    return 2 * group["lr"] * adam_step_bound(STEPS, *group["betas"])
+
+
 def continue_from(root, source: str, name: str, run: str) -> None:
     """Run folder ``run`` holding a copy of ``source``'s checkpoint ``name`` as its latest."""
     folder = root / "checkpoints" / run
@@ -151,11 +158,8 @@ def test_two_rank_checkpoint_continues_on_one_process(root, cfg, full, cut):
     assert sorted(lr) == [4]
     assert all(abs(lr[k] - lf[k]) <= LATER_LOSS_RTOL * lf[k] for k in lr), (lr, lf)
     a, b = ckpt(root, "full", "checkpoint_latest.dcp"), ckpt(root, "shrink", "checkpoint_latest.dcp")
-    betas = a["optimizer"]["adamw"]["param_groups"][0]["betas"]
-    lr = a["optimizer"]["adamw"]["param_groups"][0]["lr"]
-    bound = 2 * lr * adam_step_bound(STEPS, *betas)
     assert b["step"] == STEPS and b["sharded"]["world_size"] == 1
-    assert 0 < max_diff(a["model"], b["model"]) <= bound
+    assert 0 < max_diff(a["model"], b["model"]) <= weight_bound(a)
 
 
 def test_one_process_checkpoint_continues_on_two_ranks_compiled(root, cfg, single, full, tmp_path):
@@ -183,11 +187,20 @@ def test_one_process_checkpoint_continues_on_two_ranks_compiled(root, cfg, singl
     g, s = ckpt(root, "grow", "checkpoint_latest.dcp"), ckpt(root, "single", "checkpoint_latest.dcp")
     assert g["step"] == 4 and g["sharded"]["world_size"] == 2 and len(g["rng"]["ranks"]) == 2
     assert g["model"].keys() == s["model"].keys()              # no compile wrapper in the names
-    betas = s["optimizer"]["adamw"]["param_groups"][0]["betas"]
-    bound = 2 * s["optimizer"]["adamw"]["param_groups"][0]["lr"] * adam_step_bound(STEPS, *betas)
-    assert 0 < max_diff(g["model"], s["model"]) <= bound
+    assert 0 < max_diff(g["model"], s["model"]) <= weight_bound(s)
     # the same global windows: rank 0 is at half the one process's position
     assert g["data_position"]["index"] == s["data_position"]["index"] // 2
+
+
+@pytest.mark.slow      # inductor generates and builds C++ for the blocks: minutes on this CPU
+def test_two_ranks_compiled_by_inductor_train_as_the_eager_ranks(root, cfg, full):
+    """``--compile`` as a user runs it (inductor) on two sharded ranks: the eager run's steps."""
+    ok(run_stage(*two_ranks(cfg, "--name", "inductor", "--compile", "--activation-checkpointing")))
+    lf, li = losses(log_of(root, "full")), losses(log_of(root, "inductor"))
+    assert sorted(li) == list(range(1, STEPS + 1))
+    assert all(abs(li[k] - lf[k]) <= LATER_LOSS_RTOL * lf[k] for k in li), (li, lf)
+    a, b = ckpt(root, "full", "checkpoint_latest.dcp"), ckpt(root, "inductor", "checkpoint_latest.dcp")
+    assert max_diff(a["model"], b["model"]) <= weight_bound(a)
 
 
 def _flip_byte(path, offset_fraction=0.5) -> None:
