@@ -16,6 +16,8 @@ checkpointed; gradient accumulation 2):
 - ``grow``: two ranks continuing ``single``'s step-2 checkpoint (1 -> 2 processes), with
   activation checkpointing and ``--compile`` (dynamo with the ``aot_eager`` backend: the tracing
   under FSDP2 without inductor's code generation, which takes minutes on this CPU).
+- ``inductor``: two ranks from scratch with ``--compile`` as a user runs it (inductor), compared
+  with ``full``; marked ``slow`` (--runslow) for inductor's minutes.
 
 Tolerances are test_ddp.py's (:func:`tests.test_ddp.assert_same_training`): the two sum the
 same numbers in another order, so step 1's loss agrees to float32 rounding (tokens x 2**-24,
