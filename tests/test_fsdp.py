@@ -12,7 +12,7 @@ checkpointed; gradient accumulation 2):
   checkpoints are DCP folders of world size 1), in this process;
 - ``full``: the user's launch, `main.py train --nproc-per-node 2 --parallel fsdp`, batch B per
   rank, with activation checkpointing: the same global batch as ``single``;
-- ``cut``: two ranks continuing ``full``'s step-2 checkpoint, stopped by SIGTERM after step 4;
+- ``cut``: two ranks continuing ``full``'s step-1 checkpoint, stopped by SIGTERM after step 3;
 - ``grow``: two ranks continuing ``single``'s step-2 checkpoint (1 -> 2 processes), with
   activation checkpointing and ``--compile`` (dynamo with the ``aot_eager`` backend: the tracing
   under FSDP2 without inductor's code generation, which takes minutes on this CPU).
