@@ -47,8 +47,8 @@ from pathlib import Path
 
 import pytest
 
-from utils.training.allocator import cpu_allocator_env
 from tests.schedule import longest_files_first
+from utils.training.allocator import cpu_allocator_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
