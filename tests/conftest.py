@@ -47,6 +47,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.schedule import longest_files_first
 from utils.training.allocator import cpu_allocator_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -314,6 +315,14 @@ def pytest_collection_modifyitems(config, items):
             skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
             for it in cuda:
                 it.add_marker(skip)
+    longest_files_first(items)
+
+
+def pytest_configure(config):
+    # --dist loadfile hands files out in the order pytest_collection_modifyitems leaves them
+    # (longest first, tests/schedule.py), not re-sorted by their number of tests
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 # ----------------------------------------------------------------------------- samples

@@ -342,11 +342,14 @@ def _llama_logits(L, ids: list[int]) -> np.ndarray:
 
 
 def _llama_greedy(L, prompt: list[int], n: int) -> list[int]:
-    out, ids = [], list(prompt)
+    """llama.cpp's greedy continuation, evaluated incrementally (its KV cache, as its generation
+    runs): one token per step after the prompt, not the whole sequence again."""
+    L.reset()
+    L.eval(prompt)
+    out = []
     for _ in range(n):
-        nxt = int(_llama_logits(L, ids)[-1].argmax())
-        out.append(nxt)
-        ids.append(nxt)
+        out.append(int(np.argmax(L.scores[L.n_tokens - 1])))
+        L.eval(out[-1:])
     return out
 
 

@@ -1,0 +1,52 @@
+"""The order in which `make test` (pytest -n 2 --dist loadfile) hands test files to its workers:
+the longest first, so that the run does not end with one worker alone on a long file.
+
+With ``--dist loadfile`` each file runs whole on one worker, and pytest-xdist gives the next
+file in the queue to whichever worker is free. Its default queue orders files by their number
+of tests, which says little about their time (test_public_models.py and test_train.py have
+few tests and are among the longest; test_ddp.py, test_pipeline.py and test_learning_parity.py
+came last); a long file that comes late leaves the other worker idle at the end. Longest-first is the classic greedy answer (LPT): the last files handed out are
+the short ones, so both workers finish close together.
+
+:data:`FILE_SECONDS` holds each file's measured time (pytest --durations=0, per-file sums, on
+the 2-core machine; relative sizes are what matter; a session fixture's first use counts in
+the file that comes first). A file not listed counts
+:data:`UNKNOWN_TEST_SECONDS` per test. Re-measure when a file's time changes a lot.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+FILE_SECONDS: dict[str, float] = {
+    "test_public_models.py": 174, "test_serve.py": 162, "test_train.py": 160,
+    "test_export.py": 101, "test_main.py": 69, "test_promises.py": 67, "test_sft.py": 67,
+    "test_ddp.py": 64, "test_prep.py": 49, "test_public_export.py": 48, "test_report.py": 45,
+    "test_benchmark.py": 43, "test_infini.py": 41, "test_run_tokenizer.py": 38,
+    "test_dpo.py": 35, "test_inference.py": 31, "test_fsdp.py": 31, "test_tokenizer.py": 29,
+    "test_lora.py": 21, "test_full_disk.py": 18, "test_pipeline.py": 18, "test_rl.py": 17,
+    "test_cleaner.py": 15, "test_learning_parity.py": 15, "test_shards.py": 12,
+    "test_checkpoint.py": 10, "test_dataloader.py": 10, "test_fineweb.py": 10,
+    "test_wikitext.py": 9, "test_hostile_inputs.py": 8, "test_layout.py": 7,
+    "test_passkey.py": 7, "test_eval_paths.py": 7, "test_generation.py": 6,
+    "test_special_text.py": 5, "test_samples.py": 5, "test_status.py": 5, "test_cli.py": 4,
+    "test_compiled.py": 3, "test_clean_golden.py": 2, "test_structured.py": 1,
+    "test_config.py": 1, "test_speculative.py": 1, "test_model.py": 1,
+    "test_prefix_cache.py": 1, "test_metrics.py": 1,
+}
+
+UNKNOWN_TEST_SECONDS = 1.0
+
+
+def file_cost(name: str, n_tests: int) -> float:
+    """The expected seconds of test file ``name`` (a file name, e.g. "test_train.py")."""
+    return FILE_SECONDS.get(name, UNKNOWN_TEST_SECONDS * n_tests)
+
+
+def longest_files_first(items: list) -> None:
+    """Reorder ``items`` (pytest's collected tests) in place: files by descending
+    :func:`file_cost`, each file's tests in their own order."""
+    counts: dict[str, int] = {}
+    for it in items:
+        name = Path(str(it.path)).name
+        counts[name] = counts.get(name, 0) + 1
+    items.sort(key=lambda it: -file_cost(Path(str(it.path)).name, counts[Path(str(it.path)).name]))
