@@ -9,6 +9,11 @@ or exactly where said.
   whatever its thread count, and such a product is memory-bound: one core streams the weights
   more slowly than several do. A batched product over P panels spreads them across threads.
   With P = 1 it is the plain product (panels cost time on one thread).
+- :class:`BlasProduct`: ``x @ w`` through NumPy's BLAS (OpenBLAS in NumPy's wheels) on the
+  same (in, out) copy, its threads following torch's intra-op count. On AMD CPUs MKL (inside
+  PyTorch's CPU wheels) runs a product of one row by an fp32 matrix well below what OpenBLAS
+  reaches on the same bytes; on others MKL may be the faster. :func:`fastest` picks between
+  the two by timing them on the weights themselves (utils/generation/pack.py).
 - :func:`greedy`: the argmax of each row of the logits. ``torch.argmax`` over a 32k-49k
   vocabulary is a scalar loop on CPU; NumPy's is vectorized, several times faster, and gives
   the same index (the first maximum; NaN counts as the maximum in both).
@@ -21,9 +26,11 @@ or exactly where said.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
+from threadpoolctl import ThreadpoolController
 
 
 def panels(wt: torch.Tensor, p: int) -> torch.Tensor:
@@ -72,3 +79,46 @@ def rows_product(w: torch.Tensor) -> Optional[RowsProduct]:
     """A :class:`RowsProduct` of ``w`` (out, in) where oneDNN is available, else None (MKL's
     product then serves every row count)."""
     return RowsProduct(w) if onednn_linear_available() else None
+
+
+class BlasProduct:
+    """``x @ w`` for x (n, in) and w (in, out) fp32 contiguous on CPU, by NumPy's BLAS; the
+    result is a tensor over NumPy's output (no copy). Before a product, the BLAS library's
+    threads are set to torch's intra-op count when it changed (the engine sets that count per
+    step: utils/generation/threads.py), so the two thread pools never both run at once. One
+    per engine: it holds the process's BLAS thread setting while it multiplies."""
+
+    def __init__(self):
+        self._blas = ThreadpoolController().select(user_api="blas")
+        self._threads = 0
+
+    @property
+    def available(self) -> bool:
+        """Whether NumPy has a BLAS library threadpoolctl can steer."""
+        return bool(self._blas.lib_controllers)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        n = torch.get_num_threads()
+        if n != self._threads:
+            self._blas.limit(limits=n)
+            self._threads = n
+        return torch.from_numpy(x.numpy() @ w.numpy())
+
+
+def fastest(products: dict, threads: int, repeats: int = 3):
+    """The key of ``products`` (key -> a call of no argument, one product each) that runs
+    fastest on ``threads`` threads: the best of ``repeats`` interleaved calls each, after one
+    warm-up round (a large matrix, such as a head, is read from memory every time, as in a
+    decode step)."""
+    best = dict.fromkeys(products, float("inf"))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(repeats + 1):
+            for k, call in products.items():
+                t0 = time.perf_counter()
+                call()
+                best[k] = min(best[k], time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(prev)
+    return min(best, key=best.get)

@@ -625,11 +625,15 @@ class Batcher:
 class Engine:
     """Generation over one model (see the module docstring). ``threads``: intra-op threads of
     every step (None: the ``step_threads`` rule); ``prompt_lookup``: draft tokens per step of a
-    greedy sequence whose parameters leave it None (utils/generation/speculative.py; 0: off)."""
+    greedy sequence whose parameters leave it None (utils/generation/speculative.py; 0: off);
+    ``product``: the fp32 decode pack's kernel, "auto" (the faster, timed when the pack is
+    made), "torch" or "blas" (utils/generation/pack.py ``build_pack``)."""
 
-    def __init__(self, model, threads: Optional[int] = None, prompt_lookup: int = 0, compile: str = "off"):
+    def __init__(self, model, threads: Optional[int] = None, prompt_lookup: int = 0, compile: str = "off",
+                 product: str = "auto"):
         self.model = model
         self.threads = threads
+        self.product = product
         self.prompt_lookup = prompt_lookup
         self.compile = compile
         self._compiled: Optional[CompiledStep] = None
@@ -731,7 +735,7 @@ class Engine:
         key = pack_key(self.model)
         if self._pack is None or self._pack.key != key:
             self._pack = None                                                # free the old copy first
-            self._pack = build_pack(self.model, key, self.pack_panels()) if key is not None else None
+            self._pack = build_pack(self.model, key, self.pack_panels(), self.product) if key is not None else None
         return self._pack
 
     def compiled_step(self, pack: Optional[DecodePack]) -> Optional[CompiledStep]:
