@@ -426,38 +426,42 @@ def test_step_threads_rule():
     assert eng.pack_panels() == 1 and Engine(m, threads=2).pack_panels() == 2
     assert eng.decode_pack().layers[0].qkv.dim() == 2
     assert Engine(m, threads=2, product="torch").decode_pack().layers[0].qkv.dim() == 3
-    assert Engine(m, threads=2, product="blas").decode_pack().layers[0].qkv.dim() == 2     # whole matrices
 
 
-def test_blas_product_equals_torch_and_follows_torch_threads():
+def test_blas_product_equals_torch_on_one_thread_and_defers_on_more():
     """The fp32 pack's products through NumPy's BLAS (utils/generation/cpu.py ``BlasProduct``):
-    the plain product to rounding for 1 and several rows; the BLAS library runs on torch's
-    intra-op count of the moment; an engine on either kernel (and on the timed choice) makes
-    the same greedy tokens."""
+    the plain product to rounding for 1 and several rows, whole or in panels; NumPy's BLAS is
+    held to one thread; a step on more threads is torch's own product; an engine on either
+    kernel (and on the timed choice) makes the same greedy tokens, on one thread and on two."""
     from threadpoolctl import threadpool_info
     from utils.generation import cpu
     blas = cpu.BlasProduct()
     assert blas.available
+    assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {1}
     g = torch.Generator().manual_seed(2)
     wt = torch.randn(64, 1000, generator=g)                  # (in, out)
     prev = torch.get_num_threads()
     try:
-        for threads in (2, 1):
-            torch.set_num_threads(threads)
+        torch.set_num_threads(1)
+        for p in (1, 2):
             for n in (1, 3):
                 x = torch.randn(n, 64, generator=g)
-                torch.testing.assert_close(blas(x, wt), x @ wt, rtol=1e-5, atol=1e-5)
-            assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {threads}
+                torch.testing.assert_close(blas(x, cpu.panels(wt, p)), x @ wt, rtol=1e-5, atol=1e-5)
+        torch.set_num_threads(2)
+        x = torch.randn(1, 64, generator=g)
+        assert torch.equal(blas(x, cpu.panels(wt, 2)), cpu.panel_mm(x, cpu.panels(wt, 2)))
     finally:
         torch.set_num_threads(prev)
     big = torch.ones(512, 512)
     assert cpu.fastest({"mm": lambda: big @ big, "nothing": lambda: None}, 1) == "nothing"
     m = build(seed=3)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
-    runs = {p: Engine(m, threads=2, product=p) for p in ("torch", "blas", "auto")}
-    outs = {p: e.generate(prompts, 12, temperature=0) for p, e in runs.items()}
-    assert runs["blas"].decode_pack().mm is not runs["torch"].decode_pack().mm
-    assert outs["torch"] == outs["blas"] == outs["auto"]
+    for threads in (1, 2):
+        runs = {p: Engine(m, threads=threads, product=p) for p in ("torch", "blas", "auto")}
+        outs = {p: e.generate(prompts, 12, temperature=0) for p, e in runs.items()}
+        assert isinstance(runs["blas"].decode_pack().mm, cpu.BlasProduct)
+        assert runs["torch"].decode_pack().mm is cpu.panel_mm
+        assert outs["torch"] == outs["blas"] == outs["auto"], threads
 
 
 # --------------------------------------------------------------------------- the engine thread

@@ -9,11 +9,11 @@ or exactly where said.
   whatever its thread count, and such a product is memory-bound: one core streams the weights
   more slowly than several do. A batched product over P panels spreads them across threads.
   With P = 1 it is the plain product (panels cost time on one thread).
-- :class:`BlasProduct`: ``x @ w`` through NumPy's BLAS (OpenBLAS in NumPy's wheels) on the
-  same (in, out) copy, its threads following torch's intra-op count. On AMD CPUs MKL (inside
-  PyTorch's CPU wheels) runs a product of one row by an fp32 matrix well below what OpenBLAS
-  reaches on the same bytes; on others MKL may be the faster. :func:`fastest` picks between
-  the two by timing them on the weights themselves (utils/generation/pack.py).
+- :class:`BlasProduct`: :func:`panel_mm` through NumPy's BLAS (OpenBLAS in NumPy's wheels)
+  when the step runs on one thread. There, on AMD CPUs, MKL (inside PyTorch's CPU wheels)
+  multiplies a row by an fp32 matrix well below what OpenBLAS reaches on the same bytes; on
+  others MKL may be the faster. :func:`fastest` picks between the two by timing them on the
+  weights themselves (utils/generation/pack.py).
 - :func:`greedy`: the argmax of each row of the logits. ``torch.argmax`` over a 32k-49k
   vocabulary is a scalar loop on CPU; NumPy's is vectorized, several times faster, and gives
   the same index (the first maximum; NaN counts as the maximum in both).
@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 from threadpoolctl import ThreadpoolController
 
@@ -82,27 +83,26 @@ def rows_product(w: torch.Tensor) -> Optional[RowsProduct]:
 
 
 class BlasProduct:
-    """``x @ w`` for x (n, in) and w (in, out) fp32 contiguous on CPU, by NumPy's BLAS; the
-    result is a tensor over NumPy's output (no copy). Before a product, the BLAS library's
-    threads are set to torch's intra-op count when it changed (the engine sets that count per
-    step: utils/generation/threads.py), so the two thread pools never both run at once. One
-    per engine: it holds the process's BLAS thread setting while it multiplies."""
+    """:func:`panel_mm`, but through NumPy's BLAS (OpenBLAS in NumPy's wheels) when the step
+    runs on one thread: x (n, in) by ``w`` from :func:`panels`. On one thread OpenBLAS
+    multiplies a row by an fp32 matrix faster than MKL on some CPUs (AMD's: MKL does not take
+    its best paths there), and a decode step runs on one thread under load or for a small
+    model (utils/generation/threads.py). On several threads the product stays torch's:
+    OpenBLAS's own thread pool, spinning beside torch's, slows a step down many times over. So
+    NumPy's BLAS is set to one thread for the process when this is made (threadpoolctl; it
+    serves nothing else of ours)."""
 
     def __init__(self):
-        self._blas = ThreadpoolController().select(user_api="blas")
-        self._threads = 0
-
-    @property
-    def available(self) -> bool:
-        """Whether NumPy has a BLAS library threadpoolctl can steer."""
-        return bool(self._blas.lib_controllers)
+        blas = ThreadpoolController().select(user_api="blas")
+        self.available = bool(blas.lib_controllers)
+        if self.available:
+            blas.limit(limits=1)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        n = torch.get_num_threads()
-        if n != self._threads:
-            self._blas.limit(limits=n)
-            self._threads = n
-        return torch.from_numpy(x.numpy() @ w.numpy())
+        if torch.get_num_threads() != 1:
+            return panel_mm(x, w)
+        y = torch.from_numpy(np.matmul(x.numpy(), w.numpy()))           # (n, out) or (p, n, out/p)
+        return y if w.dim() == 2 else y.transpose(0, 1).reshape(x.shape[0], -1)
 
 
 def fastest(products: dict, threads: int, repeats: int = 3):

@@ -9,9 +9,9 @@ contiguous (in, out) copy streams over the outputs with full vector FMAs, and th
 query/key/value and gate/up projections each become one product (the gain:
 perf/generate_throughput.py, docs/performance.md). Where a one-token step runs on several
 threads (utils/generation/threads.py ``pack_panels``), each matrix is stored as that many
-column panels, so a product of a few rows uses every thread, or, where NumPy's BLAS multiplies
-a row by the head faster than that (AMD CPUs, where MKL runs below OpenBLAS), kept whole and
-multiplied by NumPy's BLAS (``build_pack``'s ``product``); the head is also packed by oneDNN
+column panels, so a product of a few rows uses every thread; a step on one thread multiplies
+through NumPy's BLAS where that is the faster (AMD CPUs, where MKL runs below OpenBLAS:
+``build_pack``'s ``product``); the head is also packed by oneDNN
 for steps of 2 or more rows (``RowsProduct``: MKL's product of a few rows by a wide matrix is
 slow on some CPUs). Both in utils/generation/cpu.py.
 
@@ -78,36 +78,37 @@ def pack_key(model) -> Optional[tuple]:
 
 def build_pack(model, key: tuple, n_panels: int, product: str = "auto") -> Optional[DecodePack]:
     """The pack of ``model`` for ``key`` (from :func:`pack_key`): an int8 model's fused int8
-    weights (None when it has none), else the fp32 weights transposed and multiplied by
-    ``product``: "torch" (``torch.mm``, each matrix in ``n_panels`` column panels:
-    utils/generation/cpu.py ``panels``), "blas" (NumPy's BLAS on whole matrices), or "auto":
-    whichever multiplies a row by the head faster on ``n_panels`` threads (``fastest``); with
-    a oneDNN copy of the head for steps of 2 or more rows where available."""
+    weights (None when it has none), else the fp32 weights transposed, in ``n_panels`` column
+    panels (utils/generation/cpu.py ``panels``), multiplied by ``product``: "torch"
+    (``panel_mm``), "blas" (``BlasProduct``: NumPy's BLAS on steps of one thread), or "auto":
+    whichever multiplies a row by the head faster on one thread (``fastest``); with a oneDNN
+    copy of the head for steps of 2 or more rows where available."""
     if key == INT8:
         got = int8_decode_weights(model)
         return got and DecodePack(INT8, [PackedLayer(*w, mm=int8_mm) for w in got[0]], got[1], mm=int8_mm)
+    t = lambda *ws: panels(torch.cat([x.detach() for x in ws]).t().contiguous(), n_panels)  # noqa: E731
     w = model.lm_head.weight
-    head = w.detach().t().contiguous()
-    mm, p = _product(head, n_panels, product)
-    t = lambda *ws: panels(torch.cat([x.detach() for x in ws]).t().contiguous(), p)  # noqa: E731
+    head = t(w)
+    mm = _product(head, product)
     layers = [PackedLayer(t(b.attn.wq.weight, b.attn.wk.weight, b.attn.wv.weight), t(b.attn.wo.weight),
                           t(b.mlp.w_gate.weight, b.mlp.w_up.weight), t(b.mlp.w_down.weight), mm)
               for b in model.layers]
-    return DecodePack(key, layers, panels(head, p), rows_product(w), mm)
+    return DecodePack(key, layers, head, rows_product(w), mm)
 
 
-def _product(head: torch.Tensor, n_panels: int, product: str) -> tuple[Callable, int]:
-    """(the product, column panels) of an fp32 pack (see :func:`build_pack`); ``head``: (in,
-    out)."""
-    blas = BlasProduct() if product != "torch" else None
-    if blas is None or not blas.available:
+def _product(head: torch.Tensor, product: str) -> Callable:
+    """The product of an fp32 pack (see :func:`build_pack`); ``head``: its paneled head."""
+    if product == "torch":
+        return panel_mm
+    blas = BlasProduct()
+    if not blas.available:
         if product == "blas":
             raise ValueError("product 'blas': NumPy has no BLAS library threadpoolctl can steer")
-        return panel_mm, n_panels
+        return panel_mm
     if product == "auto":
-        paneled, row = panels(head, n_panels), torch.ones(1, head.shape[0])
-        product = fastest({"torch": lambda: panel_mm(row, paneled), "blas": lambda: blas(row, head)}, n_panels)
-    return (blas, 1) if product == "blas" else (panel_mm, n_panels)
+        row = torch.ones(1, head.shape[-2])
+        product = fastest({"torch": lambda: panel_mm(row, head), "blas": lambda: blas(row, head)}, 1)
+    return blas if product == "blas" else panel_mm
 def pack_head(pack: DecodePack, onednn: bool = True):
     """The output projection over ``pack``, x (n, d_model) -> (n, vocab): its oneDNN copy for 2
     or more rows, where it has one and ``onednn`` (the compiled step leaves it out: dynamo
