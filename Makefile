@@ -13,14 +13,16 @@ export HF_DATASETS_OFFLINE := 1
 
 .PHONY: venv samples demo demo-long test test-fast coverage perf browser
 
+# --no-compile: Python compiles a module when it is first imported instead of pip compiling
+# every file of every package up front (torch's thousands: about half of the install's time)
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	$(PY) -m pip install --no-compile --disable-pip-version-check -q -r requirements.txt
 	touch $@
 
 # llama.cpp for the GGUF checks: built from source by pip the first time (about 8 minutes)
 $(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed
-	$(PY) -m pip install --disable-pip-version-check -q -r requirements-test.txt
+	$(PY) -m pip install --no-compile --disable-pip-version-check -q -r requirements-test.txt
 	touch $@
 
 venv: $(VENV)/.installed
