@@ -67,21 +67,6 @@ def products_runner(engine, threads: int, tokens: int):
     return run
 
 
-def llama_gen(gguf: Path, threads: int, ids: list[int]):
-    from llama_cpp import Llama
-    llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=512, verbose=False, logits_all=False)
-
-    def gen(n: int) -> list[int]:
-        llm.reset()
-        out = []
-        for t in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            out.append(t)
-            if len(out) == n:
-                break
-        return out
-    return gen
-
-
 def spread(xs: list, scale: float = 1.0, fmt: str = ".1f") -> str:
     xs = sorted(x * scale for x in xs)
     return f"min {xs[0]:{fmt}}  median {xs[len(xs) // 2]:{fmt}}  max {xs[-1]:{fmt}}"
@@ -96,7 +81,7 @@ def main() -> int:
     a = ap.parse_args()
     import torch
     from perf.serve_throughput import exported_gguf, smollm2_run
-    from perf.smollm2_decode import FREE, read_bandwidth, weight_bytes
+    from perf.smollm2_decode import FREE, llama_generator, read_bandwidth, weight_bytes
     from utils.config import load_config
     from utils.generation.engine import Engine
     from utils.quant import quantize_int8
@@ -125,7 +110,7 @@ def main() -> int:
                 "ours, torch's product": (lambda e=Engine(model, threads=threads, product="torch"):
                                           per_token(lambda n: e.generate([ids], n, temperature=0)[0])),
                 "ours, products alone": products_runner(engine, threads, a.tokens),
-                f"llama.cpp {gg}, whole token": (lambda g=llama_gen(ggufs[gg], threads, ids): per_token(g)),
+                f"llama.cpp {gg}, whole token": (lambda g=llama_generator(ggufs[gg], threads, ids): per_token(g)),
             }
             times = {k: [] for k in contenders}
             for f in contenders.values():

@@ -56,11 +56,12 @@ def weight_bytes(model) -> int:
     return total
 
 
-def llama_runner(gguf: Path, threads: int, prompt_ids: list[int], n: int):
+def llama_generator(gguf: Path, threads: int, prompt_ids: list[int]):
+    """``gen(n)``: llama.cpp's first ``n`` greedy tokens after ``prompt_ids`` (the cache reset first)."""
     from llama_cpp import Llama
     llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=512, verbose=False, logits_all=False)
 
-    def run():
+    def gen(n: int) -> list[int]:
         llm.reset()
         out = []
         for t in llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
@@ -68,7 +69,12 @@ def llama_runner(gguf: Path, threads: int, prompt_ids: list[int], n: int):
             if len(out) == n:
                 break
         return out
-    return run
+    return gen
+
+
+def llama_runner(gguf: Path, threads: int, prompt_ids: list[int], n: int):
+    gen = llama_generator(gguf, threads, prompt_ids)
+    return lambda: gen(n)
 
 
 def ours_runner(engine, prompt_ids: list[int], n: int):

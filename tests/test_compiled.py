@@ -1,10 +1,11 @@
 """The compiled decode step (utils/generation/compiled.py) and the measured thread count of decode
 steps (utils/generation/threads.py ``DecodeThreads``). The compiled step: where ``inference.compile`` turns it
 on, greedy tokens equal to the eager step's for a lone row and for rows joining and leaving a
-batch, every step served by the graphs compiled at load (no recompile while generating), and
-on CUDA the real thing (inductor, CUDA graphs). On CPU the tests trace with dynamo's "eager"
-backend: the graphs and their shapes are dynamo's, while inductor's C++ code generation would
-take minutes on this machine."""
+batch, every step served by the graphs compiled at load for the callers' shapes (no
+recompile while generating, but once for a longer capacity), and on CUDA the real thing
+(inductor, CUDA graphs). On CPU the tests trace with dynamo's "eager" backend: the graphs and
+their shapes are dynamo's, while inductor's C++ code generation takes about a minute per
+graph of SmolLM2 on this machine."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import utils.generation.compiled as compiled
-from tests.test_model import build, cuda
+from tests.test_model import V, build, cuda
 from utils.generation.engine import Engine, SamplingParams, Sequence
 
 PROMPTS = [[1, 5, 9, 33, 2, 7], [1, 40, 41, 42, 43, 44, 45, 46], [1, 3], [1, 70, 71, 72, 73]]
@@ -26,31 +27,46 @@ def test_auto_compiles_on_cuda_only_and_never_infini_models():
     assert Engine(build(attention="infini", segment_length=8), compile="on").compile_now() is None
 
 
-def test_compiled_step_equals_the_eager_one_and_compiles_only_at_load(monkeypatch):
+def test_compiled_step_equals_the_eager_one_on_the_shapes_compiled_at_load(monkeypatch):
+    """Static shapes, traced with dynamo's eager backend: ``generate``'s batchers take
+    power-of-two capacities, so prompts of every length up to 256 positions run on the one
+    graph compiled at load (infer's: one prompt) and a longer one compiles its capacity once;
+    serve's warm-up covers its lane's own slots and capacity at every batch size, so rows
+    joining and leaving never compile; the tokens are the eager step's."""
     monkeypatch.setattr(compiled, "BACKEND", "eager")
     torch._dynamo.reset()
     counters.clear()
-    m = build(seed=2, n_layers=1)
+    m = build(seed=2, n_layers=1, max_seq_len=1024)
     eager, comp = Engine(m), Engine(m, compile="on")
     assert comp.compile_now() > 0
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 2                                   # batch 1, and batches of 2 or more
-    for p in PROMPTS[:2]:
+    assert counters["stats"]["unique_graphs"] == 1                  # one prompt, 256 positions
+    for p in PROMPTS:                                                 # 2..8 tokens + 20 new
         assert comp.generate([p], 20, temperature=0) == eager.generate([p], 20, temperature=0)
-    # rows joining and leaving a 3-slot batch at different steps, each at its own position
+    assert counters["stats"]["unique_graphs"] == 1
+    g = torch.Generator().manual_seed(3)
+    for k in (250, 300):                                              # 257..512 positions: one more
+        p = [1] + torch.randint(3, V, (k,), generator=g).tolist()
+        assert comp.generate([p], 12, temperature=0) == eager.generate([p], 12, temperature=0)
+    assert counters["stats"]["unique_graphs"] == 2
+    lane = Engine(m, compile="on")                                    # serve: 3 slots of 64 positions
+    lane.compile_now(3, 64)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2 + 3                                            # batch sizes 1, 2, 3
     want = [eager.generate([p], n, temperature=0)[0] for p, n in zip(PROMPTS, (12, 5, 9, 7))]
-    b = comp.batcher(3, 40)
+    b = lane.batcher(3, 64)
     seqs = [b.add(Sequence(p, SamplingParams(n, temperature=0))) for p, n in zip(PROMPTS, (12, 5, 9, 7))]
-    list(comp.run(b))
+    list(lane.run(b))
     assert [s.tokens for s in seqs] == want
-    assert counters["stats"]["unique_graphs"] == graphs  # every step ran on the graphs made at load
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled.static_capacity(9, 64) == 64 and compiled.static_capacity(300, None) == 512
+    assert compiled.static_capacity(1000, 1000) == 1000                # never below what is needed
 
 
 @cuda
 def test_compiled_step_with_cuda_graphs_equals_the_eager_one_on_cuda():
     m = build(seed=2).cuda()
     eager, comp = Engine(m), Engine(m, compile="auto")
-    assert comp.compiled_step(comp.decode_pack()).static and comp.compile_now() > 0
+    assert comp.compile_now() > 0
     for p in PROMPTS[:2]:
         assert comp.generate([p], 20, temperature=0) == eager.generate([p], 20, temperature=0)
     assert comp.generate(PROMPTS, 16, temperature=0) == eager.generate(PROMPTS, 16, temperature=0)

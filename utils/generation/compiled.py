@@ -4,26 +4,28 @@ as gpt-fast runs it. The engine (utils/generation/engine.py ``Batcher._decode``)
 :meth:`CompiledStep.__call__` in place of its eager loop when ``inference.compile`` turns it on.
 
     step = CompiledStep(model, packs, head, mode)     one per engine (its weights)
-    step.warm(kv)                                     compile now, on a batcher's caches
-    logits = step(kv, tokens, pos, length, cos_all, sin_all)
+    step.warm(kv, cache_len, cos, sin, slots)         compile now, on a batcher's caches
+    logits = step(kv, cache_len, tokens, pos, length, cos_all, sin_all)
 
-Shapes: on CPU the graph is dynamic in the rows n and in the keys attended, ``length`` (the
-longest row's position + 1): one graph serves every step of every batch size (sizes 0 and 1
-are specialized by dynamo, so batch 1 and batches of 2 or more are two graphs, both made by
-:meth:`warm`), and a step reads only the keys it attends over. On CUDA the KV cache is
-static, as gpt-fast's: every step attends over the slot's whole capacity with a key mask, so
-each batch size is one shape, which CUDA graphs (``mode`` "reduce-overhead") record once and
-replay; the caches are mutated in place, which CUDA graph trees support for inputs that stay
-at one address (a batcher's caches do). A row's arithmetic depends only on its own inputs
-(the products are row by row, the attention per row), so a row's tokens never depend on its
-neighbours, as in the eager step.
+Shapes are static, as gpt-fast's: every step attends over its slot's whole capacity with a
+key mask, so a graph serves one batch size of one batcher shape (slots x capacity), which CUDA
+graphs (``mode`` "reduce-overhead") record once and replay; the caches are mutated in place,
+which CUDA graph trees support for inputs that stay at one address (a batcher's caches do).
+Static on CPU too: a graph dynamic in the rows and the keys attended (one for every step)
+spent its compile in symbolic-shape reasoning and had not finished SmolLM2 after 30 minutes,
+where a static one compiles in about a minute (docs/performance.md, Decode at batch 1). A
+row's arithmetic depends only on its own inputs (the products are row by row, the attention
+per row), so a row's tokens never depend on its neighbours, as in the eager step.
 
-Compile time is paid once per engine (model) and shape family, in :meth:`warm`: serve warms
-at start-up, before it listens, and infer when it loads a model, so no request waits for a
-compile; a step of a shape not yet compiled (dynamo's recompile) is possible only past what
-``warm`` covered and is logged by torch. Infini-attention models decode eagerly (their
-memory update is a different step). Whether it pays: :func:`compile_applies` (the measured
-choice of ``auto``, docs/performance.md, Compiled decode step).
+Compile time is paid once per engine (model) and shape, in :meth:`warm`, for the shapes the
+callers use: serve at start-up, before it listens, on its lane's slots and capacity (every
+batch size); infer when it loads a model, on one prompt of the smallest capacity
+:func:`static_capacity` gives ``Engine.generate``'s one-off batchers (it rounds capacities up
+to powers of two, so prompts of every length share a few). So a request waits for a compile
+only when it needs a shape no earlier one had (a longer capacity, a larger batch in
+``generate``), once per shape; torch logs the recompile. Infini-attention models decode
+eagerly (their memory update is a different step). Whether it pays: :func:`compile_applies`
+(the measured choice of ``auto``, docs/performance.md, Compiled decode step).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import time
 from typing import Callable, Optional
 
 import torch
-from torch.fx.experimental import _config as fx_config
+from torch._dynamo import config as dynamo_config
 
 BACKEND = "inductor"     # torch.compile's backend (tests trace with "eager": dynamo's graphs, seconds not minutes)
 
@@ -44,6 +46,20 @@ def compile_applies(setting: str, device_type: str, segment: Optional[int]) -> b
     if segment or setting == "off":
         return False
     return setting == "on" or device_type == "cuda"
+
+
+STATIC_MIN_CAPACITY = 256   # the smallest capacity of generate's batchers (the shape infer warms)
+RECOMPILE_LIMIT = 64        # graphs per engine (batch sizes x batcher shapes) before dynamo runs eagerly
+
+
+def static_capacity(needed: int, context: Optional[int]) -> int:
+    """The cache capacity of a one-off batcher (``Engine.generate``) whose steps run the
+    compiled step: ``needed`` positions rounded up to a power of two, at least
+    STATIC_MIN_CAPACITY, at most the model's ``context``. Each capacity is a shape of its own,
+    so one compile each: prompts of every length then share a few, where the exact capacity
+    (prompt + new tokens) would compile anew for nearly every call."""
+    cap = max(STATIC_MIN_CAPACITY, 1 << max(needed - 1, 0).bit_length())
+    return max(needed, min(cap, context)) if context else cap
 
 
 def compile_mode(device_type: str) -> Optional[str]:
@@ -71,55 +87,49 @@ class _StepCache:
 class CompiledStep:
     """The decode step's network pass over ``model`` with its decode weights (``packs``: one
     per block or None each; ``head``: x -> logits), compiled with ``mode`` (None: inductor's
-    default); ``pack``: the decode pack they come from (the engine's check that they are
-    current). ``static``: attend over the slot's whole capacity (CUDA, see the module
-    docstring); default: on CUDA."""
+    default) and static shapes (see the module docstring); ``pack``: the decode pack they come
+    from (the engine's check that they are current)."""
 
-    def __init__(self, model, packs: list, head: Callable, pack=None, mode: Optional[str] = None,
-                 static: Optional[bool] = None):
+    def __init__(self, model, packs: list, head: Callable, pack=None, mode: Optional[str] = None):
         self.model, self.packs, self.head, self.pack = model, packs, head, pack
-        self.static = model.device.type == "cuda" if static is None else static
-        self.compiled = torch.compile(self._logits, backend=BACKEND, mode=mode, dynamic=not self.static)
+        self.compiled = torch.compile(self._logits, backend=BACKEND, mode=mode, dynamic=False)
         self.seconds = 0.0               # spent compiling (warm)
 
-    def _logits(self, flat: list, cache_len: int, tokens: torch.Tensor, pos: torch.Tensor, length: int,
+    def _logits(self, flat: list, cache_len: int, tokens: torch.Tensor, pos: torch.Tensor,
                 cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
         model = self.model
         n, Hkv, hd = tokens.shape[0], model.args.n_kv_heads, model.args.head_dim
         shape = (-1, Hkv, cache_len, hd)
         cos, sin = model.decode_rope(cos_all, sin_all, pos)                # (n, 1, hd)
-        keys = torch.arange(length, device=pos.device)
-        key_bias = torch.zeros(n, length, dtype=cos.dtype, device=pos.device).masked_fill(
-            keys[None] > pos[:, None], float("-inf"))                       # (n, length)
+        keys = torch.arange(cache_len, device=pos.device)
+        key_bias = torch.zeros(n, cache_len, dtype=cos.dtype, device=pos.device).masked_fill(
+            keys[None] > pos[:, None], float("-inf"))                       # (n, cache_len)
         cells = ((torch.arange(n, device=pos.device)[:, None] * Hkv + torch.arange(Hkv, device=pos.device))
                  * cache_len + pos[:, None]).view(-1)                       # (n * Hkv,)
         h = model.tok_embeddings(tokens)
         for layer, (k, v), packed in zip(model.layers, flat, self.packs):
-            h = layer.decode(h, cos, sin, _StepCache(k, v, cells, shape, length), key_bias, packed)
+            h = layer.decode(h, cos, sin, _StepCache(k, v, cells, shape, cache_len), key_bias, packed)
         return self.head(model.norm(h)).float()
 
-    def __call__(self, flat: list, cache_len: int, tokens: torch.Tensor, pos: torch.Tensor, length: int,
+    def __call__(self, flat: list, cache_len: int, tokens: torch.Tensor, pos: torch.Tensor,
                  cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
         """(n, V) fp32 logits of rows 0..n-1 (``tokens`` at positions ``pos``), their keys and
         values written into a batcher's caches, ``flat``: each layer's (k, v) seen as (slots *
-        n_kv_heads * cache_len, head_dim); ``length``: the longest row's position + 1 (the
-        slot's capacity when static). Sizes are not duck-typed (two sizes that happen to be
-        equal at the first call are not assumed equal after), and the flat caches keep a
-        1-slot batcher's from being a size-1 dimension, which dynamo would specialize."""
-        if self.static:
-            length = cache_len
-        with fx_config.patch(use_duck_shape=False):
-            return self.compiled(flat, cache_len, tokens, pos, length, cos_all, sin_all)
+        n_kv_heads * cache_len, head_dim); every row attends over all ``cache_len`` positions,
+        those past its own masked. A graph per batch size and batcher shape: more than
+        dynamo's default limit of 8 recompiles."""
+        with dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return self.compiled(flat, cache_len, tokens, pos, cos_all, sin_all)
 
-    def warm(self, flat: list, cache_len: int, cos_all: torch.Tensor, sin_all: torch.Tensor) -> float:
-        """Compile the step for batch 1 and batches of 2 or more on a batcher's caches of two
-        slots or more (``flat``, see :meth:`__call__`; their slots 0..1, positions 0..2, are
-        overwritten: call it before the batcher holds sequences); returns the seconds it took."""
+    def warm(self, flat: list, cache_len: int, cos_all: torch.Tensor, sin_all: torch.Tensor, slots: int) -> float:
+        """Compile the step now for every batch size 1..``slots`` of a batcher of ``slots``
+        slots and ``cache_len`` positions, on its caches (``flat``, see :meth:`__call__`; their
+        positions 0..1 are overwritten: call it before the batcher holds sequences); returns the
+        seconds it took."""
         t0 = time.perf_counter()
         device = flat[0][0].device
-        for n in (1, 2):
-            for length in (2, 3):                        # two lengths: the graph is made dynamic in it
-                tokens = torch.zeros(n, dtype=torch.long, device=device)
-                self(flat, cache_len, tokens, torch.full((n,), length - 1, device=device), length, cos_all, sin_all)
+        for n in range(1, slots + 1):
+            tokens = torch.zeros(n, dtype=torch.long, device=device)
+            self(flat, cache_len, tokens, torch.ones(n, dtype=torch.long, device=device), cos_all, sin_all)
         self.seconds += time.perf_counter() - t0
         return time.perf_counter() - t0

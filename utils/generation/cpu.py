@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from threadpoolctl import ThreadpoolController
 
+from utils.generation.threads import step_mode
+
 
 def panels(wt: torch.Tensor, p: int) -> torch.Tensor:
     """(in, out) -> (p, in, out / p) contiguous column panels; ``wt`` itself when p < 2 or p
@@ -111,14 +113,10 @@ def fastest(products: dict, threads: int, repeats: int = 3):
     warm-up round (a large matrix, such as a head, is read from memory every time, as in a
     decode step)."""
     best = dict.fromkeys(products, float("inf"))
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with step_mode(threads):
         for _ in range(repeats + 1):
             for k, call in products.items():
                 t0 = time.perf_counter()
                 call()
                 best[k] = min(best[k], time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(prev)
     return min(best, key=best.get)

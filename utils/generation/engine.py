@@ -75,7 +75,8 @@ import torch
 from utils.attention import AttnSpec
 from utils.generation import speculative
 from utils.generation import threads as thread_policy
-from utils.generation.compiled import CompiledStep, compile_applies, compile_mode
+from utils.generation.compiled import (STATIC_MIN_CAPACITY, CompiledStep, compile_applies, compile_mode,
+                                       static_capacity)
 from utils.generation.constrained import Grammars, constrain
 from utils.generation.cpu import greedy
 from utils.generation.detok import TextStream
@@ -525,7 +526,7 @@ class Batcher:
             pos = torch.tensor(at, device=device)                           # (n,) the new tokens' positions
             tokens = torch.tensor([s.tokens[-1] for s in run], device=device)
             if compiled is not None:                                        # the same pass as one graph
-                logits = compiled(self.kv_flat, self.cache_len, tokens, pos, length, cos_all, sin_all)
+                logits = compiled(self.kv_flat, self.cache_len, tokens, pos, cos_all, sin_all)
             else:
                 logits = self._decode_logits(tokens, pos, at, length, model.decode_rope(cos_all, sin_all, pos))
             if chooser is not None:
@@ -710,6 +711,8 @@ class Engine:
         stop_ids = frozenset() if eos_id is None else (
             frozenset({int(eos_id)}) if isinstance(eos_id, int) else frozenset(int(e) for e in eos_id))
         capacity = max(len(p) for p in prompts) + max(max_new_tokens, 1)
+        if self._compiles():                             # a few capacities, one compile each
+            capacity = static_capacity(capacity, self.model.args.context)
         b = self.batcher(len(prompts), capacity)
         for r, p in enumerate(prompts):
             params = SamplingParams(max_new_tokens, temperature, top_k, top_p,
@@ -744,7 +747,7 @@ class Engine:
         (utils/generation/compiled.py ``compile_applies``), else None (the eager step). Made
         on the first call and kept while the decode weights stay the same."""
         m = self.model
-        if not compile_applies(self.compile, m.device.type, m.args.segment):
+        if not self._compiles():
             return None
         if self._compiled is None or self._compiled.pack is not pack:
             packs = pack.layers if pack is not None else [None] * len(m.layers)
@@ -752,19 +755,26 @@ class Engine:
             self._compiled = CompiledStep(m, packs, head, pack, mode=compile_mode(m.device.type))
         return self._compiled
 
+    def _compiles(self) -> bool:
+        """Whether this engine's decode steps run compiled (``compile`` on this model and device)."""
+        m = self.model
+        return compile_applies(self.compile, m.device.type, m.args.segment)
+
     @torch.no_grad()
-    def compile_now(self) -> Optional[float]:
-        """Compile the decode step now (where ``compile`` turns it on) on a throwaway 2-slot
-        batcher, so that no request waits for it: the seconds it took, None when the step is
-        not compiled."""
+    def compile_now(self, slots: int = 1, capacity: Optional[int] = None) -> Optional[float]:
+        """Compile the decode step now (where ``compile`` turns it on) for the batcher shape the
+        caller will run, ``slots`` and ``capacity`` (serve: its lane's; by default
+        ``generate``'s for one prompt of its smallest capacity: infer's), on a throwaway
+        batcher of that shape, so that no request waits for it: the seconds it took, None
+        when the step is not compiled."""
         step = self.compiled_step(self.decode_pack())
         if step is None:
             return None
-        b = self.batcher(2, 16)
+        b = self.batcher(slots, capacity or static_capacity(STATIC_MIN_CAPACITY, self.model.args.context))
         b._alloc()
-        cos, sin = self.model.rope(16, self.model.device)
+        cos, sin = self.model.rope(b.cache_len, self.model.device)
         with thread_policy.step_mode(self.step_threads(1, self.n_weights())):
-            return step.warm(b.kv_flat, b.cache_len, cos, sin)
+            return step.warm(b.kv_flat, b.cache_len, cos, sin, slots)
 
     def decode_threads(self, n: int, n_weights: int, kind: Hashable = None) -> tuple[Optional[int], Optional[DecodeThreads]]:
         """(threads, chooser) of a decode step of ``n`` rows (or ``n`` tokens of one row's

@@ -23,13 +23,14 @@ def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
     engine = Engine(o.model, threads=threads, prompt_lookup=cfg.inference.prompt_lookup_num_tokens,
                     compile=cfg.inference.compile)
     engine.decode_pack()
-    seconds = engine.compile_now()          # before the server listens: no request waits for it
+    own = o.model.args.context
+    context = min(cfg.serve.context, own or cfg.serve.context) if cfg.serve.context else own
+    # before the server listens, on the lane's own shape: no request waits for it
+    seconds = engine.compile_now(cfg.serve.max_batch, context)
     if seconds is not None:
         worker.log(f"compiled the decode step in {seconds:.1f} s (inference.compile {cfg.inference.compile})")
     why_not = engine.use_prefix_cache(cfg.serve.prefix_cache_mb << 20)
     if why_not and cfg.serve.prefix_cache_mb:
         worker.log(f"{o.label}: prefix cache {why_not}")
-    own = o.model.args.context
-    context = min(cfg.serve.context, own or cfg.serve.context) if cfg.serve.context else own
     info = {"tok": o.tok, "kind": o.kind, "rules": o.rules, "label": o.label}
     return engine, o.tok, cfg.serve.max_batch, context, info
