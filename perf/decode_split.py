@@ -21,7 +21,6 @@ products alone take longer than llama.cpp's whole token, no cut of the rest can 
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import os
 import platform
@@ -80,22 +79,11 @@ def main() -> int:
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "smollm2")
     a = ap.parse_args()
     import torch
-    from perf.serve_throughput import exported_gguf, smollm2_run
-    from perf.smollm2_decode import FREE, llama_generator, read_bandwidth, weight_bytes
-    from utils.config import load_config
+    from perf.smollm2_decode import FREE, chat_ids, llama_generator, read_bandwidth, smollm2_models, weight_bytes
     from utils.generation.engine import Engine
-    from utils.quant import quantize_int8
-    from utils.run import load_model_and_tokenizer
 
-    run, cfg = smollm2_run(a.cache)
-    ck = run / "checkpoint_best.pt"
-    ggufs = {d: exported_gguf(cfg, ck, a.cache / f"gguf-{d}", d, reuse=True) for d in ("f32", "q8_0")}
-    fp32, _, tok, _ = load_model_and_tokenizer(ck, load_config(cfg), say=lambda s: None)
-    int8 = copy.deepcopy(fp32)
-    quantize_int8(int8)
-    start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
-    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
-    ids = [start] + enc(f"user\n{FREE}") + [end] + enc("\n") + [start] + enc("assistant\n")
+    fp32, int8, tok, ggufs = smollm2_models(a.cache)
+    ids = chat_ids(tok, FREE)
     bw = read_bandwidth()
     print(f"perf/decode_split.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start, "

@@ -95,27 +95,41 @@ def interleave(runs: dict, repeats: int, n: int) -> tuple[dict, dict]:
     return rates, outs
 
 
-def smollm2_batch1(a) -> int:
+def smollm2_models(cache: Path) -> tuple:
+    """(fp32 model, int8 copy, tokenizer, {"f32": GGUF, "q8_0": GGUF}) of SmolLM2-135M-Instruct:
+    imported once into ``cache`` from the shipped sample (no download) and exported once."""
     import copy
-    import torch
     from perf.serve_throughput import SMOLLM2_GGUF, exported_gguf, smollm2_run
-    from utils.generation.engine import Engine
-    from utils.quant import quantize_int8
     from utils.config import load_config
+    from utils.quant import quantize_int8
     from utils.run import load_model_and_tokenizer
-    if a.quick:
-        a.repeats, a.new_tokens = 1, 32
-    n = a.new_tokens
-    a.cache.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
     sample = ROOT / "data" / "samples" / "smollm2" / SMOLLM2_GGUF
-    if sample.is_file() and not (a.cache / SMOLLM2_GGUF).is_file():
-        shutil.copyfile(sample, a.cache / SMOLLM2_GGUF)                 # no download
-    run, cfg = smollm2_run(a.cache)
+    if sample.is_file() and not (cache / SMOLLM2_GGUF).is_file():
+        shutil.copyfile(sample, cache / SMOLLM2_GGUF)                   # no download
+    run, cfg = smollm2_run(cache)
     ck = run / "checkpoint_best.pt"
-    ggufs = {d: exported_gguf(cfg, ck, a.cache / f"gguf-{d}", d, reuse=True) for d in ("f32", "q8_0")}
+    ggufs = {d: exported_gguf(cfg, ck, cache / f"gguf-{d}", d, reuse=True) for d in ("f32", "q8_0")}
     fp32, _, tok, _ = load_model_and_tokenizer(ck, load_config(cfg), say=lambda s: None)
     int8 = copy.deepcopy(fp32)
     quantize_int8(int8)
+    return fp32, int8, tok, ggufs
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    """SmolLM2's chat turns around ``text``: the prompt ids of one user message, as its template."""
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return [start] + enc(f"user\n{text}") + [end] + enc("\n") + [start] + enc("assistant\n")
+
+
+def smollm2_batch1(a) -> int:
+    import torch
+    from utils.generation.engine import Engine
+    if a.quick:
+        a.repeats, a.new_tokens = 1, 32
+    n = a.new_tokens
+    fp32, int8, tok, ggufs = smollm2_models(a.cache)
     bw = read_bandwidth()
     print(f"perf/generate_throughput.py --smollm2  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start, "
@@ -124,9 +138,7 @@ def smollm2_batch1(a) -> int:
           f"read bandwidth {bw / 1e9:.1f} GB/s")
     bound = {"fp32": bw / weight_bytes(fp32), "int8": bw / weight_bytes(int8)}
     for what, text, lookup in (("free text", FREE, 0), ("an edit (the answer copies the prompt)", EDIT, 8)):
-        start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])    # SmolLM2's chat turns
-        enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
-        ids = [start] + enc(f"user\n{text}") + [end] + enc("\n") + [start] + enc("assistant\n")
+        ids = chat_ids(tok, text)
         runs = {}
         for prec, model, gg in (("fp32", fp32, "f32"), ("int8", int8, "q8_0")):
             runs[f"ours {prec}"] = ours_runner(Engine(model), ids, n)
