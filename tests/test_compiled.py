@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import utils.generation.compiled as compiled
+import utils.generation.cpu as cpu
 from tests.test_model import V, build, cuda
 from utils.generation.engine import Engine, SamplingParams, Sequence
 
@@ -58,6 +59,9 @@ def test_compiled_step_equals_the_eager_one_on_the_shapes_compiled_at_load(monke
     list(lane.run(b))
     assert [s.tokens for s in seqs] == want
     assert counters["stats"]["unique_graphs"] == graphs
+    blas = Engine(m, compile="on", product="blas")                    # traced with torch's products
+    step = blas.compiled_step(blas.decode_pack())
+    assert isinstance(blas.decode_pack().mm, cpu.BlasProduct) and all(p.mm is cpu.panel_mm for p in step.packs)
     assert compiled.static_capacity(9, 64) == 64 and compiled.static_capacity(300, None) == 512
     assert compiled.static_capacity(1000, 1000) == 1000                # never below what is needed
 

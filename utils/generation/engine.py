@@ -80,7 +80,7 @@ from utils.generation.compiled import (STATIC_MIN_CAPACITY, CompiledStep, compil
 from utils.generation.constrained import Grammars, constrain
 from utils.generation.cpu import greedy
 from utils.generation.detok import TextStream
-from utils.generation.pack import DecodePack, build_pack, pack_head, pack_key
+from utils.generation.pack import DecodePack, build_pack, pack_head, pack_key, traceable
 from utils.generation.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
 from utils.generation.speculative import NgramIndex
 from utils.generation.threads import DecodeThreads
@@ -750,8 +750,9 @@ class Engine:
         if not self._compiles():
             return None
         if self._compiled is None or self._compiled.pack is not pack:
-            packs = pack.layers if pack is not None else [None] * len(m.layers)
-            head = m.lm_head if pack is None else pack_head(pack, onednn=False)
+            traced = traceable(pack) if pack is not None else None     # torch's products only
+            packs = traced.layers if traced is not None else [None] * len(m.layers)
+            head = m.lm_head if traced is None else pack_head(traced, onednn=False)
             self._compiled = CompiledStep(m, packs, head, pack, mode=compile_mode(m.device.type))
         return self._compiled
 

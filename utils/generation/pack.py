@@ -109,6 +109,17 @@ def _product(head: torch.Tensor, product: str) -> Callable:
         row = torch.ones(1, head.shape[-2])
         product = fastest({"torch": lambda: panel_mm(row, head), "blas": lambda: blas(row, head)}, 1)
     return blas if product == "blas" else panel_mm
+
+
+def traceable(pack: DecodePack) -> DecodePack:
+    """``pack`` with torch's products wherever it multiplies through NumPy's BLAS, for the
+    compiled step: dynamo would break its graph at each NumPy call and thread check (121 a
+    token), where torch's product is one traced op that inductor picks a kernel for."""
+    if not isinstance(pack.mm, BlasProduct):
+        return pack
+    return pack._replace(layers=[p._replace(mm=panel_mm) for p in pack.layers], mm=panel_mm)
+
+
 def pack_head(pack: DecodePack, onednn: bool = True):
     """The output projection over ``pack``, x (n, d_model) -> (n, vocab): its oneDNN copy for 2
     or more rows, where it has one and ``onednn`` (the compiled step leaves it out: dynamo
