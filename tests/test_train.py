@@ -151,7 +151,10 @@ def test_a_link_planted_where_the_log_goes_is_refused_not_written_through(root, 
     log = root / "logs" / "raw_metrics" / "linked.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.symlink_to(victim)
-    proc = train(cfg, "--name", "linked", "--max-steps", 1)
+    try:
+        proc = train(cfg, "--name", "linked", "--max-steps", 1)
+    finally:
+        log.unlink()             # the module's root outlives this test's tmp_path, where it points
     assert proc.returncode == 1, proc.stderr
     assert f"cannot use {log}" in proc.stderr and "symbolic link" in proc.stderr, proc.stderr
     assert victim.read_text() == "keep me\n" and "Traceback" not in proc.stderr
