@@ -72,16 +72,17 @@ def compile_mode(device_type: str) -> Optional[str]:
 class _StepCache:
     """One layer's cache view inside the compiled graph: the new keys and values of rows 0..n-1
     go to ``cells`` of the flat (slots * Hkv * positions, hd) cache; the keys returned are
-    rows 0..n-1's first ``length`` positions (the model's ``update``)."""
+    rows 0..n-1's, every position of the slot (static shapes: the mask hides those past a row's
+    own; the model's ``update``)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, cells: torch.Tensor, shape: tuple, length):
-        self.k, self.v, self.cells, self.shape, self.length = k, v, cells, shape, length
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, cells: torch.Tensor, shape: tuple):
+        self.k, self.v, self.cells, self.shape = k, v, cells, shape
 
     def update(self, k, v):                                   # (n, Hkv, hd)
         n, hd = k.shape[0], k.shape[-1]
         self.k.index_copy_(0, self.cells, k.reshape(-1, hd))
         self.v.index_copy_(0, self.cells, v.reshape(-1, hd))
-        return self.k.view(self.shape)[:n, :, :self.length], self.v.view(self.shape)[:n, :, :self.length]
+        return self.k.view(self.shape)[:n], self.v.view(self.shape)[:n]
 
 
 class CompiledStep:
@@ -108,7 +109,7 @@ class CompiledStep:
                  * cache_len + pos[:, None]).view(-1)                       # (n * Hkv,)
         h = model.tok_embeddings(tokens)
         for layer, (k, v), packed in zip(model.layers, flat, self.packs):
-            h = layer.decode(h, cos, sin, _StepCache(k, v, cells, shape, cache_len), key_bias, packed)
+            h = layer.decode(h, cos, sin, _StepCache(k, v, cells, shape), key_bias, packed)
         return self.head(model.norm(h)).float()
 
     def __call__(self, flat: list, cache_len: int, tokens: torch.Tensor, pos: torch.Tensor,
