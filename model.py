@@ -177,8 +177,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype == torch.float32:                         # no conversions (a decode step's norms)
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        if dtype == torch.float32:      # the same operations in one call (a decode step runs 2 x n_layers)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -233,8 +233,11 @@ class Attention(nn.Module):
             y = self.memory(y, q_pre, k_pre, v_new, cache.infini if cache is not None else None)
         return self.resid_dropout(self.wo(y.reshape(B, T, self.n_heads * self.head_dim)))
 
-    def decode(self, x, cos, sin_signed, cache: Any, key_bias: Optional[torch.Tensor], packed: Any = None):
-        """One new token per row over the cache: x (B, d_model) -> (B, d_model). ``cos`` and
+    def decode(self, x, cos, sin_signed, cache: Any, key_bias: Optional[torch.Tensor], packed: Any = None,
+               residual: Optional[torch.Tensor] = None):
+        """One new token per row over the cache: x (B, d_model) -> (B, d_model), plus
+        ``residual`` (B, d_model) where given (in the output product's own operation where the
+        pack has one: ``PackedLayer.plus``). ``cos`` and
         ``sin_signed`` (B, 1, hd): each row's RoPE angle (:func:`apply_rope_rolled`); ``cache``:
         ``update(k, v)`` with (B, n_kv_heads, hd) -> (keys, values) (B, n_kv_heads, L, hd).
         Plain matmul attention (softmax(q k^T / sqrt(hd) + key_bias) v, the query heads of one
@@ -244,7 +247,7 @@ class Attention(nn.Module):
         one sequence (1, n_kv_heads, L, hd), the B rows are B consecutive tokens of it (prompt
         lookup's verify pass, utils/generation/speculative.py): their queries are folded into
         one product, each with its own row of ``key_bias``. ``packed``: this layer's decode weights
-        (``utils.generation.engine.PackedLayer``: fused q|k|v and products by ``packed.mm``);
+        (``utils.generation.pack.PackedLayer``: fused q|k|v and products by ``packed.mm``);
         None: the Linear layers. A decode step pays a fixed dispatch cost per operation on CPU,
         so q and k are rotated together and the projections are fused."""
         B = x.shape[0]
@@ -267,14 +270,17 @@ class Attention(nn.Module):
         att.mul_(1.0 / math.sqrt(hd))
         if bias is not None:
             att.add_(bias)
-        y = torch.matmul(att.softmax(dim=-1, dtype=torch.float32).to(values.dtype), values)  # (B, Hkv, G, hd)
+        p = att.softmax(dim=-1, dtype=torch.float32)
+        y = torch.matmul(p if p.dtype == values.dtype else p.to(values.dtype), values)  # (B, Hkv, G, hd)
         if one:
             y = y.view(Hkv, B, G, hd).transpose(0, 1)
         if self.memory is not None:                                         # local y + memory (pre-RoPE q, k)
             y = self.memory(y.view(B, 1, H, hd), qkv[:, None, :H], qkv[:, None, H:H + Hkv], v[:, None],
                             cache.infini)
         y = y.reshape(B, H * hd)
-        return packed.mm(y, packed.wo) if packed is not None else self.wo(y)
+        if packed is not None:
+            return packed.mm(y, packed.wo) if residual is None else packed.plus(residual, y, packed.wo)
+        return self.wo(y) if residual is None else residual + self.wo(y)
 
 
 class Block(nn.Module):
@@ -292,9 +298,9 @@ class Block(nn.Module):
     def decode(self, x, cos, sin_signed, cache: Any, key_bias: Optional[torch.Tensor], packed: Any = None):
         """One new token per row: x (B, d_model), see :meth:`Attention.decode`. The norms'
         ``forward`` is called directly (a decode step runs 2 x n_layers of them; no hooks)."""
-        x = x + self.attn.decode(self.attn_norm.forward(x), cos, sin_signed, cache, key_bias, packed)
+        x = self.attn.decode(self.attn_norm.forward(x), cos, sin_signed, cache, key_bias, packed, residual=x)
         h = self.mlp_norm.forward(x)
-        return x + (self.mlp(h) if packed is None else self.mlp.packed(h, packed.gate_up, packed.down, packed.mm))
+        return x + self.mlp(h) if packed is None else self.mlp.packed(h, packed, residual=x)
 
 
 # --------------------------------------------------------------------------- the model
