@@ -25,6 +25,7 @@ checkpoint_step_N.pt files written every step (``--checkpoint-every 1``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,6 +38,7 @@ import torch
 
 from tests.conftest import (NEWS, ROOT, SPM_MODEL, default_signals, main_command, run_stage,
                             paused_env, run_main, wait_for_line, write_config)
+from tests.test_cleaner import descendants
 from tests.test_train import FLAGS, allocator_env, log_of, losses, ok, train, weights
 from utils.run import load_checkpoint
 from utils.training.logging_utils import latest_per_step
@@ -62,10 +64,22 @@ def torchrun_command(*args, script=ROOT / "train.py") -> list[str]:
 
 def torchrun(cfg, *args, timeout: float = 300, script=ROOT / "train.py") -> subprocess.CompletedProcess:
     """The launch in the user's environment, without the malloc tunables the suite presets
-    (each rank then notes the defaults it keeps: ranks never re-execute)."""
-    return subprocess.run(torchrun_command("--config", cfg, *FLAGS, *args, script=script),
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=allocator_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals)
+    (each rank then notes the defaults it keeps: ranks never re-execute). A launch that does
+    not end in ``timeout`` seconds is killed whole (its ranks too) and fails with the end of
+    its output: pytest's report of a TimeoutExpired cuts the output it holds to a few lines."""
+    cmd = torchrun_command("--config", cfg, *FLAGS, *args, script=script)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=allocator_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*descendants(p.pid), p.pid]:     # the ranks run in sessions of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"the launch did not end in {timeout:g} s; the end of its output:\n"
+                    f"{out[-3000:]}\n----- stderr\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 # train.py's stage as a rank program that leaves one more all-reduce with gloo's worker thread when
