@@ -25,6 +25,7 @@ checkpoint_step_N.pt files written every step (``--checkpoint-every 1``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,6 +38,7 @@ import torch
 
 from tests.conftest import (NEWS, ROOT, SPM_MODEL, default_signals, main_command, run_stage,
                             paused_env, run_main, wait_for_line, write_config)
+from tests.test_cleaner import descendants
 from tests.test_train import FLAGS, allocator_env, log_of, losses, ok, train, weights
 from utils.run import load_checkpoint
 from utils.training.logging_utils import latest_per_step
@@ -54,18 +56,61 @@ VAL_RTOL = 1e-4    # validation: up to --eval-batches x 2B windows of 32 tokens 
 EVERY_STEP = ["--checkpoint-every", "1", "--keep-checkpoints", str(STEPS + 1)]
 
 
-def torchrun_command(*args) -> list[str]:
+def torchrun_command(*args, script=ROOT / "train.py") -> list[str]:
     """The user's launch: torchrun (as `python -m torch.distributed.run`) on train.py."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-            str(ROOT / "train.py"), "--test", *map(str, args)]
+            str(script), "--test", *map(str, args)]
 
 
-def torchrun(cfg, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(cfg, *args, timeout: float = 300, script=ROOT / "train.py") -> subprocess.CompletedProcess:
     """The launch in the user's environment, without the malloc tunables the suite presets
-    (each rank then notes the defaults it keeps: ranks never re-execute)."""
-    return subprocess.run(torchrun_command("--config", cfg, *FLAGS, *args), capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=allocator_env(),
-                          stdin=subprocess.DEVNULL, preexec_fn=default_signals)
+    (each rank then notes the defaults it keeps: ranks never re-execute). A launch that does
+    not end in ``timeout`` seconds is killed whole (its ranks too) and fails with the end of
+    its output: pytest's report of a TimeoutExpired cuts the output it holds to a few lines."""
+    cmd = torchrun_command("--config", cfg, *FLAGS, *args, script=script)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=allocator_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*descendants(p.pid), p.pid]:     # the ranks run in sessions of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"the launch did not end in {timeout:g} s; the end of its output:\n"
+                    f"{out[-3000:]}\n----- stderr\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+# train.py's stage as a rank program that leaves one more all-reduce with gloo's worker thread when
+# training ends, rank 1 joining it 2 s later: rank 0's stage then ends while that worker still has
+# to free the all-reduce's tensor, which takes the GIL (torch hands a tensor's last reference to
+# the worker when Python drops it first). What a worker descheduled between finishing a collective
+# and freeing it does under load; a rank that then freed the process group with the GIL held
+# (utils/training/distributed.py shutdown) waited for that worker forever.
+GLOO_WORKER_BUSY_AT_THE_END = f"""
+import sys, time
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+import torch.distributed as tdist
+import train
+from utils.cli import run_stage
+from utils.training.trainer import Trainer
+
+fit = Trainer.fit
+
+
+def fit_then_leave_an_all_reduce_in_flight(self):
+    result = fit(self)
+    if self.dist.rank == 1:
+        time.sleep(2)
+    tdist.all_reduce(torch.ones(1), async_op=True)   # the work and its tensor are dropped at once
+    return result
+
+
+Trainer.fit = fit_then_leave_an_all_reduce_in_flight
+run_stage(train.main)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +296,9 @@ def test_ctrl_c_then_resume_with_the_same_world_size_is_exact(root, cfg, ddp_run
 
 def test_auto_prepare_builds_the_missing_set_on_rank_0_only(tmp_path):
     """dataset.auto_prepare under torchrun: rank 0 runs the prep stage once while the other
-    rank waits at the barrier, then both open the finished set and train."""
+    rank waits at the barrier, then both open the finished set and train. The ranks run the
+    stage with an all-reduce still with gloo's worker when training ends
+    (GLOO_WORKER_BUSY_AT_THE_END), and end all the same (this launch hung at exit in CI)."""
     cleaned = tmp_path / "cleaned"
     cleaned.mkdir()
     lines = [x.strip() for x in NEWS.read_text(encoding="utf-8").splitlines()]
@@ -262,7 +309,9 @@ def test_auto_prepare_builds_the_missing_set_on_rank_0_only(tmp_path):
                                   "paths": {"cleaned_dir": str(cleaned)},
                                   "dataset": {"wikipedia_test_dir": str(shards), "auto_prepare": True,
                                               "shard_tokens": 20_000}})
-    p = ok(torchrun(cfg, "--batch-size", B, "--name", "auto", "--max-steps", 2))
+    rank = tmp_path / "rank.py"
+    rank.write_text(GLOO_WORKER_BUSY_AT_THE_END, encoding="utf-8")
+    p = ok(torchrun(cfg, "--batch-size", B, "--name", "auto", "--max-steps", 2, script=rank))
     assert p.stderr.count("dataset.auto_prepare: the shard set is missing") == 1, p.stderr
     meta = json.loads((shards / "metadata.json").read_text())
     assert len(meta["shards"]) == len(list(shards.glob("tokens_*.npy"))) >= 2

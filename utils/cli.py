@@ -344,11 +344,11 @@ def run_stage(main_fn: Callable[[Optional[Sequence[str]]], Optional[int]],
     code = _flush_output(prog, code)
     if _torchrun_rank_script():
         sys.stderr.flush()
-        # A rank skips the interpreter's teardown: it would free the DDP/FSDP model's last
-        # reference to the gloo process group (destroyed by then) with the GIL held, while a gloo
-        # worker thread that holds the group's work lock waits for the GIL to free the last
-        # collective's tensors: a deadlock (a rank hung at exit in test_ddp). Its output is
-        # flushed and its log closed (utils/stage.py) already.
+        # A rank skips the interpreter's teardown: its atexit hook would destroy the process
+        # group before the teardown frees whatever still holds a DDP model (a traceback), whose
+        # Reducer would then free the group with the GIL held while a gloo worker waits for the
+        # GIL (utils/training/distributed.py shutdown: a rank hung at exit in test_ddp). Its
+        # output is flushed and its log closed (utils/stage.py) already.
         os._exit(code)
     sys.exit(code)
 

@@ -128,23 +128,22 @@ class Run:
     closing: Callable[[TrainResult, Any], Optional[str]]
 
     def finish(self) -> int:
-        """Train, close the log, end as the module docstring says."""
+        """Train, close the log, end as the module docstring says. The process group is left
+        to the process's end (utils/training/distributed.py ``shutdown``): the trainer's DDP
+        model still uses it here."""
         try:
             result = self.trainer.fit()
         finally:
             self.logger.close()
-        try:
-            if result.reason == "interrupted":
-                return EXIT_INTERRUPTED
-            if result.reason == "diverged":
-                raise PipelineError(diverged_message(result, self.trainer.run_dir, self.lr_key,
-                                                     self.trainer.spec.optimizer.lr))
-            line = self.closing(result, self.logger)
-            if line is not None:
-                self.say(line)
-            return 0
-        finally:
-            D.shutdown()
+        if result.reason == "interrupted":
+            return EXIT_INTERRUPTED
+        if result.reason == "diverged":
+            raise PipelineError(diverged_message(result, self.trainer.run_dir, self.lr_key,
+                                                 self.trainer.spec.optimizer.lr))
+        line = self.closing(result, self.logger)
+        if line is not None:
+            self.say(line)
+        return 0
 
 
 def kept_rules(tok, imported=None, ckpt: Optional[dict] = None) -> Optional[Rules]:

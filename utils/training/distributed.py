@@ -63,14 +63,21 @@ def init(device_kind: str = "cpu", timeout_s: float = 1800.0) -> DistInfo:
         torch.cuda.set_device(local_rank)
     if not tdist.is_initialized():
         tdist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-        # Every way out destroys the group, errors included: a group still alive when the
-        # interpreter exits lets C++ threads be destroyed unjoined ("terminate called without
+        # Every way out of an interpreter that exits destroys the group, errors included: a group
+        # still alive then lets C++ threads be destroyed unjoined ("terminate called without
         # an active exception", SIGABRT instead of the stage's exit code).
         atexit.register(shutdown)
     return DistInfo(rank, local_rank, world, backend)
 
 
 def shutdown() -> None:
+    """Destroy the process group: at the process's end only (``init`` registers it with
+    atexit; a torchrun rank of a stage script ends with ``os._exit`` before it, utils/cli.py),
+    once no model holds the group. A DDP model alive after the group is destroyed is left its
+    last owner, and the model's Reducer frees it with the GIL held: gloo's destructor then
+    joins its worker threads, while a worker may be waiting for the GIL to free a Python
+    tensor of the group's last collective (torch hands a tensor's last reference to the
+    worker when Python drops it first): both wait forever (a rank hung at exit)."""
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
 
