@@ -177,7 +177,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype == torch.float32:      # the same operations in one call (a decode step runs 2 x n_layers)
+        if dtype == torch.float32:      # no conversions; one call (on CUDA one fused kernel)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -233,11 +233,8 @@ class Attention(nn.Module):
             y = self.memory(y, q_pre, k_pre, v_new, cache.infini if cache is not None else None)
         return self.resid_dropout(self.wo(y.reshape(B, T, self.n_heads * self.head_dim)))
 
-    def decode(self, x, cos, sin_signed, cache: Any, key_bias: Optional[torch.Tensor], packed: Any = None,
-               residual: Optional[torch.Tensor] = None):
-        """One new token per row over the cache: x (B, d_model) -> (B, d_model), plus
-        ``residual`` (B, d_model) where given (in the output product's own operation where the
-        pack has one: ``PackedLayer.plus``). ``cos`` and
+    def decode(self, x, cos, sin_signed, cache: Any, key_bias: Optional[torch.Tensor], packed: Any = None):
+        """One new token per row over the cache: x (B, d_model) -> (B, d_model). ``cos`` and
         ``sin_signed`` (B, 1, hd): each row's RoPE angle (:func:`apply_rope_rolled`); ``cache``:
         ``update(k, v)`` with (B, n_kv_heads, hd) -> (keys, values) (B, n_kv_heads, L, hd).
         Plain matmul attention (softmax(q k^T / sqrt(hd) + key_bias) v, the query heads of one
@@ -270,17 +267,14 @@ class Attention(nn.Module):
         att.mul_(1.0 / math.sqrt(hd))
         if bias is not None:
             att.add_(bias)
-        p = att.softmax(dim=-1, dtype=torch.float32)
-        y = torch.matmul(p if p.dtype == values.dtype else p.to(values.dtype), values)  # (B, Hkv, G, hd)
+        y = torch.matmul(att.softmax(dim=-1, dtype=torch.float32).to(values.dtype), values)  # (B, Hkv, G, hd)
         if one:
             y = y.view(Hkv, B, G, hd).transpose(0, 1)
         if self.memory is not None:                                         # local y + memory (pre-RoPE q, k)
             y = self.memory(y.view(B, 1, H, hd), qkv[:, None, :H], qkv[:, None, H:H + Hkv], v[:, None],
                             cache.infini)
         y = y.reshape(B, H * hd)
-        if packed is not None:
-            return packed.mm(y, packed.wo) if residual is None else packed.plus(residual, y, packed.wo)
-        return self.wo(y) if residual is None else residual + self.wo(y)
+        return packed.mm(y, packed.wo) if packed is not None else self.wo(y)
 
 
 class Block(nn.Module):
@@ -298,9 +292,9 @@ class Block(nn.Module):
     def decode(self, x, cos, sin_signed, cache: Any, key_bias: Optional[torch.Tensor], packed: Any = None):
         """One new token per row: x (B, d_model), see :meth:`Attention.decode`. The norms'
         ``forward`` is called directly (a decode step runs 2 x n_layers of them; no hooks)."""
-        x = self.attn.decode(self.attn_norm.forward(x), cos, sin_signed, cache, key_bias, packed, residual=x)
+        x = x + self.attn.decode(self.attn_norm.forward(x), cos, sin_signed, cache, key_bias, packed)
         h = self.mlp_norm.forward(x)
-        return x + self.mlp(h) if packed is None else self.mlp.packed(h, packed, residual=x)
+        return x + (self.mlp(h) if packed is None else self.mlp.packed(h, packed.gate_up, packed.down, packed.mm))
 
 
 # --------------------------------------------------------------------------- the model

@@ -18,8 +18,6 @@ No side effects on import.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -54,12 +52,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model) -> (B, T, d_model)
         return self.dropout(self.w_down(self.act(self.w_gate(x)) * self.w_up(x)))
 
-    def packed(self, x: torch.Tensor, w, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The same function (no dropout: inference) for x (B, d_model) with a decode step's
-        fused weights ``w`` (utils/generation/pack.py ``PackedLayer``): ``w.gate_up`` =
-        (w_gate | w_up) (d_model -> 2 hidden) and ``w.down`` = w_down (hidden -> d_model),
-        multiplied by ``w.mm``; plus ``residual`` where given (``w.plus``: the down product and
-        the sum in one operation where its kernel has one)."""
-        gate, up = w.mm(x, w.gate_up).chunk(2, dim=-1)
-        h = self.act(gate) * up
-        return w.mm(h, w.down) if residual is None else w.plus(residual, h, w.down)
+    def packed(self, x: torch.Tensor, gate_up, down, mm=torch.mm) -> torch.Tensor:
+        """The same function (no dropout: inference) for x (B, d_model) with fused weights and
+        their product ``mm(x, w)``: ``gate_up`` = (w_gate | w_up) (d_model -> 2 hidden) and
+        ``down`` = w_down (hidden -> d_model), e.g. transposed fp32 tensors with ``torch.mm``."""
+        gate, up = mm(x, gate_up).chunk(2, dim=-1)
+        return mm(self.act(gate) * up, down)

@@ -70,25 +70,10 @@ def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     operations as it takes (also the product of generation's decode steps, ``PackedLayer.mm``:
     four of them per block per token)."""
     if x.device.type == "cpu":
-        y = _int8pack_mm(x, w).mul(w.scales)
+        xb = x.to(torch.bfloat16, memory_format=torch.contiguous_format)    # the kernel's rows
+        y = torch._weight_int8pack_mm(xb, w.qweight, w.unit).mul(w.scales)
         return y if y.dtype == x.dtype else y.to(x.dtype)
     return F.linear(x, w.qweight.to(x.dtype)) * w.scales.to(x.dtype)
-
-
-def int8_mm_add(x: torch.Tensor, w: Int8Weight, r: torch.Tensor) -> torch.Tensor:
-    """``r + int8_mm(x, w)`` for fp32 ``r`` (B, out), the scales and the sum in one operation
-    on CPU (``addcmul``: its fused multiply-add rounds once where two operations round twice,
-    so sums may differ from ``r + int8_mm(x, w)`` in the last bit): a decode step's residual
-    sums."""
-    if x.device.type == "cpu" and r.dtype == torch.float32:
-        return torch.addcmul(r, _int8pack_mm(x, w), w.scales)
-    return r + int8_mm(x, w)
-
-
-def _int8pack_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    """The CPU kernel's bf16 product of x (B, in) by ``w``'s int8 rows, unscaled (B, out)."""
-    return torch._weight_int8pack_mm(x.to(torch.bfloat16, memory_format=torch.contiguous_format),
-                                     w.qweight, w.unit)
 
 
 def int8_matmul(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:

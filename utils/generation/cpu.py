@@ -52,14 +52,6 @@ def panel_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w).transpose(0, 1).reshape(x.shape[0], -1)      # (p, n, out/p) -> (n, out)
 
 
-def panel_mm_add(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """``r + panel_mm(x, w)``: one ``addmm`` for a 2-D ``w`` (the sum is the GEMM's own
-    accumulation: a decode step's residual sums), two operations over panels."""
-    if w.dim() == 2:
-        return torch.addmm(r, x, w)
-    return r + panel_mm(x, w)
-
-
 def greedy(logits: torch.Tensor) -> list[int]:
     """(B, V) logits -> each row's argmax (the first maximum) as Python ints."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:

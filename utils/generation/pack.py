@@ -28,8 +28,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from utils import lora
-from utils.generation.cpu import BlasProduct, RowsProduct, fastest, panel_mm, panel_mm_add, panels, rows_product
-from utils.quant import int8_decode_weights, int8_mm, int8_mm_add
+from utils.generation.cpu import BlasProduct, RowsProduct, fastest, panel_mm, panels, rows_product
+from utils.quant import int8_decode_weights, int8_mm
 
 DECODE_PACK_MAX_BYTES = 1 << 30   # models with more weights generate without a transposed copy
 INT8 = ("int8",)                  # the key of an int8 model's pack: its weights are the pack
@@ -50,12 +50,6 @@ class PackedLayer(NamedTuple):
     gate_up: torch.Tensor  # (d_model, 2 hidden): w_gate | w_up
     down: torch.Tensor     # (hidden, d_model)
     mm: Callable = torch.mm
-    mm_add: Optional[Callable] = None   # mm_add(x, w, r) = r + mm(x, w) in one operation; None: two
-
-    def plus(self, r: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``r + mm(x, w)``: by ``mm_add`` where the product has one (a decode step pays a
-        fixed cost per operation on CPU, and each block ends two residual sums this way)."""
-        return r + self.mm(x, w) if self.mm_add is None else self.mm_add(x, w, r)
 
 
 class DecodePack(NamedTuple):
@@ -91,15 +85,13 @@ def build_pack(model, key: tuple, n_panels: int, product: str = "auto") -> Optio
     copy of the head for steps of 2 or more rows where available."""
     if key == INT8:
         got = int8_decode_weights(model)
-        return got and DecodePack(INT8, [PackedLayer(*w, mm=int8_mm, mm_add=int8_mm_add) for w in got[0]],
-                                  got[1], mm=int8_mm)
+        return got and DecodePack(INT8, [PackedLayer(*w, mm=int8_mm) for w in got[0]], got[1], mm=int8_mm)
     t = lambda *ws: panels(torch.cat([x.detach() for x in ws]).t().contiguous(), n_panels)  # noqa: E731
     w = model.lm_head.weight
     head = t(w)
     mm = _product(head, product)
-    mm_add = panel_mm_add if mm is panel_mm else None
     layers = [PackedLayer(t(b.attn.wq.weight, b.attn.wk.weight, b.attn.wv.weight), t(b.attn.wo.weight),
-                          t(b.mlp.w_gate.weight, b.mlp.w_up.weight), t(b.mlp.w_down.weight), mm, mm_add)
+                          t(b.mlp.w_gate.weight, b.mlp.w_up.weight), t(b.mlp.w_down.weight), mm)
               for b in model.layers]
     return DecodePack(key, layers, head, rows_product(w), mm)
 
@@ -125,7 +117,7 @@ def traceable(pack: DecodePack) -> DecodePack:
     token), where torch's product is one traced op that inductor picks a kernel for."""
     if not isinstance(pack.mm, BlasProduct):
         return pack
-    return pack._replace(layers=[p._replace(mm=panel_mm, mm_add=panel_mm_add) for p in pack.layers], mm=panel_mm)
+    return pack._replace(layers=[p._replace(mm=panel_mm) for p in pack.layers], mm=panel_mm)
 
 
 def pack_head(pack: DecodePack, onednn: bool = True):
