@@ -16,16 +16,18 @@ export HF_DATASETS_OFFLINE := 1
 # pip byte-compiles what it installs one file at a time (torch's thousands: about half of the
 # install's time); compileall does the same on every core (like pip, it passes over the few
 # files written for another Python version, which no import here reaches)
+BYTE_COMPILE = $(PY) -c 'import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)' $(VENV)/lib
+
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --no-compile --disable-pip-version-check -q -r requirements.txt
-	$(PY) -c 'import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)' $(VENV)/lib
+	$(BYTE_COMPILE)
 	touch $@
 
 # llama.cpp for the GGUF checks: built from source by pip the first time (about 8 minutes)
 $(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed
 	$(PY) -m pip install --no-compile --disable-pip-version-check -q -r requirements-test.txt
-	$(PY) -c 'import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)' $(VENV)/lib
+	$(BYTE_COMPILE)
 	touch $@
 
 venv: $(VENV)/.installed

@@ -15,7 +15,7 @@ the file that comes first). A file not listed counts
 """
 from __future__ import annotations
 
-from pathlib import Path
+from collections import Counter
 
 FILE_SECONDS: dict[str, float] = {
     "test_public_models.py": 174, "test_serve.py": 162, "test_train.py": 160,
@@ -45,8 +45,5 @@ def file_cost(name: str, n_tests: int) -> float:
 def longest_files_first(items: list) -> None:
     """Reorder ``items`` (pytest's collected tests) in place: files by descending
     :func:`file_cost`, each file's tests in their own order."""
-    counts: dict[str, int] = {}
-    for it in items:
-        name = Path(str(it.path)).name
-        counts[name] = counts.get(name, 0) + 1
-    items.sort(key=lambda it: -file_cost(Path(str(it.path)).name, counts[Path(str(it.path)).name]))
+    counts = Counter(it.path.name for it in items)
+    items.sort(key=lambda it: -file_cost(it.path.name, counts[it.path.name]))

@@ -5,7 +5,7 @@ as gpt-fast runs it. The engine (utils/generation/engine.py ``Batcher._decode``)
 
     step = CompiledStep(model, packs, head, mode)     one per engine (its weights)
     step.warm(kv, cache_len, cos, sin, slots)         compile now, on a batcher's caches
-    logits = step(kv, cache_len, tokens, pos, length, cos_all, sin_all)
+    logits = step(kv, cache_len, tokens, pos, cos_all, sin_all)
 
 Shapes are static, as gpt-fast's: every step attends over its slot's whole capacity with a
 key mask, so a graph serves one batch size of one batcher shape (slots x capacity), which CUDA
