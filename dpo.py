@@ -99,6 +99,9 @@ def train_parser() -> StageParser:
     p.config_flag("--device", key="training.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
     p.config_flag("--dtype", key="dpo.dtype", choices=["auto", "bf16", "fp16", "fp32"],
                   help="autocast precision")
+    p.config_flag("--keep-dropout", key="dpo.keep_dropout", action="store_const", const=True,
+                  help="keep dropout in the policy (default: off, as TRL, so that at step 0 the policy "
+                       "computes what the reference did)")
     p.config_flag("--warmup-ratio", key="dpo.warmup_ratio", type=float, metavar="F",
                   help="linear warm-up as a fraction of the run's steps")
     p.config_flag("--seed", key="training.seed", type=int, metavar="N", help="random seed (order)")
@@ -318,6 +321,7 @@ def reference(cfg, src: Source, pairs: preference.Pairs, pad: int, model) -> np.
     from the run folder and checked against the checkpoint's record (a resume)."""
     from tqdm import tqdm       # with torch: `dpo prepare` does not need it
     from utils.training import dpo
+    from utils.training.trainer import resolve_dtype
     path = src.run_dir / dpo.REFERENCE_FILE
     if src.resumed:
         try:
@@ -333,8 +337,9 @@ def reference(cfg, src: Source, pairs: preference.Pairs, pad: int, model) -> np.
     # the held-out pairs in exactly the batches validation makes of them: their step-0 rewards are 0.0
     batches = itertools.chain(*(preference.PairValData(pairs.examples, idx, cfg.dpo.batch_size, pad)
                                 for idx in (pairs.train_indices, pairs.heldout_indices)))
+    amp = resolve_dtype(cfg.dpo.dtype, model.device)     # the policy's precision: one computation
     with tqdm(total=len(pairs), desc="dpo reference log-probs", unit="pair", file=sys.stdout) as bar:
-        return dpo.reference_logps(model, batches, len(pairs), model.device, bar.update)
+        return dpo.reference_logps(model, batches, len(pairs), model.device, bar.update, amp=amp)
 
 
 def dpo_spec(cfg, src: Source, pairs, data, optimizer, settings, tok_info, rules, pad, made: dict, model):
@@ -344,6 +349,7 @@ def dpo_spec(cfg, src: Source, pairs, data, optimizer, settings, tok_info, rules
     from utils import stage
     from utils.training import dpo
     from utils.training.trainer import TrainSpec
+    stage.say_dropout("dpo train", model, cfg.dpo.keep_dropout)
     ref = made["reference"] = reference(cfg, src, pairs, pad, model)   # a new adapter is zero: the base's
     stage.say_adapter("dpo train", model)
     spe = data.steps_per_epoch

@@ -42,7 +42,7 @@ from typing import Callable, Optional, Sequence
 
 from utils.cli import (EXIT_INTERRUPTED, PipelineError, StageParser, Terminated, UsageError, cli_path, printable,
                        run_stage, wrapped_for)
-from utils.device import available_bytes, resolve_device
+from utils.device import available_bytes, generation_dtype, resolve_device
 from utils.run import age_text, list_runs, open_for_generation
 
 # The generation engine, int8 weights and the decode-weight estimate import torch (1-2 s), the
@@ -129,6 +129,8 @@ def build_parser() -> StageParser:
     p.config_flag("--top-k", key="inference.top_k", type=int, metavar="K", help="top-k filter (0 = off)")
     p.config_flag("--top-p", key="inference.top_p", type=float, metavar="P", help="nucleus filter (1.0 = off)")
     p.config_flag("--device", key="inference.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.config_flag("--dtype", key="inference.dtype", choices=["auto", "fp32", "bf16", "fp16"],
+                  help="the weights' dtype (auto: bf16 on CUDA, as stored on CPU)")
     p.config_flag("--prefix-cache-mb", key="inference.prefix_cache_mb", type=int, metavar="MB",
                   help="MiB of KV kept for reuse by later chat turns (0: off)")
     p.config_flag("--prompt-lookup", key="inference.prompt_lookup_num_tokens", type=int, metavar="K",
@@ -232,6 +234,7 @@ class Session:
         self.cfg, self.raw, self.quantize = cfg, raw, quantize
         self.err = err or sys.stderr
         self.device = pick_device(cfg.inference.device)
+        self.dtype = generation_dtype(cfg.inference.dtype, self.device, quantize, "inference.dtype")
         self._tokenizers: dict = {}      # loaded once for checkpoints that share one
         self._memory_note_said = False
 
@@ -253,6 +256,8 @@ class Session:
         if self.quantize == "int8":
             from utils.quant import quantize_int8           # torch (see the imports)
             print(f"infer: {quantize_int8(o.model).line()}", file=self.err)
+        elif self.dtype is not None:
+            o.model.to(self.dtype)
         inf = self.cfg.inference
         engine = Engine(o.model, prompt_lookup=inf.prompt_lookup_num_tokens, compile=inf.compile)
         engine.decode_pack()            # the CPU decode weights now, as part of loading, not of the first reply
@@ -372,6 +377,7 @@ def scripted(session: Session, args, params: Params) -> int:
                           "prompt_tokens": st.prompt_tokens, "tokens": st.tokens,
                           "seconds": round(st.seconds, 4), "tokens_per_s": round(st.rate, 2),
                           "time_to_first_token_s": None if st.ttft is None else round(st.ttft, 4),
+                          "dtype": str(m.engine.dtype).removeprefix("torch."),
                           "params": vars(params)}, ensure_ascii=False))
         return 0
     out, st = session.generate(m, text, params, None, note)

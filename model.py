@@ -375,10 +375,12 @@ class Transformer(nn.Module):
             self._rope[key] = tab
         return tab
 
-    def decode_rope(self, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_rope(self, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                    dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`rope_rows` of the tables :meth:`rope` gave (called outside inference mode, so
-        they stay usable for training) in the weights' dtype: a decode step's RoPE rows."""
-        return rope_rows(cos, sin, pos, self.tok_embeddings.weight.dtype)
+        they stay usable for training) in ``dtype``, the step's compute dtype (default: the
+        weights'): a decode step's RoPE rows."""
+        return rope_rows(cos, sin, pos, dtype or self.tok_embeddings.weight.dtype)
 
     def trunk(self, idx, positions, spec: AttnSpec, caches=None) -> torch.Tensor:
         """Embeddings -> blocks -> final norm: (B, T) -> (B, T, d_model)."""

@@ -70,6 +70,10 @@ def build_parser() -> StageParser:
     p.config_flag("--eval-every", key="rl.eval_every", type=int, metavar="N",
                   help="steps between pass@1 validations")
     p.config_flag("--device", key="training.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.config_flag("--dtype", key="rl.dtype", choices=["auto", "bf16", "fp16", "fp32"],
+                  help="autocast precision of the rollouts and the training steps alike")
+    p.config_flag("--keep-dropout", key="rl.keep_dropout", action="store_const", const=True,
+                  help="keep dropout in the policy (default: off, so the policy trained is the one that sampled)")
     p.config_flag("--seed", key="training.seed", type=int, metavar="N",
                   help="random seed (task split, prompt order, rollouts)")
     p.config_flag("--log-every", key="logging.log_every", type=int, metavar="N", help="steps between log records")
@@ -184,15 +188,19 @@ def reference_model(src: Source, model, kl_beta: float):
 def rl_spec(cfg, src: Source, task: Task, tok, tok_info, rules: Rules, model):
     """RL as a TrainSpec: rollouts as the data, the policy-gradient loss, pass@1 as val_fn."""
     from utils import stage     # torch-bound
+    import torch
     from utils.rl import grpo
-    from utils.training.trainer import TrainSpec
+    from utils.training.trainer import TrainSpec, resolve_dtype
     r = cfg.rl
     decode = reply_decoder(tok, rules)
     train_p, val_p = prompt_ids(tok, rules, task.train), prompt_ids(tok, rules, task.val)
     pad = tok.pad_token_id if tok.pad_token_id is not None else end_token(tok, rules)
     settings = grpo.RolloutSettings(r.group_size, r.prompts_per_step, r.max_new_tokens, r.temperature,
                                     r.top_k, rules.stop_ids, end_token(tok, rules), pad, r.advantage == "grpo")
-    data = grpo.Rollouts(model, train_p, settings, scorer(task, task.train, train_p, decode), cfg.training.seed)
+    stage.say_dropout("rl", model, r.keep_dropout)
+    amp = resolve_dtype(r.dtype, model.device)          # rollouts at the training steps' precision
+    data = grpo.Rollouts(model, train_p, settings, scorer(task, task.train, train_p, decode), cfg.training.seed,
+                         amp=None if amp == torch.float32 else amp)
     val_score = scorer(task, task.val, val_p, decode)
     engine = data.engine
     ref = reference_model(src, model, r.kl_beta)

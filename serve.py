@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import uvicorn
 
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, printable, run_stage
-from utils.device import resolve_device
+from utils.device import generation_dtype, resolve_device
 from utils.serve.connections import timed_protocol
 from utils.serve.protocol import Limits, check_origins
 
@@ -61,6 +61,8 @@ def build_parser() -> StageParser:
     p.config_flag("--quantize", key="serve.quantize", choices=["none", "int8"],
                   help="weights of the served models")
     p.config_flag("--device", key="serve.device", metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.config_flag("--dtype", key="serve.dtype", choices=["auto", "fp32", "bf16", "fp16"],
+                  help="the served models' weights (auto: bf16 on CUDA, as stored on CPU)")
     p.config_flag("--prefix-cache-mb", key="serve.prefix_cache_mb", type=int, metavar="MB",
                   help="MiB of KV per model kept for reuse by requests with the same start (0: off)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -160,6 +162,7 @@ def open_models(args, cfg, loop) -> dict:
     if not paths:
         raise UsageError("give at least one --checkpoint PATH (or --hf-model DIR) to serve.")
     device = resolve_device(cfg.serve.device, "serve.device")
+    generation_dtype(cfg.serve.dtype, device, cfg.serve.quantize, "serve.dtype")   # refused before a load
     ids, models = model_ids(paths), {}
     if len(set(ids)) < len(ids):
         raise UsageError(f"two models would have the same id ({', '.join(ids)}): serve distinct files.")

@@ -378,6 +378,9 @@ class RLConfig:
     grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", min=0)
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f("auto", "autocast dtype (auto: bf16 on CUDA, "
                                                         "fp32 on CPU)")
+    keep_dropout: bool = _f(False, "keep the model's and LoRA's dropout in the policy (default off: "
+                            "rollouts are sampled in eval mode, so the trained policy is the one that "
+                            "sampled)")
 
 
 @dataclass
@@ -402,6 +405,9 @@ class DPOConfig:
     grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", min=0)
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f("auto", "autocast dtype (auto: bf16 on CUDA, "
                                                         "fp32 on CPU)")
+    keep_dropout: bool = _f(False, "keep the model's and LoRA's dropout in the policy (default off, as "
+                            "TRL's disable_dropout: the reference log-probs are computed in eval mode, "
+                            "so at step 0 the policy equals the reference)")
     val_split: float = _f(0.1, "held-out fraction of the pairs, drawn once by dpo prepare "
                           "(training.seed)", min=0, max=1)
 
@@ -413,6 +419,8 @@ class InferenceConfig:
     top_k: int = _f(50, "top-k filter (0 = off)", min=0)
     top_p: float = _f(0.95, "nucleus filter (1.0 = off)", min=0, max=1, min_exclusive=True)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "infer's weights (auto: bf16 on CUDA, as "
+                                                        "stored on CPU; int8: auto only)")
     prefix_cache_mb: int = _f(256, "MiB of KV the interactive chat keeps for reuse by later turns "
                               "(prefix cache; 0: off)", min=0)
     prompt_lookup_num_tokens: int = _f(0, "prompt-lookup speculative decoding: tokens drafted per step "
@@ -471,6 +479,8 @@ class ServeConfig:
     max_n: int = _f(8, "most choices (n) per request", min=1)
     max_queue: int = _f(256, "most requests waiting or running per model (more: HTTP 429)", min=1)
     quantize: Literal["none", "int8"] = _f("none", "weights of the served models (int8: weight-only)")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "the served models' weights (auto: bf16 on "
+                                                        "CUDA, as stored on CPU; int8: auto only)")
     shutdown_grace: float = _f(5.0, "seconds running generations get to finish on SIGINT/SIGTERM "
                                "before they are cut", min=0)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")

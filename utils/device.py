@@ -9,6 +9,10 @@ any other name (``tpu``, ``cuda:x``: the accepted ones are auto, cpu, cuda and c
 memory; on the CPU the kernel's MemAvailable, else free physical pages), as ``(bytes, "")``,
 or ``(None, reason)`` where it cannot be read: the caller says the reason once and skips its
 check.
+
+``generation_dtype(name, device, quantize, setting)``: the dtype infer and serve cast a
+model's weights to (``auto``: bf16 on a CUDA GPU, fp16 where it lacks bf16; as stored on the
+CPU), or None to keep them.
 """
 from __future__ import annotations
 
@@ -54,3 +58,25 @@ def available_bytes(device) -> tuple[Optional[int], str]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), ""
     except (ValueError, OSError, AttributeError):   # no such sysconf name on this system
         return None, "the free memory of this machine could not be read (no /proc/meminfo or sysconf)"
+
+
+def generation_dtype(name: str, device, quantize: str = "none", setting: str = "dtype"):
+    """The weights' dtype of a model that only generates (infer, serve), or None to keep the
+    stored one: ``auto`` casts to bf16 on CUDA (fp16 where the GPU has no bf16), as vLLM serves
+    an fp32 checkpoint in half precision (decoding reads every weight per token: half the
+    bytes, twice the tokens), and keeps the stored dtype on the CPU (fp32 products are the
+    fast ones there, utils/generation/pack.py); ``fp32`` / ``bf16`` / ``fp16`` cast to that.
+    Casting the weights, not autocast, since autocast would convert every weight again at
+    every step. int8 weights (``quantize``) keep their fp32 scales and round activations to bf16
+    themselves: ``auto`` keeps them, another dtype is a usage error naming ``setting``."""
+    import torch     # see resolve_device
+    if quantize != "none":
+        if name != "auto":
+            raise UsageError(f"{setting} is '{name}' with {quantize} weights: int8 weights keep fp32 "
+                             f"scales and round the activations to bf16 themselves; leave {setting} auto.")
+        return None
+    if name == "auto":
+        if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

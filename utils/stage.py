@@ -55,8 +55,8 @@ from utils.generation.engine import generate
 from utils.lora import LoraSettings
 from utils.run import RunOutputs, load_checkpoint, save_run_tokenizer
 from utils.training import distributed as D
-from utils.training.trainer import (RunRecord, TrainResult, Trainer, TrainSpec, diverged_message,
-                                    pause_step_from_env, seed_everything)
+from utils.training.trainer import (RunRecord, TrainResult, Trainer, TrainSpec, disable_dropout,
+                                    diverged_message, pause_step_from_env, seed_everything)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +259,17 @@ def say_adapter(command: str, model) -> None:
         trainable, total = lora.parameter_counts(model)
         print(f"{command}: LoRA {adapter.describe()}: {trainable:,} trainable of {total:,} "
               f"parameters ({100 * trainable / total:.2f}%); the rest is frozen.", flush=True)
+
+
+def say_dropout(command: str, model, keep: bool) -> None:
+    """Dropout off in a DPO or RL policy unless ``keep`` (utils/training/trainer.py
+    ``disable_dropout``), said once when there was any to turn off."""
+    if keep:
+        return
+    n = disable_dropout(model)
+    if n:
+        print(f"{command}: dropout off in the policy ({n} module(s); --keep-dropout keeps it), so it "
+              "computes as the eval-mode numbers it is compared with.", flush=True)
 
 
 def adapter_record(model) -> Optional[dict]:

@@ -192,9 +192,10 @@ class Adapter:
         """Greedy continuation through the generation engine (stops at EOS, which is not
         returned); the prompt keeps its last ``max_length - max_new_tokens`` tokens, so prompt
         and continuation fit the model's context (the whole prompt for ``long_context``
-        models). Runs in the weights' dtype (no autocast)."""
+        models). Runs at the scoring's precision (``amp``: its autocast, or none), so a task
+        that generates and one that scores compute alike."""
         if getattr(self, "_engine", None) is None:
-            self._engine = Engine(self.model)
+            self._engine = Engine(self.model, amp=self.amp)
         keep = len(prompt_ids) if self.long_context else max(1, self.max_length - max_new_tokens)
         try:
             return self._engine.generate([list(prompt_ids)[-keep:]], max_new_tokens, temperature=0,

@@ -4,13 +4,17 @@ as gpt-fast runs it. The engine (utils/generation/engine.py ``Batcher._decode``)
 :meth:`CompiledStep.__call__` in place of its eager loop when ``inference.compile`` turns it on.
 
     step = CompiledStep(model, packs, head, mode)     one per engine (its weights)
-    step.warm(kv, cache_len, cos, sin, slots)         compile now, on a batcher's caches
-    logits = step(kv, cache_len, tokens, pos, cos_all, sin_all)
+    step.warm(kv, shape, cos, sin, slots)             compile now, on a batcher's caches
+    logits = step(kv, shape, tokens, pos, cos_all, sin_all)
+
+The pass itself is utils/generation/step.py's ``decode_pass``, the eager step's too.
 
 Shapes are static, as gpt-fast's: every step attends over its slot's whole capacity with a
 key mask, so a graph serves one batch size of one batcher shape (slots x capacity), which CUDA
 graphs (``mode`` "reduce-overhead") record once and replay; the caches are mutated in place,
-which CUDA graph trees support for inputs that stay at one address (a batcher's caches do).
+which CUDA graph trees record only for inputs marked as static addresses (a batcher's caches
+never move: the engine marks them, ``Engine.static_caches``; unmarked, inductor skips the
+graphs for "mutated inputs").
 Static on CPU too: a graph dynamic in the rows and the keys attended (one for every step)
 spent its compile in symbolic-shape reasoning and had not finished SmolLM2 after 30 minutes,
 where a static one compiles in about a minute (docs/performance.md, Decode at batch 1). A
@@ -34,6 +38,8 @@ from typing import Callable, Optional
 
 import torch
 from torch._dynamo import config as dynamo_config
+
+from utils.generation.step import KVView, causal_bias, cells, decode_pass
 
 BACKEND = "inductor"     # torch.compile's backend (tests trace with "eager": dynamo's graphs, seconds not minutes)
 
@@ -69,22 +75,6 @@ def compile_mode(device_type: str) -> Optional[str]:
     return "reduce-overhead" if device_type == "cuda" else None
 
 
-class _StepCache:
-    """One layer's cache view inside the compiled graph: the new keys and values of rows 0..n-1
-    go to ``cells`` of the flat (slots * Hkv * positions, hd) cache; the keys returned are
-    rows 0..n-1's, every position of the slot (static shapes: the mask hides those past a row's
-    own; the model's ``update``)."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, cells: torch.Tensor, shape: tuple):
-        self.k, self.v, self.cells, self.shape = k, v, cells, shape
-
-    def update(self, k, v):                                   # (n, Hkv, hd)
-        n, hd = k.shape[0], k.shape[-1]
-        self.k.index_copy_(0, self.cells, k.reshape(-1, hd))
-        self.v.index_copy_(0, self.cells, v.reshape(-1, hd))
-        return self.k.view(self.shape)[:n], self.v.view(self.shape)[:n]
-
-
 class CompiledStep:
     """The decode step's network pass over ``model`` with its decode weights (``packs``: one
     per block or None each; ``head``: x -> logits), compiled with ``mode`` (None: inductor's
@@ -96,41 +86,33 @@ class CompiledStep:
         self.compiled = torch.compile(self._logits, backend=BACKEND, mode=mode, dynamic=False)
         self.seconds = 0.0               # spent compiling (warm)
 
-    def _logits(self, flat: list, cache_len: int, tokens: torch.Tensor, pos: torch.Tensor,
+    def _logits(self, flat: list, shape: tuple, tokens: torch.Tensor, pos: torch.Tensor,
                 cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
-        model = self.model
-        n, Hkv, hd = tokens.shape[0], model.args.n_kv_heads, model.args.head_dim
-        shape = (-1, Hkv, cache_len, hd)
-        cos, sin = model.decode_rope(cos_all, sin_all, pos)                # (n, 1, hd)
-        keys = torch.arange(cache_len, device=pos.device)
-        key_bias = torch.zeros(n, cache_len, dtype=cos.dtype, device=pos.device).masked_fill(
-            keys[None] > pos[:, None], float("-inf"))                       # (n, cache_len)
-        cells = ((torch.arange(n, device=pos.device)[:, None] * Hkv + torch.arange(Hkv, device=pos.device))
-                 * cache_len + pos[:, None]).view(-1)                       # (n * Hkv,)
-        h = model.tok_embeddings(tokens)
-        for layer, (k, v), packed in zip(model.layers, flat, self.packs):
-            h = layer.decode(h, cos, sin, _StepCache(k, v, cells, shape), key_bias, packed)
-        return self.head(model.norm(h)).float()
+        model, n, dtype = self.model, tokens.shape[0], flat[0][0].dtype
+        cache_len = shape[2]
+        view = KVView(slice(0, n), cache_len, cells(torch.arange(n, device=pos.device), pos, shape[1], cache_len))
+        return decode_pass(model, self.packs, self.head, flat, (-1, *shape[1:]), view, tokens,
+                           model.decode_rope(cos_all, sin_all, pos, dtype), causal_bias(pos, cache_len, dtype))
 
-    def __call__(self, flat: list, cache_len: int, tokens: torch.Tensor, pos: torch.Tensor,
+    def __call__(self, flat: list, shape: tuple, tokens: torch.Tensor, pos: torch.Tensor,
                  cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
         """(n, V) fp32 logits of rows 0..n-1 (``tokens`` at positions ``pos``), their keys and
         values written into a batcher's caches, ``flat``: each layer's (k, v) seen as (slots *
-        n_kv_heads * cache_len, head_dim); every row attends over all ``cache_len`` positions,
-        those past its own masked. A graph per batch size and batcher shape: more than
-        dynamo's default limit of 8 recompiles."""
+        n_kv_heads * cache_len, head_dim), ``shape`` (slots, n_kv_heads, cache_len, head_dim);
+        every row attends over all ``cache_len`` positions, those past its own masked. A graph
+        per batch size and batcher shape: more than dynamo's default limit of 8 recompiles."""
         with dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return self.compiled(flat, cache_len, tokens, pos, cos_all, sin_all)
+            return self.compiled(flat, tuple(shape), tokens, pos, cos_all, sin_all)
 
-    def warm(self, flat: list, cache_len: int, cos_all: torch.Tensor, sin_all: torch.Tensor, slots: int) -> float:
-        """Compile the step now for every batch size 1..``slots`` of a batcher of ``slots``
-        slots and ``cache_len`` positions, on its caches (``flat``, see :meth:`__call__`; their
+    def warm(self, flat: list, shape: tuple, cos_all: torch.Tensor, sin_all: torch.Tensor, slots: int) -> float:
+        """Compile the step now for every batch size 1..``slots`` of a batcher of caches of
+        ``shape`` (see :meth:`__call__`), on its caches (``flat``; their
         positions 0..1 are overwritten: call it before the batcher holds sequences); returns the
         seconds it took."""
         t0 = time.perf_counter()
         device = flat[0][0].device
         for n in range(1, slots + 1):
             tokens = torch.zeros(n, dtype=torch.long, device=device)
-            self(flat, cache_len, tokens, torch.ones(n, dtype=torch.long, device=device), cos_all, sin_all)
+            self(flat, shape, tokens, torch.ones(n, dtype=torch.long, device=device), cos_all, sin_all)
         self.seconds += time.perf_counter() - t0
         return time.perf_counter() - t0

@@ -80,13 +80,15 @@ from utils.generation.compiled import (STATIC_MIN_CAPACITY, CompiledStep, compil
 from utils.generation.constrained import Grammars, constrain
 from utils.generation.cpu import greedy
 from utils.generation.detok import TextStream
-from utils.generation.pack import DecodePack, build_pack, pack_head, pack_key, traceable
+from utils.generation.pack import INT8, DecodePack, build_pack, pack_head, pack_key, traceable
 from utils.generation.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
 from utils.generation.speculative import NgramIndex
+from utils.generation.step import KVView, causal_bias, cells, decode_pass
 from utils.generation.threads import DecodeThreads
 from utils.infini import InfiniCache
 
 UNBOUNDED = 1 << 62               # positions per sequence of an Infini-attention batcher by default
+CALLER = object()                 # Engine(amp=CALLER): the autocast of the code that makes the engine
 
 
 # --------------------------------------------------------------------------- sampling
@@ -283,30 +285,6 @@ class _PrefillCache:
         return self.k[self.slot:self.slot + 1, :, :end], self.v[self.slot:self.slot + 1, :, :end]
 
 
-class _DecodeCache:
-    """One layer's cache view for a decode step of rows 0..n-1, each at its own position
-    (infini: its position in the current segment): ``at`` (n * Hkv,) are the rows of the new
-    keys in the cache seen as (slots * Hkv * positions, hd) (``flat``: k and v so viewed), one
-    ``index_copy_`` each; ``mem`` as for :class:`_PrefillCache`."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, flat: tuple, at: torch.Tensor, pos: torch.Tensor,
-                 length: int, mem: Optional[tuple] = None):
-        self.k, self.v, self.flat, self.at, self.pos, self.length = k, v, flat, at, pos, length
-        self.mem = mem
-
-    @property
-    def infini(self) -> InfiniCache:
-        n = self.pos.shape[0]
-        sk, M, z = self.mem
-        return InfiniCache(sk[:n], self.v[:n], M[:n], z[:n], self.pos)
-
-    def update(self, k, v):                                   # (n, Hkv, hd)
-        n, hd = k.shape[0], k.shape[-1]
-        self.flat[0].index_copy_(0, self.at, k.reshape(-1, hd))
-        self.flat[1].index_copy_(0, self.at, v.reshape(-1, hd))
-        return self.k[:n, :, :self.length], self.v[:n, :, :self.length]
-
-
 # --------------------------------------------------------------------------- continuous batching
 class Batcher:
     """Continuous batching over one engine's model: sequences wait in a queue, join the running
@@ -348,7 +326,7 @@ class Batcher:
     @property
     def bytes_per_slot(self) -> int:
         a = self.model.args
-        size = self.model.tok_embeddings.weight.element_size()
+        size = torch.empty((), dtype=self.engine.dtype).element_size()
         if self.segment:                        # k, v, sigma(K) of one segment + fp32 M and z
             return a.n_layers * a.n_kv_heads * a.head_dim * (3 * self.cache_len * size
                                                              + (a.head_dim + 1) * 4)
@@ -388,31 +366,36 @@ class Batcher:
         failing sequence and the others still in the batch (``running`` or ``waiting``)."""
         events: list[Event] = []
         try:
-            for seq in [s for s in self.waiting if s.cancelled]:
-                self.waiting.remove(seq)
-                events.append(self._finish_event(seq, "cancelled"))
-            gone = [s for s in self.running if s.cancelled]
-            for seq in sorted(gone, key=lambda s: -s.slot):
-                events.append(self._finish_event(seq, "cancelled"))
-                self._release(seq)
-            if self.running:
-                events += self._decode()
-            while self.waiting and len(self.running) < self.slots:
-                seq = self.waiting.popleft()
-                if seq.params.max_new_tokens == 0:
-                    events.append(self._finish_event(seq, "length"))
-                    continue
-                try:
-                    events += self._prefill(seq)
-                except BaseException:
-                    if seq not in self.running:         # e.g. the KV cache's first allocation failed
-                        self.waiting.appendleft(seq)    # still in the batch: whoever handles it sees it
-                    raise
+            with self.engine.precision():
+                self._step(events)
         finally:
             for e in events:
                 if e.seq.sink is not None:
                     e.seq.sink(e)
         return events
+
+    def _step(self, events: list[Event]) -> None:
+        """:meth:`step`'s work, each event appended to ``events`` as it happens."""
+        for seq in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(seq)
+            events.append(self._finish_event(seq, "cancelled"))
+        gone = [s for s in self.running if s.cancelled]
+        for seq in sorted(gone, key=lambda s: -s.slot):
+            events.append(self._finish_event(seq, "cancelled"))
+            self._release(seq)
+        if self.running:
+            events += self._decode()
+        while self.waiting and len(self.running) < self.slots:
+            seq = self.waiting.popleft()
+            if seq.params.max_new_tokens == 0:
+                events.append(self._finish_event(seq, "length"))
+                continue
+            try:
+                events += self._prefill(seq)
+            except BaseException:
+                if seq not in self.running:         # e.g. the KV cache's first allocation failed
+                    self.waiting.appendleft(seq)    # still in the batch: whoever handles it sees it
+                raise
 
     # -- the forward passes
     def weights(self) -> tuple[Optional[DecodePack], object, int]:
@@ -424,18 +407,27 @@ class Batcher:
             self._weights = (self.engine.decode_pack(), self.engine.head(), self.engine.n_weights())
         return self._weights
 
+    @property
+    def kv_shape(self) -> tuple:
+        """(slots, n_kv_heads, cache_len, head_dim): each layer's keys (and values) per slot."""
+        a = self.model.args
+        return self.slots, a.n_kv_heads, self.cache_len, a.head_dim
+
     def _alloc(self) -> None:
-        a, w = self.model.args, self.model.tok_embeddings.weight
-        shape = (self.slots, a.n_kv_heads, self.cache_len, a.head_dim)
+        """The caches, in the engine's compute dtype (utils/generation/step.py: the cache rule)."""
+        a, device, dtype = self.model.args, self.model.device, self.engine.dtype
+        shape = self.kv_shape
         # the flat (slots * Hkv * positions, hd) tensors own the memory (the compiled step takes
         # them: a 1-slot cache is then no size-1 dimension, which dynamo would specialize)
-        self.kv_flat = [(w.new_zeros(math.prod(shape[:3]), a.head_dim), w.new_zeros(math.prod(shape[:3]), a.head_dim))
+        rows = (math.prod(shape[:3]), a.head_dim)
+        self.kv_flat = [(torch.zeros(rows, dtype=dtype, device=device), torch.zeros(rows, dtype=dtype, device=device))
                         for _ in range(a.n_layers)]
         self.kv = [(k.view(shape), v.view(shape)) for k, v in self.kv_flat]
+        self.engine.static_caches(self.kv_flat)
         if self.segment:
             mem = (self.slots, a.n_kv_heads, a.head_dim)
-            self.mem = [(w.new_zeros(shape), torch.zeros(*mem, a.head_dim, device=w.device),
-                         torch.zeros(mem, device=w.device)) for _ in range(a.n_layers)]
+            self.mem = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(*mem, a.head_dim, device=device),
+                         torch.zeros(mem, device=device)) for _ in range(a.n_layers)]
 
     def _prefill(self, seq: Sequence) -> list[Event]:
         if self.kv is None:
@@ -526,9 +518,9 @@ class Batcher:
             pos = torch.tensor(at, device=device)                           # (n,) the new tokens' positions
             tokens = torch.tensor([s.tokens[-1] for s in run], device=device)
             if compiled is not None:                                        # the same pass as one graph
-                logits = compiled(self.kv_flat, self.cache_len, tokens, pos, cos_all, sin_all)
+                logits = compiled(self.kv_flat, self.kv_shape, tokens, pos, cos_all, sin_all)
             else:
-                logits = self._decode_logits(tokens, pos, at, length, model.decode_rope(cos_all, sin_all, pos))
+                logits = self._decode_logits(tokens, pos, at, length, cos_all, sin_all)
             if chooser is not None:
                 chooser.done()
             for s in run:
@@ -536,24 +528,20 @@ class Batcher:
             return self._sample(list(run), logits)
 
     def _decode_logits(self, tokens: torch.Tensor, pos: torch.Tensor, at: list[int], length: int,
-                       rope: tuple) -> torch.Tensor:
-        """The eager decode step's network pass: (n, V) fp32 logits of rows 0..n-1."""
-        model, device, (cos, sin) = self.model, self.model.device, rope
-        n, Hkv = len(at), model.args.n_kv_heads
+                       cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
+        """The eager decode step: (n, V) fp32 logits of rows 0..n-1 (utils/generation/step.py
+        ``decode_pass``), each attending the first ``length`` positions of its slot (a key mask
+        only where the rows are not all at the last of them)."""
+        model, dtype = self.model, self.engine.dtype
+        n = len(at)
         pack, head, _ = self.weights()
         packs = pack.layers if pack is not None else [None] * len(model.layers)
-        key_bias = None                                                     # rows at one position see all keys
-        if min(at) != length - 1:
-            key_bias = torch.zeros(n, length, dtype=model.tok_embeddings.weight.dtype, device=device)
-            key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
-        rows = torch.arange(n, device=device)
-        cells = ((rows[:, None] * Hkv + torch.arange(Hkv, device=device)) * self.cache_len
-                 + pos[:, None]).view(-1)                                   # (n * Hkv,) in the flat caches
-        h = model.tok_embeddings(tokens)                                    # (n, d_model)
-        mems = self.mem or [None] * len(model.layers)
-        for layer, (k, v), flat, m, packed in zip(model.layers, self.kv, self.kv_flat, mems, packs):
-            h = layer.decode(h, cos, sin, _DecodeCache(k, v, flat, cells, pos, length, m), key_bias, packed)
-        return head(model.norm(h)).float()                                  # (n, V)
+        key_bias = None if min(at) == length - 1 else causal_bias(pos, length, dtype)
+        slots = torch.arange(n, device=pos.device)
+        view = KVView(slice(0, n), length, cells(slots, pos, model.args.n_kv_heads, self.cache_len),
+                      self.mem, pos)
+        return decode_pass(model, packs, head, self.kv_flat, self.kv_shape, view, tokens,
+                           model.decode_rope(cos_all, sin_all, pos, dtype), key_bias)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
         check_finite(logits, f"position {max(s.pos for s in seqs)}")
@@ -628,11 +616,27 @@ class Engine:
     every step (None: the ``step_threads`` rule); ``prompt_lookup``: draft tokens per step of a
     greedy sequence whose parameters leave it None (utils/generation/speculative.py; 0: off);
     ``product``: the fp32 decode pack's kernel, "auto" (the faster, timed when the pack is
-    made), "torch" or "blas" (utils/generation/pack.py ``build_pack``)."""
+    made), "torch" or "blas" (utils/generation/pack.py ``build_pack``).
+
+    Precision, ``amp``: the autocast dtype every step runs under, or None for none (the
+    weights' dtype); by default (``CALLER``) the caller's autocast on the model's device when
+    the engine is made (the trainer's samples and validation run under the run's autocast, so
+    an engine made there decodes as the training forward computes). Either way a step sets
+    its own autocast state, so one engine computes alike wherever its steps are driven from
+    (a generator resumed outside the caller's context, the server's thread). ``dtype``, the
+    compute dtype (the autocast dtype, else the weights'), is the KV cache's
+    (utils/generation/step.py: the cache rule). Under autocast the fp32 decode pack, a CPU
+    shortcut that multiplies outside autocast, is not used: steps run the model's own
+    modules, as on CUDA (an int8 model's pack is its weights and stays)."""
 
     def __init__(self, model, threads: Optional[int] = None, prompt_lookup: int = 0, compile: str = "off",
-                 product: str = "auto"):
+                 product: str = "auto", amp=CALLER):
         self.model = model
+        device_type = model.device.type
+        if amp is CALLER:
+            amp = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        self.amp: Optional[torch.dtype] = amp
+        self.dtype: torch.dtype = amp or model.tok_embeddings.weight.dtype
         self.threads = threads
         self.product = product
         self.prompt_lookup = prompt_lookup
@@ -654,9 +658,28 @@ class Engine:
             return "off (a budget of 0)"
         if self.model.args.segment:
             return "off: Infini-attention models keep no per-position KV to reuse"
-        self.prefix_cache = PrefixCache(budget_bytes, block_tokens)
+        self.prefix_cache = PrefixCache(budget_bytes, block_tokens, self.dtype)
         self.prefix_cache.bind(self.model)
         return None
+
+    def precision(self):
+        """The autocast state of this engine's steps (see the class docstring): ``amp``'s, or
+        autocast off."""
+        device_type = self.model.device.type
+        if self.amp is None:
+            return torch.autocast(device_type, enabled=False)
+        return torch.autocast(device_type, dtype=self.amp)
+
+    def static_caches(self, kv_flat: list) -> None:
+        """Mark a batcher's caches as static inputs of the compiled step where it runs with CUDA
+        graphs: the step writes them in place, and CUDA graph trees record a graph over mutated
+        inputs only when their addresses are static (a batcher's caches never move), as for
+        a module's buffers (gpt-fast keeps its caches as buffers); otherwise inductor skips
+        the graphs ("mutated inputs") and every step launches each kernel."""
+        if self._compiles() and compile_mode(self.model.device.type) is not None:
+            for k, v in kv_flat:
+                torch._dynamo.mark_static_address(k)
+                torch._dynamo.mark_static_address(v)
 
     def batcher(self, slots: int, capacity: Optional[int] = None) -> Batcher:
         """A continuous-batching :class:`Batcher` with ``slots`` cache slots of ``capacity``
@@ -736,6 +759,8 @@ class Engine:
         (``pack_key``: same storage, no in-place update since), so interactive prompts pay it
         once; a call made on a model in training mode drops it on return (``run``)."""
         key = pack_key(self.model)
+        if self.amp is not None and key != INT8:         # see the class docstring: under autocast, no copy
+            key = None
         if self._pack is None or self._pack.key != key:
             self._pack = None                                                # free the old copy first
             self._pack = build_pack(self.model, key, self.pack_panels(), self.product) if key is not None else None
@@ -774,8 +799,8 @@ class Engine:
         b = self.batcher(slots, capacity or static_capacity(STATIC_MIN_CAPACITY, self.model.args.context))
         b._alloc()
         cos, sin = self.model.rope(b.cache_len, self.model.device)
-        with thread_policy.step_mode(self.step_threads(1, self.n_weights())):
-            return step.warm(b.kv_flat, b.cache_len, cos, sin, slots)
+        with thread_policy.step_mode(self.step_threads(1, self.n_weights())), self.precision():
+            return step.warm(b.kv_flat, b.kv_shape, cos, sin, slots)
 
     def decode_threads(self, n: int, n_weights: int, kind: Hashable = None) -> tuple[Optional[int], Optional[DecodeThreads]]:
         """(threads, chooser) of a decode step of ``n`` rows (or ``n`` tokens of one row's
@@ -812,5 +837,5 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, **kw) -> list
     return Engine(model).generate(prompts, max_new_tokens, **kw)
 
 
-__all__ = ["Engine", "Batcher", "Sequence", "SamplingParams", "Event", "generate", "NonFiniteLogits",
+__all__ = ["Engine", "CALLER", "Batcher", "Sequence", "SamplingParams", "Event", "generate", "NonFiniteLogits",
            "sample_next", "top_k_filter", "top_p_filter", "check_finite", "GREEDY_BELOW", "UNBOUNDED"]

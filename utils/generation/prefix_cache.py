@@ -71,7 +71,10 @@ def weights_identity(model) -> tuple:
 class PrefixCache:
     """A store of KV blocks shared by every sequence of one model (see the module docstring)."""
 
-    def __init__(self, budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS):
+    def __init__(self, budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 dtype: Optional[torch.dtype] = None):
+        """``dtype``: the KV's, its engine's compute dtype (default: the weights')."""
+        self.dtype = dtype
         if budget_bytes < 0 or block_tokens < 1:
             raise ValueError("the prefix cache needs a budget >= 0 bytes and blocks of >= 1 token")
         self.budget_bytes, self.block_tokens = int(budget_bytes), int(block_tokens)
@@ -88,7 +91,8 @@ class PrefixCache:
             self.clear()
             a, w = model.args, model.tok_embeddings.weight
             self.identity = ident
-            self.block_bytes = a.n_layers * 2 * a.n_kv_heads * self.block_tokens * a.head_dim * w.element_size()
+            size = torch.empty((), dtype=self.dtype or w.dtype).element_size()
+            self.block_bytes = a.n_layers * 2 * a.n_kv_heads * self.block_tokens * a.head_dim * size
 
     def clear(self) -> None:
         self.blocks.clear()

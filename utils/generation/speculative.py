@@ -54,6 +54,7 @@ import torch
 from utils.generation import threads as thread_policy
 from utils.generation.cpu import RowsProduct, onednn_linear_available
 from utils.generation.pack import INT8, PackedLayer
+from utils.generation.step import KVView, causal_bias, cells, decode_pass
 
 MAX_NGRAM = 3     # longest suffix looked up (transformers' default is 2, vLLM's prompt_lookup_max 4..5)
 MIN_NGRAM = 1
@@ -95,23 +96,6 @@ class NgramIndex:
         return []
 
 
-class _SlotCache:
-    """One layer's cache view for a verify pass of T tokens of the sequence in ``slot``: the
-    new keys go to ``cells`` (T * Hkv rows of the flat cache, one ``index_copy_`` each); the
-    keys returned are the slot's (1, Hkv, length, hd), which ``Attention.decode`` reads as the
-    keys of all T queries."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, flat: tuple, cells: torch.Tensor, slot: int, length: int):
-        self.k, self.v, self.flat, self.cells, self.slot, self.length = k, v, flat, cells, slot, length
-
-    def update(self, k, v):                                   # (T, Hkv, hd)
-        hd = k.shape[-1]
-        self.flat[0].index_copy_(0, self.cells, k.reshape(-1, hd))
-        self.flat[1].index_copy_(0, self.cells, v.reshape(-1, hd))
-        s = slice(self.slot, self.slot + 1)
-        return self.k[s, :, :self.length], self.v[s, :, :self.length]
-
-
 def draft_for(batcher, seq) -> list[int]:
     """The draft of ``seq`` for this step ([] when it does not speculate, see the module
     docstring), cut to what its length limit and its cache slot leave room for."""
@@ -131,9 +115,10 @@ def draft_for(batcher, seq) -> list[int]:
 
 def verify_logits(batcher, seq, ids: list[int]) -> torch.Tensor:
     """(T, V) fp32 logits of ``ids`` (the last token, then the draft) at positions seq.pos ..
-    seq.pos + T - 1 of ``seq``'s slot, written into its cache: one forward pass."""
+    seq.pos + T - 1 of ``seq``'s slot, written into its cache: one forward pass
+    (utils/generation/step.py ``decode_pass``, each token attending its slot causally)."""
     model, T, p0 = batcher.model, len(ids), seq.pos
-    device, Hkv = model.device, model.args.n_kv_heads
+    device, dtype = model.device, batcher.engine.dtype
     length = p0 + T
     cos_all, sin_all = model.rope(length, device)                           # outside inference mode: kept
     pack, head, n_weights = batcher.weights()
@@ -141,15 +126,12 @@ def verify_logits(batcher, seq, ids: list[int]) -> torch.Tensor:
     threads, chooser = batcher.engine.decode_threads(T, n_weights, "verify")
     with thread_policy.step_mode(threads):
         pos = torch.arange(p0, length, device=device)
-        cos, sin = model.decode_rope(cos_all, sin_all, pos)                # (T, 1, hd)
-        key_bias = torch.zeros(T, length, dtype=model.tok_embeddings.weight.dtype, device=device)
-        key_bias.masked_fill_(torch.arange(length, device=device)[None] > pos[:, None], float("-inf"))
-        heads = seq.slot * Hkv + torch.arange(Hkv, device=device)
-        cells = (heads[None, :] * batcher.cache_len + pos[:, None]).view(-1)  # (T * Hkv,) in the flat caches
-        h = model.tok_embeddings(torch.tensor(ids, device=device))         # (T, d_model)
-        for layer, (k, v), flat, packed in zip(model.layers, batcher.kv, batcher.kv_flat, packs):
-            h = layer.decode(h, cos, sin, _SlotCache(k, v, flat, cells, seq.slot, length), key_bias, packed)
-        logits = head(model.norm(h)).float()                                # (T, V)
+        slots = torch.full((T,), seq.slot, dtype=torch.long, device=device)
+        view = KVView(slice(seq.slot, seq.slot + 1), length,
+                      cells(slots, pos, model.args.n_kv_heads, batcher.cache_len))
+        logits = decode_pass(model, packs, head, batcher.kv_flat, batcher.kv_shape, view,
+                             torch.tensor(ids, device=device), model.decode_rope(cos_all, sin_all, pos, dtype),
+                             causal_bias(pos, length, dtype))              # (T, V)
         if chooser is not None:
             chooser.done()
         return logits

@@ -32,7 +32,7 @@ p, q the policy's and the frozen reference's log-probabilities) is added to it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -132,14 +132,16 @@ def collate(prompts: list[list[int]], replies: list[list[int]], pad_id: int) -> 
 class Rollouts:
     """The trainer's ``train_data``: each batch is a fresh group of replies per prompt, scored
     and with group-relative advantages (module docstring). ``prompts``: the training prompts'
-    ids; ``reward_fn(i, new_ids) -> float`` scores a reply to prompt i."""
+    ids; ``reward_fn(i, new_ids) -> float`` scores a reply to prompt i; ``amp``: the autocast
+    dtype of the training steps, which the rollouts (and pass@1, through ``engine``) run under
+    too, so that the distribution sampled from is the one trained (None: no autocast)."""
 
     def __init__(self, model, prompts: list[list[int]], settings: RolloutSettings,
-                 reward_fn: Callable[[int, list[int]], float], seed: int):
+                 reward_fn: Callable[[int, list[int]], float], seed: int, amp: Optional[torch.dtype] = None):
         if len(prompts) < settings.prompts_per_step:
             raise PipelineError(f"the task has {len(prompts)} training prompt(s), fewer than "
                                 f"rl.prompts_per_step ({settings.prompts_per_step}); lower it.")
-        self.engine = Engine(model)
+        self.engine = Engine(model, amp=amp)       # the training steps' autocast (None: none)
         rope = getattr(model, "rope", None)
         if callable(rope):      # its cached RoPE tables made here, not first in the engine's inference
             rope(model.args.max_seq_len, model.device)      # mode, where training could not use them

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from utils.device import generation_dtype
 from utils.generation.engine import Engine
 from utils.quant import quantize_int8
 from utils.run import open_for_generation
@@ -18,8 +19,11 @@ def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
     HTTP side needs (the tokenizer, kind, rules (utils/data/chat.py: chat template, BOS,
     stop ids, generation defaults), label)."""
     o = open_for_generation(path, cfg, device, say=worker.log, cache=worker.cache)
+    dtype = generation_dtype(cfg.serve.dtype, device, cfg.serve.quantize, "serve.dtype")
     if cfg.serve.quantize == "int8":
         worker.log(quantize_int8(o.model).line())
+    elif dtype is not None:
+        o.model.to(dtype)
     engine = Engine(o.model, threads=threads, prompt_lookup=cfg.inference.prompt_lookup_num_tokens,
                     compile=cfg.inference.compile)
     engine.decode_pack()

@@ -38,6 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from utils.training.trainer import autocast_ctx
+
 REFERENCE_FILE = "reference_logps.npy"
 
 
@@ -87,17 +89,20 @@ def pair_count(batch: dict) -> float:
 
 @torch.no_grad()
 def reference_logps(model: nn.Module, batches: Iterable[dict], n_pairs: int, device,
-                    progress: Optional[Callable] = None) -> np.ndarray:
+                    progress: Optional[Callable] = None, amp: torch.dtype = torch.float32) -> np.ndarray:
     """(2 * n_pairs,) float64: the model's completion log-probabilities of every pair's chosen
-    (index 2i) and rejected (2i + 1) sequence, in eval mode. ``batches`` must cover every pair
-    once; ``progress(k)`` is told the pairs done."""
+    (index 2i) and rejected (2i + 1) sequence, in eval mode, under the autocast of ``amp`` (the
+    run's: the policy's validation computes under it in eval mode too, so on the same batches
+    its step-0 numbers are these, bit for bit, on every device). ``batches`` must cover every
+    pair once; ``progress(k)`` is told the pairs done."""
     out = np.full(2 * n_pairs, np.nan, dtype=np.float64)
     was = model.training
     model.eval()
     try:
         for batch in batches:
             b = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            logps = sequence_logps(model, b).double().cpu().numpy()
+            with autocast_ctx(torch.device(device), amp):
+                logps = sequence_logps(model, b).double().cpu().numpy()
             n = len(logps) // 2
             pair = b["pair"].cpu().numpy()
             out[2 * pair], out[2 * pair + 1] = logps[:n], logps[n:]

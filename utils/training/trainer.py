@@ -101,6 +101,22 @@ def autocast_ctx(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def disable_dropout(model: nn.Module) -> int:
+    """Set every dropout of ``model`` to 0: each ``nn.Dropout`` (LoRA's among them) and the
+    attention's own dropout probability (``model.Attention.dropout``); returns how many were
+    on. DPO and GRPO compare the policy's training forward with numbers computed in eval mode
+    (DPO's stored reference log-probabilities, GRPO's rollouts): with dropout on, the policy
+    at step 0 is not the reference and the sampled distribution is not the trained one (TRL's
+    ``disable_dropout``). The model's arguments are unchanged (checkpoints keep its dropout)."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            m.p, n = 0.0, n + 1
+        elif isinstance(getattr(m, "dropout", None), float) and m.dropout > 0:
+            m.dropout, n = 0.0, n + 1
+    return n
+
+
 # --------------------------------------------------------------------------- optimizers
 def _embedding_and_head_params(model: nn.Module) -> set[int]:
     """ids of the embedding weights and of the output head, found by role, never by shape (a
