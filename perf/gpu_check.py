@@ -278,7 +278,7 @@ def run(cmd: list, log: Path, clock: Clock, env: Optional[dict] = None) -> int:
         return proc.wait(timeout=max(clock.left(), 0.1))
     except subprocess.TimeoutExpired:
         stop_group(proc)
-        raise PartTimeout(f"{Path(str(cmd[1])).name} {cmd[2] if len(cmd) > 2 else ''} did not finish in time")
+        raise PartTimeout(f"{' '.join(Path(str(c)).name for c in cmd[1:3])} did not finish in time")
 
 
 def wait_for(log: Path, pattern: str, proc: subprocess.Popen, clock: Clock) -> str:
@@ -686,15 +686,16 @@ def drive_server(url: str, max_tokens: int, clock: Clock) -> dict:
     stream_chat(url, model, "Hello", 8, per)
     prompts = [f"Tell me about topic number {i} in a few sentences." for i in range(STREAMS)]
     t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(STREAMS) as ex:
-        futs = [ex.submit(stream_chat, url, model, p, max_tokens, per) for p in prompts]
-        got = []
-        for f in futs:
-            try:
-                got.append(f.result(timeout=max(clock.left(), 1)))
-            except (OSError, cf.TimeoutError, http.client.HTTPException, ValueError) as e:
-                got.append({"error": f"{type(e).__name__}: {e}"})
+    ex = cf.ThreadPoolExecutor(STREAMS)
+    futs = [ex.submit(stream_chat, url, model, p, max_tokens, per) for p in prompts]
+    got = []
+    for f in futs:
+        try:
+            got.append(f.result(timeout=max(clock.left(), 1)))
+        except (OSError, cf.TimeoutError, http.client.HTTPException, ValueError) as e:
+            got.append({"error": f"{type(e).__name__}: {e}"})
     wall = time.perf_counter() - t0
+    ex.shutdown(wait=False, cancel_futures=True)   # a stream still open ends when the server stops
     ok = [g for g in got if "error" not in g and g["done"]]
     ttfts = [g["ttft"] for g in ok if g["ttft"] is not None]
     tokens = sum(g["tokens"] for g in ok)
