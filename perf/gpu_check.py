@@ -29,7 +29,9 @@ reported "skipped: the budget was spent"):
 Outputs under ``--out`` (default gpu_check/, git-ignored): summary.json, summary.txt (the
 table), logs/PART.log (each subprocess's output), work/ (the runs: a config layer rooted
 there, data, checkpoints, logs). Exit 0 when no part failed (skipped parts allowed), 1 when
-one did, 2 on bad arguments or when no CUDA device is there and ``--dry-run`` is not given.
+one did, 2 on bad arguments or when no CUDA device is there and ``--dry-run`` is not given,
+130 on Ctrl-C or SIGTERM (the running part's processes get SIGTERM, so a training run saves its
+checkpoint; the summary holds the parts done so far).
 
 ``--dry-run``: the same plumbing on whatever device is given (CPU here): the tiny preset, a
 handful of steps, no ``--compile``, the default dtype; parts that need CUDA are reported
@@ -247,13 +249,27 @@ def stop_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
         proc.wait()
 
 
+_STARTED: list[subprocess.Popen] = []      # every child, so that an interrupt can stop them all
+
+
 def start(cmd: list, log: Path, env: Optional[dict] = None) -> subprocess.Popen:
+    """``cmd`` in a session of its own (a hang is stopped with its whole group), its output
+    appended to ``log``."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as f:
         f.write(f"$ {' '.join(map(str, cmd))}\n")
         f.flush()
-        return subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                                 stdin=subprocess.DEVNULL, env=env or child_env(), start_new_session=True)
+    _STARTED.append(proc)
+    return proc
+
+
+def stop_all() -> None:
+    """Ctrl-C or SIGTERM: each child still running gets SIGTERM (a training run saves its
+    checkpoint and exits 130), SIGKILL after a minute."""
+    for proc in _STARTED:
+        stop_group(proc, grace=60)
 
 
 class PartTimeout(Exception):
@@ -385,6 +401,7 @@ def ensure_data(ctx: Context) -> Optional[str]:
     training part reads); None when ready, else why not."""
     if ctx.data_ok is None:
         log, clock = ctx.log("data"), ctx.clock("data")
+        log.unlink(missing_ok=True)
         try:
             for stage in ("clean", "prepare"):
                 code = run(main_cmd(stage, *ctx.config_args()), log, clock)
@@ -847,6 +864,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         CHILDREN[a.child](*a.child_args)
         return 0
     out = a.out.resolve()
+    if out.exists() and not out.is_dir():
+        print(f"gpu-check: --out {out} is a file; give a folder (it gets summary.json, logs/, work/)", file=sys.stderr)
+        return 2
     started, t0 = datetime.datetime.now(datetime.timezone.utc), time.monotonic()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     try:
@@ -863,11 +883,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     write_config_layer(out / "work")
     ctx = Context(a, out, device, deadline=t0 + a.budget_s)
-    results = []
-    for name in a.parts:
-        print(f"gpu-check: {name} ...", file=sys.stderr, flush=True)
-        results.append(run_part(ctx, name))
-        print(f"gpu-check: {name}: {results[-1].status}: {results[-1].summary}", file=sys.stderr, flush=True)
+    results, interrupted = run_parts(ctx)
     finished = datetime.datetime.now(datetime.timezone.utc)
     meta = {"version": 1, "mode": "dry-run" if a.dry_run else "full", "started": started.isoformat(timespec="seconds"),
             "finished": finished.strftime("%Y-%m-%d %H:%M UTC"), "seconds": time.monotonic() - t0,
@@ -877,7 +893,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     js, txt = write_outputs(out, summary)
     print(table(summary), end="")
     print(f"wrote {js} and {txt}")
-    return 0 if summary["ok"] else 1
+    return 130 if interrupted else 0 if summary["ok"] else 1
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def run_parts(ctx: Context) -> tuple[list[PartResult], bool]:
+    """Every part asked for, in order; Ctrl-C or SIGTERM stops the running part's processes
+    and ends the check with the parts done so far (True: interrupted)."""
+    results: list[PartResult] = []
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    name, t0 = "", time.monotonic()
+    try:
+        for name in ctx.args.parts:
+            t0 = time.monotonic()
+            print(f"gpu-check: {name} ...", file=sys.stderr, flush=True)
+            results.append(run_part(ctx, name))
+            print(f"gpu-check: {name}: {results[-1].status}: {results[-1].summary}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt as e:
+        stop_all()
+        if not results or results[-1].name != name:
+            results.append(PartResult(name, "error", f"interrupted ({e or 'Ctrl-C'}): its processes were stopped",
+                                      seconds=time.monotonic() - t0))
+        print(f"gpu-check: interrupted during {name}; the parts done so far are in the summary", file=sys.stderr)
+        return results, True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return results, False
 
 
 if __name__ == "__main__":

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from perf import gpu_check as G
-from tests.conftest import ROOT, offline_env
+from tests.conftest import ROOT, default_signals, offline_env, wait_for_line
 
 
 def _exit_code(argv) -> int:
@@ -130,6 +131,27 @@ def test_dry_run_on_the_cpu_writes_a_valid_summary(tmp_path, capsys):
     assert (out / "summary.txt").read_text() == G.table(s)
     cfg = json.loads((out / "work" / "gpu_check.json").read_text())
     assert cfg["paths"]["root"] == str(out / "work")
+
+
+def test_sigterm_stops_the_running_part_and_keeps_what_was_done(tmp_path, capsys):
+    """SIGTERM (or Ctrl-C) during a part: its processes are stopped, the summary holds the
+    parts done so far and the interrupted one, exit 130. --out naming a file: exit 2."""
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    assert G.main(["--dry-run", "--device", "cpu", "--parts", "decode", "--out", str(afile)]) == 2
+    assert "is a file" in capsys.readouterr().err and afile.read_text() == "x"
+    out = tmp_path / "gc"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "perf" / "gpu_check.py"), "--dry-run", "--device", "cpu",
+                             "--parts", "decode,serve", "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=offline_env(), preexec_fn=default_signals)
+    wait_for_line(proc, "gpu-check: serve ...", timeout=60)          # its first child starting
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, rest
+    s = json.loads((out / "summary.json").read_text())
+    assert [(p["name"], p["status"]) for p in s["parts"]] == [("decode", "skipped"), ("serve", "error")]
+    assert s["parts"][1]["summary"] == "interrupted (SIGTERM): its processes were stopped"
+    assert "interrupted during serve" in rest
 
 
 @pytest.mark.slow
