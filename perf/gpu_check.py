@@ -864,6 +864,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         CHILDREN[a.child](*a.child_args)
         return 0
     out = a.out.resolve()
+    missing = [str(f.relative_to(ROOT)) for f in (SPM_MODEL, SAMPLES / "enwiki") if not f.exists()]
+    if missing:
+        print(f"gpu-check: the offline samples are missing ({', '.join(missing)}): run `make samples` "
+              "(python main.py samples) first; on a box without internet, copy data/samples from a machine "
+              "that has them", file=sys.stderr)
+        return 2
     if out.exists() and not out.is_dir():
         print(f"gpu-check: --out {out} is a file; give a folder (it gets summary.json, logs/, work/)", file=sys.stderr)
         return 2

@@ -133,13 +133,18 @@ def test_dry_run_on_the_cpu_writes_a_valid_summary(tmp_path, capsys):
     assert cfg["paths"]["root"] == str(out / "work")
 
 
-def test_sigterm_stops_the_running_part_and_keeps_what_was_done(tmp_path, capsys):
+def test_sigterm_stops_the_running_part_and_keeps_what_was_done(tmp_path, capsys, monkeypatch):
     """SIGTERM (or Ctrl-C) during a part: its processes are stopped, the summary holds the
-    parts done so far and the interrupted one, exit 130. --out naming a file: exit 2."""
+    parts done so far and the interrupted one, exit 130. --out naming a file, or the offline
+    samples missing: exit 2, nothing written."""
     afile = tmp_path / "a_file"
     afile.write_text("x")
     assert G.main(["--dry-run", "--device", "cpu", "--parts", "decode", "--out", str(afile)]) == 2
     assert "is a file" in capsys.readouterr().err and afile.read_text() == "x"
+    with monkeypatch.context() as m:
+        m.setattr(G, "SPM_MODEL", G.SAMPLES / "tokenizers" / "no-such" / "tokenizer.model")
+        assert G.main(["--dry-run", "--device", "cpu", "--parts", "decode", "--out", str(tmp_path / "o")]) == 2
+    assert "run `make samples`" in capsys.readouterr().err and not (tmp_path / "o").exists()
     out = tmp_path / "gc"
     proc = subprocess.Popen([sys.executable, str(ROOT / "perf" / "gpu_check.py"), "--dry-run", "--device", "cpu",
                              "--parts", "decode,serve", "--out", str(out)], stdout=subprocess.PIPE,
