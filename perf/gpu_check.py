@@ -73,7 +73,7 @@ NEEDS_DATA = {"train-flash", "train-sdpa", "resume", "fsdp"}
 # seconds per part on a GPU box (upper bounds, estimated: make gpu-check has not run on a GPU
 # yet, docs/gpu.md) and in --dry-run on a CPU
 TIMEOUTS = {"data": 60, "cuda-tests": 100, "train-flash": 110, "train-sdpa": 110, "resume": 80,
-            "fsdp": 50, "decode": 60, "serve": 80}
+            "fsdp": 50, "decode": 60, "serve": 120}
 DRY_TIMEOUTS = {"data": 120, "cuda-tests": 180, "train-flash": 240, "train-sdpa": 240,
                 "resume": 300, "fsdp": 240, "decode": 240, "serve": 240}
 BUDGET_S = 480                 # the whole check: 8 minutes
