@@ -10,9 +10,10 @@ reported "skipped: the budget was spent"):
 
 - ``cuda-tests``: ``pytest -m cuda`` over the test files that hold cuda-marked tests.
 - ``train-flash`` / ``train-sdpa``: ``main.py train`` on the 200m preset in bf16 (``--dtype
-  auto``, a user's default: bf16 on CUDA) with ``--compile``, ``--steps`` optimizer steps on the offline Wikipedia sample (``clean`` and
-  ``prepare`` run first), once with flash-attn (when it imports) and once with PyTorch SDPA
-  (flash-attn hidden from that run by a package that refuses to import). tokens/s, MFU and
+  auto``, a user's default: bf16 on CUDA) with ``--compile``, ``--steps`` optimizer steps on
+  the offline Wikipedia sample (``clean`` and ``prepare`` run first), once with flash-attn
+  (when it imports) and once with PyTorch SDPA (flash-attn hidden from that run by a package
+  that refuses to import). tokens/s, MFU and
   peak memory come from the run's own raw-metrics JSONL (median over the logged intervals
   after the first, which holds the compile); goal: MFU >= 45% (what nanochat and litgpt
   report on H100s). Each run also draws its validation sample: generation under autocast.
@@ -479,8 +480,10 @@ def part_train(ctx: Context, flash: bool) -> PartResult:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hide.parent), env.get("PYTHONPATH")]))
     code = run(main_cmd("train", *train_args(ctx, run_name, ctx.args.steps, **train_sizes(ctx))), log, clock, env)
     text = log.read_text(errors="replace")
-    kernel = next((ln.split("attention:", 1)[1].strip() for ln in text.splitlines() if ln.startswith("attention:")), None)
-    m = {"attention": kernel, **run_facts(ctx.metrics_log(run_name)), **throughput(train_records(ctx.metrics_log(run_name)))}
+    kernel = next((ln.split("attention:", 1)[1].strip() for ln in text.splitlines()
+                   if ln.startswith("attention:")), None)
+    jsonl = ctx.metrics_log(run_name)
+    m = {"attention": kernel, **run_facts(jsonl), **throughput(train_records(jsonl))}
     if code != 0:
         return PartResult(name, "fail", f"main.py train exited with {code}: {tail(log, 2)}", metrics=m)
     want = "flash-attn" if flash else "PyTorch SDPA"
@@ -529,8 +532,8 @@ def part_resume(ctx: Context) -> PartResult:
     if code != 0:
         return PartResult("resume", "fail", f"--resume auto exited with {code}: {tail(log, 2)}")
     ck = ctx.work / "checkpoints"
-    cmp = child("compare", ck / "gc_resume_full" / "checkpoint_latest.pt", ck / "gc_resume_cut" / "checkpoint_latest.pt",
-                log=log, clock=clock)
+    cmp = child("compare", ck / "gc_resume_full" / "checkpoint_latest.pt",
+                ck / "gc_resume_cut" / "checkpoint_latest.pt", log=log, clock=clock)
     full, cut = train_records(ctx.metrics_log("gc_resume_full")), train_records(ctx.metrics_log("gc_resume_cut"))
     a = {r["step"]: r["loss"] for r in full}
     b = {r["step"]: r["loss"] for r in cut}
@@ -604,8 +607,10 @@ def part_cuda_tests(ctx: Context) -> PartResult:
         ids = re.findall(r"^(tests/\S+::\S+)$", log.read_text(errors="replace"), re.M)
         if code not in (0, 5):
             return PartResult("cuda-tests", "fail", f"pytest --collect-only exited with {code}: {tail(log, 2)}")
-        return PartResult("cuda-tests", "skipped", f"no CUDA ({len(ids)} tests selected by -m cuda in {len(files)} files)",
-                          metrics={"selected": len(ids), "tests": ids, "files": [str(f.relative_to(ROOT)) for f in files]})
+        return PartResult("cuda-tests", "skipped",
+                          f"no CUDA ({len(ids)} tests selected by -m cuda in {len(files)} files)",
+                          metrics={"selected": len(ids), "tests": ids,
+                                   "files": [str(f.relative_to(ROOT)) for f in files]})
     xml = ctx.out / "cuda_tests.xml"
     xml.unlink(missing_ok=True)
     code = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", f"--junitxml={xml}",
@@ -719,8 +724,8 @@ def drive_server(url: str, max_tokens: int, clock: Clock) -> dict:
     return {"model": model, "streams": STREAMS, "max_tokens": max_tokens, "ok_streams": len(ok), "tokens": tokens,
             "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None,
             "ttft_median_s": statistics.median(ttfts) if ttfts else None, "ttft_max_s": max(ttfts) if ttfts else None,
-            "errors": [g["error"] for g in got if "error" in g] + [f"stream {i} did not end with [DONE]"
-                                                                  for i, g in enumerate(got) if "error" not in g and not g["done"]]}
+            "errors": [g["error"] for g in got if "error" in g]
+            + [f"stream {i} did not end with [DONE]" for i, g in enumerate(got) if "error" not in g and not g["done"]]}
 
 
 PART_FUNCS: dict[str, Callable[[Context], PartResult]] = {
