@@ -11,7 +11,7 @@ SMOLLM2 := data/samples/smollm2/SmolLM2-135M-Instruct
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: venv samples demo demo-long test test-fast coverage perf browser
+.PHONY: venv samples demo demo-long test test-fast coverage perf browser gpu-check
 
 # pip byte-compiles what it installs one file at a time (torch's thousands: about half of the
 # install's time); compileall does the same on every core (like pip, it passes over the few
@@ -127,3 +127,12 @@ coverage: samples $(VENV)/.installed-test browser
 	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile -p no:cacheprovider
 	$(PY) -m coverage combine -q
 	$(PY) -m coverage report
+
+# On a GPU box (docs/gpu.md): the GPU paths run once in at most 8 minutes (the cuda-marked tests,
+# the 200m preset in bf16 with flash-attn and with SDPA, a SIGTERM and resume, FSDP2 with CPU
+# offload, compiled decode's CUDA graphs, the server with 8 streams): gpu_check/summary.json and
+# summary.txt. Installs nothing beyond `make venv` (flash-attn and torchao: requirements-gpu.txt,
+# by hand). GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--parts decode,serve"; --dry-run
+# runs the plumbing on a CPU
+gpu-check: samples
+	$(PY) perf/gpu_check.py $(GPU_CHECK_ARGS)

@@ -18,7 +18,9 @@ from utils.generation.engine import Engine
 from utils.config import ConfigError, Config, MODEL_PRESETS, llama_ffn_hidden, load_config
 
 V = 97
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# the `cuda` marker (pytest.ini): `pytest -m cuda` selects the test, and tests/conftest.py skips it
+# where torch.cuda.is_available() is False; other files import it (tests/test_compiled.py)
+cuda = pytest.mark.cuda
 
 
 def tiny(**kw) -> ModelArgs:
@@ -317,7 +319,6 @@ def test_sizes_and_flops():
 
 # --------------------------------------------------------------------------- CUDA paths (GPU box)
 @cuda
-@pytest.mark.cuda
 def test_cuda_bf16_paths_match_sdpa():
     torch.manual_seed(0)
     args = tiny(d_model=128, n_heads=4, n_kv_heads=2, document_mask=True)
@@ -336,7 +337,6 @@ def test_cuda_bf16_paths_match_sdpa():
 
 
 @cuda
-@pytest.mark.cuda
 def test_cuda_bf16_generation_and_fused_loss():
     m = build(seed=3).cuda().to(torch.bfloat16)
     out = Engine(m).generate([[1, 2, 3], [4, 5]], 10, temperature=0.7, top_k=10, seed=1)
