@@ -196,6 +196,9 @@ def set_up_process(cfg) -> stage.Process:
     device = resolve_device(cfg.training.device, "training.device",
                             local_rank if D.env_world_size() > 1 else 0)
     dist = D.init(device.type)
+    hp = cfg.training
+    if not dist.enabled and hp.parallel == "fsdp" and hp.cpu_offload and device.type == "cuda":
+        dist = D.init_single(device.type)          # FSDP2's offload on one GPU needs a group of one
     say = stage.say_always if dist.is_main else (lambda *a, **k: None)
     if device.type == "cpu":
         restart, note = cpu_allocator_plan("train.py")

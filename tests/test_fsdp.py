@@ -318,3 +318,16 @@ def test_two_gpus_train_in_bf16_with_fp32_master_weights(root, cfg, single, offl
     lg, ls = losses(log_of(root, name)), losses(log_of(root, "single"))
     assert abs(lg[1] - ls[1]) <= 2e-2 * ls[1], (lg, ls)
     assert lg[STEPS] < lg[1]
+
+
+@pytest.mark.cuda
+def test_one_gpu_with_cpu_offload_shards_over_a_group_of_one(root, cfg, single):
+    """FSDP2's CPU offload on one GPU (a model whose training state outgrows the GPU): the
+    process gets a group of one (utils/training/distributed.py ``init_single``), the model is
+    sharded over it with its state in CPU memory, and step 1's loss agrees with the one-process
+    fp32 run to bf16 rounding."""
+    p = ok(train(cfg, *RUN, "--batch-size", 2 * B, "--name", "offload1", "--device", "cuda", "--dtype", "bf16",
+                 "--cpu-offload"))
+    assert "sharded over 1 processes, weights and optimizer state in CPU memory" in p.stdout, p.stdout
+    lg, ls = losses(log_of(root, "offload1")), losses(log_of(root, "single"))
+    assert abs(lg[1] - ls[1]) <= 2e-2 * ls[1], (lg, ls)

@@ -70,6 +70,19 @@ def init(device_kind: str = "cpu", timeout_s: float = 1800.0) -> DistInfo:
     return DistInfo(rank, local_rank, world, backend)
 
 
+def init_single(device_kind: str = "cpu") -> DistInfo:
+    """A process group of this one process (an in-process HashStore: no rendezvous, no port):
+    FSDP2 needs a group to shard over even where one rank holds everything, and its CPU
+    offload on one GPU (a model whose weights, gradients and optimizer state outgrow the GPU,
+    ``training.cpu_offload``) is such a case. The DistInfo is a one-process one (``enabled``
+    False: no collective is needed)."""
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    if not tdist.is_initialized():
+        tdist.init_process_group(backend=backend, store=tdist.HashStore(), rank=0, world_size=1)
+        atexit.register(shutdown)
+    return DistInfo(0, 0, 1, backend)
+
+
 def shutdown() -> None:
     """Destroy the process group: at the process's end only (``init`` registers it with
     atexit; a torchrun rank of a stage script ends with ``os._exit`` before it, utils/cli.py),

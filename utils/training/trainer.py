@@ -510,7 +510,9 @@ class Trainer:
 
         self.dtype = resolve_dtype(st.dtype, self.device)
         self.sharded = st.parallel == "fsdp"          # checkpoints: sharded (DCP) folders
-        self.fsdp = self.sharded and dist.enabled     # the model: sharded across the ranks
+        # the model sharded across the ranks; on one GPU with CPU offload, "sharded" over its one
+        # rank (train.py made it a group of one): the offload is the point there
+        self.fsdp = self.sharded and (dist.enabled or (st.cpu_offload and tdist.is_initialized()))
         self._refuse_parallel()
         self.amp_dtype = torch.float32 if self.fsdp else self.dtype   # FSDP's policy casts instead
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
