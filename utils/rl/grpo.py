@@ -22,7 +22,8 @@ teaches nothing, as it should (nothing to prefer).
 
 Loss (:func:`pg_loss`): one optimizer step per batch of fresh samples, so the policy that
 sampled is the one being updated (the importance ratio is 1 and PPO's clip never acts; it
-is left out, as in nanochat): the loss is -A * log p(token), averaged over every reply token
+is left out, as in nanochat; it is 1 because the rollouts compute as the step does: under its
+autocast, ``Rollouts``' ``amp``, and with the policy's dropout off, rl.py): the loss is -A * log p(token), averaged over every reply token
 of the batch (token-level mean, as DAPO and TRL's default: each token counts once, so a long
 wrong reply is pushed down as hard per token as a short one; the per-sequence mean of the
 GRPO paper would weigh a token of a long reply less). With ``kl_beta`` > 0, beta times the
