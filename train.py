@@ -193,7 +193,8 @@ def set_up(cfg, args, argv: list[str]) -> stage.Run:
         lr_key="training.lr", tokenizer=tok,
         spec=functools.partial(pretraining_spec, cfg, start, data, tok, tok_info, proc),
         run_files=functools.partial(run_files, cfg, start, data, proc),
-        resume_command=resume_command_train(argv, start.run, proc.dist.world_size, local_world),
+        resume_command=resume_command_train(argv, start.run, proc.dist.world_size, local_world,
+                                            shlex.split(os.environ.get(NODES_ENV, ""))),
         closing=functools.partial(closing_line, start.run, start.run_dir),
         keep_setting="training.keep_checkpoints")
     run = stage.set_up(cfg, start, proc, parts)
@@ -226,6 +227,7 @@ def refuse_parallel(cfg) -> None:
 
 
 LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
+NODES_ENV = "LLM_PIPELINE_NODES"     # set by the launcher of several machines for its ranks
 DEFAULT_RDZV_PORT = 29500
 
 
@@ -258,8 +260,11 @@ def launch_ranks(argv: list[str], args, cfg) -> int:
         rest += ["--name", run]
     launch = D.Launch(args.nproc_per_node, nnodes, node_rank, endpoint, run_id=run,
                       max_restarts=cfg.training.max_restarts)
-    if nnodes > 1 and node_rank == 0:
-        print(other_nodes_text(rest, launch), flush=True)
+    if nnodes > 1:      # what the ranks' resume command adds (they see none of these flags)
+        os.environ[NODES_ENV] = shlex.join(["--nproc-per-node", str(launch.nproc), "--nnodes",
+                                            str(nnodes), "--rdzv-endpoint", endpoint])
+        if node_rank == 0:
+            print(other_nodes_text(rest, launch), flush=True)
     return D.launch_local(Path(__file__).resolve(), launch, rest, "train.py")
 
 

@@ -280,3 +280,26 @@ def test_the_writing_job_takes_over_saves_left_unfinished_and_leaves_a_live_one_
     assert "resuming run 'takeover' from" in r.stdout and "(step 3)" in r.stdout
     assert load_checkpoint(folder / "checkpoint_latest.dcp", "weights")["step"] == STEPS
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == [mine.name]
+
+
+# ----------------------------------------------------------------------------- launch flags
+@pytest.mark.parametrize("flags, message", [
+    (["--nnodes", 2, "--node-rank", 2], "--node-rank 2 is not a node of --nnodes 2: give 0 .. 1."),
+    (["--node-rank", 1], "--node-rank and --rdzv-endpoint place this machine in a job of several"),
+    (["--nnodes", 2, "--node-rank", 1, "--name", "x"], "node 1: give node 0's --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", 2, "--rdzv-endpoint", "127.0.0.1"], "--rdzv-endpoint: expected HOST:PORT"),
+    (["--max-restarts", -1], "training.max_restarts"),
+], ids=["rank_out_of_range", "rank_without_nnodes", "other_node_without_endpoint", "endpoint_without_port",
+        "negative_restarts"])
+def test_launch_flags_are_checked_before_anything_starts(cfg, flags, message):
+    r = run_stage("train", "--test", "--config", cfg, *flags)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_stopped_run_of_several_machines_says_how_to_resume_on_each():
+    from utils.run import resume_command_train
+    line = resume_command_train(["--test", "--name", "big", "--lr", "1e-3"], "big", 16, 8,
+                                ["--nproc-per-node", "8", "--nnodes", "2", "--rdzv-endpoint", "n0:29500"])
+    assert line == ("python main.py train --test --lr 1e-3 --name big --resume auto --nproc-per-node 8 "
+                    "--nnodes 2 --rdzv-endpoint n0:29500 --node-rank R   (on each node, R its own node rank)")

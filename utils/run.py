@@ -381,11 +381,16 @@ def resume_checkpoint(checkpoints_dir, spec: str, name: Optional[str] = None,
 
 
 def resume_command_train(argv: Sequence[str], run: str, world_size: int,
-                         local_world_size: Optional[int] = None) -> str:
+                         local_world_size: Optional[int] = None,
+                         nodes: Optional[Sequence[str]] = None) -> str:
     """The command that continues a pre-training run: main.py's, with ``--nproc-per-node``
-    for DDP on one machine; torchrun's when the ranks span several machines (its rendezvous
-    flags are the user's to add)."""
+    for DDP on one machine, and with ``nodes`` (the launch flags ``main.py train --nnodes``
+    gave, without the node rank) on each of several machines; torchrun's when the ranks span
+    several machines that torchrun started by hand (its rendezvous flags are the user's to add)."""
     rest = argv_without(argv, ("--resume", "--name")) + ["--name", run, "--resume", "auto"]
+    if nodes:
+        return (f"python main.py train {shlex.join([*rest, *nodes])} --node-rank R   (on each "
+                "node, R its own node rank)")
     local = world_size if local_world_size is None else local_world_size
     if world_size > 1 and local != world_size:
         return f"torchrun --nproc_per_node={local} train.py {shlex.join(rest)}"
