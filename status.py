@@ -107,6 +107,8 @@ def summarize(run: str, checkpoints_dir: Path, logs_dir: Path,
                          "text": samples[-1].get("text")}
     if events:
         out["last_event"] = events[-1].get("event")
+    out["restarts"] = [{k: e.get(k) for k in ("attempt", "step", "checkpoint", "reached_step", "steps_lost")}
+                       for e in events if e.get("event") == "restart"]
     times = [r["time"] for r in records if _finite(r.get("time"))]
     if times:
         age = max(0.0, now - max(times))
@@ -264,6 +266,14 @@ def _lora_line(a: dict) -> str:
             f"{', '.join(map(str, a.get('target_modules') or []))}{share}")
 
 
+def _restart_text(r: dict) -> str:
+    """One restart of the workers (the log's ``restart`` event, train.py ``note_restart``)."""
+    reached = f"after step {r['reached_step']}, " if isinstance(r.get("reached_step"), int) else ""
+    where = (f"resumed from {r['checkpoint']} (step {r['step']})" if r.get("checkpoint") else "started over")
+    lost = f", {r['steps_lost']} step(s) trained again" if isinstance(r.get("steps_lost"), int) else ""
+    return f"#{r.get('attempt')} {reached}{where}{lost}"
+
+
 def format_summary(s: dict) -> str:
     step = s["step"] if s["step"] is not None else "n/a"
     of = f" of {s['total_steps']}" if s["total_steps"] else ""
@@ -295,6 +305,9 @@ def format_summary(s: dict) -> str:
         lines.append("  metrics      " + "; ".join(x for x in said if x))
     if s.get("lora"):
         lines.append(f"  LoRA         {_lora_line(s['lora'])}")
+    if s.get("restarts"):
+        lines.append(f"  restarts     {len(s['restarts'])} by torchrun (elastic): "
+                     + "; ".join(_restart_text(r) for r in s["restarts"]))
     if s["sample"]:
         lines.append(f"  sample       step {s['sample']['step']}: {s['sample']['prompt']!r} -> "
                      f"{(s['sample']['text'] or '')[:120]!r}")

@@ -6,7 +6,11 @@
     python main.py train --resume checkpoints/exp1/checkpoint_step_2000.pt
     python main.py train --nproc-per-node 4 --name exp1   DDP on 4 GPUs of this machine (gloo on CPU)
     python main.py train --nproc-per-node 4 --parallel fsdp --name exp1   FSDP2 (sharded; *.dcp checkpoints)
-    torchrun --nproc_per_node=4 train.py --name exp1   the same through torchrun (multi-node flags)
+    torchrun --nproc_per_node=4 train.py --name exp1   the same through torchrun
+    python main.py train --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29500 --name big
+                                                       this machine as node 0 of 2 (it prints the
+                                                       other nodes' command); --max-restarts N:
+                                                       elastic restarts from the newest checkpoint
 
 The loop itself is utils/training/trainer.py (shared with SFT); checkpoints go through
 utils/training/checkpoint.py. This file parses flags, picks the device, builds the data, the model and
@@ -15,10 +19,12 @@ the logger, and reports. docs/training.md describes every flag, file and guarant
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import os
 import shlex
+import socket
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -33,11 +39,12 @@ from utils.data.chat import Rules
 from utils.data.tok import describe, load_tokenizer
 from utils.device import resolve_device
 from utils.hf.import_hf import load_hf_llama
-from utils.run import (check_run_name, load_checkpoint, model_args_of, require_same_tokenizer,
-                       resume_checkpoint, resume_command_train)
+from utils.run import (check_run_name, find_run, load_checkpoint, model_args_of, newest_checkpoint,
+                       require_same_tokenizer, resume_checkpoint, resume_command_train)
 from utils.training import distributed as D
-from utils.training import fsdp
+from utils.training import fsdp, sharded
 from utils.training.allocator import cpu_allocator_plan
+from utils.training.logging_utils import log_paths, read_log
 from utils.training.metrics import measure_bytes_per_token
 from utils.training.trainer import OptimizerSpec, Settings, TrainSpec, resolve_dtype
 
@@ -114,11 +121,38 @@ def add_process_flags(p: StageParser) -> None:
     p.add_argument("--nproc-per-node", type=_positive_int, default=1, metavar="N",
                    help="N processes of this machine (one per GPU; gloo on CPU), DDP or "
                         "--parallel fsdp: torchrun --standalone, launched for you")
+    p.add_argument("--nnodes", type=_positive_int, default=1, metavar="N",
+                   help="machines in the job: this one is node --node-rank of N (torchrun, c10d "
+                        "rendezvous at --rdzv-endpoint; the checkpoints and logs folders on a file "
+                        "system every node shares)")
+    p.add_argument("--node-rank", type=_node_rank, default=0, metavar="R",
+                   help="this machine's node number, 0 .. N-1; node 0 hosts the rendezvous and "
+                        "prints the command for the other nodes")
+    p.add_argument("--rdzv-endpoint", type=_endpoint, default=None, metavar="HOST:PORT",
+                   help="node 0's address and a free port there (default on node 0: its host "
+                        "name and port 29500)")
+    p.config_flag("--max-restarts", key="training.max_restarts", type=int,
+                  help="torchrun restarts of the workers after a rank fails; restarted workers "
+                       "resume from the run's newest checkpoint (0 = the job ends)")
     p.config_flag("--parallel", key="training.parallel", choices=["ddp", "fsdp"],
                   help="several processes: ddp (default), or fsdp: FSDP2 shards weights, gradients "
                        "and optimizer state; sharded checkpoints (*.dcp folders)")
     p.config_flag("--cpu-offload", key="training.cpu_offload", action="store_const", const=True,
                   help="fsdp: sharded state in CPU memory")
+
+
+def _node_rank(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a node number >= 0, got {text!r}")
+    return int(text)
+
+
+def _endpoint(text: str) -> str:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (node 0's address and a port from 1 to "
+                                         f"65535), got {text!r}")
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -135,8 +169,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, cfg = parse(argv)
     refuse_parallel(cfg)
-    if args.nproc_per_node > 1:
-        return launch_ranks(argv, args.nproc_per_node)
+    if args.nproc_per_node > 1 or args.nnodes > 1:
+        return launch_ranks(argv, args, cfg)
+    if args.node_rank or args.rdzv_endpoint:
+        raise UsageError("--node-rank and --rdzv-endpoint place this machine in a job of several "
+                         "(--nnodes N > 1); give --nnodes, or leave them out.")
+    if cfg.training.max_restarts and D.env_world_size() <= 1:
+        stage.say_always(f"train: note: training.max_restarts {cfg.training.max_restarts} applies to "
+                         "several processes (torchrun restarts its workers); one process is not restarted.")
     return set_up(cfg, args, argv).finish()
 
 
@@ -144,18 +184,23 @@ def set_up(cfg, args, argv: list[str]) -> stage.Run:
     """The steps of a start, each returning what it makes (utils/stage.py runs the rest).
     What they hold (a resume checkpoint, an imported model) is freed when this returns."""
     proc = set_up_process(cfg)
-    tok, tok_info, imported = open_tokenizer(cfg, args)
-    start = open_run(cfg, args, tok, tok_info, proc, imported)
+    restart = elastic_restart(cfg, args, proc)
+    tok, tok_info, imported = open_tokenizer(cfg, args, restart)
+    start = open_run(cfg, args, tok, tok_info, proc, imported, restart)
     data = build_data(cfg, tok, tok_info, proc)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", proc.dist.world_size))
     parts = stage.Parts(
         lr_key="training.lr", tokenizer=tok,
         spec=functools.partial(pretraining_spec, cfg, start, data, tok, tok_info, proc),
         run_files=functools.partial(run_files, cfg, start, data, proc),
-        resume_command=resume_command_train(argv, start.run, proc.dist.world_size, local_world),
+        resume_command=resume_command_train(argv, start.run, proc.dist.world_size, local_world,
+                                            shlex.split(os.environ.get(NODES_ENV, ""))),
         closing=functools.partial(closing_line, start.run, start.run_dir),
         keep_setting="training.keep_checkpoints")
-    return stage.set_up(cfg, start, proc, parts)
+    run = stage.set_up(cfg, start, proc, parts)
+    if restart is not None:
+        note_restart(run, restart, start, proc)
+    return run
 
 
 # --------------------------------------------------------------------------- steps
@@ -181,13 +226,143 @@ def refuse_parallel(cfg) -> None:
                          "whole model on each GPU); add --parallel fsdp or leave it out.")
 
 
-def launch_ranks(argv: list[str], n: int) -> int:
-    """``--nproc-per-node N``: start N ranks of this script through torchrun."""
+LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
+NODES_ENV = "LLM_PIPELINE_NODES"     # set by the launcher of several machines for its ranks
+DEFAULT_RDZV_PORT = 29500
+
+
+def launch_ranks(argv: list[str], args, cfg) -> int:
+    """``--nproc-per-node N`` and/or ``--nnodes N``: start this machine's ranks of this script
+    through torchrun (one machine: ``--standalone``; several: c10d rendezvous at node 0). Node 0
+    prints the command of the other nodes. The run's name is fixed here (``--name``, default
+    ``run_<time>``), so that every node and every restarted worker writes the same run."""
     if D.env_world_size() > 1:
-        raise UsageError("--nproc-per-node launches the ranks itself; under torchrun, leave "
-                         "it out (torchrun's --nproc_per_node sets the count).")
-    return D.launch_local(Path(__file__).resolve(), n, argv_without(argv, ("--nproc-per-node",)),
-                          "train.py")
+        raise UsageError("--nproc-per-node and --nnodes launch the ranks themselves; under torchrun, "
+                         "leave them out (torchrun's --nproc_per_node and --nnodes set the counts).")
+    nnodes, node_rank, endpoint = args.nnodes, args.node_rank, args.rdzv_endpoint
+    run = cfg.training.run_name
+    if run is not None:
+        check_run_name(run, "--name (training.run_name)")
+    rest = argv_without(argv, LAUNCH_FLAGS)
+    if nnodes > 1:
+        if node_rank >= nnodes:
+            raise UsageError(f"--node-rank {node_rank} is not a node of --nnodes {nnodes}: give 0 .. {nnodes - 1}.")
+        if node_rank > 0 and (endpoint is None or run is None):
+            raise UsageError(f"node {node_rank}: give node 0's --rdzv-endpoint HOST:PORT and the run's "
+                             "--name, as node 0's printed command does (python main.py train --nnodes "
+                             f"{nnodes} --node-rank 0 ... prints it).")
+        endpoint = endpoint or f"{socket.getfqdn()}:{DEFAULT_RDZV_PORT}"
+    elif node_rank or endpoint:
+        raise UsageError("--node-rank and --rdzv-endpoint place this machine in a job of several "
+                         "(--nnodes N > 1); give --nnodes, or leave them out.")
+    if run is None:
+        run = datetime.datetime.now().strftime("run_%Y_%m_%d_%H_%M")
+        rest += ["--name", run]
+    launch = D.Launch(args.nproc_per_node, nnodes, node_rank, endpoint, run_id=run,
+                      max_restarts=cfg.training.max_restarts)
+    if nnodes > 1:      # what the ranks' resume command adds (they see none of these flags)
+        os.environ[NODES_ENV] = shlex.join(["--nproc-per-node", str(launch.nproc), "--nnodes",
+                                            str(nnodes), "--rdzv-endpoint", endpoint])
+        if node_rank == 0:
+            print(other_nodes_text(rest, launch), flush=True)
+    return D.launch_local(Path(__file__).resolve(), launch, rest, "train.py")
+
+
+def other_nodes_text(rest: list[str], launch: D.Launch) -> str:
+    """What node 0 says before it waits at the rendezvous: the command of every other node."""
+    lines = [f"train: node 0 of {launch.nnodes}: the rendezvous is at {launch.endpoint} (run "
+             f"{launch.run_id}, {launch.world_size} ranks); start the other node(s) from a copy of this "
+             "project folder whose checkpoints and logs folders every node shares:"]
+    for k in range(1, launch.nnodes):
+        flags = [*rest, "--nproc-per-node", str(launch.nproc), "--nnodes", str(launch.nnodes),
+                 "--node-rank", str(k), "--rdzv-endpoint", launch.endpoint]
+        lines.append(f"  python main.py train {shlex.join(flags)}")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """A worker torchrun started again after a failure (``attempt`` >= 1): the run's newest
+    checkpoint it resumes from (None: none was written yet, the run starts over) and the
+    last step the failed attempt logged."""
+    attempt: int
+    max_restarts: int
+    checkpoint: Optional[Path]
+    reached_step: Optional[int]
+
+
+def elastic_restart(cfg, args, proc: stage.Process) -> Optional[Restart]:
+    """None on a first start; after torchrun restarted the workers, where the run continues.
+    Rank 0 first undoes what a killed sharded save left in the run folder (it is the only one
+    to change it: utils/training/sharded.py ``recover``), then every rank takes the same newest
+    checkpoint. A first start with restarts allowed but no run name is refused: a restarted
+    worker finds its run by name."""
+    warning = D.store_warning()
+    if warning and D.restart_count() == 0:
+        proc.say(f"train: warning: {warning}.")
+    if D.max_restarts() > 0 and cfg.training.run_name is None and not args.resume:
+        raise UsageError("torchrun --max-restarts: give the run a --name, so that restarted workers "
+                         "find its checkpoints (python main.py train --max-restarts N names it for you).")
+    attempt = D.restart_count()
+    if attempt == 0:
+        return None
+    run_dir = _written_run_dir(cfg, args.resume)
+    recover_saves(run_dir, proc)
+    newest = D.broadcast_object(proc.dist, newest_checkpoint(run_dir) if proc.dist.is_main else None)
+    reached = last_logged_step(cfg, run_dir.name) if proc.dist.is_main else None
+    return Restart(attempt, D.max_restarts(), Path(newest) if newest else None, reached)
+
+
+def _written_run_dir(cfg, resume: Optional[str]) -> Path:
+    """The run folder this job writes (before its checkpoint is read)."""
+    ckdir = cfg.path("paths.checkpoints_dir")
+    if cfg.training.run_name is not None:
+        return ckdir / cfg.training.run_name
+    if resume and resume != "auto":
+        parent = Path(os.path.expanduser(resume)).resolve().parent
+        return ckdir / (parent.name if parent != ckdir.resolve() else "legacy")
+    run = find_run(ckdir)
+    return run.path if run is not None else ckdir / "legacy"
+
+
+def recover_saves(run_dir: Path, proc: stage.Process) -> None:
+    """Rank 0 undoes what killed sharded saves left in ``run_dir`` (and says what); the other
+    ranks wait, and learn of a failure from rank 0."""
+    failure: Optional[BaseException] = None
+    if proc.dist.is_main and run_dir.is_dir():
+        try:
+            for line in sharded.recover(run_dir):
+                proc.say(f"train: {line}")
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+            failure = e
+    if D.any_rank(proc.dist, failure is not None, proc.device):    # also the barrier
+        if failure is not None:
+            raise failure
+        raise PipelineError(f"rank 0 could not put {run_dir} in order (its own message says why).")
+
+
+def last_logged_step(cfg, run: str) -> Optional[int]:
+    """The last training step the run's log holds (what a failed attempt reached)."""
+    log = log_paths(cfg.path("paths.logs_dir"), run)[1]
+    if not log.is_file():
+        return None
+    steps = [r.get("step") for r in read_log(log).records if r.get("type") == "train"]
+    steps = [x for x in steps if isinstance(x, int)]
+    return max(steps) if steps else None
+
+
+def note_restart(run: stage.Run, restart: Restart, start: stage.Start, proc: stage.Process) -> None:
+    """The restart in the run's log (an ``event`` record: ``status`` shows it) and on screen."""
+    step = int(start.resume["step"]) if start.resume is not None else 0
+    lost = (restart.reached_step - step) if restart.reached_step is not None else None
+    run.logger.event(step, "restart", attempt=restart.attempt, max_restarts=restart.max_restarts,
+                     checkpoint=restart.checkpoint.name if restart.checkpoint else None,
+                     reached_step=restart.reached_step, steps_lost=lost)
+    where = (f"resuming from {restart.checkpoint.name} (step {step})" if restart.checkpoint else
+             "no checkpoint was written yet: starting over")
+    again = f"; the {lost} step(s) after it are trained again" if lost else ""
+    proc.say(f"train: restarted by torchrun (restart {restart.attempt} of {restart.max_restarts}): "
+             f"{where}{again}.")
 
 
 def set_up_process(cfg) -> stage.Process:
@@ -222,11 +397,11 @@ def restart_process(restart) -> None:
     os.execve(restart.executable, restart.argv, restart.env)
 
 
-def open_tokenizer(cfg, args):
+def open_tokenizer(cfg, args, restart: Optional[Restart] = None):
     """The configured tokenizer; with ``--init-from-hf``, the imported model's own (and the
     imported model)."""
     if args.init_from_hf:
-        if args.resume:
+        if args.resume and restart is None:
             raise UsageError("--init-from-hf starts a new run from a Hugging Face model; "
                              "--resume continues a run of ours: give one of them.")
         imported = load_hf_llama(args.init_from_hf)
@@ -237,15 +412,19 @@ def open_tokenizer(cfg, args):
     return tok, describe(tok, cfg.tokenizer.name), None
 
 
-def open_run(cfg, args, tok, tok_info, proc: stage.Process, imported=None) -> stage.Start:
+def open_run(cfg, args, tok, tok_info, proc: stage.Process, imported=None,
+             restart: Optional[Restart] = None) -> stage.Start:
     """A resumed run (its checkpoint, checked against today's tokenizer and settings) or a new
     one (a name, a model from the config or the imported one); refuses to start over an
-    existing run."""
+    existing run. A restarted worker (``restart``) continues from the run's newest checkpoint,
+    or starts the run over when there is none yet."""
     hp, ckdir = cfg.training, cfg.path("paths.checkpoints_dir")
     if hp.run_name is not None:
         check_run_name(hp.run_name, "--name (training.run_name)")
+    if restart is not None and restart.checkpoint is not None:
+        return resumed_run(cfg, str(restart.checkpoint), tok, tok_info, proc)
     if args.resume:
-        return resumed_run(cfg, args, tok, tok_info, proc)
+        return resumed_run(cfg, args.resume, tok, tok_info, proc)
     run = hp.run_name or D.broadcast_object(
         proc.dist, datetime.datetime.now().strftime("run_%Y_%m_%d_%H_%M"))
     if imported is not None:
@@ -257,7 +436,7 @@ def open_run(cfg, args, tok, tok_info, proc: stage.Process, imported=None) -> st
         model_args = model_lib.model_args_from_config(cfg, cfg.model.vocab_size or len(tok),
                                                       tok.bos_token_id)
     run_dir = ckdir / run
-    if (run_dir / "checkpoint_latest.pt").exists():
+    if (run_dir / "checkpoint_latest.pt").exists() and restart is None:
         raise UsageError(f"{run_dir} already holds a run. Continue it with `--name {run} --resume "
                          "auto`, or choose another --name.")
     return stage.Start(run, run_dir, model_args,
@@ -265,11 +444,12 @@ def open_run(cfg, args, tok, tok_info, proc: stage.Process, imported=None) -> st
                        rules=stage.kept_rules(tok, imported))
 
 
-def resumed_run(cfg, args, tok, tok_info, proc: stage.Process) -> stage.Start:
+def resumed_run(cfg, resume: str, tok, tok_info, proc: stage.Process) -> stage.Start:
     """The run ``--resume`` names, with its checkpoint (the tokenizer must be the run's; changed
     settings are named)."""
     hp, ckdir = cfg.training, cfg.path("paths.checkpoints_dir")
-    path = resume_checkpoint(ckdir, args.resume, hp.run_name)
+    recover_saves(_written_run_dir(cfg, resume), proc)     # a sharded save killed mid-swap
+    path = resume_checkpoint(ckdir, resume, hp.run_name)
     # An FSDP run loads a sharded checkpoint's tensors rank by rank (each its shards); one
     # process or DDP reads them whole.
     ckpt = load_checkpoint(path, purpose="resume", tensors=not (hp.parallel == "fsdp" and proc.dist.enabled))

@@ -43,6 +43,7 @@ from tests.conftest import (ROOT, SPM_MODEL, default_signals, main_command, paus
 from tests.test_ddp import LATER_LOSS_RTOL, adam_step_bound, assert_same_training, max_diff
 from tests.test_train import FLAGS, log_of, losses, ok, train
 from utils.run import load_checkpoint
+from utils.training import sharded
 from utils.training.checkpoint import CheckpointError
 
 B = 2                # windows per rank per micro-batch (one process: 2 * B)
@@ -256,15 +257,25 @@ def test_a_forged_index_is_refused_without_running_it(root, full, tmp_path):
 
 def test_a_save_killed_between_its_renames_leaves_the_previous_checkpoint(root, full):
     """The one moment a sharded save has no folder under its name (old one moved aside, new one
-    not yet in place), and a half-written temp folder: a reader gets the previous checkpoint."""
+    not yet in place), and a half-written temp folder: a reader gets the previous checkpoint and
+    changes nothing; the run's own next start puts it back (tests/test_multinode.py: across
+    hosts, and through the train stage)."""
     continue_from(root, "full", "checkpoint_step_3.dcp", "killed")
     folder = root / "checkpoints" / "killed"
+    latest = folder / "checkpoint_latest.dcp"
     dead = _dead_pid()
-    (folder / "checkpoint_latest.dcp").rename(folder / f".checkpoint_latest.dcp.old-{dead}")
-    (folder / f".checkpoint_latest.dcp.tmp-{dead}").mkdir()
-    (folder / f".checkpoint_latest.dcp.tmp-{dead}" / "__0_0.distcp").write_bytes(b"half")
-    got = load_checkpoint(folder / "checkpoint_latest.dcp", "resume")
+    latest.rename(sharded.aside(latest, "old", pid=dead))
+    sharded.aside(latest, "tmp", pid=dead).mkdir()
+    (sharded.aside(latest, "tmp", pid=dead) / "__0_0.distcp").write_bytes(b"half")
+    left = sorted(p.name for p in folder.iterdir())
+    got = load_checkpoint(latest, "resume")
     assert got["step"] == 3
+    assert sorted(p.name for p in folder.iterdir()) == left
+    said = sharded.recover(folder)
+    assert sorted(line.split(":")[0] for line in said) == [
+        "put checkpoint_latest.dcp back",
+        f"removed {sharded.aside(latest, 'tmp', pid=dead).name}, left by a save of pid {dead} on this host "
+        "that did not finish"]
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_latest.dcp"]
 
 

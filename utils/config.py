@@ -303,6 +303,8 @@ class TrainingConfig:
                                           "sharded checkpoints, docs/training.md)")
     cpu_offload: bool = _f(False, "fsdp: keep the sharded weights, gradients and optimizer state in "
                            "CPU memory (slower; for models whose shards do not fit the GPUs)")
+    max_restarts: int = _f(0, "torchrun restarts of the workers after a rank fails (elastic); restarted "
+                           "workers resume from the run's newest checkpoint (0: the job ends)", min=0)
 
 
 @dataclass

@@ -7,6 +7,7 @@ seed's old flat layout of ``*.pt`` files directly in the folder is one "legacy" 
     runs = list_runs(checkpoints_dir)           newest first (RunInfo: name, path, kind, checkpoints)
     run = find_run(checkpoints_dir, name=None)  the named run, or the newest
     run_checkpoints(folder)                     its ``*.pt`` files: best, latest, then newest step
+    newest_checkpoint(folder)                   the one a save completed last (elastic restarts)
     stored_config(folder) / read_stage_config(folder)   what the run folder keeps of its config
     base_record(path) / lineage(checkpoints_dir, folder)   what a post-training run starts from,
                                                 by run folder name (survives moving the project)
@@ -266,6 +267,22 @@ def run_checkpoints(directory) -> list[Path]:
     return sorted(files, key=_ckpt_order)
 
 
+def newest_checkpoint(directory) -> Optional[Path]:
+    """The checkpoint of a run folder written last (what a restarted worker continues from):
+    checkpoint_latest or a numbered one, whichever a save completed last (a numbered
+    checkpoint written after the last validation is newer than checkpoint_latest; best is
+    never newer than latest). A sharded folder counts by its manifest, written last; a folder
+    without one is no checkpoint. None when the run has none."""
+    done = {}
+    for p in run_checkpoints(directory):
+        if p.stem == "checkpoint_best":
+            continue
+        mark = p / "manifest.json" if p.is_dir() else p
+        if mark.is_file():
+            done[p] = mark.stat().st_mtime_ns
+    return max(done, key=done.get) if done else None
+
+
 def checkpoint_bytes(path) -> int:
     """A checkpoint's size on disk: a file's, or the files of a sharded folder added up."""
     p = Path(path)
@@ -355,9 +372,6 @@ def resume_checkpoint(checkpoints_dir, spec: str, name: Optional[str] = None,
             raise PipelineError(f"--resume auto: no {prefix}* run with a "
                                 f"checkpoint_latest.pt under {checkpoints_dir}.")
         return runs[0].latest
-    if name is not None and (Path(checkpoints_dir) / name).is_dir():
-        from utils.training import sharded                       # torch (see the imports)
-        sharded.recover(Path(checkpoints_dir) / name)            # a sharded save killed mid-swap
     run = find_run(checkpoints_dir, name)
     if run is None:
         what = f"run '{name}'" if name else "any run"
@@ -367,11 +381,16 @@ def resume_checkpoint(checkpoints_dir, spec: str, name: Optional[str] = None,
 
 
 def resume_command_train(argv: Sequence[str], run: str, world_size: int,
-                         local_world_size: Optional[int] = None) -> str:
+                         local_world_size: Optional[int] = None,
+                         nodes: Optional[Sequence[str]] = None) -> str:
     """The command that continues a pre-training run: main.py's, with ``--nproc-per-node``
-    for DDP on one machine; torchrun's when the ranks span several machines (its rendezvous
-    flags are the user's to add)."""
+    for DDP on one machine, and with ``nodes`` (the launch flags ``main.py train --nnodes``
+    gave, without the node rank) on each of several machines; torchrun's when the ranks span
+    several machines that torchrun started by hand (its rendezvous flags are the user's to add)."""
     rest = argv_without(argv, ("--resume", "--name")) + ["--name", run, "--resume", "auto"]
+    if nodes:
+        return (f"python main.py train {shlex.join([*rest, *nodes])} --node-rank R   (on each "
+                "node, R its own node rank)")
     local = world_size if local_world_size is None else local_world_size
     if world_size > 1 and local != world_size:
         return f"torchrun --nproc_per_node={local} train.py {shlex.join(rest)}"

@@ -130,9 +130,22 @@ class Run:
     def finish(self) -> int:
         """Train, close the log, end as the module docstring says. The process group is left
         to the process's end (utils/training/distributed.py ``shutdown``): the trainer's DDP
-        model still uses it here."""
+        model still uses it here. A rank whose peer died (killed, out of memory, its node lost)
+        ends with one line saying so (exit 1), not an unexpected error."""
         try:
             result = self.trainer.fit()
+        except RuntimeError as e:
+            dist = self.trainer.dist
+            if not (dist.enabled and D.peer_lost(e)):
+                raise
+            then = ("torchrun restarts the workers, which resume from the run's newest checkpoint"
+                    if D.restart_count() < D.max_restarts() else
+                    "once the cause is fixed (the failed rank's own message says it), continue with "
+                    "--resume auto")
+            cause = str(e).splitlines()[0].split(". ")[0][:200]
+            raise PipelineError(f"rank {dist.rank}: another rank's process ended during a step "
+                                f"({cause}); this rank stops too, without saving "
+                                f"(a checkpoint needs every rank): {then}.") from None
         finally:
             self.logger.close()
         if result.reason == "interrupted":

@@ -83,9 +83,12 @@ def save_checkpoint(path, payload: dict) -> Path:
 
 
 def remove_stale_temps(directory) -> list[Path]:
-    """Delete temp files left by a killed writer (``.*.tmp-PID`` whose PID is not alive)."""
+    """Delete temp files left by a killed writer (``.*.tmp-PID`` whose PID is not alive; the
+    temp folders of sharded saves are utils/training/sharded.py's ``recover``'s)."""
     removed = []
     for p in Path(directory).glob(".*.tmp-*"):
+        if p.is_dir():
+            continue
         try:
             pid = int(p.name.rsplit("-", 1)[1])
         except ValueError:

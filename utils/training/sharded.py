@@ -22,13 +22,27 @@ saved on N ranks loads on M. Non-tensor data never goes through DCP (its reader 
 with ``weights_only=False``), and ``.metadata`` is read with an unpickler that takes DCP's
 metadata classes only (:class:`SafeReader`): a checkpoint folder is data, never code.
 
-Atomic. The ranks write into a hidden temp folder ``.NAME.tmp-PID`` (rank 0's pid); when every
-rank is done, rank 0 writes meta.pt and the manifest, moves the previous folder aside
-(``.NAME.old-PID``), renames the new one into place and removes the old one. A save killed at
-any point leaves the previous checkpoint loadable: until the rename it is untouched; between
-the two renames it waits under ``.NAME.old-PID``, which :func:`recover` (run before a run's
-first step, and by every reader) renames back. Several nodes: the run folder must be on a file
-system every node sees (as for torchtitan).
+Atomic. The ranks write into a hidden temp folder ``.NAME.tmp-HOST-PID`` (rank 0's host and
+pid, :func:`writer_tag`); when every rank is done, rank 0 writes meta.pt and the manifest,
+moves the previous folder aside (``.NAME.old-HOST-PID``), renames the new one into place and
+removes the old one. A save killed at any point leaves the previous checkpoint loadable: until
+the rename it is untouched; between the two renames it waits under ``.NAME.old-HOST-PID``.
+
+Several hosts, one file system. Whether the process that wrote a temp name is alive can only be
+known on its own host, so nothing that merely reads a checkpoint changes a run folder:
+
+- :func:`recover` (undo what a killed save left: put ``.NAME.old-*`` back, remove
+  ``.NAME.tmp-*``) is run only by the job that writes the run, on its rank 0, at its start
+  (train.py, before any rank reads its resume checkpoint; the Trainer's first step). It acts on
+  the leftovers of this host's dead processes, and of every other host's: a job that starts
+  writing a run takes the run over (two jobs must never write one run folder at once). A save
+  of a process of this host that is alive is left alone, and said.
+- :func:`read` (infer, benchmark, export, serve, sft, a resume) never renames or removes
+  anything. A checkpoint whose save is in flight (``NAME`` moved aside, the new one not yet in
+  place), on this host or another, is read from the folder moved aside: the previous
+  checkpoint, complete, and the reader says so. A folder swapped away while it was read (the
+  save finished meanwhile) is read again under its name, the new checkpoint, also said.
+  Several nodes: the run folder must be on a file system every node sees (as for torchtitan).
 
 Reading. :func:`read` gives the same dict as utils/training/checkpoint.py's ``read_checkpoint``
 for a plain file, with the same checks: the manifest first (a missing, truncated or damaged
@@ -45,7 +59,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
+import socket
+import sys
 import warnings
 import zlib
 from pathlib import Path
@@ -91,7 +108,7 @@ def save(path, tensors: dict, meta: dict, dist: D.DistInfo) -> Path:
     tmp = None
     if dist.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = aside(path, "tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     tmp = Path(D.broadcast_object(dist, str(tmp)))
@@ -152,10 +169,11 @@ def _write_synced(path: Path, text: str) -> None:
 
 
 def _swap_in(tmp: Path, path: Path) -> None:
-    """``tmp`` becomes ``path``; a previous ``path`` waits under ``.NAME.old-PID`` between the
-    two renames (:func:`recover` puts it back after a crash there), then is removed."""
+    """``tmp`` becomes ``path``; a previous ``path`` waits under ``.NAME.old-HOST-PID`` between
+    the two renames (readers read it there; :func:`recover` puts it back after a crash there),
+    then is removed."""
     _fsync_dir(tmp)
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    old = aside(path, "old")
     if path.exists():
         os.replace(path, old)
     os.replace(tmp, path)
@@ -171,29 +189,79 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def recover(directory) -> list[Path]:
-    """Undo what a killed sharded save left in ``directory``: a folder moved aside
-    (``.NAME.old-PID`` of a dead process) is renamed back when NAME is missing, else removed;
-    a temp folder (``.NAME.tmp-PID`` of a dead process) is removed. Returns what it touched."""
-    touched = []
-    for p in sorted(Path(directory).glob(f".*{SUFFIX}.*-*")):
-        stem, _, pid = p.name.rpartition("-")
-        kind = stem.rsplit(".", 1)[-1]
-        if not p.is_dir() or kind not in ("old", "tmp") or not pid.isdigit() or (
-                int(pid) != os.getpid() and pid_alive(int(pid))):
+def writer_tag() -> str:
+    """This host, as a temp name carries it: the host name (characters other than letters,
+    digits, ``.`` and ``_`` as ``_``) and the first 8 characters of the kernel's boot id where
+    there is one (two machines named alike, or this one after a reboot, whose pids were
+    reused, are told apart)."""
+    name = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()[:8]
+    except OSError:
+        boot = ""
+    return f"{name}.{boot}" if re.fullmatch(r"[0-9a-f]{8}", boot) else name
+
+
+def aside(path: Path, kind: str, tag: Optional[str] = None, pid: Optional[int] = None) -> Path:
+    """The hidden name of ``path``'s save in flight: ``kind`` "tmp" (the new folder being
+    written) or "old" (the previous one moved aside), of writer ``tag`` (default this host)
+    and ``pid`` (default this process)."""
+    return path.with_name(f".{path.name}.{kind}-{tag or writer_tag()}-{pid or os.getpid()}")
+
+
+_ASIDE = re.compile(r"^\.(?P<name>.+" + re.escape(SUFFIX) + r")\.(?P<kind>tmp|old)-(?:(?P<tag>.+)-)?(?P<pid>\d+)$")
+
+
+def in_flight(directory) -> list[dict]:
+    """The saves in flight (or killed) in ``directory``: ``{"path", "name", "kind", "tag",
+    "pid"}`` per hidden folder, newest first; ``tag`` None for a name without a host (a save
+    of an earlier version of this program)."""
+    out = []
+    for p in Path(directory).glob(f".*{SUFFIX}.*-*"):
+        m = _ASIDE.match(p.name)
+        if m and p.is_dir():
+            out.append({"path": p, **m.groupdict(), "pid": int(m["pid"])})
+    return sorted(out, key=lambda e: _mtime(e["path"]), reverse=True)
+
+
+def _mtime(p: Path) -> int:
+    try:
+        return p.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _writer(e: dict) -> str:
+    return f"pid {e['pid']} on {'this host' if e['tag'] == writer_tag() else 'host ' + (e['tag'] or '(not recorded)')}"
+
+
+def recover(directory) -> list[str]:
+    """Undo what killed saves left in run folder ``directory`` (the writing job's rank 0, at its
+    start, only: module docstring): a folder moved aside is renamed back when its checkpoint is
+    missing, else removed; a temp folder is removed. A save of a live process of this host is
+    left alone. Returns one line per folder, saying what was done and whose it was."""
+    said = []
+    me = writer_tag()
+    for e in in_flight(directory):
+        p = e["path"]
+        here = e["tag"] in (me, None)      # no tag: this program's earlier naming, judged here as before
+        if here and e["pid"] != os.getpid() and pid_alive(e["pid"]):
+            said.append(f"left {p.name} alone: its writer ({_writer(e)}) is running; if that is not "
+                        "a training job (a reused pid), remove or rename it yourself")
             continue
-        target = p.with_name(stem[1:].rsplit(".", 1)[0])
-        if kind == "old" and not target.exists():
+        target = p.with_name(e["name"])
+        if e["kind"] == "old" and not target.exists():
             try:
                 os.replace(p, target)
-            except OSError as e:
+            except OSError as err:
                 raise CheckpointError(target, f"a save killed mid-way left the previous checkpoint at {p}, "
-                                              f"which cannot be renamed back ({e.strerror or e}); rename "
+                                              f"which cannot be renamed back ({err.strerror or err}); rename "
                                               f"it to {target.name} yourself.") from None
+            said.append(f"put {target.name} back: a save by {_writer(e)} was killed between its renames")
         else:
             shutil.rmtree(p, ignore_errors=True)
-        touched.append(p)
-    return touched
+            said.append(f"removed {p.name}, left by a save of {_writer(e)} that did not finish")
+    return said
 
 
 def remove(path) -> None:
@@ -307,13 +375,59 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+READ_TRIES = 3
+
+
 def read(path, purpose: str = "weights", shapes_of: Optional[Callable[[dict, dict], dict]] = None,
          tensors: bool = True) -> dict:
     """A sharded checkpoint as the plain format's dict (module docstring), validated like a
     plain file; ``tensors=False``: without "model" and "optimizer" (an FSDP resume loads them
-    rank by rank: :func:`load_into`), the weights' names and shapes checked from DCP's index."""
+    rank by rank: :func:`load_into`), the weights' names and shapes checked from DCP's index.
+    Changes nothing on disk: a save in flight is read around (module docstring), said on stderr;
+    ``ckpt["sharded"]["path"]`` is the folder read."""
     path = Path(path)
-    recover(path.parent)
+    attempt = 0
+    while True:
+        attempt += 1
+        folder = _readable(path)
+        before = _inode(folder)
+        try:
+            ckpt = _read_folder(folder, purpose, shapes_of, tensors)
+        except (CheckpointError, OSError):
+            if attempt < READ_TRIES and before is not None and _inode(folder) != before:
+                # swapped away while read (the save finished meanwhile): read it again
+                print(f"note: {folder.name} was replaced by a save while it was read; reading "
+                      f"{path.name} again.", file=sys.stderr, flush=True)
+                continue
+            raise
+        if folder != path:
+            print(f"note: {path.name}: a save is replacing it ({_writer(_entry(folder))}, in flight "
+                  f"or killed between its renames); read the checkpoint it replaces (step "
+                  f"{ckpt.get('step')}) from {folder.name}, and changed nothing.", file=sys.stderr, flush=True)
+        return ckpt
+
+
+def _inode(p: Path) -> Optional[int]:
+    try:
+        return p.stat().st_ino
+    except OSError:
+        return None
+
+
+def _entry(folder: Path) -> dict:
+    return {**_ASIDE.match(folder.name).groupdict(), "pid": int(_ASIDE.match(folder.name)["pid"])}
+
+
+def _readable(path: Path) -> Path:
+    """``path``, or while a save swaps it (``path`` missing, moved aside under ``.NAME.old-*``)
+    the folder moved aside, the newest one if several."""
+    if path.exists():
+        return path
+    olds = [e["path"] for e in in_flight(path.parent) if e["kind"] == "old" and e["name"] == path.name]
+    return olds[0] if olds else path
+
+
+def _read_folder(path: Path, purpose: str, shapes_of, tensors: bool) -> dict:
     manifest = verify(path)
     meta = read_meta(path)
     index = read_index(path)

@@ -436,9 +436,11 @@ PAUSE_ENV = "LLM_PIPELINE_PAUSE_AT_STEP"
 
 def pause_step_from_env() -> Optional[int]:
     """The step after which a run waits for a stop signal (``$LLM_PIPELINE_PAUSE_AT_STEP``): a
-    deterministic point for tests and demos to interrupt a run at; None when unset."""
+    deterministic point for tests and demos to interrupt a run at; None when unset, and in a
+    worker torchrun restarted (``TORCHELASTIC_RESTART_COUNT`` > 0: the pause was the first
+    attempt's, whose ranks are gone)."""
     value = os.environ.get(PAUSE_ENV, "").strip()
-    if not value:
+    if not value or D.restart_count() > 0:
         return None
     if not value.isdigit() or int(value) < 1:
         raise PipelineError(f"{PAUSE_ENV}={value!r}: expected a step number >= 1 (or unset).")
@@ -930,7 +932,8 @@ class Trainer:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.run_dir)
-            sharded.recover(self.run_dir)
+            for line in sharded.recover(self.run_dir):   # a sharded save killed mid-way
+                self._print(line)
         self._started = True                         # the run folder exists from here on
         if self.step >= self.total_steps:
             self._print(f"the run is already complete: step {self.step} of {self.total_steps}. "
