@@ -28,7 +28,7 @@ again, so ``stream`` can yield between steps and torch's global thread count is 
 changed.
 
 Memory: a batcher's KV cache is slots x (layers x 2 x n_kv_heads x capacity x head_dim)
-values in the weights' dtype, allocated once (``generate``: one slot per prompt, capacity
+values in the engine's compute dtype (``Engine.dtype``: the weights', or its autocast's), allocated once (``generate``: one slot per prompt, capacity
 longest prompt + max_new_tokens; serve: ``serve.max_batch`` slots of the model's context).
 Infini-attention models (``model.attention`` "infini", utils/infini.py) keep per slot only the
 current segment: its keys, values and sigma(K) (3 x n_kv_heads x segment x head_dim per
@@ -293,7 +293,7 @@ class Batcher:
     length, cancel) at a step boundary, freeing their slot for the next one in the queue.
 
     Memory: ``slots`` cache slots of ``capacity`` positions each, allocated on the first
-    prefill: ``bytes_per_slot`` = layers x 2 x n_kv_heads x capacity x head_dim x the weights'
+    prefill: ``bytes_per_slot`` = layers x 2 x n_kv_heads x capacity x head_dim x the compute dtype's
     element size, so the cache never exceeds ``slots * bytes_per_slot``; a sequence that finds
     no free slot waits, and one whose prompt cannot fit a slot is refused when added. Running
     sequences stay in slots 0..n-1 (a leaving one's slot is filled by moving the last one's
