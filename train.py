@@ -52,9 +52,11 @@ TEST_DEFAULTS = {"--preset": ("cfg__model__preset", "tiny"),
 
 
 def build_parser() -> StageParser:
-    p = StageParser("train.py", "Pre-train the model on the configured token shards (or "
+    p = StageParser("main.py train", "Pre-train the model on the configured token shards (or "
                     "on-the-fly data). Ctrl-C saves checkpoint_latest.pt and prints the exact "
-                    "resume command; --resume continues bit for bit.")
+                    "resume command; --resume continues bit for bit.",
+                    test="quick mode: the tiny preset, window 64, batch 8, 40 steps, on the "
+                         "--test shards (a flag given still wins)")
     p.config_flag("--name", key="training.run_name", help="run name: checkpoints/NAME, "
                   "logs/tensorboard/NAME, logs/raw_metrics/NAME.jsonl (default run_<time>)")
     p.add_argument("--resume", metavar="PATH|auto", default=None, type=cli_nonblank,

@@ -479,16 +479,17 @@ def test_length_mismatch_advice_is_a_valid_max_length_or_says_none_helps(work, t
             assert int(n) >= SFT_MIN_LENGTH and int(n) >= shortest, err
         return err
 
-    for tiny in (4, SFT_MIN_LENGTH - 1):                       # below --max-length's minimum
+    # a model of max_seq_len M trains on examples of up to M + 1 tokens (it reads all but the last)
+    for tiny in (4, SFT_MIN_LENGTH - 2):                       # below --max-length's minimum
         err = refused(tiny)
         assert "No --max-length makes the data fit" in err and f"at least {SFT_MIN_LENGTH}" in err
-    err = refused(shortest - 1)                                  # nothing would be kept
+    err = refused(shortest - 2)                                  # nothing would be kept
     assert "No --max-length makes this data fit" in err and f"shortest example has {shortest}" in err
     err = refused(fits)
-    assert f"sft prepare --max-length {fits}`" in err
+    assert f"sft prepare --max-length {fits + 1}`" in err
     out = tmp_path / "refit"                                     # following it: the data fits
     r = run_stage("sft", "prepare", "--config", work["cfg"], "--dataset", "samples", "--limit", "48",
-                 "--max-length", str(fits), "--output-dir", out)
+                 "--max-length", str(fits + 1), "--output-dir", out)
     assert r.returncode == 0, r.stderr
     ck = make_checkpoint(tmp_path / "fits.pt", max_seq_len=fits)
     r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", ck, "--data-dir", out,
