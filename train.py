@@ -256,7 +256,7 @@ def open_run(cfg, args, tok, tok_info, proc: stage.Process, imported=None) -> st
         model_args = model_lib.model_args_from_config(cfg, cfg.model.vocab_size or len(tok),
                                                       tok.bos_token_id)
     run_dir = ckdir / run
-    if (run_dir / "checkpoint_latest.pt").exists():
+    if any((run_dir / f"checkpoint_latest{ext}").exists() for ext in (".pt", ".dcp")):   # .dcp: FSDP
         raise UsageError(f"{run_dir} already holds a run. Continue it with `--name {run} --resume "
                          "auto`, or choose another --name.")
     return stage.Start(run, run_dir, model_args,
