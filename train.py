@@ -1,6 +1,6 @@
 """Stage ``train``: pre-train the model on token shards (or on-the-fly data), resumably.
 
-    python main.py train --test                        quick run: tiny model, one short epoch
+    python main.py train --test                        quick run: the tiny preset, 40 steps
     python main.py train --name exp1                   checkpoints/exp1/, logs/*/exp1
     python main.py train --name exp1 --resume auto     continue exp1 exactly where it stopped
     python main.py train --resume checkpoints/exp1/checkpoint_step_2000.pt

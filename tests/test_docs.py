@@ -231,9 +231,15 @@ def test_a_command_the_parser_lacks_a_flag_for_fails(monkeypatch):
 def missing_names(text: str, name: str, folder: Path) -> list[str]:
     """Repository paths, links (against ``folder``, the doc's) and ``utils.x.y`` / ``utils/x.y``
     names in a doc's ``text`` that do not exist (``name``: the doc, for the messages)."""
-    bad = []
+    bad, fence, quoted = [], False, False
     for n, line in enumerate(text.splitlines(), 1):
         where = f"{name}:{n}"
+        if line.lstrip().startswith("```"):
+            fence = not fence                       # a block without a language quotes a program's
+            quoted = fence and line.strip() == "```"    # output: its words are the program's
+            continue
+        if quoted:
+            continue
         for target in LINK.findall(line):
             if "://" in target or target.startswith("mailto:"):
                 continue
