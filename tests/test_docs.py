@@ -39,6 +39,9 @@ DOTTED = re.compile(r"(?<![\w./-])(utils(?:\.[A-Za-z_]\w*)+)(?![\w/-])")
 SLASHED = re.compile(r"(?<![\w./-])(utils(?:/\w+)+)\.([A-Za-z_]\w*)\b(?!\.)")
 EXTENSIONS = {"py", "md", "json", "jsonl", "txt", "sh", "png", "html", "js", "css", "toml", "cfg", "ini", "yaml",
               "yml", "gguf", "npy", "pt", "log", "model", "parquet", "xml", "bz2", "gz", "whl", "csv"}
+# Pages being written on another branch, linked ahead of their merge: an entry is dropped
+# once the file exists (test_pending_pages_are_still_pending fails until it is).
+PENDING = {"docs/gpu.md": "issue 48 (the GPU path) writes it"}
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 
 
@@ -243,7 +246,7 @@ def missing_names(text: str, name: str, folder: Path) -> list[str]:
         for target in LINK.findall(line):
             if "://" in target or target.startswith("mailto:"):
                 continue
-            if not (folder / target).exists():
+            if not (folder / target).exists() and _in_repo(folder / target) not in PENDING:
                 bad.append(f"{where}: link {target}")
         for path in REPO_PATH.findall(line):
             tail = path.rsplit("/", 1)[-1]
@@ -252,7 +255,7 @@ def missing_names(text: str, name: str, folder: Path) -> list[str]:
                 continue
             if "." in tail and tail.rsplit(".", 1)[1] not in EXTENSIONS:
                 continue                      # utils/x.name: a module's attribute (below)
-            if not (ROOT / path).exists():
+            if not (ROOT / path).exists() and path not in PENDING:
                 bad.append(f"{where}: {path}")
         for dotted in DOTTED.findall(line):
             if not _resolves(dotted.split(".")):
@@ -262,6 +265,18 @@ def missing_names(text: str, name: str, folder: Path) -> list[str]:
                                                and _resolves([*module.split("/"), attr])):
                 bad.append(f"{where}: {module}.{attr}")
     return bad
+
+
+def _in_repo(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def test_pending_pages_are_still_pending():
+    """An entry of PENDING whose page now exists is stale: drop it, so its links are checked."""
+    assert [p for p in PENDING if (ROOT / p).exists()] == []
 
 
 def _resolves(parts: list[str]) -> bool:
