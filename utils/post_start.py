@@ -227,14 +227,20 @@ def data_for_model(cfg, args, kind: str, meta: dict, how: Prepared) -> Optional[
     ``cfg``'s key then names that folder (returned); None when the data fits as it is."""
     spec = model_of_run(cfg, args, kind)
     model = model_tokenizer(cfg, spec, say=lambda s: None) if is_hf_model(spec) else None
-    want = (model.info if model is not None else
-            load_checkpoint(spec, purpose="weights", mmap=True, merge_lora=False, tensors=False).get("tokenizer")
-            or {}).get("fingerprint")
-    have = (meta.get("tokenizer") or {}).get("fingerprint")
+    record = (model.info if model is not None else
+              load_checkpoint(spec, purpose="weights", mmap=True, merge_lora=False, tensors=False).get("tokenizer")
+              or {})
+    have, want = (meta.get("tokenizer") or {}).get("fingerprint"), record.get("fingerprint")
     if not have or not want or have == want:
         return None
-    model = model or model_tokenizer(cfg, spec, say=lambda s: None)
     data_dir = cfg.path(how.key)
+    try:
+        model = model or model_tokenizer(cfg, spec, say=lambda s: None)
+    except PipelineError as e:
+        raise PipelineError(f"tokenizer mismatch: the data in {data_dir} was prepared with tokenizer "
+                            f"'{(meta.get('tokenizer') or {}).get('name')}' (fingerprint {have[:12]}) but {spec} "
+                            f"was trained with '{record.get('name')}' ({want[:12]}), and preparing the data "
+                            f"again for it needs that tokenizer: {e}") from None
     label = Path(spec).stem if is_hf_model(spec) else Path(spec).parent.name
     out = data_dir.parent / f"{data_dir.name}-for-{slug(label)}-{want[:8]}"
     mark = {"from": str(data_dir), "from_fingerprint": meta.get("data_fingerprint"), "tokenizer": want}
@@ -245,16 +251,24 @@ def data_for_model(cfg, args, kind: str, meta: dict, how: Prepared) -> Optional[
           f"settings, in {out} (as `python main.py {kind} prepare --for {spec} --output-dir {out}` does).",
           file=sys.stderr, flush=True)
     if not _marked(out, mark):
-        again = copy.deepcopy(cfg)
-        setattr(getattr(again, sec), key, str(out))
-        section, source = getattr(again, how.section), meta.get("source") or {}
-        section.dataset, section.max_length = source_spec(source), int(meta.get("max_length") or section.max_length)
-        if how.section == "dpo":
-            section.val_split, again.training.seed = meta.get("val_split", section.val_split), meta.get("seed", again.training.seed)
-        how.prepare(again, source.get("limit"), model)
+        _prepare_again(cfg, how, meta, out, model)
         write_json_atomic(out / PREPARED_FOR_FILE, mark)
     setattr(getattr(cfg, sec), key, str(out))
     return out
+
+
+def _prepare_again(cfg, how: Prepared, meta: dict, out: Path, model: ModelTokenizer) -> None:
+    """The data ``meta`` describes prepared again into ``out`` for ``model``: its source, limit,
+    length cut (and DPO's held-out draw) as recorded, the rest of the run's config."""
+    again = copy.deepcopy(cfg)
+    sec, key = how.key.split(".", 1)
+    setattr(getattr(again, sec), key, str(out))
+    section, source = getattr(again, how.section), meta.get("source") or {}
+    section.dataset, section.max_length = source_spec(source), int(meta.get("max_length") or section.max_length)
+    if how.section == "dpo":
+        section.val_split = meta.get("val_split", section.val_split)
+        again.training.seed = meta.get("seed", again.training.seed)
+    how.prepare(again, source.get("limit"), model)
 
 
 def _marked(out: Path, mark: dict) -> bool:
