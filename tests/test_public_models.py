@@ -263,6 +263,13 @@ def test_the_readme_public_model_pair_runs_as_written(tiny, tmp_path, capsys):
     assert (data / sft.METADATA_FILE).read_bytes() == before
     run = next((tmp_path / "checkpoints").glob("sft_pair_*"))
     assert json.loads((run / "sft_config.json").read_text())["data"]["dir"] == str(again)
+    # the model folder as --checkpoint (as infer and export take it): the data prepared for it is reused
+    assert post_training.main(["train", "--config", str(cfg), "--checkpoint", str(tiny), "--max-steps", "1",
+                               "--batch-size", "2", "--sample-tokens", "0", "--name", "folder"]) == 0
+    err = capsys.readouterr().err
+    assert f"using it for that model, from the same source and settings, in {again}" in err, err
+    run = next((tmp_path / "checkpoints").glob("sft_folder_*"))
+    assert json.loads((run / "sft_config.json").read_text())["base"]["imported"] is True
     out = tmp_path / "for"
     assert post_training.main(["prepare", "--config", str(cfg), "--dataset", "samples", "--limit", "16",
                                "--for", str(tiny), "--output-dir", str(out)]) == 0
