@@ -276,6 +276,31 @@ def test_the_readme_public_model_pair_runs_as_written(tiny, tmp_path, capsys):
     assert json.loads((out / sft.METADATA_FILE).read_text())["data_fingerprint"] == meta["data_fingerprint"]
 
 
+def test_dpo_train_prepares_its_pairs_for_a_public_model_too(tiny, tmp_path, capsys):
+    """`dpo prepare` under the configured tokenizer, then `dpo train --init-from-hf DIR`: the
+    pairs are prepared again for the model (same source, limit, held-out draw), as by `dpo
+    prepare --for DIR`, and the run trains on them."""
+    import dpo
+    from tests.conftest import SPM_MODEL
+    from utils.data import sft
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)}, "dpo": {"max_length": 256}})
+    assert dpo.main(["prepare", "--config", str(cfg), "--dataset", "samples", "--limit", "8", "--val-split", "0.25"]) == 0
+    capsys.readouterr()
+    assert dpo.main(["train", "--config", str(cfg), "--init-from-hf", str(tiny), "--max-steps", "1",
+                     "--batch-size", "2", "--name", "pub"]) == 0
+    err = capsys.readouterr().err
+    again, = tmp_path.glob("data/preference-for-*")
+    assert "preparing it for that model" in err, err
+    out = tmp_path / "for"
+    assert dpo.main(["prepare", "--config", str(cfg), "--dataset", "samples", "--limit", "8", "--val-split", "0.25",
+                     "--for", str(tiny), "--output-dir", str(out)]) == 0
+    meta = json.loads((again / sft.METADATA_FILE).read_text())
+    assert meta["data_fingerprint"] == json.loads((out / sft.METADATA_FILE).read_text())["data_fingerprint"]
+    assert meta["counts"]["held_out"] == 2 and meta["template"]["name"] == "jinja"
+    run = next((tmp_path / "checkpoints").glob("dpo_pub_*"))
+    assert json.loads((run / "dpo_config.json").read_text())["data"]["dir"] == str(again)
+
+
 # --------------------------------------------------------------------------- serve: client and page
 @pytest.fixture(scope="module")
 def smol_server(smol, tmp_path_factory):
