@@ -67,6 +67,10 @@ demo: samples $(VENV)/.installed-test
 	$(PY) main.py dpo prepare $(OFFLINE) --test
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py dpo train $(OFFLINE) --test --checkpoint $$SFT/checkpoint_best.pt --name demo --lr 1e-4 --eval-every 1
 	$(PY) main.py status $(OFFLINE) $$(ls -d checkpoints/dpo_demo_* | tail -n 1 | xargs basename)
+	@echo "== 9d. rl: GRPO on the arithmetic task's verifier from the SFT model (a few steps), its reward and pass@1 in status"
+	rm -rf checkpoints/rl_demo_* logs/tensorboard/rl_demo_* logs/raw_metrics/rl_demo_*.jsonl
+	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py rl $(OFFLINE) --test --checkpoint $$SFT --name demo
+	$(PY) main.py status $(OFFLINE) $$(ls -d checkpoints/rl_demo_* | tail -n 1 | xargs basename)
 	@echo "== 10. infer: a scripted prompt through each checkpoint (pre-trained, then SFT with the chat template)"
 	$(PY) main.py infer $(OFFLINE) --checkpoint checkpoints/demo/checkpoint_best.pt --prompt "The history of" --max-new-tokens 30 --seed 1
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py infer $(OFFLINE) --checkpoint $$SFT/checkpoint_best.pt --prompt "Why is the sky blue?" --max-new-tokens 30 --seed 1

@@ -56,7 +56,8 @@ TASKS = ("perplexity", "next_token", "lambada", "hellaswag", "arc_easy", "arc_ch
 
 
 def build_parser() -> StageParser:
-    p = StageParser("main.py benchmark", (__doc__ or "benchmark").strip().splitlines()[0])   # -OO: no docstrings
+    p = StageParser("main.py benchmark", (__doc__ or "benchmark").strip().splitlines()[0],
+                  test=f"quick mode: at most {TEST_CAP} items per task and a small passkey grid")   # -OO: no docstrings
     p.add_argument("models", nargs="*", metavar="CHECKPOINT", type=cli_nonblank,
                    help="checkpoint files, run folders or run names (default: newest pretrain "
                         "and SFT runs)")

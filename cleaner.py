@@ -525,7 +525,8 @@ def print_summary(results: list[FileResult], totals: dict, not_files: Sequence =
 
 def build_parser() -> StageParser:
     p = StageParser("main.py clean", "Wikipedia dumps (structured-contents JSONL or MediaWiki XML) "
-                                  "-> cleaned articles, one per line")
+                                  "-> cleaned articles, one per line",
+                    test="quick mode: the first cleaning.test_max_articles articles of each file")
     p.config_flag("--input-dir", key="wikipedia.raw_dir", type=cli_path, metavar="DIR",
                   help="folder of *.jsonl / *.json / *.xml / *.xml.bz2 dumps (or one file)")
     p.config_flag("--output-dir", key="cleaning.output_dir", type=cli_path, metavar="DIR",

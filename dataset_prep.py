@@ -23,7 +23,9 @@ from utils.data.packing import (PackJob, add_output_flags, cleaned_article_strea
 
 
 def build_parser() -> StageParser:
-    p = StageParser("main.py prepare", "Cleaned Wikipedia articles -> token shards (tokens_*.npy + metadata.json).")
+    p = StageParser("main.py prepare", "Cleaned Wikipedia articles -> token shards (tokens_*.npy + metadata.json).",
+                    test="quick mode: at most dataset.test_max_documents articles, into "
+                         "dataset.wikipedia_test_dir (the shards `train --test` reads)")
     p.config_flag("--batch", key="dataset.batch", type=int, metavar="N",
                   help="articles read per tokenization batch")
     p.config_flag("--workers", key="dataset.workers", type=int, metavar="N",

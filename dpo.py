@@ -54,14 +54,16 @@ CONFIG_FILE = "dpo_config.json"
 USAGE = ("usage: python main.py dpo {prepare,train} [options]\n"
          "  prepare   preference pairs -> data/preference/ (tokenized, answer-only masks, held-out split)\n"
          "  train     DPO of a checkpoint on them (--checkpoint PATH or --init-from-hf DIR)\n"
-         "Both take --config FILE (default config.json) and --test (a quick, small run).\n"
+         "Both take --config FILE (layered over config.json), --debug, and --test (prepare: the\n"
+         f"first {TEST_MAX_PAIRS} pairs; train: at most {TEST_MAX_STEPS} steps).\n"
          "Run `python main.py dpo prepare --help` or `... dpo train --help` for the options.")
 
 
 # --------------------------------------------------------------------------- parsers
 def prepare_parser() -> StageParser:
-    p = StageParser("dpo.py prepare", "Render preference pairs (prompt, chosen, rejected) with the chat "
-                    "template and tokenize them with a mask on the answers.")
+    p = StageParser("main.py dpo prepare", "Render preference pairs (prompt, chosen, rejected) with the chat "
+                    "template and tokenize them with a mask on the answers.",
+                    test=f"quick mode: the first {TEST_MAX_PAIRS} pairs")
     p.config_flag("--dataset", key="dpo.dataset", metavar="NAME|FILE|samples",
                   help="hub dataset name, a local .jsonl file ({prompt, chosen, rejected}), or 'samples' "
                        "(offline: SciQ + ARC questions, right answer vs a wrong option)")
@@ -76,12 +78,14 @@ def prepare_parser() -> StageParser:
                   help="where the prepared pairs go")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help=f"use only the first N pairs (--test: {TEST_MAX_PAIRS})")
+    post_start.for_flag(p, "dpo train")
     return p
 
 
 def train_parser() -> StageParser:
-    p = StageParser("dpo.py train", "Direct Preference Optimization of a checkpoint on the prepared "
-                    "pairs (reference log-probabilities computed once; resumable).")
+    p = StageParser("main.py dpo train", "Direct Preference Optimization of a checkpoint on the prepared "
+                    "pairs (reference log-probabilities computed once; resumable).",
+                    test=f"quick mode: at most {TEST_MAX_STEPS} steps")
     post_start.start_flags(p, "dpo", "a DPO run",
                            "the model to start from (an SFT run's checkpoint, usually)",
                            "start from a local Hugging Face Llama model (prepare the pairs with its "
@@ -126,10 +130,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 # --------------------------------------------------------------------------- prepare
 def prepare(argv: Sequence[str]) -> int:
     args, cfg = prepare_parser().parse(argv)
-    tok = load_tokenizer(cfg)
-    tok_info = describe(tok, cfg.tokenizer.name)
-    template, bos, eos = preference.choose_template(tok, cfg.tokenizer.name, cfg.sft.template, cfg.sft)
-    pairs, source, skips = read_pairs(cfg, args)
+    model = post_start.model_tokenizer(cfg, args.for_model) if args.for_model else None
+    prepare_data(cfg, args.limit, model)
+    return 0
+
+
+def prepare_data(cfg, limit: Optional[int], model: Optional[post_start.ModelTokenizer]) -> Path:
+    """Prepare the configured pairs into paths.preference_dir, tokenized with ``model``'s
+    tokenizer and chat template (``--for``), else the configured tokenizer's; the folder."""
+    if model is None:
+        tok = load_tokenizer(cfg)
+        tok_info, name = describe(tok, cfg.tokenizer.name), cfg.tokenizer.name
+    else:
+        tok, tok_info, name = model.tok, model.info, model.name
+        print(f"dpo prepare: for {name} (its tokenizer, fingerprint {tok_info['fingerprint'][:12]}).", flush=True)
+    template, bos, eos = (post_start.template_for(model, tok)
+                          or preference.choose_template(tok, name, cfg.sft.template, cfg.sft))
+    pairs, source, skips = read_pairs(cfg, limit)
     enc = preference.encode_pairs(tok, template, pairs, bos, eos, cfg.dpo.max_length, skips)
     require_some(enc, source, skips, len(pairs))
     split = preference.split_of(len(enc.kept), cfg.dpo.val_split, cfg.training.seed)
@@ -141,10 +158,10 @@ def prepare(argv: Sequence[str]) -> int:
           flush=True)
     for where in skips.where:
         print(f"  skipped {where}", flush=True)
-    return 0
+    return out
 
 
-def read_pairs(cfg, args) -> tuple[list, dict, sft.Skips]:
+def read_pairs(cfg, limit: Optional[int]) -> tuple[list, dict, sft.Skips]:
     """The configured source's pairs (malformed ones skipped and counted), cut to --limit."""
     skips, spec = sft.Skips(), cfg.dpo.dataset
     max_chars = cfg.dpo.max_length * sft.MAX_TURN_CHARS_PER_TOKEN
@@ -153,7 +170,7 @@ def read_pairs(cfg, args) -> tuple[list, dict, sft.Skips]:
         source = {"kind": "preference_substitute", "name": "sciq+arc_easy+arc_challenge",
                   "label": preference.SAMPLE_LABEL, "inputs": [str(cfg.path("paths.samples_dir"))]}
     else:
-        p = cfg.resolve(spec)
+        p = sft.dataset_path(spec, cfg.resolve)
         if p.suffix.lower() in (".jsonl", ".json") or p.is_file():
             pairs = preference.read_jsonl_pairs(p, max_chars, skips)
             source = {"kind": "jsonl", "name": p.name, "label": "local preference JSONL", "inputs": [str(p)]}
@@ -163,7 +180,8 @@ def read_pairs(cfg, args) -> tuple[list, dict, sft.Skips]:
             source = {"kind": "local_dataset" if local else "hub", "name": p.name if local else spec,
                       "label": "local dataset folder" if local else "Hugging Face hub",
                       "inputs": [str(p) if local else spec]}
-    limit = args.limit if args.limit is not None else (TEST_MAX_PAIRS if cfg.test else None)
+    limit = limit if limit is not None else (TEST_MAX_PAIRS if cfg.test else None)
+    source["limit"] = limit
     if limit is not None:
         pairs = pairs[:limit]
     print(f"dpo prepare: {len(pairs)} pairs from {source['label']} ({source['name']})"
@@ -235,6 +253,8 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
     """The steps of a start, each returning what it makes (utils/stage.py runs the rest)."""
     from utils import stage     # torch-bound (the model, the trainer): `dpo prepare` does not load it
     pairs = preference.load_pairs(cfg.path("paths.preference_dir"))
+    if post_start.data_for_model(cfg, args, "dpo", pairs.meta, PREPARED):
+        pairs = preference.load_pairs(cfg.path("paths.preference_dir"))
     src = open_source(cfg, args, pairs.meta)
     tok, tok_info, pad = open_run_tokenizer(cfg, src, pairs.meta)
     rules = post_start.run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok,
@@ -250,6 +270,9 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
         resume_command=resume_command_post("dpo train", argv, latest),
         closing=functools.partial(closing_line, src.run_dir, start.lora is not None))
     return post_start.run_start(cfg, start, parts)
+
+
+PREPARED = post_start.Prepared("paths.preference_dir", "dpo", prepare_data)
 
 
 def open_source(cfg, args, meta: dict) -> Source:
@@ -280,7 +303,7 @@ def check_fits(ckpt: dict, path: Path, meta: dict, data_dir: Path, model_args) -
                             f"{', '.join(differ)}). Re-run `python main.py dpo prepare` with the tokenizer and "
                             "the sft section (template, prefixes) the checkpoint's SFT data was prepared with.")
     longest, limit = (meta.get("lengths") or {}).get("max", 0), model_args.max_seq_len
-    if longest - 1 > limit:
+    if sft.positions_needed(longest) > limit:
         raise PipelineError(f"the longest sequence in {data_dir} has {longest} tokens but {path} takes "
                             f"{limit} positions (model.max_seq_len). Re-run `python main.py dpo prepare "
                             f"--max-length {limit}`.")

@@ -80,7 +80,7 @@ def build_parser() -> StageParser:
     p.add_argument("--format", choices=FORMATS, required=True,
                    help="hf: a transformers model folder; gguf: one file for llama.cpp")
     p.add_argument("--out", type=cli_path, default=None, metavar="DIR",
-                   help="output folder (default: exports/<run>-<format>)")
+                   help="output folder (default: <paths.exports_dir>/<run>-<format>, exports/ unless set)")
     p.add_argument("--dtype", default=None,
                    help="hf: fp32, bf16 or fp16 (default: the weights' own); "
                         "gguf: f32, f16 (default), bf16 or q8_0")
@@ -109,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     say_merged(loaded)
     if args.adapter:
         merge_adapter(loaded, Path(args.adapter))
-    out = Path(args.out) if args.out else cfg.root / "exports" / f"{loaded.run}-{args.format}"
+    out = Path(args.out) if args.out else cfg.path("paths.exports_dir") / f"{loaded.run}-{args.format}"
     check_out(out, loaded.path, args.force)
     check_exportable(loaded, args.format)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

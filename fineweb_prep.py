@@ -205,7 +205,9 @@ def hub_stream(cfg: Config) -> Stream:
 
 
 def build_parser() -> StageParser:
-    p = StageParser("main.py fineweb", "FineWeb (hub streaming or local parquet) -> token shards.")
+    p = StageParser("main.py fineweb", "FineWeb (hub streaming or local parquet) -> token shards.",
+                    test="quick mode: at most fineweb.test_max_documents documents, into "
+                         "dataset.fineweb_test_dir (the shards `train --test` reads)")
     p.config_flag("--data-dir", key="fineweb.data_dir", type=cli_path, metavar="DIR",
                   help="local folder of FineWeb parquet files (instead of the hub)")
     p.config_flag("--workers", key="fineweb.workers", type=int, metavar="N",

@@ -114,7 +114,7 @@ def ask(text: str, default: Optional[str] = None) -> str:
 
 # --------------------------------------------------------------------------- parser
 def build_parser() -> StageParser:
-    p = StageParser("inference.py", "Generate text from trained checkpoints: an interactive menu, "
+    p = StageParser("main.py infer", "Generate text from trained checkpoints: an interactive menu, "
                     "or scripted with --checkpoint and --prompt.")
     p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH",
                    help="checkpoint file or run folder (skips the run/checkpoint menu); also a "

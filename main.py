@@ -201,7 +201,8 @@ def usage() -> str:
         alias = f" (alias: {', '.join(st.aliases)})" if st.aliases else ""
         built = _state(st, " ")
         lines.append(f"  {name:<{width}}  {st.description}{alias}{built}")
-    lines += ["", "Every stage accepts --config FILE (layered over config.json) and --test (quick mode)."]
+    lines += ["", "Every stage accepts --config FILE (layered over config.json), --test (the stage's quick",
+              "mode, worded in its --help) and --debug (an unexpected error's traceback, printed)."]
     return "\n".join(lines)
 
 

@@ -55,14 +55,16 @@ TEST_MAX_RECORDS = 300
 USAGE = ("usage: python main.py sft {prepare,train} [options]\n"
          "  prepare   instruction data -> data/post-training/ (tokenized, with loss mask)\n"
          "  train     fine-tune a checkpoint on it (--checkpoint PATH)\n"
-         "Both take --config FILE (default config.json) and --test (a quick, small run).\n"
+         "Both take --config FILE (layered over config.json), --debug, and --test (prepare: the\n"
+         f"first {TEST_MAX_RECORDS} records; train: nothing, use --max-steps).\n"
          "Run `python main.py sft prepare --help` or `... sft train --help` for the options.")
 
 
 # --------------------------------------------------------------------------- parsers
 def prepare_parser() -> StageParser:
-    p = StageParser("post_training.py prepare", "Convert instruction data into the chat format "
-                    "and tokenize it with a loss mask on the assistant tokens.")
+    p = StageParser("main.py sft prepare", "Convert instruction data into the chat format "
+                    "and tokenize it with a loss mask on the assistant tokens.",
+                    test=f"quick mode: the first {TEST_MAX_RECORDS} records")
     p.config_flag("--dataset", key="sft.dataset", metavar="NAME|FILE|samples",
                   help="hub dataset name (GAIR/lima), a local .jsonl file, or 'samples' (offline: "
                        "SciQ + ARC question/answer pairs converted into LIMA's schema)")
@@ -78,12 +80,15 @@ def prepare_parser() -> StageParser:
                   help="where the prepared data goes")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help=f"use only the first N records (--test: {TEST_MAX_RECORDS})")
+    post_start.for_flag(p, "sft train")
     return p
 
 
 def train_parser() -> StageParser:
-    p = StageParser("post_training.py train", "Supervised fine-tuning of a pretrained checkpoint "
-                    "on the prepared instruction data (masked loss, resumable).")
+    p = StageParser("main.py sft train", "Supervised fine-tuning of a pretrained checkpoint "
+                    "on the prepared instruction data (masked loss, resumable).",
+                    test="accepted, and changes nothing here: make a quick run with `sft prepare "
+                         "--test` and --max-steps")
     post_start.start_flags(p, "sft", "an SFT run",
                            "pretrained checkpoint to fine-tune (required unless --resume)",
                            "fine-tune a local Hugging Face Llama model (folder or .gguf file) instead of "
@@ -146,8 +151,7 @@ def _load_source(cfg, spec: str, max_turn_chars: int, skips) -> tuple[list, dict
                       "records_by_source": counts,
                       "inputs": [str(cfg.path("paths.samples_dir") / n) for n in
                                  ("sciq", "arc_easy", "arc_challenge")]}, None
-    p = Path(os.path.expanduser(spec))
-    p = p if p.is_absolute() else (cfg.resolve(spec) if cfg.resolve(spec).exists() else p.resolve())
+    p = sft.dataset_path(spec, cfg.resolve)
     if p.suffix.lower() in (".jsonl", ".json") or p.is_file():
         recs = sft.read_jsonl_records(p, max_turn_chars, skips)
         return recs, {"kind": "jsonl", "name": p.name, "label": "local LIMA-schema JSONL",
@@ -164,23 +168,35 @@ def prepare(argv: Sequence[str]) -> int:
     args, cfg = prepare_parser().parse(argv)
     if args.batch_size < 1:
         raise UsageError("--batch-size must be at least 1.")
-    tok = load_tokenizer(cfg)
-    tok_info = describe(tok, cfg.tokenizer.name)
-    template, bos, eos = choose_template(cfg, tok)
-    src = read_records(cfg, args)
-    enc = encode_records(tok, template, src, cfg.sft.max_length, args.batch_size, bos, eos)
+    model = post_start.model_tokenizer(cfg, args.for_model) if args.for_model else None
+    prepare_data(cfg, args.limit, args.batch_size, model)
+    return 0
+
+
+def prepare_data(cfg, limit: Optional[int], batch_size: int, model: Optional[post_start.ModelTokenizer]) -> Path:
+    """Prepare the configured source into paths.post_training_dir, tokenized with ``model``'s
+    tokenizer and chat template (``--for``), else the configured tokenizer's; the folder."""
+    if model is None:
+        tok = load_tokenizer(cfg)
+        tok_info, name = describe(tok, cfg.tokenizer.name), cfg.tokenizer.name
+    else:
+        tok, tok_info, name = model.tok, model.info, model.name
+        print(f"sft prepare: for {name} (its tokenizer, fingerprint {tok_info['fingerprint'][:12]}).", flush=True)
+    template, bos, eos = post_start.template_for(model, tok) or choose_template(cfg, tok, name)
+    src = read_records(cfg, limit)
+    enc = encode_records(tok, template, src, cfg.sft.max_length, batch_size, bos, eos)
     out = cfg.path("paths.post_training_dir")
     arrays = write_arrays(out, enc, len(tok))
     copy_name = write_source_copy(out, src)
     write_examples_and_metadata(cfg, out, tok, tok_info, template, src, enc, arrays, copy_name)
     report_prepare(out, src, enc, arrays)
-    return 0
+    return out
 
 
-def choose_template(cfg, tok) -> tuple[dict, Optional[int], Optional[int]]:
+def choose_template(cfg, tok, name: str) -> tuple[dict, Optional[int], Optional[int]]:
     """The data's chat template (``sft.template``: the tokenizer's own when it has one, else
     ours; utils/data/chat.py) and the BOS and EOS ids our template frames exchanges with."""
-    own, name = chat.template_source(tok), cfg.tokenizer.name
+    own = chat.template_source(tok)
     if cfg.sft.template == "tokenizer" and own is None:
         raise PipelineError(f"sft.template is 'tokenizer' but tokenizer '{name}' has no chat template of its "
                             "own; set sft.template to 'auto' or 'user-assistant' (our User/Assistant "
@@ -203,12 +219,12 @@ class Records:
     limit: Optional[int]
 
 
-def read_records(cfg, args) -> Records:
-    """The records of the configured source (malformed ones counted), cut to --limit."""
+def read_records(cfg, limit: Optional[int]) -> Records:
+    """The records of the configured source (malformed ones counted), cut to ``limit`` (--limit)."""
     skips = sft.Skips()
     records, source, local = _load_source(cfg, cfg.sft.dataset,
                                           cfg.sft.max_length * sft.MAX_TURN_CHARS_PER_TOKEN, skips)
-    limit = args.limit if args.limit is not None else (TEST_MAX_RECORDS if cfg.test else None)
+    limit = limit if limit is not None else (TEST_MAX_RECORDS if cfg.test else None)
     read = len(records) + skips.total
     if limit is not None:
         records = records[:limit]
@@ -354,6 +370,10 @@ def report_prepare(out: Path, src: Records, enc: Encoded, arrays: dict) -> None:
 
 
 # --------------------------------------------------------------------------- train
+PREPARED = post_start.Prepared("paths.post_training_dir", "sft",
+                               lambda cfg, limit, model: prepare_data(cfg, limit, 100, model))
+
+
 def check_compatible(ckpt: dict, ckpt_path: Path, meta: dict, data_dir: Path, model_args) -> None:
     """Refuse a checkpoint whose tokenizer or architecture does not fit the SFT data."""
     want = meta.get("tokenizer") or {}
@@ -370,7 +390,7 @@ def check_compatible(ckpt: dict, ckpt_path: Path, meta: dict, data_dir: Path, mo
             "checkpoint's tokenizer.")
     lengths = meta.get("lengths") or {}
     longest = lengths.get("max", 0)
-    if longest > model_args.max_seq_len:
+    if sft.positions_needed(longest) > model_args.max_seq_len:
         raise PipelineError(
             f"architecture mismatch: the longest SFT example in {data_dir} has {longest} tokens "
             f"but checkpoint {ckpt_path} was built for max_seq_len {model_args.max_seq_len}. "
@@ -378,20 +398,23 @@ def check_compatible(ckpt: dict, ckpt_path: Path, meta: dict, data_dir: Path, mo
 
 
 def fit_advice(max_seq_len: int, shortest: Optional[int] = None) -> str:
-    """What to do when SFT examples are longer than a model's context. Re-preparing with
-    ``--max-length`` = the context is suggested only when that is a value --max-length takes
-    (at least SFT_MIN_LENGTH) and it keeps some example (the data's shortest fits); otherwise
-    the message says that no --max-length helps, and what does."""
-    if max_seq_len < SFT_MIN_LENGTH:
+    """What to do when SFT examples are longer than a model's context. A model of max_seq_len
+    M trains on examples of up to M + 1 tokens (utils.data.sft.positions_needed, the rule DPO
+    follows too); re-preparing with ``--max-length`` M + 1 is suggested only when that is a
+    value --max-length takes (at least SFT_MIN_LENGTH) and it keeps some example (the data's
+    shortest fits); otherwise the message says that no --max-length helps, and what does."""
+    longest = max_seq_len + 1
+    if longest < SFT_MIN_LENGTH:
         return (f"No --max-length makes the data fit this model: --max-length (sft.max_length) "
-                f"takes at least {SFT_MIN_LENGTH} tokens, more than its max_seq_len of "
-                f"{max_seq_len}. Fine-tune a checkpoint built for at least {SFT_MIN_LENGTH} "
-                "positions (model.max_seq_len) instead.")
-    if isinstance(shortest, int) and shortest > max_seq_len:
+                f"takes at least {SFT_MIN_LENGTH} tokens, more than the {longest} its max_seq_len of "
+                f"{max_seq_len} trains on. Fine-tune a checkpoint built for at least "
+                f"{sft.positions_needed(SFT_MIN_LENGTH)} positions (model.max_seq_len) instead.")
+    if isinstance(shortest, int) and sft.positions_needed(shortest) > max_seq_len:
         return (f"No --max-length makes this data fit the model: its shortest example has "
-                f"{shortest} tokens. Fine-tune a checkpoint built for at least {shortest} positions "
-                "(model.max_seq_len), or prepare data with shorter conversations.")
-    return (f"Re-run `python main.py sft prepare --max-length {max_seq_len}` (it drops the "
+                f"{shortest} tokens. Fine-tune a checkpoint built for at least "
+                f"{sft.positions_needed(shortest)} positions (model.max_seq_len), or prepare data "
+                "with shorter conversations.")
+    return (f"Re-run `python main.py sft prepare --max-length {longest}` (it drops the "
             "examples that do not fit).")
 
 
@@ -405,6 +428,8 @@ def set_up(cfg, args, argv: Sequence[str]) -> stage.Run:
     What they hold (the checkpoint, an imported model) is freed when this returns."""
     from utils import stage     # torch-bound (the model, the trainer): `sft prepare` does not load it
     examples = sft.load_examples(cfg.path("paths.post_training_dir"))
+    if post_start.data_for_model(cfg, args, "sft", examples.meta, PREPARED):
+        examples = sft.load_examples(cfg.path("paths.post_training_dir"))
     src = open_source(cfg, args, examples.meta)
     tok, tok_info, eos = open_run_tokenizer(cfg, src, examples.meta)
     rules = post_start.run_rules(stage.kept_rules(tok, src.imported, src.ckpt), src, tok,

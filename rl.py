@@ -44,8 +44,9 @@ RL_CONFIG_FILE = stage_config_file("rl")
 
 
 def build_parser() -> StageParser:
-    p = StageParser("rl.py", "On-policy RL on verifiable rewards (GRPO): sample groups of replies, "
-                    "score them with the task's verifier, reinforce the better ones (resumable).")
+    p = StageParser("main.py rl", "On-policy RL on verifiable rewards (GRPO): sample groups of replies, "
+                    "score them with the task's verifier, reinforce the better ones (resumable).",
+                    test="quick mode: at most rl.test_steps steps")
     post_start.start_flags(p, "rl", "an RL run", "the checkpoint to start from (an SFT run's, usually)",
                            "start from a local Hugging Face Llama model (folder or .gguf file) instead",
                            "task")
@@ -141,7 +142,7 @@ def check_fits(task: Task, tok, rules: Rules, rl_cfg, model_args) -> None:
 
 # --------------------------------------------------------------------------- the spec
 def end_token(tok, rules: Rules) -> int:
-    """The token a finished reply is trained to end with: the template's end of turn, else EOS."""
+    """The padding id of a tokenizer without one: the template's end of turn, else EOS."""
     turn_end = (rules.template or {}).get("end_of_turn")
     if turn_end is not None:
         return int(tok.convert_tokens_to_ids(turn_end))
@@ -167,10 +168,12 @@ def scorer(task: Task, items, prompts, decode):
 
 
 def reference_model(src: Source, model, kl_beta: float):
-    """The frozen starting model for the KL penalty (None when kl_beta is 0): the base's
-    weights, read again on resume (the run's model holds the resumed ones by then)."""
+    """(the frozen starting model for the KL penalty, the sha256 of its weights); (None, None)
+    when kl_beta is 0. On resume the base's weights are read again (the run's model holds the
+    resumed ones by then) and must hash as the run recorded at its start: a base rewritten in
+    between would change the KL term silently (as dpo checks its stored reference)."""
     if kl_beta <= 0:
-        return None
+        return None, None
     if src.resumed:
         if src.base_imported:
             from utils.hf.import_hf import load_hf_llama    # torch and transformers: only for an import
@@ -179,10 +182,18 @@ def reference_model(src: Source, model, kl_beta: float):
             weights = load_checkpoint(src.base, purpose="weights")["model"]
     else:
         weights = src.ckpt["model"]
+    from utils.rl.grpo import weights_sha256      # torch-bound
+    digest = weights_sha256(weights)
+    recorded = (src.ckpt.get("rl") or {}).get("reference_sha256") if src.resumed else None
+    if recorded is not None and recorded != digest:
+        raise PipelineError(f"--resume {src.path}: the KL reference, the run's base {src.base}, has "
+                            f"changed since the run started (sha256 {digest[:12]}, recorded {recorded[:12]}): "
+                            "its KL term would differ from the one the run trained with. Put the base back "
+                            "as it was, or start a new run from it (--checkpoint).")
     from model import create_model      # torch-bound
     ref = create_model(src.model_args)   # the plain network: a LoRA run's model carries its adapter
     ref.load_state_dict(weights, strict=True)
-    return ref.to(model.device).eval().requires_grad_(False)
+    return ref.to(model.device).eval().requires_grad_(False), digest
 
 
 def rl_spec(cfg, src: Source, task: Task, tok, tok_info, rules: Rules, model):
@@ -196,21 +207,22 @@ def rl_spec(cfg, src: Source, task: Task, tok, tok_info, rules: Rules, model):
     train_p, val_p = prompt_ids(tok, rules, task.train), prompt_ids(tok, rules, task.val)
     pad = tok.pad_token_id if tok.pad_token_id is not None else end_token(tok, rules)
     settings = grpo.RolloutSettings(r.group_size, r.prompts_per_step, r.max_new_tokens, r.temperature,
-                                    r.top_k, rules.stop_ids, end_token(tok, rules), pad, r.advantage == "grpo")
+                                    r.top_k, rules.stop_ids, pad, r.advantage == "grpo")
     stage.say_dropout("rl", model, r.keep_dropout)
     amp = resolve_dtype(r.dtype, model.device)          # rollouts at the training steps' precision
     data = grpo.Rollouts(model, train_p, settings, scorer(task, task.train, train_p, decode), cfg.training.seed,
                          amp=None if amp == torch.float32 else amp)
     val_score = scorer(task, task.val, val_p, decode)
     engine = data.engine
-    ref = reference_model(src, model, r.kl_beta)
+    ref, ref_sha256 = reference_model(src, model, r.kl_beta)
     stage.say_adapter("rl", model)
     print(f"rl: task {task.name} ({task.source}; checker {task.checker}): {len(task.train)} training / "
           f"{len(task.val)} held-out prompts; {total_steps(cfg)} steps of {r.prompts_per_step} prompts x "
           f"{r.group_size} replies; lr {r.lr:g}; kl_beta {r.kl_beta:g}; advantage {r.advantage}; on "
           f"{model.device}; base {src.base}.", flush=True)
     record = stage.run_record("rl", cfg, tok_info, rules, {"rl": {"base_checkpoint": str(src.base),
-                                                                  "task": task.describe()}})
+                                                                  "task": task.describe(),
+                                                                  "reference_sha256": ref_sha256}})
 
     def sample(m) -> list[tuple[str, str]]:
         (ids, _), = grpo.generate_replies(engine, val_p[:1], 1, r.max_new_tokens, 0.0, 0, rules.stop_ids, 0)

@@ -69,7 +69,7 @@ def build_parser() -> StageParser:
                    help="intra-op threads of each engine step (default: the engine's rule, 1 for a "
                         "small model's small steps, all cores for models of 64M+ weights; 1 on a busy machine)")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' on /v1 and /metrics (default: ${API_KEY_ENV})")
     return p
 
 

@@ -433,7 +433,8 @@ def name_arg(value: str) -> str:
 
 
 def build_parser() -> StageParser:
-    p = StageParser("main.py tokenize", (__doc__ or "tokenize").strip().splitlines()[0])   # -OO: no docstrings
+    p = StageParser("main.py tokenize", (__doc__ or "tokenize").strip().splitlines()[0],
+                    test=f"quick mode: --train reads at most {TEST_MAX_DOCUMENTS:,} documents")   # -OO: no docstrings
     action = p.add_mutually_exclusive_group()
     action.add_argument("--encode", metavar="TEXT", help="print the token ids of TEXT")
     action.add_argument("--encode-file", metavar="FILE", type=cli_path,

@@ -1,6 +1,6 @@
 """Stage ``train``: pre-train the model on token shards (or on-the-fly data), resumably.
 
-    python main.py train --test                        quick run: tiny model, one short epoch
+    python main.py train --test                        quick run: the tiny preset, 40 steps
     python main.py train --name exp1                   checkpoints/exp1/, logs/*/exp1
     python main.py train --name exp1 --resume auto     continue exp1 exactly where it stopped
     python main.py train --resume checkpoints/exp1/checkpoint_step_2000.pt
@@ -59,9 +59,11 @@ TEST_DEFAULTS = {"--preset": ("cfg__model__preset", "tiny"),
 
 
 def build_parser() -> StageParser:
-    p = StageParser("train.py", "Pre-train the model on the configured token shards (or "
+    p = StageParser("main.py train", "Pre-train the model on the configured token shards (or "
                     "on-the-fly data). Ctrl-C saves checkpoint_latest.pt and prints the exact "
-                    "resume command; --resume continues bit for bit.")
+                    "resume command; --resume continues bit for bit.",
+                    test="quick mode: the tiny preset, window 64, batch 8, 40 steps, on the "
+                         "--test shards (a flag given still wins)")
     p.config_flag("--name", key="training.run_name", help="run name: checkpoints/NAME, "
                   "logs/tensorboard/NAME, logs/raw_metrics/NAME.jsonl (default run_<time>)")
     p.add_argument("--resume", metavar="PATH|auto", default=None, type=cli_nonblank,
@@ -436,7 +438,7 @@ def open_run(cfg, args, tok, tok_info, proc: stage.Process, imported=None,
         model_args = model_lib.model_args_from_config(cfg, cfg.model.vocab_size or len(tok),
                                                       tok.bos_token_id)
     run_dir = ckdir / run
-    if (run_dir / "checkpoint_latest.pt").exists() and restart is None:
+    if restart is None and any((run_dir / f"checkpoint_latest{ext}").exists() for ext in (".pt", ".dcp")):  # .dcp: FSDP
         raise UsageError(f"{run_dir} already holds a run. Continue it with `--name {run} --resume "
                          "auto`, or choose another --name.")
     return stage.Start(run, run_dir, model_args,

@@ -162,7 +162,8 @@ def test_rollouts_sample_in_the_autocast_dtype_they_are_given():
     from tests.test_model import build
     from utils.rl import grpo
     model = build(seed=3)
-    settings = grpo.RolloutSettings(2, 1, 3, 1.0, 0, frozenset(), 0, 0)
+    settings = grpo.RolloutSettings(group_size=2, prompts_per_step=1, max_new_tokens=3, temperature=1.0,
+                                    top_k=0, stop_ids=frozenset(), pad_id=0)
     data = grpo.Rollouts(model, [[1, 5, 7], [1, 9]], settings, lambda i, ids: 1.0, 0, amp=torch.bfloat16)
     assert data.engine.dtype == torch.bfloat16
     batch = next(iter(data))

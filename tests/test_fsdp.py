@@ -292,6 +292,18 @@ def test_muon_is_refused_with_the_alternatives(cfg):
     assert "Muon with --parallel ddp" in r.stderr
 
 
+def test_a_second_run_under_the_same_name_is_refused_as_a_plain_one_is(root, cfg, single):
+    """Starting an FSDP run again under the same --name without --resume was not refused (the
+    check looked for checkpoint_latest.pt; an FSDP run writes checkpoint_latest.dcp): the second
+    run replaced the first one's checkpoints. Now it is refused, naming the fix, as a plain run."""
+    folder = root / "checkpoints" / "single"
+    before = {p.name: p.stat().st_mtime_ns for p in folder.rglob("*")}
+    r = train(cfg, *RUN, "--batch-size", 2 * B, "--name", "single")
+    assert r.returncode == 2 and "already holds a run" in r.stderr, r.stdout + r.stderr
+    assert "--name single --resume auto" in r.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in folder.rglob("*")} == before
+
+
 def test_readers_take_a_sharded_checkpoint_as_a_file(root, cfg, full, tmp_path):
     """infer, export, status and report on the two-rank run: weights consolidated in the reading
     process, sizes of the folders' files."""

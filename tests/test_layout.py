@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 STAGES = {"main", "cleaner", "tokenizer", "dataset_prep", "fineweb_prep", "train", "status",
-          "post_training", "inference", "benchmark", "export", "serve", "report"}
+          "post_training", "dpo", "rl", "inference", "benchmark", "export", "serve", "report"}
 LIBRARY = sorted((ROOT / "utils").rglob("*.py")) + [ROOT / "model.py", ROOT / "dataloader.py"]
 # docs/DESIGN.md's layers, bottom first: a module imports from the layers below its own and
 # from its own package of utils/; packages of one layer import nothing of each other.

@@ -236,6 +236,71 @@ def test_sft_with_the_models_own_template_then_infer_and_export(tiny, tmp_path, 
     assert ours["text"] == tok.decode(hf_greedy(out, prompt, 20), skip_special_tokens=True)
 
 
+def test_the_readme_public_model_pair_runs_as_written(tiny, tmp_path, capsys):
+    """The README's pair, `sft prepare` under the offline config (its SentencePiece tokenizer)
+    then `sft train --init-from-hf DIR`, stopped with "tokenizer mismatch ... Re-run sft prepare
+    with the checkpoint's tokenizer", which no flag of sft prepare could do. Now sft train
+    prepares the data again for the model (same source and settings, said on stderr) in a
+    sibling folder, the prepared data left as it was; `sft prepare --for DIR` makes the same."""
+    import post_training
+    from tests.conftest import SPM_MODEL
+    from utils.data import sft
+    from utils.hf.import_hf import imported_tokenizer
+    from utils.data.tok import fingerprint
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)}, "sft": {"max_length": 256}})
+    assert post_training.main(["prepare", "--config", str(cfg), "--dataset", "samples", "--limit", "16"]) == 0
+    data = tmp_path / "data" / "post-training"
+    before = (data / sft.METADATA_FILE).read_bytes()
+    capsys.readouterr()
+    assert post_training.main(["train", "--config", str(cfg), "--init-from-hf", str(tiny), "--max-steps", "1",
+                               "--batch-size", "2", "--sample-tokens", "0", "--name", "pair"]) == 0
+    err = capsys.readouterr().err
+    again, = tmp_path.glob("data/post-training-for-*")
+    assert "preparing it for that model" in err and str(again) in err, err
+    meta = json.loads((again / sft.METADATA_FILE).read_text())
+    assert meta["tokenizer"]["fingerprint"] == fingerprint(imported_tokenizer(tiny)[0])
+    assert meta["template"]["name"] == "jinja" and meta["source"]["limit"] == 16
+    assert (data / sft.METADATA_FILE).read_bytes() == before
+    run = next((tmp_path / "checkpoints").glob("sft_pair_*"))
+    assert json.loads((run / "sft_config.json").read_text())["data"]["dir"] == str(again)
+    # the model folder as --checkpoint (as infer and export take it): the data prepared for it is reused
+    assert post_training.main(["train", "--config", str(cfg), "--checkpoint", str(tiny), "--max-steps", "1",
+                               "--batch-size", "2", "--sample-tokens", "0", "--name", "folder"]) == 0
+    err = capsys.readouterr().err
+    assert f"using it for that model, from the same source and settings, in {again}" in err, err
+    run = next((tmp_path / "checkpoints").glob("sft_folder_*"))
+    assert json.loads((run / "sft_config.json").read_text())["base"]["imported"] is True
+    out = tmp_path / "for"
+    assert post_training.main(["prepare", "--config", str(cfg), "--dataset", "samples", "--limit", "16",
+                               "--for", str(tiny), "--output-dir", str(out)]) == 0
+    assert json.loads((out / sft.METADATA_FILE).read_text())["data_fingerprint"] == meta["data_fingerprint"]
+
+
+def test_dpo_train_prepares_its_pairs_for_a_public_model_too(tiny, tmp_path, capsys):
+    """`dpo prepare` under the configured tokenizer, then `dpo train --init-from-hf DIR`: the
+    pairs are prepared again for the model (same source, limit, held-out draw), as by `dpo
+    prepare --for DIR`, and the run trains on them."""
+    import dpo
+    from tests.conftest import SPM_MODEL
+    from utils.data import sft
+    cfg = write_config(tmp_path, {"tokenizer": {"name": str(SPM_MODEL)}, "dpo": {"max_length": 256}})
+    assert dpo.main(["prepare", "--config", str(cfg), "--dataset", "samples", "--limit", "8", "--val-split", "0.25"]) == 0
+    capsys.readouterr()
+    assert dpo.main(["train", "--config", str(cfg), "--init-from-hf", str(tiny), "--max-steps", "1",
+                     "--batch-size", "2", "--name", "pub"]) == 0
+    err = capsys.readouterr().err
+    again, = tmp_path.glob("data/preference-for-*")
+    assert "preparing it for that model" in err, err
+    out = tmp_path / "for"
+    assert dpo.main(["prepare", "--config", str(cfg), "--dataset", "samples", "--limit", "8", "--val-split", "0.25",
+                     "--for", str(tiny), "--output-dir", str(out)]) == 0
+    meta = json.loads((again / sft.METADATA_FILE).read_text())
+    assert meta["data_fingerprint"] == json.loads((out / sft.METADATA_FILE).read_text())["data_fingerprint"]
+    assert meta["counts"]["held_out"] == 2 and meta["template"]["name"] == "jinja"
+    run = next((tmp_path / "checkpoints").glob("dpo_pub_*"))
+    assert json.loads((run / "dpo_config.json").read_text())["data"]["dir"] == str(again)
+
+
 # --------------------------------------------------------------------------- serve: client and page
 @pytest.fixture(scope="module")
 def smol_server(smol, tmp_path_factory):

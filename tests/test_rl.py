@@ -130,7 +130,7 @@ def test_rollouts_are_groups_of_one_prompt_and_a_restored_position_regenerates_t
     m = tiny_model()
     prompts = [[1, 3 + i, 4] for i in range(6)]
     s = grpo.RolloutSettings(group_size=4, prompts_per_step=2, max_new_tokens=5, temperature=1.0, top_k=0,
-                             stop_ids=(2,), end_id=2, pad_id=0)
+                             stop_ids=(2,), pad_id=0)
     data = grpo.Rollouts(m, prompts, s, lambda i, ids: float(len(ids) % 2), seed=7)
     it = iter(data)
     first = next(it)
@@ -150,6 +150,31 @@ def test_rollouts_are_groups_of_one_prompt_and_a_restored_position_regenerates_t
         assert torch.equal(regen[k], second[k]), k
     with pytest.raises(PipelineError, match="same rl.task"):
         again.load_state_dict({**state, "num_prompts": 99})
+
+
+def test_a_reply_that_stopped_is_trained_on_the_stop_id_it_sampled():
+    """GRPO appended the template's end-of-turn id to every reply that stopped on any stop id, so
+    a reply that stopped on EOS trained on a token the model never sampled. Now the reply ends
+    with the stop id it sampled: the same token an unstopped run of the same seed samples there."""
+    m = tiny_model()
+    prompts = [[1, 3 + i, 4] for i in range(2)]
+    stops = tuple(range(5, 30))                  # many stop ids: rows stop early, on different ones
+    s = grpo.RolloutSettings(group_size=4, prompts_per_step=2, max_new_tokens=12, temperature=1.0, top_k=0,
+                             stop_ids=stops, pad_id=0)
+    data = grpo.Rollouts(m, prompts, s, lambda i, ids: 0.0, seed=7)
+    chosen = [int(i) for i in data.order(0)[:2]]
+    seed = 7 * 7919                              # the first batch's row seeds (Rollouts.__iter__)
+    batch = next(iter(data))
+    rows = [prompts[i] for i in chosen]
+    stopped = grpo.generate_replies(data.engine, rows, 4, 12, 1.0, 0, stops, seed)
+    free = grpo.generate_replies(data.engine, rows, 4, 12, 1.0, 0, (), seed)
+    ended = {stop for _, stop in stopped if stop is not None}
+    assert len(ended) > 1, stopped               # several different stop ids were sampled
+    for r, ((ids, stop), (unstopped, _)) in enumerate(zip(stopped, free)):
+        trained = batch["y"][r][batch["loss_mask"][r] > 0].tolist()
+        assert trained == ids + ([stop] if stop is not None else []), r
+        if stop is not None:                     # what the model sampled there, not a fixed end id
+            assert unstopped[:len(ids) + 1] == ids + [stop], r
 
 
 # --------------------------------------------------------------------------- the stage
@@ -227,6 +252,36 @@ def test_rl_with_lora_and_a_kl_penalty_trains_the_adapter_alone(work):
     assert ck["lora"]["rank"] == 2            # the optimizer holds the adapter alone:
     assert len(ck["optimizer"]["adamw"]["state"]) == len(ck["lora"]["weights"]) > 0
     assert [x["step"] for x in log_records(work["root"], run.name) if x["type"] == "train"] == [1, 2]
+
+
+def test_a_resume_refuses_a_kl_reference_rewritten_since_the_start(work):
+    """rl read its KL reference again from the base's path on resume with no check, so a base
+    rewritten in between changed the KL term silently. Now the run records the reference's
+    sha256 (as dpo records its reference's) and a resume against other weights is refused."""
+    import shutil
+    from utils.rl.grpo import weights_sha256
+    from utils.run import load_checkpoint
+    folder = work["root"] / "checkpoints" / "sft_klbase_2020_01_01_00_00_00"
+    folder.mkdir()
+    base = folder / "checkpoint_best.pt"
+    shutil.copy(work["base"], base)
+    r = run_stage("rl", "--config", work["cfg"], "--checkpoint", folder, "--steps", "1", "--eval-every", "1",
+                  "--kl-beta", "0.1", "--name", "kl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"rl: using checkpoint_best.pt of {folder}" in r.stderr     # a run folder, as infer takes it
+    run, = (work["root"] / "checkpoints").glob("rl_kl_*")
+    ck = load_checkpoint(run / "checkpoint_latest.pt", "resume")
+    assert ck["rl"]["reference_sha256"] == weights_sha256(torch.load(base, weights_only=True)["model"])
+    state = torch.load(base, weights_only=True)
+    name = next(iter(state["model"]))
+    state["model"][name] = state["model"][name] + 1.0
+    torch.save(state, base)
+    before = (run / "checkpoint_latest.pt").read_bytes()
+    r = run_stage("rl", "--config", work["cfg"], "--resume", run / "checkpoint_latest.pt", "--steps", "2",
+                  "--eval-every", "1", "--kl-beta", "0.1", "--name", "kl")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert "the KL reference" in r.stderr and "has changed since the run started" in r.stderr, r.stderr
+    assert (run / "checkpoint_latest.pt").read_bytes() == before
 
 
 def test_ctrl_c_saves_and_the_resumed_run_gets_the_same_rewards(work, e2e):

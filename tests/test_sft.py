@@ -455,6 +455,57 @@ def test_train_refuses_tokenizer_and_architecture_mismatch(work):
     assert not list((root / "checkpoints").glob("sft_lima_*"))
 
 
+def test_checkpoint_takes_a_run_folder_as_infer_does(work):
+    """The README's `sft train --checkpoint checkpoints/exp1 --lora --lr 2e-4` passes a run
+    folder, which sft, dpo and rl refused ("is a directory") while infer, export and serve take
+    one. Now the folder's best checkpoint is used (utils.run.pick_checkpoint, their rule), said."""
+    folder = work["base"].parent
+    r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", folder, "--lora", "--lr", "2e-4",
+                  "--max-steps", "1", "--sample-tokens", "0", "--name", "folder")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"sft: using checkpoint_best.pt of {folder}" in r.stderr
+    run, = (work["root"] / "checkpoints").glob("sft_folder_*")
+    record = json.loads((run / "sft_config.json").read_text())
+    assert record["base"]["path"] == str(work["base"]) and record["base"]["file"] == "checkpoint_best.pt"
+
+
+def test_one_length_rule_for_sft_and_dpo():
+    """sft refused data whose longest example had more tokens than max_seq_len, dpo only when
+    it had more than max_seq_len + 1: a model reads all but a sequence's last token. One rule
+    now (utils.data.sft.positions_needed), so the same data fits the same model in both."""
+    import types
+    import dpo
+    import post_training
+    from utils.cli import PipelineError
+    args = types.SimpleNamespace(max_seq_len=64, vocab_size=10_000)
+    for longest, fits in ((65, True), (66, False)):
+        meta = {"lengths": {"min": 20, "max": longest}, "tokenizer": {}, "template": {"name": "x"}}
+        for check in (lambda: post_training.check_compatible({}, Path("m.pt"), meta, Path("d"), args),
+                      lambda: dpo.check_fits({}, Path("m.pt"), meta, Path("d"), args)):
+            if fits:
+                check()
+            else:
+                with pytest.raises(PipelineError, match=f"{longest} tokens"):
+                    check()
+
+
+def test_dataset_paths_resolve_alike_in_sft_and_dpo(tmp_path, monkeypatch):
+    """A relative --dataset resolved against the project root in dpo and against the root, else
+    the current folder, in sft; one rule now: the root's when it exists there, else the current
+    folder's."""
+    from utils.config import load_config
+    from utils.data.sft import dataset_path
+    (tmp_path / "root").mkdir()
+    cfg = load_config(write_config(tmp_path / "root", {}))
+    (tmp_path / "root" / "here.jsonl").write_text("")
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "cwd" / "there.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert dataset_path("here.jsonl", cfg.resolve) == tmp_path / "root" / "here.jsonl"
+    assert dataset_path("there.jsonl", cfg.resolve) == tmp_path / "cwd" / "there.jsonl"
+    assert dataset_path(str(tmp_path / "x.jsonl"), cfg.resolve) == tmp_path / "x.jsonl"
+
+
 def test_length_mismatch_advice_is_a_valid_max_length_or_says_none_helps(work, tmp_path):
     """Examples longer than the checkpoint's max_seq_len: the message suggested
     `--max-length <max_seq_len>` whatever it was, also below --max-length's minimum (8, a
@@ -479,16 +530,17 @@ def test_length_mismatch_advice_is_a_valid_max_length_or_says_none_helps(work, t
             assert int(n) >= SFT_MIN_LENGTH and int(n) >= shortest, err
         return err
 
-    for tiny in (4, SFT_MIN_LENGTH - 1):                       # below --max-length's minimum
+    # a model of max_seq_len M trains on examples of up to M + 1 tokens (it reads all but the last)
+    for tiny in (4, SFT_MIN_LENGTH - 2):                       # below --max-length's minimum
         err = refused(tiny)
         assert "No --max-length makes the data fit" in err and f"at least {SFT_MIN_LENGTH}" in err
-    err = refused(shortest - 1)                                  # nothing would be kept
+    err = refused(shortest - 2)                                  # nothing would be kept
     assert "No --max-length makes this data fit" in err and f"shortest example has {shortest}" in err
     err = refused(fits)
-    assert f"sft prepare --max-length {fits}`" in err
+    assert f"sft prepare --max-length {fits + 1}`" in err
     out = tmp_path / "refit"                                     # following it: the data fits
     r = run_stage("sft", "prepare", "--config", work["cfg"], "--dataset", "samples", "--limit", "48",
-                 "--max-length", str(fits), "--output-dir", out)
+                 "--max-length", str(fits + 1), "--output-dir", out)
     assert r.returncode == 0, r.stderr
     ck = make_checkpoint(tmp_path / "fits.pt", max_seq_len=fits)
     r = run_stage("sft", "train", "--config", work["cfg"], "--checkpoint", ck, "--data-dir", out,

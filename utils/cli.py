@@ -129,22 +129,29 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
-class StageParser(argparse.ArgumentParser):
-    """ArgumentParser that knows which flags override which config keys."""
+NO_TEST_MODE = "accepted, and changes nothing here (the quick mode is for the stages that read data or train)"
 
-    def __init__(self, prog: str, description: str, **kw):
+
+class StageParser(argparse.ArgumentParser):
+    """ArgumentParser that knows which flags override which config keys.
+
+    ``prog`` is how the user runs the stage (``main.py STAGE``, ``main.py sft train``: the
+    usage line starts with it); ``test`` is what ``--test`` does in this stage (the flags every
+    stage shares, --config, --test and --debug, are listed apart, once)."""
+
+    def __init__(self, prog: str, description: str, test: str = NO_TEST_MODE, **kw):
         super().__init__(prog=prog, description=description,
                          formatter_class=_HelpFormatter, **kw)
         self._config_keys: dict[str, str] = {}
-        self.add_argument("--config", type=cli_path, action="append", default=None, metavar="FILE",
-                          help="JSON file layered over config.json; repeatable, later files over "
-                               "earlier ones (precedence: defaults < config.json < --config "
-                               "files in order < flags)")
-        self.add_argument("--test", action="store_true",
-                          help="quick mode: small inputs, small model, few steps")
-        self.add_argument("--debug", action="store_true",
-                          help="on an unexpected error, print the full traceback (it is always "
-                               "written to logs/errors/)")
+        shared = self.add_argument_group("shared by every stage")
+        shared.add_argument("--config", type=cli_path, action="append", default=None, metavar="FILE",
+                            help="JSON file layered over config.json; repeatable, later files over "
+                                 "earlier ones (precedence: defaults < config.json < --config "
+                                 "files in order < flags)")
+        shared.add_argument("--test", action="store_true", help=test)
+        shared.add_argument("--debug", action="store_true",
+                            help="on an unexpected error, print the full traceback here (it is "
+                                 "always written to <paths.logs_dir>/errors/)")
 
     def config_flag(self, *flags: str, key: str, help: str, **kw) -> None:
         """Add a flag whose value, when given, overrides config key ``key`` (``section.name``)."""
@@ -159,7 +166,8 @@ class StageParser(argparse.ArgumentParser):
     def parse(self, argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, Config]:
         args = self.parse_args(argv)
         self._refuse_undecodable(args)
-        _CONTEXT.name = self.prog.split()[-1]
+        words = self.prog.split()
+        _CONTEXT.name = words[1] if words[0] == "main.py" and len(words) > 1 else words[-1]   # the stage
         _CONTEXT.debug = _CONTEXT.debug or args.debug
         overrides: dict[str, Any] = {}
         for dest, key in self._config_keys.items():

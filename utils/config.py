@@ -95,6 +95,7 @@ class PathsConfig:
     logs_dir: str = _f("logs", "tensorboard and raw metrics", path=True)
     benchmark_dir: str = _f("benchmark_results", "benchmark outputs", path=True)
     reports_dir: str = _f("reports", "run reports (main.py report)", path=True)
+    exports_dir: str = _f("exports", "exports (main.py export; --out overrides)", path=True)
     cache_dir: str = _f(".cache", "downloads (sample wheels) and other caches", path=True)
 
 

@@ -25,18 +25,23 @@ utils.stage, utils.lora) is imported where it is used, so that ``sft prepare``,
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
+import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from utils.atomic import write_json_atomic
 from utils.cli import PipelineError, StageParser, UsageError, cli_nonblank, cli_path
 from utils.data.chat import Rules, stop_ids_of
+from utils.data.tok import describe, require_bos_eos, slug
 from utils.device import resolve_device
-from utils.run import (base_record, load_checkpoint, model_args_of, read_stage_config, resume_checkpoint,
-                       tokenizer_for_checkpoint)
+from utils.run import (base_record, is_hf_model, load_checkpoint, model_args_of, pick_checkpoint,
+                       read_stage_config, resume_checkpoint, tokenizer_for_checkpoint)
 
 # kind -> (the kind with its article, what --checkpoint would do with such a checkpoint)
 KINDS = {"sft": ("an SFT", "fine-tune it"), "dpo": ("a DPO", "start DPO from it"),
@@ -65,7 +70,9 @@ def start_flags(p: StageParser, kind: str, run_is: str, checkpoint_help: str, in
                 name_default: str) -> None:
     """A post-training stage's --checkpoint, --resume, --init-from-hf and --name (``run_is``:
     the run --resume continues, as "an SFT run")."""
-    p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH", help=checkpoint_help)
+    p.add_argument("--checkpoint", type=cli_path, default=None, metavar="PATH",
+                   help=f"{checkpoint_help}: a checkpoint file, or a run folder (its checkpoint_best.pt, "
+                        "else the latest), as infer, export and serve take it")
     p.add_argument("--resume", default=None, metavar="PATH|auto", type=cli_nonblank,
                    help=f"continue {run_is} from its checkpoint file, or 'auto': the newest "
                         f"{kind}_<name>_* run's checkpoint_latest.pt")
@@ -104,13 +111,14 @@ def open_source(cfg, args, kind: str, check: Optional[Callable] = None,
     if args.resume:
         return resumed_source(cfg, args, kind, check, on_resume)
     imported = None
-    if args.init_from_hf:
+    hf = args.init_from_hf or (args.checkpoint if is_hf_model(args.checkpoint) else None)
+    if hf:
         from utils.hf.import_hf import load_hf_llama    # 2.5 s (torch, transformers): only for an import
-        imported = load_hf_llama(args.init_from_hf)
+        imported = load_hf_llama(hf)
         base, model_args = Path(imported.source), imported.model.args
         ckpt = {"model": imported.model.state_dict(), "tokenizer": imported.tok_info}
     else:
-        base = Path(args.checkpoint)
+        base = base_checkpoint(args.checkpoint, kind)
         ckpt = load_checkpoint(base, purpose="weights")
         model_args = model_args_of(ckpt, base)
     if check is not None:
@@ -120,6 +128,157 @@ def open_source(cfg, args, kind: str, check: Optional[Callable] = None,
     if run_dir.exists():
         raise UsageError(f"{run_dir} already exists; wait a second or choose another --name.")
     return Source(run_dir, base, model_args, ckpt, base, resumed=False, imported=imported)
+
+
+def base_checkpoint(spec, kind: str) -> Path:
+    """The checkpoint ``--checkpoint`` names: a file as given; a run folder's checkpoint_best.pt,
+    else its latest (utils.run.pick_checkpoint, the rule infer, export and serve follow), said
+    on stderr."""
+    return pick_checkpoint(Path(spec), say=lambda s: print(f"{kind}: {s}", file=sys.stderr, flush=True))
+
+
+@dataclass(frozen=True)
+class ModelTokenizer:
+    """What data prepared *for a model* is tokenized with (``sft prepare --for``, ``dpo prepare
+    --for``, and ``sft train`` / ``dpo train`` re-preparing for their base): the model's own
+    tokenizer, its record (whose fingerprint the model's runs check), and the chat template
+    the model was fine-tuned with (None: a model without one; the data's template is then
+    chosen as for the configured tokenizer)."""
+    tok: object
+    info: dict
+    template: Optional[dict]
+    name: str
+
+
+def model_tokenizer(cfg, spec, say=lambda s: print(s, file=sys.stderr, flush=True)) -> ModelTokenizer:
+    """The tokenizer (and chat template) of the model ``spec`` names: a Hugging Face model folder
+    or .gguf file (the tokenizer an import of it uses), a checkpoint file, or a run folder (its
+    best checkpoint, else the latest) of ours."""
+    if is_hf_model(spec):
+        from utils.hf.import_hf import imported_tokenizer     # torch and transformers: only for a public model
+        tok, where = imported_tokenizer(spec)
+        return ModelTokenizer(tok, describe(tok, where), None, where)
+    path = pick_checkpoint(Path(spec), say=say)
+    ckpt = load_checkpoint(path, purpose="weights", mmap=True, merge_lora=False, tensors=False)
+    tok, info = tokenizer_for_checkpoint(ckpt, cfg, path, say=say)
+    info = {k: v for k, v in info.items() if k != "verified"}
+    return ModelTokenizer(tok, info, ckpt.get("chat_template"), str(info.get("name") or path))
+
+
+def for_flag(p: StageParser, trains: str) -> None:
+    """``--for MODEL`` of ``sft prepare`` and ``dpo prepare`` (``trains``: the command that
+    trains on the data)."""
+    p.add_argument("--for", dest="for_model", type=cli_path, default=None, metavar="MODEL",
+                   help=f"prepare for this model: a checkpoint, a run folder, or a Hugging Face model "
+                        f"folder or .gguf file; its tokenizer and chat template are used instead of "
+                        f"tokenizer.name (what `{trains}` from that model needs)")
+
+
+def template_for(model: Optional[ModelTokenizer], tok) -> Optional[tuple]:
+    """(template, bos, eos) of the data prepared for ``model`` when it was fine-tuned with a chat
+    template (the data must speak it); None: choose one as for any tokenizer."""
+    if model is None or model.template is None:
+        return None
+    print(f"prepare: chat template: the one {model.name} was fine-tuned with ('{model.template.get('name')}').",
+          flush=True)
+    if model.template.get("name") == "jinja":
+        return model.template, tok.bos_token_id, tok.eos_token_id
+    return (model.template, *require_bos_eos(tok, model.name))
+
+
+PREPARED_FOR_FILE = "prepared_for.json"     # in data a train stage prepared again for its model
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """How a stage prepares its data (``sft``: post_training.prepare_data, ``dpo``:
+    dpo.prepare_data), for :func:`data_for_model`: the paths key of its folder, the config
+    section of its source and length, and ``prepare(cfg, limit, model) -> folder``."""
+    key: str                      # "paths.post_training_dir"
+    section: str                  # "sft" / "dpo"
+    prepare: Callable
+
+
+def source_spec(source: dict) -> str:
+    """The ``dataset`` setting that reads the source a metadata.json records again."""
+    if source.get("kind") in ("qa_substitute", "preference_substitute"):
+        return "samples"
+    if source.get("kind") == "hub":
+        return str(source.get("name"))
+    return str((source.get("inputs") or [source.get("name")])[0])
+
+
+def model_of_run(cfg, args, kind: str) -> str:
+    """The model a start's run trains: the --resume checkpoint, --init-from-hf folder, or the
+    checkpoint --checkpoint names (a run folder: its best); what ``--for`` would take."""
+    if args.resume:
+        return str(resume_checkpoint(cfg.path("paths.checkpoints_dir"), args.resume, prefix=f"{kind}_{args.name}_"))
+    if args.init_from_hf or is_hf_model(args.checkpoint):
+        return str(args.init_from_hf or args.checkpoint)
+    return str(pick_checkpoint(Path(args.checkpoint)))
+
+
+def data_for_model(cfg, args, kind: str, meta: dict, how: Prepared) -> Optional[Path]:
+    """Data fit for the run's model: when the prepared data (``meta``, in ``how.key``'s folder)
+    was tokenized with another tokenizer than the model's (say, the configured one and a public
+    model's), it is prepared again for the model, from the same source with the same settings,
+    into the sibling folder ``<folder>-for-<model>-<fingerprint>`` (kept, and reused while the
+    data it came from is unchanged), as ``train`` prepares its shards itself; said on stderr.
+    ``cfg``'s key then names that folder (returned); None when the data fits as it is."""
+    spec = model_of_run(cfg, args, kind)
+    model = model_tokenizer(cfg, spec, say=lambda s: None) if is_hf_model(spec) else None
+    record = (model.info if model is not None else
+              load_checkpoint(spec, purpose="weights", mmap=True, merge_lora=False, tensors=False).get("tokenizer")
+              or {})
+    have, want = (meta.get("tokenizer") or {}).get("fingerprint"), record.get("fingerprint")
+    if not have or not want or have == want:
+        return None
+    data_dir = cfg.path(how.key)
+    try:
+        model = model or model_tokenizer(cfg, spec, say=lambda s: None)
+    except PipelineError as e:
+        raise PipelineError(f"tokenizer mismatch: the data in {data_dir} was prepared with tokenizer "
+                            f"'{(meta.get('tokenizer') or {}).get('name')}' (fingerprint {have[:12]}) but {spec} "
+                            f"was trained with '{record.get('name')}' ({want[:12]}), and preparing the data "
+                            f"again for it needs that tokenizer: {e}") from None
+    label = Path(spec).stem if is_hf_model(spec) else Path(spec).parent.name
+    out = data_dir.parent / f"{data_dir.name}-for-{slug(label)}-{want[:8]}"
+    mark = {"from": str(data_dir), "from_fingerprint": meta.get("data_fingerprint"), "tokenizer": want}
+    sec, key = how.key.split(".", 1)
+    print(f"{kind}: the data in {data_dir} was prepared with tokenizer '{(meta.get('tokenizer') or {}).get('name')}' "
+          f"(fingerprint {have[:12]}), not with the one of {spec} ('{model.name}', {want[:12]}); "
+          f"{'using' if _marked(out, mark) else 'preparing'} it for that model, from the same source and "
+          f"settings, in {out} (as `python main.py {kind} prepare --for {spec} --output-dir {out}` does).",
+          file=sys.stderr, flush=True)
+    if not _marked(out, mark):
+        _prepare_again(cfg, how, meta, out, model)
+        write_json_atomic(out / PREPARED_FOR_FILE, mark)
+    setattr(getattr(cfg, sec), key, str(out))
+    return out
+
+
+def _prepare_again(cfg, how: Prepared, meta: dict, out: Path, model: ModelTokenizer) -> None:
+    """The data ``meta`` describes prepared again into ``out`` for ``model``: its source, limit,
+    length cut (and DPO's held-out draw) as recorded, the rest of the run's config."""
+    again = copy.deepcopy(cfg)
+    sec, key = how.key.split(".", 1)
+    setattr(getattr(again, sec), key, str(out))
+    section, source = getattr(again, how.section), meta.get("source") or {}
+    section.dataset, section.max_length = source_spec(source), int(meta.get("max_length") or section.max_length)
+    if how.section == "dpo":
+        section.val_split = meta.get("val_split", section.val_split)
+        again.training.seed = meta.get("seed", again.training.seed)
+    how.prepare(again, source.get("limit"), model)
+
+
+def _marked(out: Path, mark: dict) -> bool:
+    """``out`` holds complete data prepared from the same data for the same tokenizer."""
+    try:
+        held = json.loads((out / PREPARED_FOR_FILE).read_text(encoding="utf-8"))
+        done = json.loads((out / "metadata.json").read_text(encoding="utf-8")).get("complete") is True
+    except (OSError, ValueError):
+        return False
+    return done and held == mark
 
 
 def resumed_source(cfg, args, kind: str, check: Optional[Callable] = None,

@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
@@ -426,6 +427,25 @@ def data_fingerprint(tokens: np.ndarray, mask: np.ndarray, offsets: np.ndarray) 
         h.update(str(a.dtype).encode())
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
+
+
+def positions_needed(tokens: int) -> int:
+    """Positions a model needs to train on a sequence of ``tokens`` tokens: it reads all but the
+    last (x = ids[:-1], y = ids[1:], :func:`collate`). The one length rule of SFT and DPO data
+    against a model's ``max_seq_len``."""
+    return max(int(tokens) - 1, 0)
+
+
+def dataset_path(spec: str, resolve) -> Path:
+    """A local dataset ``spec`` (``sft.dataset``, ``dpo.dataset``; not a hub name) as a path: ``~``
+    expanded; a relative one against the project's root (``resolve``: ``Config.resolve``)
+    when it exists there, else against the current folder, where the user typed it. The one
+    rule of ``sft prepare`` and ``dpo prepare``."""
+    p = Path(os.path.expanduser(spec))
+    if p.is_absolute():
+        return p
+    under_root = Path(resolve(spec))
+    return under_root if under_root.exists() else p.resolve()
 
 
 def length_stats(lengths: Sequence[int]) -> dict:

@@ -229,6 +229,7 @@ class Sequence:
         self.slot: Optional[int] = None
         self.pos = 0                    # positions in its cache slot
         self.finish: Optional[str] = None
+        self.stop_id: Optional[int] = None     # the stop id sampled, when one ended it (not in tokens)
         self.error: Optional[str] = None       # why, when finish == "error" (utils.generation.loop)
         # params.prompt_logprobs: (token, logprob, [(id, logprob) x k]) of prompt[1:], set by the prefill
         self.prompt_logprobs: Optional[list[tuple[int, float, list]]] = None
@@ -569,6 +570,7 @@ class Batcher:
             hit = False                                    # a stop string ended it
             if t in s.params.stop_ids:
                 e.token, e.logprob, e.top, e.finish = None, None, None, "stop"
+                s.stop_id = t
             else:
                 s.tokens.append(t)
                 if s.text is not None:

@@ -87,6 +87,24 @@ def source_tokenizer(path):
     return load_tokenizer_folder(folder, imported=True)
 
 
+def _tokenizers(folder: Path, gguf: Optional[str], where: str) -> tuple:
+    """(whether the tokenizer as read adds a BOS, the tokenizer an import uses: an export's own
+    post-processor put back, in place, special-token text plain). The folder's tokenizer files
+    are checked by utils.data.tok, tokenizer.json only if loading fails."""
+    tok = _gguf_tokenizer(folder / gguf, where) if gguf else load_tokenizer_folder(folder, imported=True)
+    bos_rule = adds_bos(tok)             # before an export's own post-processor is put back
+    return bos_rule, plain(tok if gguf else as_exported_from(tok, folder))
+
+
+def imported_tokenizer(path) -> tuple:
+    """(tokenizer, where): the tokenizer an import of ``path`` (a Hugging Face folder or .gguf
+    file) trains with, without reading its weights: what data prepared for it is tokenized
+    with (``sft prepare --for``)."""
+    folder, gguf = _split(Path(path))
+    where = str(folder / gguf) if gguf else str(folder)
+    return _tokenizers(folder, gguf, where)[1], where
+
+
 def llama_config_problems(c) -> list[str]:
     """What of a transformers config this project's model cannot represent."""
     out = []
@@ -140,10 +158,7 @@ def load_hf_llama(path) -> Imported:
     problems = llama_config_problems(config)
     if problems:
         raise PipelineError(f"{where} cannot be imported: " + "; ".join(problems) + ".")
-    # the folder's tokenizer files are checked by utils.data.tok, tokenizer.json only if loading fails
-    tok = _gguf_tokenizer(folder / gguf, where) if gguf else load_tokenizer_folder(folder, imported=True)
-    bos_rule = adds_bos(tok)             # before an export's own post-processor is put back
-    tok = plain(tok if gguf else as_exported_from(tok, folder))
+    bos_rule, tok = _tokenizers(folder, gguf, where)
     if len(tok) > config.vocab_size:
         raise PipelineError(f"{where} cannot be imported: its tokenizer has {len(tok)} tokens but "
                             f"the model {config.vocab_size} embedding rows.")

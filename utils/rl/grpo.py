@@ -11,8 +11,9 @@ replies to each with the current weights through utils/generation/engine.py: all
 prompts x group_size rows in one continuous batch, row r seeded with ``base + r`` where
 ``base`` comes from (seed, the batch's number). The weights and the position are restored on
 resume, so a resumed run samples the same replies and gets the same rewards. A reply that
-ended at a stop token is trained on with the run's end token appended (what SFT teaches the
-model to end a turn with), so the policy also learns when to stop.
+ended at a stop token is trained on with that token, the one it sampled (the template's
+end-of-turn, or EOS: whichever the model chose), so the policy also learns when to stop and
+never trains on a token it did not sample.
 
 Advantages (:func:`group_advantages`), per group of one prompt's replies, never over the
 batch: "grpo" (DeepSeekMath's GRPO, TRL's default): (r - mean) / (std + 1e-4); "mean"
@@ -32,6 +33,7 @@ p, q the policy's and the frozen reference's log-probabilities) is added to it.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -84,6 +86,17 @@ def pg_loss(model, batch: dict, kl_beta: float = 0.0, ref_model=None) -> tuple[t
     return (per_token * mask).sum() / tokens, metrics
 
 
+def weights_sha256(state: dict) -> str:
+    """sha256 of a state dict: each tensor's name, dtype, shape and bytes, in name order (the
+    KL reference's identity, checked on resume)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 # --------------------------------------------------------------------------- rollouts
 @dataclass(frozen=True)
 class RolloutSettings:
@@ -92,16 +105,15 @@ class RolloutSettings:
     max_new_tokens: int
     temperature: float
     top_k: int
-    stop_ids: tuple                 # generation ends at any of these (never returned)
-    end_id: int                     # appended to a reply that ended at a stop id (its training target)
+    stop_ids: tuple                 # generation ends at any of these (the one sampled is trained on)
     pad_id: int
     scale: bool = True              # advantages: "grpo" (True) or "mean"
 
 
 def generate_replies(engine: Engine, prompts: list[list[int]], n: int, max_new_tokens: int,
-                     temperature: float, top_k: int, stop_ids, seed: int) -> list[tuple[list[int], bool]]:
+                     temperature: float, top_k: int, stop_ids, seed: int) -> list[tuple[list[int], Optional[int]]]:
     """``n`` replies to each prompt (row r = prompt r // n, seed ``seed + r``) in one continuous
-    batch: [(new ids, ended at a stop id)] in row order."""
+    batch: [(new ids, the stop id that ended it or None)] in row order."""
     rows = [p for p in prompts for _ in range(n)]
     capacity = max(len(p) for p in rows) + max(max_new_tokens, 1)
     b = engine.batcher(len(rows), capacity)
@@ -111,7 +123,7 @@ def generate_replies(engine: Engine, prompts: list[list[int]], n: int, max_new_t
         seqs.append(b.add(Sequence(p, params, tag=r)))
     for _ in engine.run(b):
         pass
-    return [(list(s.tokens), s.finish == "stop") for s in seqs]
+    return [(list(s.tokens), s.stop_id) for s in seqs]
 
 
 def collate(prompts: list[list[int]], replies: list[list[int]], pad_id: int) -> dict:
@@ -173,7 +185,7 @@ class Rollouts:
                                s.top_k, s.stop_ids, seed)
         rewards = torch.tensor([self.reward_fn(chosen[r // s.group_size], ids)
                                 for r, (ids, _) in enumerate(out)], dtype=torch.float32)
-        replies = [ids + [s.end_id] if stopped else ids for ids, stopped in out]
+        replies = [ids + [stop] if stop is not None else ids for ids, stop in out]
         rows = [p for p in prompts for _ in range(s.group_size)]
         batch = collate(rows, replies, s.pad_id)
         batch["rewards"] = rewards

@@ -52,7 +52,7 @@ def mfu_unavailable_reason(device: torch.device, flops_per_token: Optional[float
         return "CUDA is not available"
     if device_peak_flops(device) is None:
         return (f"the peak FLOP/s of '{torch.cuda.get_device_name(device)}' is not in "
-                "utils/metrics.PEAK_FLOPS (add it there)")
+                "utils/training/metrics.py PEAK_FLOPS (add it there)")
     return None
 
 
