@@ -365,8 +365,8 @@ def report_prepare(out: Path, src: Records, enc: Encoded, arrays: dict) -> None:
     if src.source["kind"] == "qa_substitute":
         print("sft prepare: note: this is a labelled SUBSTITUTE for LIMA (SciQ + ARC), recorded "
               "as such in metadata.json.")
-    print(f"sft prepare: wrote {out}. Next: python main.py sft train --checkpoint "
-          "checkpoints/<run>/checkpoint_best.pt")
+    print(f"sft prepare: wrote {out}. Next: python main.py sft train --checkpoint checkpoints/<run> "
+          "(a run folder: its best checkpoint)")
 
 
 # --------------------------------------------------------------------------- train
