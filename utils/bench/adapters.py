@@ -36,7 +36,8 @@ from utils.cli import PipelineError
 from utils.data.chat import adds_bos, rules_of_checkpoint, stop_ids_of
 from utils.data.tok import encode_plain, load_tokenizer_folder
 from utils.data.tok import fingerprint as tokenizer_fingerprint
-from utils.generation.engine import Engine, NonFiniteLogits
+from utils.generation.engine import Engine, NonFiniteLogits, SamplingParams
+from utils.generation.engine import Sequence as GenSequence
 from utils.hf.import_hf import load_hf_llama
 from utils.run import load_model, tokenizer_for_checkpoint
 from utils.training.trainer import resolve_dtype
@@ -180,6 +181,33 @@ class Adapter:
             ns.append(len(t))
         return [(s.ll, s.greedy, s.n) for s in self.score(seqs, ns, batch_size, progress)]
 
+    def generate_until(self, prompts: Sequence[list[int]], max_new_tokens: int,
+                       until: Sequence[str]) -> list[str]:
+        """Greedy text after each prompt (lm-eval's ``generate_until``): decoding of a row
+        ends at the model's stop ids, at one of the ``until`` strings (the engine's stop
+        strings) or after ``max_new_tokens``; the prompt keeps its last ``max_length -
+        max_new_tokens`` tokens (lm-eval's left truncation). The caller cuts the text at
+        the stop strings (tasks.cut_at_stops), as lm-eval does."""
+        if getattr(self, "_engine", None) is None:
+            self._engine = Engine(self.model)
+        keep = None if self.long_context else max(1, self.max_length - max_new_tokens)
+        rows = [list(p)[-keep:] if keep else list(p) for p in prompts]
+        capacity = max(len(r) for r in rows) + max_new_tokens
+        batcher = self._engine.batcher(len(rows), capacity)
+        params = SamplingParams(max_new_tokens, temperature=0.0, stop_ids=frozenset(self.stop_ids),
+                                stop=tuple(until))
+        out: list[list[int]] = [[] for _ in rows]
+        for r, ids in enumerate(rows):
+            batcher.add(GenSequence(ids, params, tok=self.tok, tag=r))
+        try:
+            for events in self._engine.run(batcher):
+                for e in events:
+                    if e.token is not None:
+                        out[e.seq.tag].append(e.token)
+        except NonFiniteLogits as e:
+            raise PipelineError(f"{self.name}: {e}.") from None
+        return [self.tok.decode(ids, skip_special_tokens=True) for ids in out]
+
     def quantize_int8(self) -> str:
         """Weight-only int8 (utils/quant.py) for our model's adapters; the identity keeps the
         checkpoint's fingerprint and says ``quantize: int8``, the name gets `` [int8]``."""
@@ -311,6 +339,26 @@ class HFAdapter(Adapter):
         new = out[0, ids.shape[1]:].tolist()
         ends = [i for i, t in enumerate(new) if t in stops]
         return new[:ends[0]] if ends else new
+
+    @torch.no_grad()
+    def generate_until(self, prompts: Sequence[list[int]], max_new_tokens: int,
+                       until: Sequence[str]) -> list[str]:
+        """As :meth:`Adapter.generate_until`, through transformers' ``generate`` (greedy, one
+        prompt at a time: no padding, the same tokens as lm-eval's HFLM at batch size 1;
+        ``stop_strings`` end it)."""
+        stops = list(self.stop_ids)
+        keep = max(1, self.max_length - max_new_tokens)
+        texts = []
+        for p in prompts:
+            ids = torch.tensor([list(p)[-keep:]], dtype=torch.long, device=self.device)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+                                      pad_token_id=stops[0] if stops else 0,
+                                      stop_strings=list(until), tokenizer=self.tok)
+            new = out[0, ids.shape[1]:].tolist()
+            ends = [i for i, t in enumerate(new) if t in stops]
+            texts.append(self.tok.decode(new[:ends[0]] if ends else new, skip_special_tokens=True))
+        return texts
 
 
 def load_hf(spec: str, gguf_file: Optional[str] = None):
