@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from utils import device as devices, quant
+from utils import attention, device as devices, quant
 from utils.cli import PipelineError
 from utils.data.chat import adds_bos, rules_of_checkpoint, stop_ids_of
 from utils.data.tok import encode_plain, load_tokenizer_folder
@@ -123,17 +123,26 @@ class Adapter:
         whole, ctx = self._framed(whole), self._framed(ctx)
         return ctx, whole[len(ctx):]
 
-    def _forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def logits_at(self, idx: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """The logits of positions ``spans[r] = (start, end)`` of each row r (what scoring
+        reads); this default computes every position's. Our model's adapters compute the
+        output layer on those positions only (a 10-shot prompt scores a few tokens of
+        hundreds: the (B, T, vocab) logits were most of the time)."""
+        logits = self.logits(idx)
+        return [logits[r, a:b] for r, (a, b) in enumerate(spans)]
+
+    def _forward(self, idx: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
         if self.amp is not None:
             with torch.autocast(device_type=self.device.type, dtype=self.amp):
-                logits = self.logits(idx)
+                rows = self.logits_at(idx, spans)
         else:
-            logits = self.logits(idx)
+            rows = self.logits_at(idx, spans)
+        logits = torch.cat(rows) if rows else torch.zeros(0)
         if not bool(torch.isfinite(logits).all()):     # NaN compares false: ranks and losses would be garbage
             raise PipelineError(f"{self.name}: the model's logits are not finite (NaN or inf): its arithmetic "
                                 "overflows (weights near float32's limit, 3e38, give inf, then NaN) or its "
                                 "weights are damaged; nothing can be scored.")
-        return logits
+        return rows
 
     @torch.no_grad()
     def score(self, seqs: Sequence[Sequence[int]], n_score: Sequence[int], batch_size: int = 8,
@@ -154,11 +163,11 @@ class Adapter:
             for r, i in enumerate(chunk):
                 s = items[i][0][:-1]
                 idx[r, :len(s)] = torch.tensor(s, dtype=torch.long)
-            logits = self._forward(idx.to(self.device))
+            spans = [(len(items[i][0]) - 1 - items[i][1], len(items[i][0]) - 1) for i in chunk]
+            logits = self._forward(idx.to(self.device), spans)
             for r, i in enumerate(chunk):
                 s, n = items[i]
-                inp_len = len(s) - 1
-                lg = logits[r, inp_len - n:inp_len].float()                   # (n, V)
+                lg = logits[r].float()                                          # (n, V)
                 tgt = torch.tensor(s[-n:], dtype=torch.long, device=lg.device)
                 logp = torch.log_softmax(lg, dim=-1).gather(1, tgt[:, None])[:, 0]
                 greedy = bool((lg.argmax(dim=-1) == tgt).all())
@@ -260,6 +269,21 @@ class CheckpointAdapter(Adapter):
         logits, _ = self.model(idx)
         return logits
 
+    def logits_at(self, idx, spans):
+        return our_logits_at(self.model, idx, spans)
+
+
+def our_logits_at(model, idx: torch.Tensor, spans) -> list[torch.Tensor]:
+    """Our model's forward pass (model.py ``forward``: the attention spec, the trunk) with the
+    output layer applied to the ``spans`` positions of each row only."""
+    a = model.args
+    positions, spec = attention.forward_spec(idx, model.tok_embeddings.weight.dtype, a.document_mask,
+                                             a.bos_id, a.segment)
+    h = model.trunk(idx, positions, spec)
+    rows = [h[r, s:e] for r, (s, e) in enumerate(spans)]
+    out = model.lm_head(torch.cat(rows))
+    return list(torch.split(out, [e - s for s, e in spans]))
+
 
 class ImportedAdapter(Adapter):
     """A Hugging Face Llama folder or .gguf file imported as our model (utils/hf/import_hf.py):
@@ -282,6 +306,9 @@ class ImportedAdapter(Adapter):
     def logits(self, idx):
         logits, _ = self.model(idx)
         return logits
+
+    def logits_at(self, idx, spans):
+        return our_logits_at(self.model, idx, spans)
 
 
 def _run_label(path: Path) -> str:

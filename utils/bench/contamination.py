@@ -182,9 +182,9 @@ def check(tasks: dict, encode: Callable[[list[str]], list[list[int]]], shards: S
     allh = [g.sorted for g in per_task.values() if len(g.sorted)]
     joined.sorted = np.unique(np.concatenate(allh)) if allh else joined.sorted
     joined.table[(joined.sorted >> np.uint64(64 - TABLE_BITS)).astype(np.int64)] = True
-    found, seen = scan(joined, shard_chunks(shards, n, chunk), progress)
+    found, _ = scan(joined, shard_chunks(shards, n, chunk), progress)
     out = {key: task_summary(g, found, threshold) for key, g in per_task.items()}
-    out["_tokens"] = seen
+    out["_tokens"] = int(sum(len(a) for a in shards))
     return out
 
 
