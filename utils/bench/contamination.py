@@ -17,9 +17,9 @@ coverage, Touvron et al. 2023 section A.6, on token ids of the run's own tokeniz
 Streaming: the shards are memory-mapped and read in chunks of ``chunk`` tokens (n - 1 tokens
 of overlap), so memory is bounded by a few arrays of ``chunk`` 64-bit hashes whatever the
 shard set's size. Each chunk's n-gram hashes are a polynomial hash computed with n vectorized
-multiply-adds (uint64, wrapping); a 2**24-entry bit table of the eval n-grams' hashes lets
-almost every training n-gram be rejected with one lookup, and the few that pass are checked
-exactly against the sorted eval hashes. perf/contamination_speed.py measures it.
+multiply-adds (uint32, wrapping); a 2**24-entry table of the eval n-grams' 32-bit hashes lets
+almost every training n-gram be rejected with one lookup, and the few that pass get their
+64-bit hash (the same polynomial in uint64), checked exactly against the sorted eval hashes. perf/contamination_speed.py measures it.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ import numpy as np
 from utils.bench import tasks as T
 from utils.run import base_run_name, read_stage_config, run_kind, stored_config
 
-PRIME = np.uint64(1099511628211)            # FNV-64's prime: the polynomial's base
+PRIME = np.uint64(1099511628211)            # FNV-64's prime: the exact hash's base
+PRIME32 = np.uint32(16777619)                # FNV-32's prime: the filter hash's base
 TABLE_BITS = 24
 DEFAULT_CHUNK = 1 << 22                      # tokens per chunk (32 MiB of uint64 hashes)
 _TEMPLATE = re.compile(r"^(?:Question:|Answer:|Q:|A:|[A-E]\. )\s*")
@@ -70,18 +71,24 @@ def item_segments(item) -> list[str]:
     raise TypeError(f"no text for {type(item).__name__}")
 
 
-def ngram_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
-    """The polynomial hash of every n-gram of ``tokens`` (len - n + 1 values, uint64)."""
-    t = np.asarray(tokens).astype(np.uint64, copy=False)
+def ngram_hashes(tokens: np.ndarray, n: int, bits: int = 64) -> np.ndarray:
+    """The polynomial hash of every n-gram of ``tokens`` (len - n + 1 values; uint64, or
+    uint32 for ``bits=32``: the filter's, half the memory traffic)."""
+    dtype, prime = (np.uint64, PRIME) if bits == 64 else (np.uint32, PRIME32)
+    t = np.asarray(tokens).astype(dtype, copy=False)
     m = len(t) - n + 1
     if m <= 0:
-        return np.zeros(0, dtype=np.uint64)
+        return np.zeros(0, dtype=dtype)
     h = t[:m].copy()
     with np.errstate(over="ignore"):
         for j in range(1, n):
-            h *= PRIME
+            h *= prime
             h += t[j:j + m]
     return h
+
+
+def _filter_index(h32: np.ndarray) -> np.ndarray:
+    return h32 >> np.uint32(32 - TABLE_BITS)
 
 
 @dataclass
@@ -93,14 +100,18 @@ class EvalGrams:
     table: np.ndarray = field(default_factory=lambda: np.zeros(1 << TABLE_BITS, dtype=bool))
 
 
-def eval_grams(item_token_pieces: Sequence[Sequence[Sequence[int]]], n: int) -> EvalGrams:
-    """``item_token_pieces[i]``: the token ids of item i's pieces."""
-    g = EvalGrams(n=n)
+def eval_grams(item_token_pieces: Sequence[Sequence[Sequence[int]]], n: int,
+               table: Optional[np.ndarray] = None) -> EvalGrams:
+    """``item_token_pieces[i]``: the token ids of item i's pieces; ``table``: the filter table
+    to mark (one shared by every task: 16 MiB)."""
+    g = EvalGrams(n=n, table=table if table is not None else np.zeros(1 << TABLE_BITS, dtype=bool))
     for pieces in item_token_pieces:
         g.items.append([ngram_hashes(np.asarray(p, dtype=np.int64), n) for p in pieces])
     allh = [h for its in g.items for h in its if len(h)]
     g.sorted = np.unique(np.concatenate(allh)) if allh else np.zeros(0, dtype=np.uint64)
-    g.table[(g.sorted >> np.uint64(64 - TABLE_BITS)).astype(np.int64)] = True
+    for pieces in item_token_pieces:
+        for p in pieces:
+            g.table[_filter_index(ngram_hashes(np.asarray(p, dtype=np.int64), n, 32))] = True
     return g
 
 
@@ -110,9 +121,12 @@ def scan(grams: EvalGrams, chunks: Iterable[np.ndarray], progress: Optional[Call
     chunks overlap by n - 1 tokens, :func:`shard_chunks`), and the tokens read."""
     found: list[np.ndarray] = []
     seen = 0
+    offsets = np.arange(grams.n)
     for chunk in chunks:
-        h = ngram_hashes(chunk, grams.n)
-        cand = h[grams.table[(h >> np.uint64(64 - TABLE_BITS)).astype(np.int64)]]
+        pos = np.flatnonzero(grams.table[_filter_index(ngram_hashes(chunk, grams.n, 32))])
+        # the few n-grams past the 32-bit filter: their exact 64-bit hashes
+        cand = ngram_hashes(np.asarray(chunk)[pos[:, None] + offsets].reshape(-1), grams.n)[::grams.n] \
+            if len(pos) else pos
         if len(cand):
             hit = cand[np.isin(cand, grams.sorted, assume_unique=False)]
             if len(hit):
@@ -176,12 +190,11 @@ def check(tasks: dict, encode: Callable[[list[str]], list[list[int]]], shards: S
     """``tasks``: {task key: items}. One pass over ``shards`` for all tasks together; returns
     {task key: task_summary} and ``_tokens``: the training tokens read."""
     per_task: dict[str, EvalGrams] = {}
-    for key, items in tasks.items():
-        per_task[key] = eval_grams([encode(item_segments(it)) for it in items], n)
     joined = eval_grams([], n)
+    for key, items in tasks.items():
+        per_task[key] = eval_grams([encode(item_segments(it)) for it in items], n, joined.table)
     allh = [g.sorted for g in per_task.values() if len(g.sorted)]
     joined.sorted = np.unique(np.concatenate(allh)) if allh else joined.sorted
-    joined.table[(joined.sorted >> np.uint64(64 - TABLE_BITS)).astype(np.int64)] = True
     found, _ = scan(joined, shard_chunks(shards, n, chunk), progress)
     out = {key: task_summary(g, found, threshold) for key, g in per_task.items()}
     out["_tokens"] = int(sum(len(a) for a in shards))
