@@ -107,7 +107,8 @@ def lmeval_worker(args) -> int:
         (inc / f"{task}_agree.yaml").write_text(
             f"include: {tasks_dir / yaml_rel.format(subject=args.mmlu_subject)}\ntask: {task}_agree\n"
             f"tag: []\ndataset_path: json\ndataset_name: null\ndataset_kwargs:\n  data_files:\n{splits}"
-            , encoding="utf-8")
+            "training_split: null\n" + ("test_split: null\nvalidation_split: validation\n"
+                                        if split == "validation" else ""), encoding="utf-8")
     names = list(LMEVAL_TASK.values()) if not args.tasks or "hellaswag" in args.tasks else []
     names += [f"{t}_agree" for t in more]
     lm = HFLM(pretrained=args.model_dir, gguf_file=args.gguf, device="cpu", dtype="float32",

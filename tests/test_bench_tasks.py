@@ -290,3 +290,15 @@ def test_cli_contamination_finds_planted_items(trained_run, train_shards, tmp_pa
     assert all(x >= 0.8 for x in r["coverage"][:planted]) and r["coverage"][planted:] == [0.0] * clean
     assert c["shards"] == str(train_shards) and c["tokens"] > 10_000
     assert "piqa 50.0% (3/6)" in text
+    # the same line in the model card's rows (export) and in the run report
+    import report
+    from utils.bench.report import scored_results
+    fp = json.loads(next(out_dir.glob("benchmark_*.json")).read_text())["models"][0]["identity"]["fingerprint"]
+    rows, _ = scored_results(out_dir, fp)
+    assert any(t == "contamination" and "piqa 50.0% (3/6)" in v for t, _, v in rows), rows
+    layer = tmp_path / "layer.json"
+    layer.write_text(json.dumps({"paths": {"benchmark_dir": str(out_dir)}}))
+    assert report.main(["base", "--config", str(trained_run["cfg"]), "--config", str(layer),
+                        "--out", str(tmp_path / "rep")]) == 0
+    md = next((tmp_path / "rep").rglob("report.md")).read_text()
+    assert "Contamination, base/checkpoint" in md and "piqa 50.0% (3/6)" in md
