@@ -339,6 +339,9 @@ def ensure_lmeval_venv(venv: Path, needs: dict = LMEVAL_NEEDS) -> Path:
     """The python of lm-eval's own environment ``venv``, created (or completed) with pip when
     one of ``needs`` (import name: pip requirement) does not import there; torch and
     transformers pinned to ours. perf/serve_lmeval.py uses it too."""
+    import importlib.util
+    if all(importlib.util.find_spec(m) for m in ("transformers", *needs)):
+        return Path(sys.executable)          # lm-eval installed here (requirements-test.txt pins it)
     py = venv / "bin" / "python"
     if py.exists() and subprocess.run([str(py), "-c", f"import transformers, {', '.join(needs)}"],
                                       capture_output=True).returncode == 0:
