@@ -76,6 +76,8 @@ demo: samples $(VENV)/.installed-test
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py infer $(OFFLINE) --checkpoint $$SFT/checkpoint_best.pt --prompt "Why is the sky blue?" --max-new-tokens 30 --seed 1
 	@echo "== 11. benchmark: the pre-trained and the SFT checkpoint compared (test mode: a few items per task)"
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py benchmark $(OFFLINE) --test checkpoints/demo/checkpoint_best.pt $$SFT/checkpoint_best.pt
+	@echo "== 11b. benchmark --preset core: a CORE-style score over the CORE tasks with data here (centered on random baselines), with the contamination check against the training shards"
+	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py benchmark $(OFFLINE) --test --preset core --contamination checkpoints/demo/checkpoint_best.pt $$SFT/checkpoint_best.pt
 	@echo "== 12. export: the SFT checkpoint as a Hugging Face folder and as GGUF, each run by its own consumer"
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py export $(OFFLINE) --checkpoint $$SFT --format hf --out exports/demo-hf --force
 	SFT=$$(ls -d checkpoints/sft_demo_* | tail -n 1) && $(PY) main.py export $(OFFLINE) --checkpoint $$SFT --format gguf --out exports/demo-gguf --force

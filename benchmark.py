@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from utils.bench import core as CORE
 from utils.bench import tasks as T
 from utils.cli import PipelineError, StageParser, UsageError, cli_nonblank, cli_path, run_stage
 from utils.config import Config
@@ -37,22 +38,38 @@ from utils.run import is_hf_model, list_runs, pick_checkpoint
 # Items per task for each preset (the seed's quick / standard / comprehensive sizes for
 # perplexity, LAMBADA and HellaSwag; ARC follows HellaSwag; None = the whole set). passkey:
 # samples per cell of its grid (synthetic, no whole set: None takes PASSKEY_FULL).
+# The further lm-eval tasks read from datasets (docs/benchmark.md) take HellaSwag's counts.
+DATASET_TASKS = ("piqa", "winogrande", "boolq", "copa", "openbookqa", "commonsense_qa",
+                 "social_iqa", "mmlu", "mmlu_cloze", "arithmetic", "triviaqa", "nq_open")
 PRESETS: dict[str, dict[str, Optional[int]]] = {
     "quick": {"perplexity": 50, "lambada": 20, "hellaswag": 10, "arc_easy": 10,
-              "arc_challenge": 10, "completion": 10, "passkey": 3},
+              "arc_challenge": 10, "completion": 10, "passkey": 3,
+              **{t: 10 for t in DATASET_TASKS}},
     "standard": {"perplexity": 100, "lambada": 50, "hellaswag": 20, "arc_easy": 20,
-                 "arc_challenge": 20, "completion": 20, "passkey": 5},
+                 "arc_challenge": 20, "completion": 20, "passkey": 5,
+                 **{t: 20 for t in DATASET_TASKS}},
     "comprehensive": {"perplexity": 200, "lambada": 100, "hellaswag": 50, "arc_easy": 50,
-                      "arc_challenge": 50, "completion": 50, "passkey": 10},
+                      "arc_challenge": 50, "completion": 50, "passkey": 10,
+                      **{t: 50 for t in DATASET_TASKS}},
     "full": {t: None for t in ("perplexity", "lambada", "hellaswag", "arc_easy",
-                               "arc_challenge", "completion", "passkey")},
+                               "arc_challenge", "completion", "passkey", *DATASET_TASKS)},
+}
+# Presets that name their tasks and shots (whole sets): SmolLM2's model card (its base models'
+# table: zero-shot; GSM8K, 5-shot there, has no data here) and the CORE tasks we have data for.
+SMOLLM2_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "mmlu_cloze", "commonsense_qa",
+                 "triviaqa", "winogrande", "openbookqa")
+TASK_PRESETS: dict[str, list[tuple[str, int]]] = {
+    "smollm2": [(t, 0) for t in SMOLLM2_TASKS],
+    "core": CORE.entries(),
 }
 PASSKEY_FULL = 20
 TEST_CAP = 6          # --test: at most this many items per task
 # --test: passkey's quick grid (the configured lengths and depths are for real runs)
 PASSKEY_TEST = {"lengths": (128, 256), "depths": (0, 50, 100), "samples": 1}
 TASKS = ("perplexity", "next_token", "lambada", "hellaswag", "arc_easy", "arc_challenge",
-         "completion", "passkey")
+         "completion", "passkey", *DATASET_TASKS)
+# Tasks that take solved examples (--num-fewshot); the others are scored as they are.
+FEWSHOT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", *DATASET_TASKS)
 
 
 def build_parser() -> StageParser:
@@ -68,9 +85,21 @@ def build_parser() -> StageParser:
     p.add_argument("--gguf-file", default=None, metavar="NAME",
                    help="GGUF file name inside an --hf-model folder")
     p.config_flag("--preset", key="benchmark.preset",
-                  choices=["quick", "standard", "comprehensive", "full"], help="items per task")
+                  choices=["quick", "standard", "comprehensive", "full", "smollm2", "core"],
+                  help="items per task; smollm2: SmolLM2's model-card tasks, core: the CORE tasks "
+                       "with data here and a CORE-style centered mean (both whole sets, their "
+                       "own task lists)")
     p.config_flag("--tasks", key="benchmark.tasks", type=_task_list, metavar="T1,T2",
                   help=f"comma-separated tasks ({', '.join(TASKS)})")
+    p.config_flag("--num-fewshot", key="benchmark.num_fewshot", type=int, metavar="N",
+                  help="solved examples before each item (default: lm-eval's, 0); not with "
+                       "--preset core, whose tasks have CORE's shot counts")
+    p.add_argument("--source", action="append", default=[], metavar="TASK=SRC", type=cli_nonblank,
+                   help="where a task's data comes from: a hub name (name:config) or a local "
+                        "folder or file (repeatable; adds to benchmark.sources)")
+    p.add_argument("--contamination", action="store_true",
+                   help="also measure, per task, the share of items whose 13-grams lie in the "
+                        "checkpoint's training shards (docs/benchmark.md)")
     p.add_argument("--limit", action="append", default=[], metavar="TASK=N",
                    help="items for one task (overrides the preset; N=all for the whole set)")
     p.config_flag("--seed", key="benchmark.seed", type=int, metavar="N",
@@ -96,6 +125,23 @@ def build_parser() -> StageParser:
 def _task_list(text: str) -> list:
     tasks = [t.strip() for t in text.split(",") if t.strip()]
     return tasks
+
+
+def parse_sources(specs: Sequence[str]) -> dict[str, str]:
+    """``TASK=SOURCE`` strings (benchmark.sources, then --source) -> {task: source}."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        task, sep, src = spec.partition("=")
+        task = task.strip()
+        if not sep or task not in DATA_SOURCES or not src.strip():
+            raise UsageError(f"--source {spec!r}: expected TASK=SOURCE with TASK one of "
+                             f"{', '.join(DATA_SOURCES)} and SOURCE a hub name or a local "
+                             "folder or file.")
+        out[task] = src.strip()
+    return out
+
+
+DATA_SOURCES = ("lambada", "hellaswag", "arc_easy", "arc_challenge", *DATASET_TASKS)
 
 
 def parse_limits(specs: Sequence[str]) -> dict[str, Optional[int]]:
@@ -167,24 +213,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"Benchmark: preset {b.preset}{' (--test)' if cfg.test else ''}, tasks {', '.join(tasks)}, "
           f"device {device}, seed {b.seed}", flush=True)
     check_outputs(args, cfg)
-    loaded, selected = load_data(cfg, tasks, limits)
+    loaded, selected, raw = load_data(cfg, tasks, limits, args.source)
     specs = [("checkpoint", str(p)) for p in ckpts] + [("hf", s) for s in args.hf_model]
-    models, records = score_models(cfg, args, specs, device, selected, loaded)
+    models, records = score_models(cfg, args, specs, device, selected, loaded, raw)
+    if b.preset == "core":
+        for m in models:
+            agg = CORE.core_score(m["results"])
+            if agg is not None:
+                m["results"]["core"] = {"metrics": {"core": {"value": agg["value"], "stderr": agg["stderr"]}},
+                                        "tasks": agg["tasks"], "note": CORE.coverage_note(agg["included"])}
     write_report(cfg, args, tasks, limits, device, models, records, loaded)
     return 0
 
 
 # --------------------------------------------------------------------------- steps of main
+def task_key(task: str, shots: int) -> str:
+    """A task's result key: its name, with ``:shots`` when it has solved examples."""
+    return task if shots == 0 else f"{task}:{shots}"
+
+
 def plan(args, cfg) -> tuple[list[str], dict]:
-    """The tasks (checked), the items per task (preset, --test cap, --limit), and the
-    packages the chosen tasks need."""
+    """The task keys (checked; ``task:K`` with K solved examples), the items per task (preset,
+    --test cap, --limit), and the packages the chosen tasks need."""
     b = cfg.benchmark
-    tasks = check_tasks(b.tasks)
-    limits = dict(PRESETS[b.preset])
+    if b.preset in TASK_PRESETS:
+        if b.preset == "core" and b.num_fewshot is not None:
+            raise UsageError("--num-fewshot does not go with --preset core: each CORE task has "
+                             "its own shot count (docs/benchmark.md); leave it out.")
+        entries = [(t, b.num_fewshot if b.num_fewshot is not None and t in FEWSHOT_TASKS else k)
+                   for t, k in TASK_PRESETS[b.preset]]
+        limits = {t: None for t, _ in entries}
+    else:
+        shots = b.num_fewshot or 0
+        entries = [(t, shots if t in FEWSHOT_TASKS else 0) for t in check_tasks(b.tasks)]
+        limits = dict(PRESETS[b.preset])
+    tasks = [task_key(t, k) for t, k in entries]
     if cfg.test:
         limits = {t: (TEST_CAP if n is None else min(n, TEST_CAP)) for t, n in limits.items()}
         limits["passkey"] = PASSKEY_TEST["samples"]
     limits.update(parse_limits(args.limit))
+    limits = {**limits, **{key: limits.get(key.split(":")[0]) for key in tasks if ":" in key}}
+    parse_sources([*b.sources, *args.source])      # refused now, not after the models load
     if args.gguf_file and not args.hf_model:
         raise UsageError("--gguf-file needs --hf-model (the folder holding the .gguf file).")
     if args.quantize != "none" and args.hf_model:
@@ -228,24 +297,48 @@ def check_outputs(args, cfg) -> None:
                              "(a save_pretrained folder, or a folder with a GGUF file).")
 
 
-def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
-    """Every task's data, loaded and validated once before any model is touched, and the
-    seeded selection of items; one line per task."""
+def load_data(cfg, tasks: list[str], limits: dict, cli_sources: Sequence[str] = ()) -> tuple[dict, dict, dict]:
+    """Every task's data, loaded and validated once before any model is touched, the seeded
+    selection of items as they are scored (with their shots) and as they are (for the
+    contamination check), by task key; one line per task."""
     from utils.bench import data as D                # numpy (see the imports)
     b, root, samples_dir = cfg.benchmark, cfg.root, cfg.path("paths.samples_dir")
     loaded: dict = {}
     sources = {"lambada": b.lambada_source, "hellaswag": b.hellaswag_source,
-               "arc_easy": b.arc_easy_source, "arc_challenge": b.arc_challenge_source}
+               "arc_easy": b.arc_easy_source, "arc_challenge": b.arc_challenge_source,
+               **{t: None for t in DATASET_TASKS}}
+    sources.update(parse_sources([*b.sources, *cli_sources]))
     if {"perplexity", "next_token", "completion"} & set(tasks):
         texts = D.load_texts(b.perplexity_source, samples_dir, cfg.path("paths.cache_dir"), root)
         for t in ("perplexity", "next_token", "completion"):
             loaded[t] = texts
-    for t in tasks:
+    most_shots: dict[str, int] = {}
+    for key in tasks:
+        t, _, k = key.partition(":")
+        most_shots[t] = max(most_shots.get(t, 0), int(k or 0))
+    for t, k in most_shots.items():
         if t in sources:
-            loaded[t] = D.load_task(t, sources[t], samples_dir, root)
+            loaded[t] = D.load_task(t, sources[t], samples_dir, root, fewshot=k)
     selected: dict = {}
+    raw: dict = {}                 # the selected items without shots (the contamination check)
     shown_notes: set = set()
+    for key in tasks:
+        t, _, k = key.partition(":")
+        if t in sources:
+            raw[key] = D.select(loaded[t].items, limits[key], b.seed)
+            selected[key] = D.attach_shots(t, loaded[t], raw[key], int(k or 0))
+            data = loaded[t]
+            note = f" [{data.note}]" if data.note and data.note not in shown_notes else ""
+            shown_notes.add(data.note)
+            shots = f", {k}-shot ({data.pool_rule})" if k else ""
+            print(f"  {key}: {len(selected[key])} of {len(data.items)} valid items{shots}"
+                  f"{f' ({sum(data.skipped.values())} rows skipped)' if data.skipped else ''}"
+                  f"{f' ({data.repaired} rows with lone surrogates, read as U+FFFD)' if data.repaired else ''}"
+                  f"{note}", flush=True)
+            continue
     for t in tasks:
+        if t in selected:
+            continue
         if t == "passkey":
             loaded[t] = passkey_data(cfg, limits[t])
             selected[t] = loaded[t].items
@@ -255,6 +348,7 @@ def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
             loaded[t] = completion_data(loaded[t])
         data = loaded[t]
         selected[t] = D.select(data.items, limits["perplexity" if t == "next_token" else t], b.seed)
+        raw[t] = selected[t]
         note = f" [{data.note}]" if data.note and data.note not in shown_notes else ""
         shown_notes.add(data.note)
         repaired = getattr(data, "repaired", 0)
@@ -262,7 +356,7 @@ def load_data(cfg, tasks: list[str], limits: dict) -> tuple[dict, dict]:
               f"{f' ({sum(data.skipped.values())} rows skipped)' if data.skipped else ''}"
               f"{f' ({repaired} rows with lone surrogates, read as U+FFFD)' if repaired else ''}"
               f"{note}", flush=True)
-    return loaded, selected
+    return loaded, {k: selected[k] for k in tasks}, raw
 
 
 def passkey_data(cfg, samples: Optional[int]):
@@ -292,7 +386,39 @@ def completion_data(data):
     return comp
 
 
-def score_models(cfg, args, specs, device, selected: dict, loaded: dict) -> tuple[list, list]:
+def contamination(cfg, ad, spec: str, raw: dict) -> dict:
+    """The contamination check of one checkpoint (utils/bench/contamination.py): its training
+    shards found through its run's data record, every task's selected items against them."""
+    from tqdm import tqdm
+    from utils.bench import contamination as C       # torch (see the imports)
+    from utils.data.shards import load_shards, read_metadata
+    b = cfg.benchmark
+    rule = C.rule_text(b.contamination_ngram, b.contamination_threshold)
+    where, how = C.training_shard_dir(Path(spec), cfg)
+    if where is None or not where.is_dir():
+        why = how if where is None else f"its training shards {where} are not there any more ({how})"
+        print(f"  {ad.name}: contamination: not checked: {why}", flush=True)
+        return {"checked": False, "why": why, "rule": rule}
+    shards = load_shards(where, read_metadata(where))
+    total = sum(len(a) for a in shards)
+    tasks = {k: v for k, v in raw.items() if k != "passkey" and k != "next_token"}
+    with tqdm(total=total, desc=f"{ad.name[:24]} contamination", unit="tok", unit_scale=True,
+              file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0.5) as bar:
+        found = C.check(tasks, ad.encode, shards, b.contamination_ngram, b.contamination_threshold,
+                        bar.update)
+    seen = found.pop("_tokens")
+    for key, r in found.items():
+        share = "n/a" if r["share"] is None else f"{100 * r['share']:.1f}%"
+        print(f"  {ad.name}: contamination: {key}: {share} of {r['judged']} items "
+              f"({r['contaminated']} contaminated, {r['touched']} with any {b.contamination_ngram}-gram, "
+              f"{r['too_short']} too short)", flush=True)
+    return {"checked": True, "shards": str(where), "found_through": how, "tokens": seen,
+            "rule": rule, "ngram": b.contamination_ngram, "threshold": b.contamination_threshold,
+            "tasks": found}
+
+
+def score_models(cfg, args, specs, device, selected: dict, loaded: dict,
+                 raw: Optional[dict] = None) -> tuple[list, list]:
     """Each model in turn (memory is released between them): results and per-item records."""
     from utils.bench import adapters, runner         # torch (see the imports)
     b = cfg.benchmark
@@ -317,9 +443,16 @@ def score_models(cfg, args, specs, device, selected: dict, loaded: dict) -> tupl
         print(f"Model {ad.name}: {ad.identity.get('parameters', 0):,} parameters, context "
               f"{context}, BOS-prefixed contexts: {ad.add_bos}", flush=True)
         results, records = runner.run_all(ad, selected, loaded, b.batch_size)
+        contam = None
+        if getattr(args, "contamination", False):
+            contam = (contamination(cfg, ad, spec, raw or selected)
+                      if isinstance(ad, adapters.CheckpointAdapter) else
+                      {"checked": False, "why": "not a checkpoint of this project: no record of "
+                                                "its training data"})
         models.append({"name": ad.name, "identity": ad.identity, "results": results,
                        "add_bos": ad.add_bos, "max_length": ad.max_length,
-                       "seconds": round(time.perf_counter() - t0, 2)})
+                       "seconds": round(time.perf_counter() - t0, 2),
+                       **({"contamination": contam} if contam is not None else {})})
         records_all += records
         del ad
     return models, records_all
@@ -334,7 +467,8 @@ def write_report(cfg, args, tasks, limits, device, models, records, loaded) -> N
     out_dir = output_dir(args, cfg)
     paths = report.output_paths(Path(out_dir))
     heatmaps = passkey_heatmaps(models, paths["json"])
-    counts = "\n\n".join(x for x in (report.render_passkey(models), report.render_counts(models)) if x)
+    counts = "\n\n".join(x for x in (report.render_core(models), report.render_contamination(models),
+                                      report.render_passkey(models), report.render_counts(models)) if x)
     settings = {"preset": b.preset, "test": cfg.test, "tasks": tasks, "limits": limits,
                 "seed": b.seed, "batch_size": b.batch_size, "device": str(device),
                 "dtype": b.dtype, "per_item": args.per_item,

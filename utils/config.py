@@ -437,9 +437,10 @@ class InferenceConfig:
 
 @dataclass
 class BenchmarkConfig:
-    preset: Literal["quick", "standard", "comprehensive", "full"] = _f(
+    preset: Literal["quick", "standard", "comprehensive", "full", "smollm2", "core"] = _f(
         "quick", "items per task: quick 50 perplexity passages / 20 LAMBADA / 10 HellaSwag, "
-        "standard 100/50/20, comprehensive 200/100/50, full = whole sets (docs/benchmark.md)")
+        "standard 100/50/20, comprehensive 200/100/50, full = whole sets; smollm2 and core: "
+        "their own task lists and shots, whole sets (docs/benchmark.md)")
     tasks: list[str] = _f(["perplexity", "next_token", "lambada", "hellaswag", "arc_easy",
                       "arc_challenge", "completion"], "tasks to run")
     perplexity_source: Optional[str] = _f(None, "WikiText hub name, local .txt file/folder or "
@@ -456,6 +457,15 @@ class BenchmarkConfig:
                                         nonblank=True)
     arc_challenge_source: Optional[str] = _f(None, "ARC-Challenge hub name or local folder/.jsonl",
                                              nonblank=True)
+    sources: list[str] = _f([], "TASK=SOURCE: a hub name (name:config) or a local folder/file "
+                            "for a task (null list: the offline samples, else lm-eval's hub "
+                            "datasets)", nonblank=True)
+    num_fewshot: Optional[int] = _f(None, "solved examples before each item (null: lm-eval's "
+                                    "default, 0 for every task)", min=0, max=64)
+    contamination_ngram: int = _f(13, "contamination check: n-gram length in tokens", min=4, max=64)
+    contamination_threshold: float = _f(0.8, "contamination check: an item is contaminated when "
+                                        "this share of its tokens lies in n-grams found in the "
+                                        "training shards", min=0, max=1, min_exclusive=True)
     seed: int = _f(1234, "seed of the fixed item selection", min=0, max=SEED_MAX)
     batch_size: int = _f(8, "sequences per forward pass", min=1)
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "autocast dtype (auto: bf16 on "

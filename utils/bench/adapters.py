@@ -31,12 +31,13 @@ from typing import Optional, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from utils import device as devices, quant
+from utils import attention, device as devices, quant
 from utils.cli import PipelineError
 from utils.data.chat import adds_bos, rules_of_checkpoint, stop_ids_of
 from utils.data.tok import encode_plain, load_tokenizer_folder
 from utils.data.tok import fingerprint as tokenizer_fingerprint
-from utils.generation.engine import Engine, NonFiniteLogits
+from utils.generation.engine import Engine, NonFiniteLogits, SamplingParams
+from utils.generation.engine import Sequence as GenSequence
 from utils.hf.import_hf import load_hf_llama
 from utils.run import load_model, tokenizer_for_checkpoint
 from utils.training.trainer import resolve_dtype
@@ -122,17 +123,26 @@ class Adapter:
         whole, ctx = self._framed(whole), self._framed(ctx)
         return ctx, whole[len(ctx):]
 
-    def _forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def logits_at(self, idx: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """The logits of positions ``spans[r] = (start, end)`` of each row r (what scoring
+        reads); this default computes every position's. Our model's adapters compute the
+        output layer on those positions only (a 10-shot prompt scores a few tokens of
+        hundreds: the (B, T, vocab) logits were most of the time)."""
+        logits = self.logits(idx)
+        return [logits[r, a:b] for r, (a, b) in enumerate(spans)]
+
+    def _forward(self, idx: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
         if self.amp is not None:
             with torch.autocast(device_type=self.device.type, dtype=self.amp):
-                logits = self.logits(idx)
+                rows = self.logits_at(idx, spans)
         else:
-            logits = self.logits(idx)
+            rows = self.logits_at(idx, spans)
+        logits = torch.cat(rows) if rows else torch.zeros(0)
         if not bool(torch.isfinite(logits).all()):     # NaN compares false: ranks and losses would be garbage
             raise PipelineError(f"{self.name}: the model's logits are not finite (NaN or inf): its arithmetic "
                                 "overflows (weights near float32's limit, 3e38, give inf, then NaN) or its "
                                 "weights are damaged; nothing can be scored.")
-        return logits
+        return rows
 
     @torch.no_grad()
     def score(self, seqs: Sequence[Sequence[int]], n_score: Sequence[int], batch_size: int = 8,
@@ -153,11 +163,11 @@ class Adapter:
             for r, i in enumerate(chunk):
                 s = items[i][0][:-1]
                 idx[r, :len(s)] = torch.tensor(s, dtype=torch.long)
-            logits = self._forward(idx.to(self.device))
+            spans = [(len(items[i][0]) - 1 - items[i][1], len(items[i][0]) - 1) for i in chunk]
+            logits = self._forward(idx.to(self.device), spans)
             for r, i in enumerate(chunk):
                 s, n = items[i]
-                inp_len = len(s) - 1
-                lg = logits[r, inp_len - n:inp_len].float()                   # (n, V)
+                lg = logits[r].float()                                          # (n, V)
                 tgt = torch.tensor(s[-n:], dtype=torch.long, device=lg.device)
                 logp = torch.log_softmax(lg, dim=-1).gather(1, tgt[:, None])[:, 0]
                 greedy = bool((lg.argmax(dim=-1) == tgt).all())
@@ -179,6 +189,33 @@ class Adapter:
             seqs.append(c + t)
             ns.append(len(t))
         return [(s.ll, s.greedy, s.n) for s in self.score(seqs, ns, batch_size, progress)]
+
+    def generate_until(self, prompts: Sequence[list[int]], max_new_tokens: int,
+                       until: Sequence[str]) -> list[str]:
+        """Greedy text after each prompt (lm-eval's ``generate_until``): decoding of a row
+        ends at the model's stop ids, at one of the ``until`` strings (the engine's stop
+        strings) or after ``max_new_tokens``; the prompt keeps its last ``max_length -
+        max_new_tokens`` tokens (lm-eval's left truncation). The caller cuts the text at
+        the stop strings (tasks.cut_at_stops), as lm-eval does."""
+        if getattr(self, "_engine", None) is None:
+            self._engine = Engine(self.model)
+        keep = None if self.long_context else max(1, self.max_length - max_new_tokens)
+        rows = [list(p)[-keep:] if keep else list(p) for p in prompts]
+        capacity = max(len(r) for r in rows) + max_new_tokens
+        batcher = self._engine.batcher(len(rows), capacity)
+        params = SamplingParams(max_new_tokens, temperature=0.0, stop_ids=frozenset(self.stop_ids),
+                                stop=tuple(until))
+        out: list[list[int]] = [[] for _ in rows]
+        for r, ids in enumerate(rows):
+            batcher.add(GenSequence(ids, params, tok=self.tok, tag=r))
+        try:
+            for events in self._engine.run(batcher):
+                for e in events:
+                    if e.token is not None:
+                        out[e.seq.tag].append(e.token)
+        except NonFiniteLogits as e:
+            raise PipelineError(f"{self.name}: {e}.") from None
+        return [self.tok.decode(ids, skip_special_tokens=True) for ids in out]
 
     def quantize_int8(self) -> str:
         """Weight-only int8 (utils/quant.py) for our model's adapters; the identity keeps the
@@ -233,6 +270,21 @@ class CheckpointAdapter(Adapter):
         logits, _ = self.model(idx)
         return logits
 
+    def logits_at(self, idx, spans):
+        return our_logits_at(self.model, idx, spans)
+
+
+def our_logits_at(model, idx: torch.Tensor, spans) -> list[torch.Tensor]:
+    """Our model's forward pass (model.py ``forward``: the attention spec, the trunk) with the
+    output layer applied to the ``spans`` positions of each row only."""
+    a = model.args
+    positions, spec = attention.forward_spec(idx, model.tok_embeddings.weight.dtype, a.document_mask,
+                                             a.bos_id, a.segment)
+    h = model.trunk(idx, positions, spec)
+    rows = [h[r, s:e] for r, (s, e) in enumerate(spans)]
+    out = model.lm_head(torch.cat(rows))
+    return list(torch.split(out, [e - s for s, e in spans]))
+
 
 class ImportedAdapter(Adapter):
     """A Hugging Face Llama folder or .gguf file imported as our model (utils/hf/import_hf.py):
@@ -255,6 +307,9 @@ class ImportedAdapter(Adapter):
     def logits(self, idx):
         logits, _ = self.model(idx)
         return logits
+
+    def logits_at(self, idx, spans):
+        return our_logits_at(self.model, idx, spans)
 
 
 def _run_label(path: Path) -> str:
@@ -312,6 +367,26 @@ class HFAdapter(Adapter):
         new = out[0, ids.shape[1]:].tolist()
         ends = [i for i, t in enumerate(new) if t in stops]
         return new[:ends[0]] if ends else new
+
+    @torch.no_grad()
+    def generate_until(self, prompts: Sequence[list[int]], max_new_tokens: int,
+                       until: Sequence[str]) -> list[str]:
+        """As :meth:`Adapter.generate_until`, through transformers' ``generate`` (greedy, one
+        prompt at a time: no padding, the same tokens as lm-eval's HFLM at batch size 1;
+        ``stop_strings`` end it)."""
+        stops = list(self.stop_ids)
+        keep = max(1, self.max_length - max_new_tokens)
+        texts = []
+        for p in prompts:
+            ids = torch.tensor([list(p)[-keep:]], dtype=torch.long, device=self.device)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+                                      pad_token_id=stops[0] if stops else 0,
+                                      stop_strings=list(until), tokenizer=self.tok)
+            new = out[0, ids.shape[1]:].tolist()
+            ends = [i for i, t in enumerate(new) if t in stops]
+            texts.append(self.tok.decode(new[:ends[0]] if ends else new, skip_special_tokens=True))
+        return texts
 
 
 def load_hf(spec: str, gguf_file: Optional[str] = None):

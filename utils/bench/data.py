@@ -45,17 +45,57 @@ HUB = {
     "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
     "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
     "wikitext": ("Salesforce/wikitext", "wikitext-103-raw-v1", "test"),
+    # the lm-eval task YAMLs' dataset_path / dataset_name and the split they report
+    "piqa": ("baber/piqa", None, "validation"),
+    "winogrande": ("allenai/winogrande", "winogrande_xl", "validation"),
+    "boolq": ("aps/super_glue", "boolq", "validation"),
+    "copa": ("aps/super_glue", "copa", "validation"),
+    "openbookqa": ("allenai/openbookqa", "main", "test"),
+    "commonsense_qa": ("tau/commonsense_qa", None, "validation"),
+    "social_iqa": ("lighteval/siqa", None, "validation"),
+    "mmlu": ("cais/mmlu", "all", "test"),
+    "mmlu_cloze": ("cais/mmlu", "all", "test"),
+    "arithmetic": ("allenai/basic_arithmetic", None, "validation"),
+    "triviaqa": ("mandarjoshi/trivia_qa", "rc.nocontext", "validation"),
+    "nq_open": ("google-research-datasets/nq_open", None, "validation"),
 }
 SAMPLES = {
     "hellaswag": "hellaswag/validation",
     "lambada": "lambada/requests.jsonl.gz",
     "arc_easy": "arc_easy/validation",
     "arc_challenge": "arc_challenge/validation",
+    "piqa": "piqa/validation", "winogrande": "winogrande/validation",
+    "boolq": "boolq/validation", "copa": "copa/validation",
+    "openbookqa": "openbookqa/validation", "commonsense_qa": "commonsense_qa/validation",
+    "social_iqa": "social_iqa/validation", "mmlu": "mmlu", "mmlu_cloze": "mmlu",
+    "arithmetic": "arithmetic/validation", "triviaqa": "triviaqa/validation",
+    "nq_open": "nq_open/validation",
 }
 BUILDERS: dict[str, Callable[[Any, int], Any]] = {
     "hellaswag": T.hellaswag_item, "lambada": T.lambada_item,
     "arc_easy": T.arc_item, "arc_challenge": T.arc_item,
+    "piqa": T.piqa_item, "winogrande": T.winogrande_item, "boolq": T.boolq_item,
+    "copa": T.copa_item, "openbookqa": T.openbookqa_item, "commonsense_qa": T.commonsense_qa_item,
+    "social_iqa": T.social_iqa_item, "mmlu": T.mmlu_item, "mmlu_cloze": T.mmlu_cloze_item,
+    "arithmetic": T.arithmetic_item, "triviaqa": T.triviaqa_item, "nq_open": T.nq_open_item,
 }
+# Substitutes the offline samples make, said next to the results (lm-eval's own data differs)
+SAMPLE_NOTES = {
+    "arc_easy": "validation split (offline sample); lm-eval reports ARC on the test split",
+    "arc_challenge": "validation split (offline sample); lm-eval reports ARC on the test split",
+    "openbookqa": "validation split (offline sample); lm-eval reports OpenBookQA on the test split",
+    "boolq": "google/boolq validation (offline sample): lm-eval reads SuperGLUE's copy, whose "
+             "passages start with the article title",
+    "triviaqa": "rc.wikipedia.nocontext validation (offline sample, 7,993 questions); lm-eval "
+                "reads rc.nocontext (17,944)",
+    "arithmetic": "AI2's basic arithmetic (offline sample), scored by lm-eval's arithmetic rule "
+                  "(acc = the answer is the greedy continuation)",
+}
+# Few-shot examples: from this split of the same source (MMLU: its dev split, the first k, as
+# lm-eval's first_n sampler), else from the evaluated split itself, the item excluded.
+FEWSHOT_SPLIT = {"mmlu": "dev", "mmlu_cloze": "dev"}
+FEWSHOT_DELIMITER = {"nq_open": "\n"}
+MMLU_TASKS = ("mmlu", "mmlu_cloze")
 MIN_PASSAGE_CHARS = 200
 def hub_offline() -> bool:
     """Offline mode as the hub libraries see it (read at each call, not at import)."""
@@ -84,6 +124,8 @@ class TaskData:
     rows: int = 0                   # rows read (valid + skipped)
     repaired: int = 0               # rows whose text had lone surrogates, replaced by U+FFFD
     note: Optional[str] = None      # honest label for substitutes
+    pool: list = field(default_factory=list)   # few-shot examples (load_fewshot_pool)
+    pool_rule: Optional[str] = None
 
 
 # --------------------------------------------------------------------------- raw rows
@@ -222,22 +264,75 @@ def default_source(task: str, samples_dir: Path) -> tuple[str, str]:
     """(source, split): the offline sample when present, else the hub dataset lm-eval reads."""
     local = samples_dir / SAMPLES[task]
     if local.exists():
-        return str(local), "validation" if task != "lambada" else "test"
+        return str(local), ("test" if task in ("lambada", *MMLU_TASKS) else "validation")
     name, config, split = HUB[task]
     return (f"{name}:{config}" if config else name), split
 
 
-def load_task(task: str, source: Optional[str], samples_dir: Path, root: Path) -> TaskData:
-    """Read and validate one multiple-choice or LAMBADA task."""
+def _subject_folders(path: Path) -> list[Path]:
+    """An MMLU folder of subject folders (``SUBJECT/test``, ``SUBJECT/dev`` saved datasets, as
+    the offline sample keeps them), sorted by subject; [] for anything else."""
+    if not path.is_dir() or (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+        return []
+    return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def read_task_rows(task: str, src: str, split: str, skipped: Counter) -> Iterator[Any]:
+    """A task's raw rows; an MMLU folder of subject folders is read subject by subject, each
+    row given its ``subject`` (the field the hub's "all" config carries)."""
+    subjects = _subject_folders(Path(src)) if task in MMLU_TASKS else []
+    if not subjects:
+        yield from read_rows(src, split, skipped)
+        return
+    for sub in subjects:
+        if not (sub / split).exists():
+            continue
+        for row in read_rows(str(sub / split), split, skipped):
+            if isinstance(row, dict) and not row.get("subject"):
+                row = {**row, "subject": sub.name}
+            yield row
+
+
+def load_fewshot_pool(task: str, data: "TaskData", split: str) -> None:
+    """``data.pool`` (the solved examples few-shot prompts draw from) and ``data.pool_rule``.
+    MMLU: its dev split, per subject, the first k (lm-eval's first_n sampler); when the
+    source has no dev split, and for every other task, the evaluated items themselves, the
+    item excluded (what lm-eval does when its few-shot split is the test split)."""
+    other = FEWSHOT_SPLIT.get(task)
+    if other and other != split:
+        skipped: Counter = Counter()
+        build = BUILDERS[task]
+        pool = []
+        try:
+            for i, row in enumerate(read_task_rows(task, data.source, other, skipped)):
+                row, _ = valid_text(row)
+                try:
+                    pool.append(build(row, i))
+                except T.BadRow:
+                    continue
+        except PipelineError:
+            pool = []           # no such split in this source: the same split is the pool
+        if pool:
+            data.pool, data.pool_rule = pool, f"first k of the {other} split, same subject"
+            return
+    data.pool, data.pool_rule = data.items, "seeded sample of the same split, the item excluded"
+
+
+def load_task(task: str, source: Optional[str], samples_dir: Path, root: Path,
+              fewshot: int = 0) -> TaskData:
+    """Read and validate one task read from a dataset (multiple choice, LAMBADA, arithmetic,
+    generation); with ``fewshot`` > 0 also its pool of solved examples."""
     if source is None:
         src, split = default_source(task, samples_dir)
     else:
         p = Path(os.path.expanduser(source))
         p = p if p.is_absolute() else root / p
         src, split = (str(p), HUB[task][2]) if p.exists() else (source, HUB[task][2])
+        if p.exists() and task in MMLU_TASKS and _subject_folders(p):
+            split = "test"
     data = TaskData(task=task, items=[], source=src)
     build = BUILDERS[task]
-    for i, row in enumerate(read_rows(src, split, data.skipped)):
+    for i, row in enumerate(read_task_rows(task, src, split, data.skipped)):
         row, n = valid_text(row)
         data.repaired += n > 0
         try:
@@ -251,8 +346,10 @@ def load_task(task: str, source: Optional[str], samples_dir: Path, root: Path) -
         reasons = ", ".join(f"{k}: {v}" for k, v in data.skipped.most_common())
         raise PipelineError(f"{src}: none of its {data.rows} rows is a valid {task} item "
                             f"(skipped: {reasons}). Is it the right file for this task?")
-    if src.endswith(SAMPLES.get(task, "\0")) and task.startswith("arc"):
-        data.note = "validation split (offline sample); lm-eval reports ARC on the test split"
+    if src.endswith(SAMPLES.get(task, "\0")):
+        data.note = SAMPLE_NOTES.get(task)
+    if fewshot > 0:
+        load_fewshot_pool(task, data, split)
     return data
 
 
@@ -377,3 +474,28 @@ def select(items: Sequence, limit: Optional[int], seed: int) -> list:
         return list(items)
     idx = np.sort(np.random.default_rng(seed).permutation(len(items))[:limit])
     return [items[i] for i in idx]
+
+
+# --------------------------------------------------------------------------- few-shot prompts
+def attach_shots(task: str, data: TaskData, items: Sequence, k: int) -> list:
+    """The selected items as they are scored: each task's description and ``k`` solved
+    examples from ``data.pool`` in front of the context (tasks.with_shots). Same split: item
+    i's examples are a sample seeded by its index (tasks.fewshot_indices), itself excluded;
+    MMLU's dev split: the first k of the item's subject."""
+    delim = FEWSHOT_DELIMITER.get(task, T.FEWSHOT_DELIMITER)
+    if k <= 0:
+        return [T.with_shots(it, [], delim) for it in items]
+    position = {id(it): i for i, it in enumerate(data.items)}
+    same_split = data.pool is data.items
+    by_subject: dict = {}
+    if not same_split:
+        for ex in data.pool:
+            by_subject.setdefault(str(ex.id).split("/")[0], []).append(ex)
+    out = []
+    for it in items:
+        if same_split:
+            shots = [data.pool[j] for j in T.fewshot_indices(position[id(it)], len(data.pool), k, True)]
+        else:
+            shots = by_subject.get(str(it.id).split("/")[0], [])[:k]
+        out.append(T.with_shots(it, shots, delim))
+    return out

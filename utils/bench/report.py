@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from utils.atomic import atomic_open, write_json_atomic
-from utils.bench.runner import METRICS
+from utils.bench import core as CORE
+from utils.bench.runner import METRICS, base_task
 from utils.environment import package_versions as versions
 
 PERCENT = {"acc", "acc_norm", "top1", "top5", "top10"}
@@ -44,16 +45,31 @@ def fmt_value(metric: str, value: Optional[float], stderr: Optional[float] = Non
     if metric in PERCENT:
         s = f"{100 * value:.2f}"
         return s + (f" ± {100 * stderr:.2f}" if stderr is not None else "")
-    digits = 3 if metric in ("bits_per_byte",) else 2
+    digits = 3 if metric in ("bits_per_byte",) else 4 if metric == "core" else 2
     s = f"{value:.{digits}f}"
     return s + (f" ± {stderr:.{digits}f}" if stderr is not None else "")
+
+
+def task_keys(models: Sequence[dict]) -> list[tuple[str, str]]:
+    """(result key, label) of every task any model has, in METRICS' order; a key with shots
+    (``hellaswag:10``) follows its task's and reads ``hellaswag 10-shot``."""
+    seen: dict[str, None] = {}
+    for m in models:
+        for key in m.get("results", {}):
+            seen.setdefault(key, None)
+    out = []
+    for task in METRICS:
+        keys = [k for k in seen if base_task(k) == task]
+        keys.sort(key=lambda k: int(k.partition(":")[2] or 0))
+        out += [(k, k.replace(":", " ") + "-shot" if ":" in k else k) for k in keys]
+    return out
 
 
 def metric_rows(models: Sequence[dict]) -> list[dict]:
     """One row per (task, metric) that any model has: label, values, best model indices."""
     rows = []
-    for task, metrics in METRICS.items():
-        for metric, higher in metrics:
+    for task, shown in task_keys(models):
+        for metric, higher in METRICS[base_task(task)]:
             vals, errs = [], []
             for m in models:
                 r = m["results"].get(task, {}).get("metrics", {}).get(metric)
@@ -68,7 +84,8 @@ def metric_rows(models: Sequence[dict]) -> list[dict]:
                 best = [i for v, i in have if v == target]
             unit = " (%)" if metric in PERCENT else ""
             rows.append({"task": task, "metric": metric, "higher_is_better": higher,
-                         "label": f"{task} {metric}{unit} {'↑' if higher else '↓'}",
+                         "label": ("CORE-style centered mean ↑" if task == "core" else
+                                   f"{shown} {metric}{unit} {'↑' if higher else '↓'}"),
                          "values": vals, "stderrs": errs, "best": best})
     return rows
 
@@ -137,6 +154,8 @@ def render_counts(models: Sequence[dict]) -> str:
     for m in models:
         out.append(f"  {m['name']}:")
         for task, r in m["results"].items():
+            if "items" not in r:
+                continue                   # an aggregate (core), not a task
             it = r.get("items", {})
             sk = ", ".join(f"{k} {v}" for k, v in it.get("skipped", {}).items()) or "none"
             dsk = ", ".join(f"{k} {v}" for k, v in it.get("skipped_in_data", {}).items()) or "none"
@@ -148,6 +167,47 @@ def render_counts(models: Sequence[dict]) -> str:
                 notes.setdefault(task, str(r.get("source")))
     out.append("Sources:")
     out += [f"  {t}: {n}" for t, n in notes.items()]
+    return "\n".join(out)
+
+
+def render_core(models: Sequence[dict]) -> str:
+    """Each model's CORE-style aggregate: per CORE task its accuracy, random baseline and
+    centered accuracy, then the mean, and what it covers (utils/bench/core.py)."""
+    out = []
+    for m in models:
+        r = m["results"].get("core")
+        if not r:
+            continue
+        agg = r["metrics"]["core"]
+        se = "" if agg.get("stderr") is None else f" ± {agg['stderr']:.4f}"
+        out.append(f"CORE-style score, {m['name']}: {agg['value']:.4f}{se}")
+        out.append(f"  {'CORE task':<22} {'ours':<27} {'shots':>5} {'accuracy':>9} {'random':>7} {'centered':>9}")
+        for t in r["tasks"]:
+            out.append(f"  {t['core_task']:<22} {t['key'] + ' ' + t['metric']:<27} {t['shots']:>5} "
+                       f"{100 * t['accuracy']:>8.2f}% {100 * t['random_baseline']:>6.0f}% "
+                       f"{t['centered']:>9.4f}")
+        out.append("  " + r["note"])
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def contamination_line(c: Optional[dict]) -> Optional[str]:
+    """One line: each task's contaminated share, or why nothing was checked."""
+    if not c:
+        return None
+    if not c.get("checked"):
+        return f"not checked: {c.get('why')}"
+    parts = []
+    for key, r in c["tasks"].items():
+        share = "n/a" if r["share"] is None else f"{100 * r['share']:.1f}%"
+        parts.append(f"{key} {share} ({r['contaminated']}/{r['judged']})")
+    return (f"{'; '.join(parts)} of the items scored, against {c['tokens']:,} training tokens "
+            f"({c['shards']}); rule: {c['rule']}")
+
+
+def render_contamination(models: Sequence[dict]) -> str:
+    out = [f"Contamination, {m['name']}: {contamination_line(m.get('contamination'))}"
+           for m in models if m.get("contamination")]
     return "\n".join(out)
 
 
@@ -272,6 +332,9 @@ def scored_results(bench_dir: Path, weights_fp: str) -> tuple[list[tuple[str, st
                 for metric, v in (metrics if isinstance(metrics, dict) else {}).items():
                     if isinstance(v, dict) and v.get("value") is not None:
                         rows.append((task, metric, fmt_value(metric, v["value"], v.get("stderr"))))
+            line = contamination_line(m.get("contamination")) if isinstance(m.get("contamination"), dict) else None
+            if line:
+                rows.append(("contamination", f"{m['contamination'].get('ngram', 13)}-gram overlap", line))
             return rows, f.name
     return [], None
 

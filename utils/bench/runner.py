@@ -15,7 +15,15 @@ completion     bleu (sacrebleu corpus BLEU), rouge1 / rouge2 / rougeL (rouge-sco
                greedy continuations of held-out passages against the passages' next words
 passkey        acc over the grid's samples, and the accuracy of each (context length, needle
                depth) cell: the key of a synthetic long prompt repeated (utils/bench/passkey.py)
+piqa, boolq,   acc (and acc_norm where lm-eval reports it: piqa, openbookqa, social_iqa's
+copa, ...      none): multiple choice as HellaSwag; winogrande: partial scoring (one context
+               per option, the shared rest of the sentence scored); mmlu (lettered, A-D) and
+               mmlu_cloze (the option texts); arithmetic: acc = the answer is the greedy
+               continuation; triviaqa, nq_open: exact_match of greedy generations (tasks.py)
 =============  ==========================================================================
+
+A task key may carry a shot count, ``hellaswag:10`` (the CORE preset runs HellaSwag 0- and
+10-shot): :func:`base_task` strips it.
 
 Every task reports, per metric, its value and standard error, and its item counts: selected,
 scored, and skipped by reason (plus what the data loader skipped in the whole file).
@@ -33,9 +41,15 @@ from utils.bench import scoring as S
 from utils.bench import tasks as T
 from utils.bench.adapters import TOPK, Adapter
 
-MC_TASKS = ("hellaswag", "arc_easy", "arc_challenge")
+MC_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "boolq", "copa", "openbookqa",
+            "commonsense_qa", "social_iqa", "mmlu", "mmlu_cloze")
+GEN_TASKS = ("triviaqa", "nq_open")
+EXTRA_TASKS = ("piqa", "winogrande", "boolq", "copa", "openbookqa", "commonsense_qa",
+               "social_iqa", "mmlu", "mmlu_cloze", "arithmetic", "triviaqa", "nq_open")
 ALL_TASKS = ("perplexity", "next_token", "lambada", "hellaswag", "arc_easy", "arc_challenge",
-             "completion", "passkey")
+             "completion", "passkey", *EXTRA_TASKS)
+# lm-eval reports acc_norm for these multiple-choice tasks (their YAMLs' metric_list)
+ACC_NORM = {"hellaswag", "arc_easy", "arc_challenge", "piqa", "openbookqa", "mmlu_cloze"}
 # Metrics per task, and whether higher is better.
 METRICS: dict[str, list[tuple[str, bool]]] = {
     "perplexity": [("perplexity", False), ("bits_per_byte", False)],
@@ -46,7 +60,16 @@ METRICS: dict[str, list[tuple[str, bool]]] = {
     "arc_challenge": [("acc", True), ("acc_norm", True)],
     "completion": [("bleu", True), ("rouge1", True), ("rouge2", True), ("rougeL", True)],
     "passkey": [("acc", True)],
+    **{t: [("acc", True), ("acc_norm", True)] if t in ACC_NORM else [("acc", True)]
+       for t in EXTRA_TASKS if t not in GEN_TASKS},
+    **{t: [("exact_match", True)] for t in GEN_TASKS},
+    "core": [("core", True)],
 }
+
+
+def base_task(key: str) -> str:
+    """``hellaswag:10`` -> ``hellaswag`` (a task key with its shot count)."""
+    return key.split(":", 1)[0]
 COMPLETION_MAX_NEW_TOKENS = 64
 
 
@@ -115,15 +138,24 @@ def _pairs_or_skip(ad: Adapter, pairs: list[tuple[str, str]]) -> Optional[list]:
     return out
 
 
+def requests_of(it) -> list[tuple[str, str]]:
+    """The (context, continuation) pairs lm-eval scores for one item."""
+    if isinstance(it, T.PartialItem):
+        return [(ctx, it.continuation) for ctx in it.contexts]
+    if isinstance(it, T.MCItem):
+        return [(it.context, T.TARGET_DELIMITER + ch) for ch in it.choices]
+    if isinstance(it, T.GreedyItem):
+        return [(it.context, it.target)]
+    return [(it.context, it.target)]          # LAMBADA
+
+
 def run_loglikelihood_task(task: str, ad: Adapter, items: list, batch_size: int, desc: str,
                            records: list):
     skipped: Counter = Counter()
     seqs, ns, spans, kept = [], [], [], []
+    key, task = task, base_task(task)
     for it in items:
-        if task == "lambada":
-            pairs = [(it.context, it.target)]
-        else:
-            pairs = [(it.context, T.TARGET_DELIMITER + ch) for ch in it.choices]
+        pairs = requests_of(it)
         enc = _pairs_or_skip(ad, pairs)
         if enc is None:
             skipped["continuation_encodes_to_nothing"] += 1
@@ -147,17 +179,52 @@ def run_loglikelihood_task(task: str, ad: Adapter, items: list, batch_size: int,
         result["metrics"] = {"acc": _metric(S.mean(acc), S.mean_stderr(acc)),
                              "perplexity": _metric(S.lambada_perplexity(lls),
                                                    S.lambada_perplexity_stderr(lls))}
+    elif task == "arithmetic":
+        acc = []
+        for it, (start, _) in zip(kept, spans):
+            sc = scores[start]
+            acc.append(float(sc.greedy))
+            records.append({"task": key, "id": it.id, "ll": sc.ll, "is_greedy": sc.greedy})
+        result["metrics"] = {"acc": _metric(S.mean(acc), S.mean_stderr(acc))}
     else:
         acc, acc_norm = [], []
         for it, (start, n) in zip(kept, spans):
             lls = [scores[start + j].ll for j in range(n)]
-            r = S.multiple_choice(lls, it.choices, it.gold)
+            # Winogrande: lm-eval's acc_norm would divide by the contexts' lengths; it reports acc only
+            r = S.multiple_choice(lls, getattr(it, "choices", None) or it.contexts, it.gold)
             acc.append(r["acc"])
             acc_norm.append(r["acc_norm"])
-            records.append({"task": task, "id": it.id, "gold": it.gold, "pred": r["pred"],
+            records.append({"task": key, "id": it.id, "gold": it.gold, "pred": r["pred"],
                             "pred_norm": r["pred_norm"], "lls": lls})
-        result["metrics"] = {"acc": _metric(S.mean(acc), S.mean_stderr(acc)),
-                             "acc_norm": _metric(S.mean(acc_norm), S.mean_stderr(acc_norm))}
+        result["metrics"] = {"acc": _metric(S.mean(acc), S.mean_stderr(acc))}
+        if task in ACC_NORM:
+            result["metrics"]["acc_norm"] = _metric(S.mean(acc_norm), S.mean_stderr(acc_norm))
+    return result, skipped, len(kept)
+
+
+def run_generation(task: str, ad: Adapter, items: list, batch_size: int, desc: str, records: list):
+    """TriviaQA / NQ-open: greedy text up to lm-eval's stop strings (at most
+    ``T.GEN_MAX_TOKENS`` tokens), exact match against any target after the task's
+    normalisation (tasks.exact_match; NQ-open also drops English articles)."""
+    key, task = task, base_task(task)
+    regexes = (T.NQ_ARTICLES,) if task == "nq_open" else ()
+    skipped: Counter = Counter()
+    em: list[float] = []
+    kept = []
+    with _bar(len(items), desc) as bar:
+        for b in range(0, len(items), batch_size):
+            chunk = items[b:b + batch_size]
+            prompts = [ad._framed(ids) for ids in ad.encode([it.context for it in chunk])]
+            texts = ad.generate_until(prompts, T.GEN_MAX_TOKENS, T.GEN_UNTIL)
+            for it, text in zip(chunk, texts):
+                answer = T.cut_at_stops(text)
+                em.append(T.exact_match(answer, it.targets, regexes))
+                kept.append(it)
+                records.append({"task": key, "id": it.id, "generated": answer,
+                                "targets": it.targets, "exact_match": em[-1]})
+            bar.update(len(chunk))
+    result = {"metrics": {"exact_match": _metric(S.mean(em), S.mean_stderr(em))},
+              "max_new_tokens": T.GEN_MAX_TOKENS, "until": list(T.GEN_UNTIL)}
     return result, skipped, len(kept)
 
 
@@ -218,7 +285,7 @@ def run_all(ad: Adapter, selected: dict, loaded: dict, batch_size: int,
     records: list = []
     for task, items in selected.items():
         desc = f"{ad.name[:24]} {task}"
-        data = loaded[task]
+        data = loaded[base_task(task)]
         if task in ("perplexity", "next_token"):
             if "perplexity" in results or "next_token" in results:
                 continue       # one pass serves both
@@ -233,6 +300,8 @@ def run_all(ad: Adapter, selected: dict, loaded: dict, batch_size: int,
             res, skipped, scored = run_completion(ad, items, desc, records)
         elif task == "passkey":
             res, skipped, scored = run_passkey(ad, items[0], desc, records)
+        elif base_task(task) in GEN_TASKS:
+            res, skipped, scored = run_generation(task, ad, items, batch_size, desc, records)
         else:
             res, skipped, scored = run_loglikelihood_task(task, ad, items, batch_size, desc, records)
         planned = items[0].size if task == "passkey" else len(items)

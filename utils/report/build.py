@@ -519,7 +519,7 @@ def _dpo(f: F.RunFacts, s: dict) -> list:
 
 
 def _benchmarks(f: F.RunFacts, s: dict) -> list:
-    from utils.bench.report import fmt_value, metric_rows   # 0.25 s: only for a run with benchmark results
+    from utils.bench.report import contamination_line, fmt_value, metric_rows   # 0.25 s: only for a run with benchmark results
     out = [Heading(2, "Benchmarks")]
     for g in f.benchmarks:
         rows = metric_rows(g.models)
@@ -537,6 +537,9 @@ def _benchmarks(f: F.RunFacts, s: dict) -> list:
                                                                   + [h for h in how if h]), "):"]))
         out.append(Table(header, table, "l" + "r" * len(g.models)) if table else
                    Para("Not available: these result files hold no metric value this report reads."))
+        out += [Para(n) for n in dict.fromkeys(m["core_note"] for m in g.models if m.get("core_note"))]
+        out += [Para(f"Contamination, {m['name']}: {contamination_line(m['contamination'])}")
+                for m in g.models if m.get("contamination")]
     if f.benchmarks:
         out.append(Para("* best value of the row; ↑ higher is better, ↓ lower is better; ± standard "
                         "error. Columns are every model scored on the same items, from any result "

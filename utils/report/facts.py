@@ -448,7 +448,7 @@ def _item_key(payload: dict, task: str) -> str:
     count and the seed (benchmark.py: ``select(items, limit, seed)``)."""
     s = as_dict(payload.get("settings"))
     limits = as_dict(s.get("limits"))
-    data = as_dict(as_dict(payload.get("data")).get(task))
+    data = as_dict(as_dict(payload.get("data")).get(task.split(":")[0]))    # "hellaswag:10": its data
     limit = limits.get("perplexity" if task == "next_token" else task)
     return json.dumps([task, limit, s.get("seed"), data.get("source"), data.get("rows"),
                        data.get("valid")])
@@ -517,9 +517,11 @@ def benchmark_groups(bench_dir: Path, run_dir: Path, f: RunFacts) -> list[BenchG
         g.files.append(name)
         for m in payload["models"]:
             if isinstance(m, dict):
+                core = as_dict(as_dict(m.get("results")).get("core"))
                 g.models.append({"name": _label(m), "results": _results(m.get("results")),
                                  "ours": _is_ours(m, run_dir), "identity": as_dict(m.get("identity")),
-                                 "file": name})
+                                 "file": name, "contamination": as_dict(m.get("contamination")) or None,
+                                 "core_note": core.get("note") if isinstance(core.get("note"), str) else None})
     out = []
     for g in groups.values():
         if not any(m["ours"] for m in g.models):
