@@ -152,3 +152,177 @@ def test_a_models_own_template_that_renders_tools_is_used_and_one_that_does_not_
     trained = _masked_text(tok, ids, mask)
     assert trained.count("<|im_end|>") == 2 and "<tool_call>" in trained and "tool_response" not in trained
     assert '"content"' not in trained and "Tools:" not in trained
+
+
+# --------------------------------------------------------------------------- serve
+BOUNDED = [  # functions whose every valid call is short: a cut-off by max_tokens cannot happen
+    {"type": "function", "function": {"name": "gcd", "description": "The greatest common divisor.",
+                                      "parameters": {"type": "object", "additionalProperties": False,
+                                                     "required": ["a", "b"],
+                                                     "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 999},
+                                                                    "b": {"type": "integer", "minimum": 1, "maximum": 999}}}}},
+    {"type": "function", "function": {"name": "convert_length", "description": "A length in another unit.",
+                                      "parameters": {"type": "object", "additionalProperties": False,
+                                                     "required": ["value", "from_unit", "to_unit"],
+                                                     "properties": {"value": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                                    "from_unit": {"enum": ["m", "km", "mi", "ft"]},
+                                                                    "to_unit": {"enum": ["m", "km", "mi", "ft"]}}}}},
+    {"type": "function", "function": {"name": "is_prime", "description": "Whether n is prime.",
+                                      "parameters": {"type": "object", "additionalProperties": False, "required": ["n"],
+                                                     "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 999},
+                                                                    "note": {"type": "string", "maxLength": 6}}}}},
+]
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED}
+QUESTION = [{"role": "user", "content": "What is the greatest common divisor of 84 and 36?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory, samples):
+    """A tiny model SFT'd on the generated tool-use set (3 steps: it need not be smart, the
+    constraint guarantees the shape), served as a user serves it."""
+    from tests.test_serve import Server
+    from tests.test_sft import make_checkpoint
+    root = tmp_path_factory.mktemp("tool_serve")
+    cfg = write_config(root, {"tokenizer": {"name": TOK_NAME}, "logging": {"tensorboard": False},
+                              "serve": {"max_batch": 8}})
+    base = make_checkpoint(root / "checkpoints" / "base" / "checkpoint_best.pt", max_seq_len=1024)
+    p = run_stage("sft", "prepare", "--config", cfg, "--dataset", "tools", "--limit", "48")
+    assert p.returncode == 0, p.stdout + p.stderr
+    q = run_stage("sft", "train", "--config", cfg, "--checkpoint", base, "--name", "tools", "--max-steps", "3",
+                  "--batch-size", "4", "--sample-tokens", "0", "--device", "cpu")
+    assert q.returncode == 0, q.stdout + q.stderr
+    run, = (root / "checkpoints").glob("sft_tools_*")
+    s = Server(root, cfg, "--checkpoint", run)
+    s.model = s.client.models.list().data[0].id
+    yield s
+    assert s.stop() == 130, s.stderr()
+
+
+def _check_calls(message, names) -> list:
+    """The calls of a reply, each validated against its function's schema."""
+    assert message.tool_calls, message
+    out = []
+    for c in message.tool_calls:
+        assert c.type == "function" and c.id.startswith("call_") and c.function.name in names, c
+        args = json.loads(c.function.arguments)
+        jsonschema.validate(args, SCHEMA_OF[c.function.name])
+        out.append((c.function.name, args))
+    return out
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_required_and_named_calls_always_parse_and_validate_over_many_seeds(tool_server, choice):
+    import concurrent.futures as cf
+    tc = "required" if choice == "required" else {"type": "function", "function": {"name": "convert_length"}}
+    names = {"convert_length"} if choice == "named" else set(SCHEMA_OF)
+
+    def ask(seed):
+        parallel = seed % 2 == 0
+        r = tool_server.client.chat.completions.create(
+            model=tool_server.model, messages=QUESTION, tools=BOUNDED, tool_choice=tc, parallel_tool_calls=parallel,
+            temperature=1.0, seed=seed, max_tokens=160)
+        c = r.choices[0]
+        # one call: the grammar ends the reply with it; several allowed: each call is complete and valid,
+        # and the model may go on calling until max_tokens cuts the reply (the cut call is not returned)
+        assert c.finish_reason == "tool_calls" or (parallel and c.finish_reason == "length"), c
+        calls = _check_calls(c.message, names)
+        assert parallel or len(calls) == 1, calls
+        return calls
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(16)))
+    assert len({json.dumps(r) for r in results}) > 4           # sampled: many different calls, all valid
+
+
+def _stream(client, **kw):
+    """A streamed reply assembled as the openai client's own helper assembles it (its snapshot:
+    the helper's final parse refuses a reply cut by max_tokens)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        state.handle_chunk(chunk)
+    return state.current_completion_snapshot
+
+
+def _run(call) -> str:
+    """The real function of a call, run on its arguments (what an application does)."""
+    fn = tool_samples.FUNCTIONS[call.function.name][0]
+    args = {k: v for k, v in json.loads(call.function.arguments).items() if k != "note"}
+    return json.dumps(fn(**args))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_the_openai_tool_loop_calls_runs_the_function_and_answers(tool_server, stream):
+    client = tool_server.client
+
+    def create(**kw):
+        kw = dict(model=tool_server.model, tools=BOUNDED, max_tokens=60, seed=7, temperature=0.8, **kw)
+        return _stream(client, **kw) if stream else client.chat.completions.create(**kw)
+    messages = list(QUESTION)
+    r = create(messages=messages, tool_choice="required", parallel_tool_calls=False)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    (name, args), = _check_calls(msg, set(SCHEMA_OF))
+    messages.append({"role": "assistant", "content": msg.content,
+                     "tool_calls": [{"id": c.id, "type": "function",
+                                     "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                    for c in msg.tool_calls]})
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": _run(c)} for c in msg.tool_calls]
+    final = create(messages=messages, tool_choice="none")
+    assert final.choices[0].finish_reason in ("stop", "length")
+    answer = final.choices[0].message
+    assert not answer.tool_calls and isinstance(answer.content, str) and tools.CALL_OPEN not in answer.content
+    # the same request gives the same answer, streamed or not
+    again = (client.chat.completions.create if stream else lambda **kw: _stream(client, **kw))(
+        model=tool_server.model, tools=BOUNDED, max_tokens=60, seed=7, temperature=0.8, messages=messages,
+        tool_choice="none")
+    assert again.choices[0].message.content == answer.content
+
+
+def test_auto_replies_are_text_or_valid_calls_and_streamed_equal_plain(tool_server):
+    """With "auto" the model chooses; what is deterministic: a reply is text with no call in it
+    or calls that validate, and greedy replies are the same streamed and not."""
+    client = tool_server.client
+    kinds = set()
+    for q in ["What is the greatest common divisor of 84 and 36?", "Is 97 a prime number?", "Hello!",
+              "How much is 12 km in mi?", "Thank you."]:
+        kw = dict(model=tool_server.model, tools=BOUNDED, tool_choice="auto", max_tokens=80, temperature=0,
+                  messages=[{"role": "user", "content": q}])
+        plain, streamed = client.chat.completions.create(**kw), _stream(client, **kw)
+        for r in (plain, streamed):
+            c = r.choices[0]
+            if c.message.tool_calls:
+                _check_calls(c.message, set(SCHEMA_OF))
+                assert c.finish_reason == "tool_calls"
+                kinds.add("call")
+            else:
+                assert c.finish_reason in ("stop", "length") and tools.CALL_OPEN not in (c.message.content or "")
+                kinds.add("text")
+        assert plain.choices[0].message.content == streamed.choices[0].message.content
+        assert [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls or []] == \
+               [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []]
+    assert kinds
+
+
+def test_what_is_still_refused_about_tools_is_named(tool_server):
+    import httpx2 as httpx
+    url = tool_server.url + "/v1/chat/completions"
+    base = {"model": tool_server.model, "messages": QUESTION, "max_tokens": 4}
+    cases = [
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type", "unsupported_parameter"),
+        ({"tools": BOUNDED, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name", "invalid_value"),
+        ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+        ({"tools": BOUNDED, "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+        ({"tools": BOUNDED, "response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        ({"tools": BOUNDED, "logprobs": True}, "logprobs", "unsupported_parameter"),
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "invalid_value"),
+        ({"messages": QUESTION + [{"role": "tool", "content": "1"}]}, "messages[1].role", "invalid_value"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            f"p{i}": {"type": "string", "description": "x" * 100} for i in range(700)}}}}]}, "tools", "schema_too_large"),
+    ]
+    for extra, param, code in cases:
+        r = httpx.post(url, json={**base, **extra}, timeout=60)
+        assert r.status_code == 400, (extra, r.text)
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (param, code), (extra, err)

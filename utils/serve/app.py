@@ -36,7 +36,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from utils.serve.connections import INVALID_HTTP
-from utils.serve.intake import fit, pick_model, read_json
+from utils.serve.intake import compile_grammar, fit, pick_model, read_json
 from utils.serve.job import Job
 from utils.serve.metrics import ServeMetrics
 from utils.serve.middleware import AsteriskForm, BearerAuth
@@ -160,6 +160,7 @@ def _generation_routes(app: FastAPI, models: dict[str, ServedModel], limits: Lim
         s, texts = read_completion(body, limits)
         m = pick_model(models, s.model)
         prompts = [m.completion_ids(t) for t in texts]
+        s.grammar = await compile_grammar(s)
         return await answer(request, Job(m, s, fit(m, s, prompts, False), texts, False, new_id("cmpl"),
                                          metrics), log)
 
@@ -169,5 +170,6 @@ def _generation_routes(app: FastAPI, models: dict[str, ServedModel], limits: Lim
         s, chat = read_chat(body, limits)
         m = pick_model(models, s.model)
         prompts = [m.chat_ids(chat)]
+        s.grammar = await compile_grammar(s, m.answer_lead)
         return await answer(request, Job(m, s, fit(m, s, prompts, True), [chat.question], True,
                                          new_id("chatcmpl"), metrics), log)
