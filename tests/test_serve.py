@@ -1429,7 +1429,11 @@ def test_api_key_int8_and_an_hf_folder_beside_a_checkpoint(work, hf_dir):
     try:
         r = httpx.get(s.url + "/v1/models", timeout=TIMEOUT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 200     # public
+        public = httpx.get(s.url + "/health", timeout=TIMEOUT)
+        assert public.status_code == 200                                             # public, but the
+        assert all("prefix_cache" not in m for m in public.json()["models"].values())   # cache's hits are not
+        keyed = httpx.get(s.url + "/health", headers={"Authorization": "Bearer s3cret"}, timeout=TIMEOUT).json()
+        assert all("prefix_cache" in m for m in keyed["models"].values())
         # the scheme's name is case-insensitive; the key is not, nor is another scheme taken
         for header, status in (("bearer s3cret", 200), ("BEARER  s3cret", 200), ("Bearer S3CRET", 401),
                                ("Basic s3cret", 401), ("s3cret", 401), ("Bearer", 401), ("Bearers3cret", 401)):

@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.conftest import run_stage, write_config
+from tests.conftest import headless_chromium, needs_browser, run_stage, write_config
 from tests.test_sft import TOK_NAME, tokenizer
 from utils.data import chat, sft, tool_samples, tools
 
@@ -229,7 +229,7 @@ def test_required_and_named_calls_always_parse_and_validate_over_many_seeds(tool
         assert parallel or len(calls) == 1, calls
         return calls
     with cf.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(ask, range(16)))
+        results = list(pool.map(ask, range(12)))
     assert len({json.dumps(r) for r in results}) > 4           # sampled: many different calls, all valid
 
 
@@ -326,3 +326,104 @@ def test_what_is_still_refused_about_tools_is_named(tool_server):
         assert r.status_code == 400, (extra, r.text)
         err = r.json()["error"]
         assert (err["param"], err["code"]) == (param, code), (extra, err)
+
+
+# --------------------------------------------------------------------------- fixes found by reading
+def test_a_grammar_compiles_off_the_event_loop_within_its_size_and_time_bounds(monkeypatch):
+    """A schema is compiled in a worker thread: the loop goes on serving while it compiles;
+    one over MAX_SCHEMA_BYTES is refused before compiling, and one compiling past COMPILE_SECONDS
+    is a 400."""
+    import asyncio
+    import time
+    from utils.serve import intake, protocol
+
+    def slow(constraint, lead=""):
+        time.sleep(0.6)
+        return protocol.build_grammar(constraint, lead)
+    s = protocol.read_common({"response_format": {"type": "json_object"}}, protocol.Limits(), chat=True)
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+        t = asyncio.create_task(ticker())
+        grammar = await intake.compile_grammar(s)
+        t.cancel()
+        return grammar, ticks
+    monkeypatch.setattr(intake, "build_grammar", slow)
+    grammar, ticks = asyncio.run(run())
+    assert grammar and ticks >= 20                # the loop ran on through the compile's 0.6 s
+    monkeypatch.setattr(intake, "COMPILE_SECONDS", 0.1)
+    with pytest.raises(protocol.ApiError) as e:
+        asyncio.run(intake.compile_grammar(s))
+    assert (e.value.status, e.value.code, e.value.param) == (400, "schema_too_complex", "response_format.json_schema.schema")
+    monkeypatch.undo()
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(700)}}
+    s.constraint = ("json", big)
+    with pytest.raises(protocol.ApiError) as e:
+        asyncio.run(intake.compile_grammar(s))
+    assert e.value.code == "schema_too_large" and "65,536" in e.value.message
+
+
+def test_inter_token_latency_is_one_weighted_observation_per_choice_not_one_per_token():
+    """A choice of 10 million tokens is counted in one step (the library's Histogram took one
+    call per token, on the event loop), and the exposition is what those observations give."""
+    import time
+    from types import SimpleNamespace
+    from prometheus_client.parser import text_string_to_metric_families
+    from utils.serve.metrics import ServeMetrics
+    m = ServeMetrics({})
+    seq = SimpleNamespace(tokens=range(10_000_001), cancelled=False)
+    job = SimpleNamespace(m=SimpleNamespace(id="x"), t0=time.perf_counter() - 50.0, seqs=[seq], finish=["length"],
+                          prompt_tokens=3, ttft=0.5)
+    t0 = time.perf_counter()
+    m.request_ended(job)
+    assert time.perf_counter() - t0 < 0.5
+    got = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(m.render()[0].decode())
+           for s in f.samples if s.name.startswith("llm_inter_token_latency_seconds")}
+    assert got[("llm_inter_token_latency_seconds_count", None)] == 10_000_000
+    assert got[("llm_inter_token_latency_seconds_bucket", "0.01")] == 10_000_000     # each gap ~5 microseconds
+    assert got[("llm_inter_token_latency_seconds_sum", None)] == pytest.approx(49.5, rel=1e-3)
+
+
+@needs_browser
+def test_the_chat_page_shows_a_call_and_its_result_then_the_answer(tool_server, tmp_path):
+    """Headless Chromium: tools pasted, tool choice "required": the model's call is shown (name
+    and arguments that validate), the result typed goes back as a tool turn, the model answers."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+    driver = headless_chromium(tmp_path / "profile", "1100,800")
+    wait = WebDriverWait(driver, 60, poll_frequency=0.1)
+    try:
+        driver.get(tool_server.url + "/")
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "model")).options) == 1)
+        driver.find_element(By.CSS_SELECTOR, "#tools-box summary").click()
+        driver.execute_script("document.getElementById('tools').value = arguments[0];", json.dumps(BOUNDED[:1]))
+        Select(driver.find_element(By.ID, "tool-choice")).select_by_value("required")
+        driver.find_element(By.ID, "input").send_keys(QUESTION[0]["content"])
+        driver.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.call"))
+        calls = [c.text for c in driver.find_elements(By.CSS_SELECTOR, ".msg.call")]   # one or more (parallel)
+        for call in calls:
+            assert call.startswith("gcd(") and call.endswith(")")
+            jsonschema.validate(json.loads(call[4:-1]), SCHEMA_OF["gcd"])
+        assert "finish: tool_calls" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text
+        Select(driver.find_element(By.ID, "tool-choice")).select_by_value("none")
+        for k in range(len(calls)):                  # a result per call; the last one sends them all
+            assert len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")) == 1
+            driver.find_element(By.ID, "input").send_keys(str(12 + k))
+            driver.find_element(By.ID, "send").click()
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.tool")) == k + 1)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")) == 2)
+        assert [t.text for t in driver.find_elements(By.CSS_SELECTOR, ".msg.tool")] == \
+               [f"gcd \u2192 {12 + k}" for k in range(len(calls))]
+        assert not driver.find_elements(By.CSS_SELECTOR, ".msg.error")
+        line = [x for x in tool_server.stderr().splitlines() if "prompt_tokens=" in x][-1]
+        assert "finish=stop" in line or "finish=length" in line
+        driver.save_screenshot(str(tmp_path / "tools.png"))
+    finally:
+        driver.quit()

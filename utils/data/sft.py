@@ -8,7 +8,10 @@ Contract (docs/DESIGN.md sections 3 and 7; docs/sft_inference.md):
   reports every malformed line as ``file:line: reason`` (:class:`Skips`); unambiguous
   repairs (UTF-8 BOM, CRLF line ends, ShareGPT-style ``{"from"/"role", "value"/"content"}``
   turns, a JSON array saved as ``.jsonl``, lone surrogates from ``"\\ud800"`` escapes read as
-  U+FFFD) are applied and counted as notes.
+  U+FFFD) are applied and counted as notes. A record in the conversational shape transformers
+  and TRL use (``{"messages": [...], "tools": [...]}``, tool use: utils/data/tools.py) is read as
+  ``{"messages", "tools", "source"}``; :func:`encode_exchanges` frames it (exchanges that open
+  with a user turn or with tool results; the loss on the assistant's calls and answers only).
 - The chat template is data (:func:`default_template` from the ``sft`` config section),
   stored in ``metadata.json`` and in SFT checkpoints. Each exchange is ONE text,
   ``BOS + "User: {q}\\nAssistant: {answer}" + EOS``, encoded in one piece; a conversation is

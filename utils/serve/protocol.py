@@ -15,8 +15,11 @@ send instead (:class:`ApiError`). Fields read (docs/serve.md lists them and what
   ``response_format``); ``user`` ignored.
 - completions: ``prompt`` (a string, or a list of one or more strings), ``logprobs`` (0..5),
   ``echo``; ``suffix``, ``best_of`` (beyond ``n``) and ``logit_bias`` refused.
-- chat: ``messages`` (roles system / user / assistant; content a string or a list of text
-  parts), ``logprobs`` (bool) with ``top_logprobs`` (0..20); tools, functions, ``logit_bias``, other modalities, audio, predicted outputs and web search refused.
+- chat: ``messages`` (roles system / user / assistant / tool; content a string or a list of text
+  parts; assistant ``tool_calls``), ``logprobs`` (bool) with ``top_logprobs`` (0..20), ``tools``,
+  ``tool_choice`` and ``parallel_tool_calls`` (:func:`read_tool_fields`; the calls' grammar is
+  built by :func:`build_grammar`, off the event loop); the legacy ``functions``, ``logit_bias``,
+  other modalities, audio, predicted outputs and web search refused.
 
 A field that would change what a request means, which this server cannot do, is refused
 (400, ``unsupported_parameter``) unless it holds the value that means "off": never ignored.
