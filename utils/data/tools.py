@@ -153,8 +153,8 @@ def read_messages(messages: Any, where: str = "messages") -> list[dict]:
             if pending:
                 raise ToolFormatError(f"{at}.role", f"expected a 'tool' turn with the result of "
                                       f"{pending[0]['function']['name']!r}")
-            if prev == "user":
-                raise ToolFormatError(f"{at}.role", "two user turns in a row; expected 'assistant'")
+            if prev in ("user", "tool"):
+                raise ToolFormatError(f"{at}.role", f"a user turn after a {prev} turn; expected 'assistant'")
             out.append({"role": "user", "content": _text(m, at, True)})
         elif role == "assistant":
             if pending:
@@ -162,54 +162,67 @@ def read_messages(messages: Any, where: str = "messages") -> list[dict]:
                                       f"{pending[0]['function']['name']!r}")
             if prev not in ("user", "tool"):
                 raise ToolFormatError(f"{at}.role", "an assistant turn must follow a user or tool turn")
-            calls = m.get("tool_calls") or []
-            if not isinstance(calls, list):
-                raise ToolFormatError(f"{at}.tool_calls", "must be a list")
-            norm = []
-            for j, c in enumerate(calls):
-                cat = f"{at}.tool_calls[{j}]"
-                if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
-                    raise ToolFormatError(cat, "must be {\"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
-                if c.get("type", "function") != "function":
-                    raise ToolFormatError(f"{cat}.type", "only \"function\" calls are supported")
-                name = c["function"].get("name")
-                if not isinstance(name, str) or not NAME.fullmatch(name):
-                    raise ToolFormatError(f"{cat}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
-                cid = c.get("id")
-                if cid is not None and not isinstance(cid, str):
-                    raise ToolFormatError(f"{cat}.id", "must be a string")
-                norm.append({"type": "function", "id": cid,
-                             "function": {"name": name,
-                                          "arguments": _arguments(c["function"].get("arguments", {}),
-                                                                  f"{cat}.function.arguments")}})
-            text = _text(m, at, not norm)
-            if not norm and not (text or "").strip():
-                raise ToolFormatError(f"{at}.content", "an assistant turn needs text or tool_calls")
-            msg = {"role": "assistant", "content": text}
-            if norm:
-                msg["tool_calls"] = norm
+            msg = _assistant_turn(m, at)
             out.append(msg)
-            pending = list(norm)
+            pending = list(msg.get("tool_calls", ()))
         elif role == "tool":
             if not pending:
                 raise ToolFormatError(f"{at}.role", "a tool turn must answer a call of the assistant turn before it")
-            cid, name = m.get("tool_call_id"), m.get("name")
-            hit = next((c for c in pending if cid is not None and c["id"] == cid), None)
-            if hit is None and name is not None:
-                hit = next((c for c in pending if c["function"]["name"] == name), None)
-            if hit is None and cid is None and name is None:
-                hit = pending[0]              # results in the order of the calls
-            if hit is None:
-                raise ToolFormatError(at, f"answers no call of the assistant turn before it "
-                                      f"(tool_call_id {cid!r}, name {name!r})")
-            pending.remove(hit)
-            out.append({"role": "tool", "name": hit["function"]["name"], "content": _text(m, at, True),
-                        "tool_call_id": hit["id"]})
+            out.append(_tool_turn(m, at, pending))
         else:
             raise ToolFormatError(f"{at}.role", f"{role!r}: expected 'system', 'user', 'assistant' or 'tool'")
     if pending:
         raise ToolFormatError(where, f"the call of {pending[0]['function']['name']!r} has no 'tool' turn with its result")
     return out
+
+
+def _assistant_turn(m: dict, at: str) -> dict:
+    """An assistant message, its calls' arguments read into dicts."""
+    calls = m.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise ToolFormatError(f"{at}.tool_calls", "must be a list")
+    norm = []
+    for j, c in enumerate(calls):
+        cat = f"{at}.tool_calls[{j}]"
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise ToolFormatError(cat, "must be {\"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
+        if c.get("type", "function") != "function":
+            raise ToolFormatError(f"{cat}.type", "only \"function\" calls are supported")
+        name = c["function"].get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ToolFormatError(f"{cat}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
+        cid = c.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise ToolFormatError(f"{cat}.id", "must be a string")
+        norm.append({"type": "function", "id": cid,
+                     "function": {"name": name, "arguments": _arguments(c["function"].get("arguments", {}),
+                                                                        f"{cat}.function.arguments")}})
+    text = _text(m, at, not norm)
+    if not norm and not (text or "").strip():
+        raise ToolFormatError(f"{at}.content", "an assistant turn needs text or tool_calls")
+    msg = {"role": "assistant", "content": text}
+    if norm:
+        msg["tool_calls"] = norm
+    return msg
+
+
+def _tool_turn(m: dict, at: str, pending: list) -> dict:
+    """A tool message, matched to the call it answers (by ``tool_call_id``, else ``name``, else
+    the first call waiting), which leaves ``pending``."""
+    if not pending:
+        raise ToolFormatError(f"{at}.role", "a tool turn must answer a call of the assistant turn before it")
+    cid, name = m.get("tool_call_id"), m.get("name")
+    hit = next((c for c in pending if cid is not None and c["id"] == cid), None)
+    if hit is None and name is not None:
+        hit = next((c for c in pending if c["function"]["name"] == name), None)
+    if hit is None and cid is None and name is None:
+        hit = pending[0]              # results in the order of the calls
+    if hit is None:
+        raise ToolFormatError(at, f"answers no call of the assistant turn before it "
+                              f"(tool_call_id {cid!r}, name {name!r})")
+    pending.remove(hit)
+    return {"role": "tool", "name": hit["function"]["name"], "content": _text(m, at, True),
+            "tool_call_id": hit["id"]}
 
 
 # --------------------------------------------------------------------------- our format

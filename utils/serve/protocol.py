@@ -482,6 +482,26 @@ def _tool_messages(msgs: list, functions: list, limits: Limits) -> list[dict]:
     return out
 
 
+def _read_tool_chat(body: dict, s: Sampling, msgs: list, fields: tuple, limits: Limits) -> Chat:
+    """A chat with tools or tool turns: its messages normalized, and ``s`` given the calls'
+    constraint (``tools``: the reply may call them)."""
+    functions, choice, parallel = fields
+    if any(isinstance(m, dict) and _on(m.get("function_call")) for m in msgs):
+        i = next(i for i, m in enumerate(msgs) if isinstance(m, dict) and _on(m.get("function_call")))
+        raise ApiError(400, f"messages[{i}].function_call is the legacy form of a call: send 'tool_calls'.",
+                       f"messages[{i}].function_call", "unsupported_parameter")
+    messages = _tool_messages(msgs, functions, limits)
+    if choice != "none" and s.constraint is not None:
+        raise _unsupported("response_format", "with 'tools' (a reply is text or calls)",
+                           "leave response_format out, or send \"tool_choice\": \"none\"")
+    if s.logprobs is not None or body.get("logprobs"):
+        raise _unsupported("logprobs", "with 'tools'", "leave logprobs out when sending tools")
+    if functions and s.constraint is None:
+        s.constraint = ("tools", functions, choice, parallel)
+    s.tools = choice != "none"
+    return Chat("", [], messages[-1].get("content") or "", messages=messages, functions=functions)
+
+
 def read_chat(body: dict, limits: Limits) -> tuple[Sampling, Chat]:
     s = read_common(body, limits, chat=True)
     _refuse_chat_fields(body)
@@ -491,20 +511,7 @@ def read_chat(body: dict, limits: Limits) -> tuple[Sampling, Chat]:
         isinstance(m, dict) and (m.get("role") == "tool" or _on(m.get("tool_calls")) or _on(m.get("function_call")))
         for m in msgs))
     if shaped and isinstance(msgs, list) and msgs and len(msgs) <= limits.max_messages:
-        if any(isinstance(m, dict) and _on(m.get("function_call")) for m in msgs):
-            i = next(i for i, m in enumerate(msgs) if isinstance(m, dict) and _on(m.get("function_call")))
-            raise ApiError(400, f"messages[{i}].function_call is the legacy form of a call: send 'tool_calls'.",
-                           f"messages[{i}].function_call", "unsupported_parameter")
-        messages = _tool_messages(msgs, functions, limits)
-        if choice != "none" and s.constraint is not None:
-            raise _unsupported("response_format", "with 'tools' (a reply is text or calls)",
-                               "leave response_format out, or send \"tool_choice\": \"none\"")
-        if s.logprobs is not None or body.get("logprobs"):
-            raise _unsupported("logprobs", "with 'tools'", "leave logprobs out when sending tools")
-        if functions and s.constraint is None:
-            s.constraint = ("tools", functions, choice, parallel)
-        s.tools = choice != "none"
-        return s, Chat("", [], messages[-1].get("content") or "", messages=messages, functions=functions)
+        return s, _read_tool_chat(body, s, msgs, (functions, choice, parallel), limits)
     if msgs is _MISSING:
         raise ApiError(400, "'messages' is required.", "messages", "missing_required")
     if not isinstance(msgs, list) or not msgs:
