@@ -7,8 +7,8 @@ files and time to first token watched window by window.
 Without ``--url`` it writes a tiny random checkpoint with our chat template (the sample
 SentencePiece tokenizer, 32k vocabulary: what tests/test_serve.py serves) and starts `python
 main.py serve` on a free port. ``--streams`` threads each send one request after another with
-the official ``openai`` client (and raw sockets), each request's kind drawn from a seeded
-generator: a chat reply, a streamed chat reply (its time to first token, TTFT, is the one
+the official ``openai`` client (and raw sockets), each thread going through the kinds in turn
+from its own starting point (questions and seeds drawn from a seeded generator): a chat reply, a streamed chat reply (its time to first token, TTFT, is the one
 measured), a completion, a JSON-schema reply, a required tool call, a stream cancelled after
 its first chunk, a raw connection dropped mid-stream, and a bad request (which must be a
 400). At each ``--window`` seconds it reads, from /proc, the resident memory (VmRSS) and the
@@ -29,6 +29,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import signal
 import socket
 import statistics
 import sys
@@ -169,16 +170,26 @@ def soak(url: str, pids: list[int], model: str, seconds: float, window: float, s
     import openai
     client = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("LLM_SERVE_API_KEY", "unused"),
                            max_retries=0, timeout=120)
-    windows, end = [], time.monotonic() + seconds
+    windows, end, stop = [], time.monotonic() + seconds, threading.Event()
     for w in range(max(1, round(seconds / window))):
         tally, stop_at = _Tally(), min(end, time.monotonic() + window)
 
         def worker(k: int) -> None:
             rng = random.Random(seed * 1000 + w * 100 + k)
-            while time.monotonic() < stop_at:
-                _one(client, url, model, rng.choice(KINDS), rng, tally, max_tokens)
+            start, i = k * len(KINDS) // streams, 0          # the kinds in turn, each worker from its own
+            while time.monotonic() < stop_at and not stop.is_set():
+                _one(client, url, model, KINDS[(start + i) % len(KINDS)], rng, tally, max_tokens)
+                i += 1
         with cf.ThreadPoolExecutor(streams) as pool:
-            list(pool.map(worker, range(streams)))
+            futures = [pool.submit(worker, k) for k in range(streams)]
+            try:
+                while cf.wait(futures, timeout=0.5).not_done:    # short waits: a signal is seen at once
+                    pass
+            except KeyboardInterrupt:         # Ctrl-C / SIGTERM: the workers end after their request
+                stop.set()
+                raise
+            for f in futures:
+                f.result()
         rss, fds = proc_figures(pids)
         rec = {"window": w, "requests": dict(tally.counts), "server_errors": tally.server_errors,
                "unexpected": tally.unexpected, "rss_mib": round(rss / 2 ** 20, 1), "open_files": fds,
@@ -245,6 +256,15 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--json", default=None, help="write the windows and summary here")
     a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return _run(a)
+    except KeyboardInterrupt:
+        print("soak: interrupted; the server it started is stopped", file=sys.stderr)
+        return 130
+
+
+def _run(a) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         proc = None
         if a.url is None:

@@ -341,7 +341,7 @@ def test_a_grammar_compiles_off_the_event_loop_within_its_size_and_time_bounds(m
     from utils.serve import intake, protocol
 
     def slow(constraint, lead=""):
-        time.sleep(0.6)
+        time.sleep(1.0)
         return protocol.build_grammar(constraint, lead)
     s = protocol.read_common({"response_format": {"type": "json_object"}}, protocol.Limits(), chat=True)
 
@@ -359,7 +359,7 @@ def test_a_grammar_compiles_off_the_event_loop_within_its_size_and_time_bounds(m
         return grammar, ticks
     monkeypatch.setattr(intake, "build_grammar", slow)
     grammar, ticks = asyncio.run(run())
-    assert grammar and ticks >= 20                # the loop ran on through the compile's 0.6 s
+    assert grammar and ticks >= 10                # the loop ran on through the compile's 1 s (blocked: 0)
     monkeypatch.setattr(intake, "COMPILE_SECONDS", 0.1)
     with pytest.raises(protocol.ApiError) as e:
         asyncio.run(intake.compile_grammar(s))
