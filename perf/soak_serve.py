@@ -13,8 +13,12 @@ measured), a completion, a JSON-schema reply, a required tool call, a stream can
 its first chunk, a raw connection dropped mid-stream, and a bad request (which must be a
 400). At each ``--window`` seconds it reads, from /proc, the resident memory (VmRSS) and the
 open files of the server's processes (the HTTP process and its engine process), and prints a
-line per window: requests by kind, 5xx answers and other failures, RSS, open files, TTFT p50
-and p99.
+line per window: requests by kind, 5xx answers and other failures, RSS, the prefix cache's
+bytes in use (/health), open files, TTFT p50 and p99. The prefix cache grows by design up to
+its budget (serve.prefix_cache_mb, 256 MiB by default: each request's prompt and reply blocks
+are kept for a later turn, least recently used evicted past the budget); the server this
+script starts has ``--prefix-cache-mb`` (16) so that the cache is full by the end of the
+warm-up window and any later growth is not the cache's.
 
 Goals (issue 51): RSS growth under 5% from the first window after warm-up (the second) to
 the last, p99 TTFT of every window after warm-up within 20% of their median, zero 5xx and
@@ -193,12 +197,23 @@ def soak(url: str, pids: list[int], model: str, seconds: float, window: float, s
         rss, fds = proc_figures(pids)
         rec = {"window": w, "requests": dict(tally.counts), "server_errors": tally.server_errors,
                "unexpected": tally.unexpected, "rss_mib": round(rss / 2 ** 20, 1), "open_files": fds,
-               "ttft_p50": _percentile(tally.ttft, 0.5), "ttft_p99": _percentile(tally.ttft, 0.99)}
+               "ttft_p50": _percentile(tally.ttft, 0.5), "ttft_p99": _percentile(tally.ttft, 0.99),
+               "prefix_cache_mib": _prefix_cache_mib(client, url)}
         windows.append(rec)
         say(f"window {w}: {sum(tally.counts.values())} requests, {tally.server_errors} 5xx, "
-            f"{len(tally.unexpected)} unexpected, RSS {rec['rss_mib']} MiB, {fds} open files, TTFT p50 "
-            f"{rec['ttft_p50'] * 1000:.0f} ms p99 {rec['ttft_p99'] * 1000:.0f} ms")
+            f"{len(tally.unexpected)} unexpected, RSS {rec['rss_mib']} MiB (prefix cache {rec['prefix_cache_mib']} "
+            f"MiB), {fds} open files, TTFT p50 {rec['ttft_p50'] * 1000:.0f} ms p99 {rec['ttft_p99'] * 1000:.0f} ms")
     return {"windows": windows, "summary": summarize(windows)}
+
+
+def _prefix_cache_mib(client, url: str):
+    """The prefix caches' bytes in use as /health shows them (None when it does not: no cache,
+    or a key the soak was not given), MiB."""
+    import httpx2 as httpx            # the openai client's own HTTP library
+    headers = {"Authorization": f"Bearer {client.api_key}"}
+    models = httpx.get(url + "/health", headers=headers, timeout=30).json()["models"]
+    used = [m["prefix_cache"]["bytes_used"] for m in models.values() if m.get("prefix_cache")]
+    return round(sum(used) / 2 ** 20, 1) if used else None
 
 
 def summarize(windows: list[dict]) -> dict:
@@ -216,7 +231,7 @@ def summarize(windows: list[dict]) -> dict:
                       "zero_5xx": errors == 0, "zero_unexpected": unexpected == 0}}
 
 
-def _start_server(tmp: Path):
+def _start_server(tmp: Path, prefix_cache_mb: int):
     """A tiny random chat checkpoint and `main.py serve` on a free port: (process, url, model)."""
     import subprocess
     import model as model_lib
@@ -235,7 +250,8 @@ def _start_server(tmp: Path):
                          "model_args": margs.to_dict(), "tokenizer": describe(tok, str(spm)),
                          "chat_template": sft.default_template(), "step": 0})
     cfg = tmp / "config.json"
-    cfg.write_text(json.dumps({"paths": {"root": str(tmp)}, "tokenizer": {"name": str(spm)}}))
+    cfg.write_text(json.dumps({"paths": {"root": str(tmp)}, "tokenizer": {"name": str(spm)},
+                               "serve": {"prefix_cache_mb": prefix_cache_mb}}))
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "serve", "--config", str(cfg), "--port", "0",
                              "--checkpoint", str(ck.parent)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -255,6 +271,10 @@ def main(argv=None) -> int:
     p.add_argument("--pids", default="", help="its processes, comma-separated (RSS, open files)")
     p.add_argument("--model", default=None)
     p.add_argument("--json", default=None, help="write the windows and summary here")
+    p.add_argument("--prefix-cache-mb", type=int, default=16,
+                   help="serve.prefix_cache_mb of the server it starts: the cache fills to this budget "
+                        "(then evicts), which is memory growth by design; a small one is full within "
+                        "the warm-up window, so later growth is a leak (default 16)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -268,7 +288,7 @@ def _run(a) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         proc = None
         if a.url is None:
-            proc, url, model = _start_server(Path(tmp))
+            proc, url, model = _start_server(Path(tmp), a.prefix_cache_mb)
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain its output
             time.sleep(1.0)
             pids = children(proc.pid)
