@@ -2,7 +2,9 @@
 
     python main.py sft prepare                          LIMA (GAIR/lima) via `datasets` (online)
     python main.py sft prepare --dataset samples        offline: SciQ + ARC QA in LIMA's schema
-    python main.py sft prepare --dataset my.jsonl       local JSONL, {"conversations": [...]}
+    python main.py sft prepare --dataset my.jsonl       local JSONL, {"conversations": [...]} or
+                                                        {"messages": [...], "tools": [...]} (tool use)
+    python main.py sft prepare --dataset tools          offline: generated tool-use conversations
     python main.py sft train --checkpoint checkpoints/run_x/checkpoint_best.pt [--epochs 2]
         [--lr 5e-5] [--batch-size 8] [--name lima]      -> checkpoints/sft_<name>_<time>/
     python main.py sft train --resume checkpoints/sft_lima_<time>/checkpoint_latest.pt
@@ -37,7 +39,7 @@ import numpy as np
 from utils.atomic import atomic_open, write_json_atomic
 from utils.cli import PipelineError, StageParser, UsageError, cli_lora_flags, cli_path, run_stage
 from utils.config import SFT_MIN_LENGTH
-from utils.data import chat, sft
+from utils.data import chat, sft, tool_samples
 from utils.data.chat import Rules
 from utils.data.shards import dtype_for_vocab, save_npy_atomic
 from utils.data.tok import describe, load_tokenizer, require_bos_eos
@@ -50,6 +52,7 @@ if TYPE_CHECKING:    # torch-bound, imported where `sft train` needs it: `sft pr
     from utils import stage
 
 SAMPLES_SOURCE = "samples"
+TOOLS_SOURCE = "tools"                 # the generated tool-use sample set (utils/data/tool_samples.py)
 SAMPLE_QUESTION = "Why is the sky blue?"
 TEST_MAX_RECORDS = 300
 USAGE = ("usage: python main.py sft {prepare,train} [options]\n"
@@ -65,9 +68,11 @@ def prepare_parser() -> StageParser:
     p = StageParser("main.py sft prepare", "Convert instruction data into the chat format "
                     "and tokenize it with a loss mask on the assistant tokens.",
                     test=f"quick mode: the first {TEST_MAX_RECORDS} records")
-    p.config_flag("--dataset", key="sft.dataset", metavar="NAME|FILE|samples",
-                  help="hub dataset name (GAIR/lima), a local .jsonl file, or 'samples' (offline: "
-                       "SciQ + ARC question/answer pairs converted into LIMA's schema)")
+    p.config_flag("--dataset", key="sft.dataset", metavar="NAME|FILE|samples|tools",
+                  help="hub dataset name (GAIR/lima), a local .jsonl file (LIMA's conversations, or "
+                       "messages + tools for tool use), 'samples' (offline: SciQ + ARC question/answer "
+                       "pairs converted into LIMA's schema) or 'tools' (offline: generated tool-use "
+                       "conversations)")
     p.config_flag("--max-length", key="sft.max_length", type=int, metavar="N",
                   help="drop examples longer than this many tokens")
     p.config_flag("--template", key="sft.template", choices=["auto", "user-assistant", "tokenizer"],
@@ -138,6 +143,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 # --------------------------------------------------------------------------- prepare
 def _load_source(cfg, spec: str, max_turn_chars: int, skips) -> tuple[list, dict, Optional[Path]]:
     """(records, source description, local file to copy or None)."""
+    if spec == TOOLS_SOURCE:
+        recs = []
+        for i, obj in enumerate(tool_samples.records()):
+            rec = sft.normalize_record(obj, f"generated[{i}]", skips, max_turn_chars)
+            if rec is not None:
+                recs.append(rec)
+        return recs, {"kind": "generated_tools", "name": tool_samples.SOURCE,
+                      "label": "GENERATED tool-use conversations: questions answered by calling the real "
+                               "Python functions of utils/data/tool_samples.py (their results are what "
+                               "the functions returned); no public data set",
+                      "inputs": ["utils/data/tool_samples.py"]}, None
     if spec == SAMPLES_SOURCE:
         recs = sft.qa_substitute_records(cfg.path("paths.samples_dir"))
         counts: dict = {}
@@ -182,8 +198,9 @@ def prepare_data(cfg, limit: Optional[int], batch_size: int, model: Optional[pos
     else:
         tok, tok_info, name = model.tok, model.info, model.name
         print(f"sft prepare: for {name} (its tokenizer, fingerprint {tok_info['fingerprint'][:12]}).", flush=True)
-    template, bos, eos = post_start.template_for(model, tok) or choose_template(cfg, tok, name)
     src = read_records(cfg, limit)
+    with_tools = any(r.get("tools") for r in src.records)
+    template, bos, eos = post_start.template_for(model, tok) or choose_template(cfg, tok, name, with_tools)
     enc = encode_records(tok, template, src, cfg.sft.max_length, batch_size, bos, eos)
     out = cfg.path("paths.post_training_dir")
     arrays = write_arrays(out, enc, len(tok))
@@ -193,14 +210,25 @@ def prepare_data(cfg, limit: Optional[int], batch_size: int, model: Optional[pos
     return out
 
 
-def choose_template(cfg, tok, name: str) -> tuple[dict, Optional[int], Optional[int]]:
-    """The data's chat template (``sft.template``: the tokenizer's own when it has one, else
-    ours; utils/data/chat.py) and the BOS and EOS ids our template frames exchanges with."""
+def choose_template(cfg, tok, name: str, with_tools: bool = False) -> tuple[dict, Optional[int], Optional[int]]:
+    """The data's chat template (``sft.template``: the tokenizer's own when it has one, and, for
+    data with tools, when it renders tools; else ours; utils/data/chat.py) and the BOS and EOS
+    ids our template frames exchanges with; ``name``: the tokenizer's, for messages."""
     own = chat.template_source(tok)
     if cfg.sft.template == "tokenizer" and own is None:
         raise PipelineError(f"sft.template is 'tokenizer' but tokenizer '{name}' has no chat template of its "
                             "own; set sft.template to 'auto' or 'user-assistant' (our User/Assistant "
                             "template), or point tokenizer.name at a model folder that has one.")
+    if with_tools and own is not None and cfg.sft.template != "user-assistant" \
+            and not chat.knows_tools(tok, chat.jinja_record(tok, own, name)):
+        if cfg.sft.template == "tokenizer":
+            raise PipelineError(f"the data has tools but the chat template of tokenizer '{name}' does not render "
+                                "them (transformers' apply_chat_template(tools=...) leaves them out); set "
+                                "sft.template to 'auto' or 'user-assistant' to use our format "
+                                "(docs/sft_inference.md, Tool use).")
+        print(f"sft prepare: chat template: ours (user-assistant, with its tool format): the tokenizer's "
+              f"own ({name}) does not render tools.", flush=True)
+        own = None
     if own is not None and cfg.sft.template != "user-assistant":
         print(f"sft prepare: chat template: the tokenizer's own ({name}); sft.template "
               "'user-assistant' would use ours.", flush=True)
@@ -259,7 +287,7 @@ def encode_records(tok, template, src: Records, max_len: int, batch_size: int, b
                     "last token; end sft.assistant_prefix with a space"))
     for s in range(0, len(records), batch_size):
         batch = records[s:s + batch_size]
-        encoded = chat.encode_conversations(tok, template, [r["conversations"] for r in batch], bos, eos)
+        encoded = chat.encode_records(tok, template, batch, bos, eos)
         for j, (rec, pair) in enumerate(zip(batch, encoded)):
             if pair is None:
                 src.skips.skip(reason, f"record {s + j + 1}", why)
@@ -311,7 +339,8 @@ def write_source_copy(out: Path, src: Records) -> str:
         with open(src.local, "rb") as source, atomic_open(out / copy_name, "wb") as f:
             shutil.copyfileobj(source, f)
         return copy_name
-    copy_name = {"hub": "lima_train.jsonl", "local_dataset": f"{src.source['name']}.jsonl"}.get(
+    copy_name = {"hub": "lima_train.jsonl", "local_dataset": f"{src.source['name']}.jsonl",
+                 "generated_tools": "generated_tool_use.jsonl"}.get(
         src.source["kind"], "qa_substitute_lima_schema.jsonl")
     with atomic_open(out / copy_name, "w") as f:
         for r in src.records:
@@ -325,13 +354,14 @@ def write_examples_and_metadata(cfg, out, tok, tok_info, template, src: Records,
     (last: its presence marks a complete set)."""
     examples = []
     for rec, ids, m in list(zip(enc.kept, enc.ids, enc.masks))[:5]:
-        examples.append({"source": rec["source"], "conversations": rec["conversations"],
+        examples.append({"source": rec["source"], **{k: rec[k] for k in ("conversations", "messages", "tools") if k in rec},
                          "formatted": sft.decode_for_people(tok, ids),
                          "trained_on": tok.decode([t for t, k in zip(ids, m) if k],
                                                   skip_special_tokens=False),
                          "tokens": len(ids), "loss_tokens": int(sum(m))})
     write_json_atomic(out / sft.EXAMPLES_FILE, examples)
-    single = sum(1 for r in enc.kept if len(r["conversations"]) == 2)
+    single = sum(1 for r in enc.kept if len(r.get("conversations") or r["messages"]) == 2)
+    with_tools = sum(1 for r in enc.kept if r.get("tools"))
     meta = {"format": sft.FORMAT_NAME, "format_version": sft.FORMAT_VERSION, "complete": True,
             "created": datetime.datetime.now().isoformat(timespec="seconds"),
             "source": {**src.source, "copy": copy_name, "test": cfg.test, "limit": src.limit},
@@ -341,7 +371,7 @@ def write_examples_and_metadata(cfg, out, tok, tok_info, template, src: Records,
                       "offsets": sft.OFFSETS_FILE, "examples": sft.EXAMPLES_FILE},
             "counts": {"records_read": src.read, "considered": len(src.records),
                        "kept": len(enc.kept), "too_long": enc.too_long, "single_turn": single,
-                       "multi_turn": len(enc.kept) - single, **src.skips.to_dict()},
+                       "multi_turn": len(enc.kept) - single, "with_tools": with_tools, **src.skips.to_dict()},
             "lengths": sft.length_stats(enc.lengths),
             "loss_tokens": int(arrays["mask"].sum()),
             "tokenizer": tok_info,
@@ -362,6 +392,9 @@ def report_prepare(out: Path, src: Records, enc: Encoded, arrays: dict) -> None:
             print(f"  {w}")
     if skips.notes:
         print("sft prepare: converted: " + ", ".join(f"{k} ({v})" for k, v in sorted(skips.notes.items())))
+    if src.source["kind"] == "generated_tools":
+        print("sft prepare: note: these tool-use conversations are GENERATED (utils/data/tool_samples.py runs "
+              "real Python functions), recorded as such in metadata.json.")
     if src.source["kind"] == "qa_substitute":
         print("sft prepare: note: this is a labelled SUBSTITUTE for LIMA (SciQ + ARC), recorded "
               "as such in metadata.json.")

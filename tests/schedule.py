@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 
 FILE_SECONDS: dict[str, float] = {
-    "test_public_models.py": 199, "test_cuda_shape.py": 90, "test_serve.py": 162, "test_train.py": 160,
+    "test_public_models.py": 199, "test_cuda_shape.py": 90, "test_serve.py": 162, "test_train.py": 160, "test_tools.py": 80,
     "test_export.py": 101, "test_main.py": 69, "test_promises.py": 67, "test_sft.py": 76,
     "test_ddp.py": 64, "test_multinode.py": 50, "test_prep.py": 49, "test_public_export.py": 48, "test_report.py": 45,
     "test_benchmark.py": 43, "test_infini.py": 41, "test_run_tokenizer.py": 38, "test_bench_tasks.py": 48,

@@ -429,7 +429,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"model": "sft_chat", "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": "",
                                            "tool_calls": [{"id": "1", "type": "function"}]},
-        {"role": "user", "content": "y"}]}), 400, "messages[1].tool_calls"),
+        {"role": "user", "content": "y"}]}), 400, "messages[1].tool_calls[0]"),
     ("/v1/completions", json.dumps({"model": "base", "prompt": "x", "logprobs": 1, "top_logprobs": 2}), 400, "top_logprobs"),
     ("/v1/completions", json.dumps({"model": "base", "prompt": "x", "stream": True,
                                     "stream_options": {"include_usage": "yes"}}), 400, "stream_options.include_usage"),
@@ -511,8 +511,7 @@ def _raw_request(url: str, method: str, path: str) -> tuple[int, bytes]:
     return int(head.split()[1]), content
 
 
-CHAT_REFUSED = [("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-                ("tool_choice", "required"), ("functions", [{"name": "f", "parameters": {}}]),
+CHAT_REFUSED = [("functions", [{"name": "f", "parameters": {}}]),        # tools: tests/test_tools.py
                 ("function_call", {"name": "f"}),
                 ("logit_bias", {"1": 5}), ("modalities", ["audio"]), ("audio", {}), ("prediction", {}),
                 ("web_search_options", {}), ("min_p", 0.1), ("repetition_penalty", 1.3),
@@ -1430,7 +1429,11 @@ def test_api_key_int8_and_an_hf_folder_beside_a_checkpoint(work, hf_dir):
     try:
         r = httpx.get(s.url + "/v1/models", timeout=TIMEOUT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 200     # public
+        public = httpx.get(s.url + "/health", timeout=TIMEOUT)
+        assert public.status_code == 200                                             # public, but the
+        assert all("prefix_cache" not in m for m in public.json()["models"].values())   # cache's hits are not
+        keyed = httpx.get(s.url + "/health", headers={"Authorization": "Bearer s3cret"}, timeout=TIMEOUT).json()
+        assert all("prefix_cache" in m for m in keyed["models"].values())
         # the scheme's name is case-insensitive; the key is not, nor is another scheme taken
         for header, status in (("bearer s3cret", 200), ("BEARER  s3cret", 200), ("Bearer S3CRET", 401),
                                ("Basic s3cret", 401), ("s3cret", 401), ("Bearer", 401), ("Bearers3cret", 401)):

@@ -51,7 +51,7 @@ from typing import Optional, Sequence
 from jinja2 import TemplateError
 
 from utils.cli import PipelineError
-from utils.data import sft
+from utils.data import sft, tools
 from utils.data.tok import encode_plain
 
 JINJA = sft.TEMPLATE_JINJA
@@ -215,15 +215,49 @@ def _chat_tokenizer(tok):
     return view
 
 
-def render_ids(tok, template: dict, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
-    """The ids of ``messages`` (``{"role", "content"}`` dicts) through a Jinja template record."""
+def render_ids(tok, template: dict, messages: Sequence[dict], add_generation_prompt: bool,
+               functions: Optional[Sequence[dict]] = None) -> list[int]:
+    """The ids of ``messages`` (``{"role", "content"}`` dicts; tool use: utils/data/tools.py's
+    normalized shape) through a Jinja template record, with ``functions`` as its ``tools``."""
+    kw = {"tools": tools.as_transformers_tools(list(functions))} if functions else {}
     try:
         ids = _chat_tokenizer(tok).apply_chat_template(
-            list(messages), chat_template=template["template"], tokenize=True, return_dict=False,
-            add_generation_prompt=add_generation_prompt, sanitize_control_tokens=True)
+            [_for_template(m) for m in messages], chat_template=template["template"], tokenize=True,
+            return_dict=False, add_generation_prompt=add_generation_prompt, sanitize_control_tokens=True, **kw)
     except TemplateError as e:
         raise ChatTemplateError(f"the model's chat template refused the conversation: {e}") from None
     return list(ids)
+
+
+def _for_template(m: dict) -> dict:
+    """A message as templates read it: no null fields (an assistant turn that only calls tools
+    has content "")."""
+    out = {k: v for k, v in m.items() if v is not None}
+    if "content" not in out:
+        out["content"] = ""
+    return out
+
+
+def knows_tools(tok, template: Optional[dict]) -> bool:
+    """Whether a chat template renders tools: ours does (utils/data/tools.py; not v1); a Jinja
+    template when a probe tool's name, and a call of it, appear in what it renders (transformers
+    passes ``tools`` to every template, and one that does not use them drops them silently)."""
+    if template is None:
+        return False
+    if template.get("name") != JINJA:
+        return template.get("name") == sft.TEMPLATE_V2
+    fn = {"name": "probe_tool_zq", "description": "probe", "parameters": {"type": "object", "properties": {
+        "xq": {"type": "integer"}}}}
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"type": "function", "id": "call_1", "function": {"name": "probe_tool_zq", "arguments": {"xq": 7}}}]},
+                {"role": "tool", "name": "probe_tool_zq", "content": "resultzq", "tool_call_id": "call_1"}]
+    try:
+        with_tools = tok.decode(render_ids(tok, template, messages[:1], True, [fn]))
+        call = tok.decode(render_ids(tok, template, messages, False, [fn]))
+    except (ChatTemplateError, TypeError, KeyError):
+        return False
+    return "probe_tool_zq" in with_tools and "resultzq" in call and call.count("probe_tool_zq") >= 2
 
 
 def messages_of(system: str, history: Sequence[tuple[str, str]], question: Optional[str]) -> list[dict]:
@@ -272,14 +306,57 @@ def encode_conversations(tok, template: dict, conversations: Sequence[Sequence[s
     return [_jinja_example(tok, template, turns, specials) for turns in conversations]
 
 
-def _jinja_example(tok, template: dict, turns: Sequence[str], specials: set) -> Optional[tuple[list[int], list[int]]]:
-    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+def encode_records(tok, template: dict, records: Sequence[dict], bos_id, eos_id
+                   ) -> list[Optional[tuple[list[int], list[int]]]]:
+    """``(ids, mask)`` of each SFT record (utils/data/sft.py): LIMA's ``conversations``, or the
+    conversational ``messages`` (with ``tools``: tool use) shape, which our template frames as
+    utils/data/tools.py writes it and a Jinja template through ``apply_chat_template(tools=...)``;
+    None for one that cannot be framed exactly. The loss covers the assistant's turns (its calls
+    and its answers), never a tool's result."""
+    out: list = [None] * len(records)
+    plain = [i for i, r in enumerate(records) if "messages" not in r]
+    for i, pair in zip(plain, encode_conversations(tok, template, [records[i]["conversations"] for i in plain],
+                                                   bos_id, eos_id)):
+        out[i] = pair
+    shaped = [i for i, r in enumerate(records) if "messages" in r]
+    if not shaped:
+        return out
+    if template.get("name") == JINJA:
+        specials = set(tok.all_special_ids)
+        for i in shaped:
+            out[i] = _jinja_example(tok, template, records[i]["messages"], specials, records[i]["tools"])
+        return out
+    if template.get("name") != sft.TEMPLATE_V2:
+        raise PipelineError(f"chat template {template.get('name')!r} cannot frame 'messages' records (tool use); "
+                            "prepare the data with template user-assistant-v2 (sft prepare's default).")
+    plans = [[(e.opening, e.answer, e.tool) for e in tools.exchanges(records[i]["messages"], records[i]["tools"])]
+             for i in shaped]
+    for i, pair in zip(shaped, sft.encode_exchanges(tok, template, plans, bos_id, eos_id)):
+        out[i] = pair
+    return out
+
+
+def tool_prompt_ids(tok, template: dict, messages: Sequence[dict], functions: Sequence[dict]) -> list[int]:
+    """A chat prompt from normalized messages (utils/data/tools.py: tool calls and their results
+    included) and the functions the model may call, generation prompt added."""
+    if template.get("name") == JINJA:
+        return render_ids(tok, template, messages, True, functions)
+    plans = [(e.opening, e.answer, e.tool) for e in tools.exchanges(list(messages), list(functions))]
+    return sft.encode_exchange_prompt(tok, template, plans, tok.bos_token_id, tok.eos_token_id)
+
+
+def _jinja_example(tok, template: dict, turns: Sequence, specials: set, functions: Optional[Sequence[dict]] = None
+                   ) -> Optional[tuple[list[int], list[int]]]:
+    if turns and isinstance(turns[0], dict):
+        messages = list(turns)
+    else:
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
     try:
-        full = render_ids(tok, template, messages, add_generation_prompt=len(turns) % 2 == 1)
+        full = render_ids(tok, template, messages, messages[-1]["role"] != "assistant", functions)
         mask = [0] * len(full)
-        for k in range(1, len(messages), 2):
-            prompt = render_ids(tok, template, messages[:k], add_generation_prompt=True)
-            upto = render_ids(tok, template, messages[:k + 1], add_generation_prompt=False)
+        for k in [k for k, m in enumerate(messages) if m["role"] == "assistant"]:
+            prompt = render_ids(tok, template, messages[:k], True, functions)
+            upto = render_ids(tok, template, messages[:k + 1], False, functions)
             if full[:len(prompt)] != prompt or full[:len(upto)] != upto or len(upto) <= len(prompt):
                 return None
             span = upto[len(prompt):]

@@ -8,7 +8,10 @@ Contract (docs/DESIGN.md sections 3 and 7; docs/sft_inference.md):
   reports every malformed line as ``file:line: reason`` (:class:`Skips`); unambiguous
   repairs (UTF-8 BOM, CRLF line ends, ShareGPT-style ``{"from"/"role", "value"/"content"}``
   turns, a JSON array saved as ``.jsonl``, lone surrogates from ``"\\ud800"`` escapes read as
-  U+FFFD) are applied and counted as notes.
+  U+FFFD) are applied and counted as notes. A record in the conversational shape transformers
+  and TRL use (``{"messages": [...], "tools": [...]}``, tool use: utils/data/tools.py) is read as
+  ``{"messages", "tools", "source"}``; :func:`encode_exchanges` frames it (exchanges that open
+  with a user turn or with tool results; the loss on the assistant's calls and answers only).
 - The chat template is data (:func:`default_template` from the ``sft`` config section),
   stored in ``metadata.json`` and in SFT checkpoints. Each exchange is ONE text,
   ``BOS + "User: {q}\\nAssistant: {answer}" + EOS``, encoded in one piece; a conversation is
@@ -52,7 +55,7 @@ import numpy as np
 
 from utils.cli import PipelineError
 from utils.config import json_error_text
-from utils.data import hub
+from utils.data import hub, tools
 from utils.errors import error_line
 from utils.data.textio import replace_surrogates
 from utils.data.tok import encode_plain  # the one plain-text encoder (also used as sft.encode_plain)
@@ -148,15 +151,35 @@ def encode_conversations(tok, template: dict, conversations: Sequence[Sequence[s
     never be prompted the way it was trained."""
     if template_version(template) == TEMPLATE_V1:
         return _encode_v1(tok, template, conversations, bos_id, eos_id)
+    return encode_exchanges(tok, template, [[(turns[i], turns[i + 1] if i + 1 < len(turns) else None, False)
+                                             for i in range(0, len(turns), 2)] for turns in conversations],
+                            bos_id, eos_id)
+
+
+def opening_prompt(template: dict, opening: str, tool: bool) -> str:
+    """The prompt text of a v2 exchange: a user turn (``tool`` false) or the results of tool calls
+    (``tool`` true: their ``Tool: ...`` lines as utils/data/tools.py writes them), then the
+    assistant prefix without its trailing whitespace."""
+    if not tool:
+        return prompt_text(template, opening)
+    return f"{opening}{template['separator']}{template['assistant_prefix'].rstrip()}"
+
+
+def encode_exchanges(tok, template: dict, conversations: Sequence[Sequence[tuple]], bos_id: int,
+                     eos_id: int) -> list[Optional[tuple[list[int], list[int]]]]:
+    """v2: ``(ids, mask)`` of conversations given as exchanges ``(opening, answer or None, tool)``
+    (:func:`opening_prompt`; tool use: utils/data/tools.py), every text in one tokenizer call;
+    None for a conversation whose exchange ids do not begin with exactly its prompt's ids (see
+    :func:`encode_conversations`). The mask is 1 on each answer (its lead included) and its EOS."""
     texts: list[str] = []
     plans = []
-    for turns in conversations:
+    for exchanges in conversations:
         plan = []                  # per exchange: (index of its full text or None, of its prompt)
-        for i in range(0, len(turns), 2):
-            prompt = prompt_text(template, turns[i])
-            if i + 1 < len(turns):
+        for opening, answer, tool in exchanges:
+            prompt = opening_prompt(template, opening, tool)
+            if answer is not None:
                 plan.append((len(texts), len(texts) + 1))
-                texts += [exchange_text(template, turns[i], turns[i + 1]), prompt]
+                texts += [prompt + answer_lead(template) + answer, prompt]
             else:
                 plan.append((None, len(texts)))
                 texts.append(prompt)
@@ -221,6 +244,18 @@ def encode_prompt(tok, template: dict, history: Sequence[tuple[str, str]], quest
     return ids + [bos_id] + enc[-1]
 
 
+
+def encode_exchange_prompt(tok, template: dict, exchanges: Sequence[tuple], bos_id: int, eos_id: int) -> list[int]:
+    """v2: the ids of a chat prompt given as exchanges ``(opening, answer, tool)`` whose last has
+    no answer (tool use, utils/data/tools.py): what :func:`encode_exchanges` frames."""
+    template_version(template)
+    texts = [opening_prompt(template, o, t) + ("" if a is None else answer_lead(template) + a)
+             for o, a, t in exchanges]
+    ids: list[int] = []
+    for (_, a, _), e in zip(exchanges, encode_plain(tok, texts)):
+        ids += [bos_id] + e + ([] if a is None else [eos_id])
+    return ids
+
 # --------------------------------------------------------------------------- reading records
 @dataclass
 class Skips:
@@ -256,6 +291,8 @@ def normalize_record(obj: Any, loc: str, skips: Skips, max_turn_chars: int) -> O
     if not isinstance(obj, dict):
         skips.skip("not_an_object", loc, f"a JSON {type(obj).__name__}")
         return None
+    if "conversations" not in obj and "messages" in obj:
+        return _messages_record(obj, loc, skips, max_turn_chars)
     if "conversations" not in obj:
         skips.skip("no_conversations_key", loc, "keys: " + ", ".join(sorted(map(str, obj))[:6]))
         return None
@@ -302,6 +339,39 @@ def normalize_record(obj: Any, loc: str, skips: Skips, max_turn_chars: int) -> O
                 skips.note("lone_surrogates_replaced", n)
     return {"conversations": texts[:-1], "source": texts[-1]}
 
+
+
+def _messages_record(obj: dict, loc: str, skips: Skips, max_turn_chars: int) -> Optional[dict]:
+    """A record in the conversational shape transformers and TRL use (``messages``, and
+    ``tools`` for tool use: utils/data/tools.py), normalized to ``{"messages", "tools",
+    "source"}``; it must end with an assistant turn (what is trained on)."""
+    try:
+        messages = tools.read_messages(obj["messages"], "messages")
+        functions = tools.read_tools(obj.get("tools") or [], "tools")
+    except tools.ToolFormatError as e:
+        skips.skip("bad_messages", loc, str(e))
+        return None
+    if messages[-1]["role"] != "assistant":
+        skips.skip("last_turn_not_assistant", loc, f"the last message is a {messages[-1]['role']!r} turn")
+        return None
+    known = {f["name"] for f in functions}
+    for i, m in enumerate(messages):
+        for c in m.get("tool_calls", ()):
+            if c["function"]["name"] not in known:
+                skips.skip("call_of_unlisted_tool", loc, f"messages[{i}] calls {c['function']['name']!r}, "
+                           "which 'tools' does not list")
+                return None
+        if m.get("content") is not None:
+            if len(m["content"]) > max_turn_chars:
+                skips.skip("turn_too_long", loc, f"message {i + 1} has {len(m['content']):,} characters")
+                return None
+            m["content"], n = replace_surrogates(m["content"])
+            if n:
+                skips.note("lone_surrogates_replaced", n)
+    if functions:
+        skips.note("tool_use_conversations")
+    source = obj.get("source", "unknown")
+    return {"messages": messages, "tools": functions, "source": source if isinstance(source, str) else "unknown"}
 
 def read_jsonl_records(path: Path, max_turn_chars: int, skips: Skips) -> list[dict]:
     """Records of a local JSONL file (see module docstring for the repairs and skips)."""

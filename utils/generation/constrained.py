@@ -4,6 +4,8 @@ outlines-core: measured by perf/structured_overhead.py).
 
     grammar = json_grammar(schema)               llguidance's grammar text; ConstraintError (a
                                                  ValueError) naming what it cannot do
+    grammar = tool_grammar(functions, choice, parallel, lead)   a reply under OpenAI's tool_choice:
+                                                 calls whose arguments match their schemas
     grammars = Grammars()                        per-tokenizer vocabularies, built once (an Engine
                                                  holds one)
     masked, broken = constrain(seqs, logits, grammars)   each constrained row's logits masked
@@ -27,12 +29,15 @@ takes a pass over the vocabulary (about half a second for 49k tokens), once per 
 """
 from __future__ import annotations
 
+import json
+import re
 from typing import Optional
 
 import llguidance
 import numpy as np
 import torch
 
+from utils.data import tools
 from utils.data.tok import encode_plain
 from utils.generation.vocab import vocab_bytes
 
@@ -44,19 +49,79 @@ class ConstraintError(ValueError):
     the message names it."""
 
 
+# What one grammar may cost llguidance (its own fuel and size counters, so a compile ends in a
+# bounded time whatever the schema): a tenth of its defaults, which every schema of the tests and
+# of docs/serve.md fits many times over. Used when a grammar is checked (serve, off its event
+# loop) and when a sequence's matcher is made (the engine thread).
+LIMITS = dict(initial_lexer_fuel=200_000, max_grammar_size=50_000, max_lexer_states=50_000)
+
+
+def limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**LIMITS)
+
+
 def json_grammar(schema: Optional[dict]) -> str:
     """The grammar of JSON text matching ``schema`` (None: any JSON object), white space
-    bounded (``WHITESPACE``). ConstraintError naming an unsupported feature."""
+    bounded (``WHITESPACE``). ConstraintError naming an unsupported feature, or a schema past
+    :data:`LIMITS`."""
     schema = {"type": "object"} if schema is None else schema
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             schema, overrides={"whitespace_pattern": WHITESPACE})
     except ValueError as e:
         raise ConstraintError(f"the schema is not a JSON object ({e})") from None
-    bad, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return _checked(grammar)
+
+
+def _checked(grammar: str) -> str:
+    bad, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=limits())
     if bad:
         raise ConstraintError(messages[0])
     return grammar
+
+
+# our tool-call format (utils/data/tools.py): JSON as json.dumps writes it, no other white space
+_CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _lark_text(text: str) -> str:
+    return json.dumps(text)            # a JSON string is a Lark string literal
+
+
+def tool_grammar(functions: list, choice: str, parallel: bool, lead: str = "") -> str:
+    """The grammar of a reply under OpenAI's ``tool_choice`` in our call format
+    (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, utils/data/tools.py): each
+    call's arguments match its function's ``parameters`` schema. ``choice``: "required" (one
+    call or more, nothing else), a function's name (calls of it only), "auto" (text without a
+    call, or text and then calls: once a call opens, it is constrained) or "none" (text that
+    never opens a call). ``parallel`` false: at most one call. ``lead``: what an answer may start
+    with before its first call (our template's space after "Assistant:"). ConstraintError
+    naming what cannot be enforced."""
+    no_call = "(/(?s:.*)/ & ~/(?s:.*" + re.escape(tools.CALL_OPEN) + ".*)/)"
+    lines = [f"TEXT: {no_call}"]
+    if choice == "none":
+        return _checked(llguidance.LLMatcher.grammar_from_lark("start: TEXT?\n" + "\n".join(lines)))
+    picked = [f for f in functions if choice in ("auto", "required") or f["name"] == choice]
+    if not picked:
+        raise ConstraintError(f"no function named {choice!r} is in 'tools'")
+    shapes = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+               "required": ["name", "arguments"], "additionalProperties": False} for f in picked]
+    body = dict(shapes[0]) if len(shapes) == 1 else {"anyOf": shapes}
+    body["x-guidance"] = _CALL_JSON
+    close, more = _lark_text(tools.CALL_CLOSE), _lark_text("\n" + tools.CALL_OPEN)
+    lines += [f"body: %json {json.dumps(body)}", f"more: {more} body {close}",
+              f"OPEN: {no_call} {_lark_text(tools.CALL_OPEN)}"]
+    calls = f"body {close}" + (" more*" if parallel else "")
+    if choice == "auto":
+        start = f"start: TEXT? | OPEN {calls}"
+    else:
+        lines.append(f"FIRST: /(?:{re.escape(lead)})?{re.escape(tools.CALL_OPEN)}/")   # one lexeme: the lead is optional
+        start = f"start: FIRST {calls}"
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark("\n".join([start] + lines))
+    except ValueError as e:
+        raise ConstraintError(str(e)) from None
+    return _checked(grammar)
 
 
 class _Vocabulary:
@@ -138,7 +203,7 @@ class Grammars:
         return held[1]
 
     def start(self, grammar: str, tok, n_vocab: int, stop_ids: frozenset) -> Constraint:
-        matcher = llguidance.LLMatcher(self.vocabulary(tok, n_vocab), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.vocabulary(tok, n_vocab), grammar, log_level=0, limits=limits())
         return Constraint(matcher, n_vocab, stop_ids)
 
 
@@ -164,4 +229,4 @@ def constrain(seqs: list, logits: torch.Tensor, grammars: Grammars) -> tuple[tor
     return masked, broken
 
 
-__all__ = ["json_grammar", "ConstraintError", "Grammars", "Constraint", "constrain", "WHITESPACE"]
+__all__ = ["json_grammar", "tool_grammar", "limits", "LIMITS", "ConstraintError", "Grammars", "Constraint", "constrain", "WHITESPACE"]

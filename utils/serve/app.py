@@ -5,7 +5,8 @@ stage script runs it with uvicorn).
 
 ``models``: model id -> :class:`~utils.serve.served.ServedModel` (an opened checkpoint and its
 :class:`~utils.generation.loop.Lane` on the server's one engine thread). Endpoints: ``GET /``
-(the chat page, ``utils/serve/static``), ``GET /health``, ``GET /v1/models`` (and
+(the chat page, ``utils/serve/static``), ``GET /health`` (its prefix-cache figures behind the key
+when one is set), ``GET /v1/models`` (and
 ``/v1/models/{id}``), each also answering HEAD (GET's headers, no body), ``POST
 /v1/completions``, ``POST /v1/chat/completions`` (plain JSON or server-sent events), ``GET
 /metrics`` (Prometheus, utils/serve/metrics.py; behind the key when one is set); a 405
@@ -36,10 +37,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from utils.serve.connections import INVALID_HTTP
-from utils.serve.intake import fit, pick_model, read_json
+from utils.serve.intake import compile_grammar, fit, pick_model, read_json
 from utils.serve.job import Job
 from utils.serve.metrics import ServeMetrics
-from utils.serve.middleware import AsteriskForm, BearerAuth
+from utils.serve.middleware import AsteriskForm, BearerAuth, has_key
 from utils.serve.protocol import ApiError, Limits, clip, error_body, new_id, read_chat, read_completion
 from utils.serve.responses import ErrorResponse, answer
 from utils.serve.served import ServedModel
@@ -67,7 +68,7 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_credentials=False,
                            allow_methods=["GET", "HEAD", "POST"], allow_headers=["Authorization", "Content-Type"],
                            max_age=600)
-    _page_routes(app, models)
+    _page_routes(app, models, api_key)
     _generation_routes(app, models, limits, log, metrics)
 
     @_get(app, "/metrics")
@@ -120,8 +121,10 @@ def _get(app: FastAPI, path: str):
     return app.api_route(path, methods=["GET", "HEAD"])
 
 
-def _page_routes(app: FastAPI, models: dict[str, ServedModel]) -> None:
-    """The chat page and its files, the health check and the model list."""
+def _page_routes(app: FastAPI, models: dict[str, ServedModel], api_key: Optional[str] = None) -> None:
+    """The chat page and its files, the health check and the model list. ``/health`` is public
+    (load balancers call it without a key); where a key is set, its live prefix-cache figures
+    (hit counts: what others' prompts share with one's own) go only to a request with the key."""
     @_get(app, "/")
     async def _page():
         return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
@@ -134,11 +137,14 @@ def _page_routes(app: FastAPI, models: dict[str, ServedModel]) -> None:
         kind = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}.get(path.suffix)
         return FileResponse(path, media_type=kind, headers=PAGE_HEADERS)
 
+    want = api_key.encode() if api_key else None
+
     @_get(app, "/health")
-    async def _health():
+    async def _health(request: Request):
+        details = want is None or has_key(request.scope, want)
         return {"status": "ok", "models": {k: {"active": m.lane.active, "slots": m.lane.slots,
                                                "running": m.lane.running,
-                                               "prefix_cache": m.lane.prefix_cache}
+                                               **({"prefix_cache": m.lane.prefix_cache} if details else {})}
                                            for k, m in models.items()}}
 
     @_get(app, "/v1/models")
@@ -160,6 +166,7 @@ def _generation_routes(app: FastAPI, models: dict[str, ServedModel], limits: Lim
         s, texts = read_completion(body, limits)
         m = pick_model(models, s.model)
         prompts = [m.completion_ids(t) for t in texts]
+        s.grammar = await compile_grammar(s)
         return await answer(request, Job(m, s, fit(m, s, prompts, False), texts, False, new_id("cmpl"),
                                          metrics), log)
 
@@ -169,5 +176,6 @@ def _generation_routes(app: FastAPI, models: dict[str, ServedModel], limits: Lim
         s, chat = read_chat(body, limits)
         m = pick_model(models, s.model)
         prompts = [m.chat_ids(chat)]
+        s.grammar = await compile_grammar(s, m.answer_lead)
         return await answer(request, Job(m, s, fit(m, s, prompts, True), [chat.question], True,
                                          new_id("chatcmpl"), metrics), log)

@@ -7,6 +7,9 @@ body and its HTTP status), raised before a sequence is made.
     m = pick_model(models, s.model)                  400 (none named among several), 404
     prompts = fit(m, s, prompts, chat)               400 context_length_exceeded / too many
                                                      sequences, 429 with Retry-After: queue full
+    s.grammar = await compile_grammar(s, lead)       the output grammar (response_format, tools),
+                                                     compiled off the event loop: 400 past
+                                                     MAX_SCHEMA_BYTES or COMPILE_SECONDS
 """
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ from typing import Callable, Optional
 from fastapi import Request
 
 from utils.config import json_error_text
-from utils.serve.protocol import ApiError, Limits, Sampling, clip, shown
+from utils.serve.protocol import (MAX_SCHEMA_BYTES, ApiError, Limits, Sampling, build_grammar, clip,
+                                  constraint_size, shown)
 from utils.serve.served import ServedModel
 
 RETRY_AFTER = 1                     # seconds a 429 asks the client to wait (Retry-After)
+COMPILE_SECONDS = 10.0              # the longest a request's grammar may take to compile
 
 
 async def read_json(request: Request, limits: Limits, log: Callable[[str], None]):
@@ -117,3 +122,24 @@ def fit(m: ServedModel, s: Sampling, prompts: list[list[int]], chat: bool) -> li
                        f"model '{m.id}', serve.max_queue {m.max_queue}); retry later.", None,
                        "rate_limit_exceeded", "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER)})
     return prompts
+
+
+async def compile_grammar(s: Sampling, lead: str = "") -> Optional[str]:
+    """The request's output grammar (None without a constraint), compiled in a worker thread so
+    that a large schema never stalls the streams the event loop serves: 400
+    ``schema_too_large`` past MAX_SCHEMA_BYTES of schema JSON (nothing compiled), 400
+    ``schema_too_complex`` when compiling takes over COMPILE_SECONDS (llguidance's own fuel
+    limits, utils/generation/constrained.py LIMITS, end it soon after), 400 naming what the
+    compiler cannot enforce."""
+    if s.constraint is None:
+        return None
+    param = "response_format.json_schema.schema" if s.constraint[0] == "json" else "tools"
+    size = constraint_size(s.constraint)
+    if size > MAX_SCHEMA_BYTES:
+        raise ApiError(400, f"'{param}' is {size:,} bytes of JSON schema; at most {MAX_SCHEMA_BYTES:,} are "
+                       "allowed: send a smaller schema.", param, "schema_too_large")
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(build_grammar, s.constraint, lead), COMPILE_SECONDS)
+    except TimeoutError:
+        raise ApiError(400, f"'{param}' did not compile into a grammar within {COMPILE_SECONDS:g} s: send a "
+                       "simpler schema (fewer alternatives, shorter patterns).", param, "schema_too_complex") from None

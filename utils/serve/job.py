@@ -16,14 +16,16 @@ are built by utils/serve/responses.py (one JSON body) and utils/serve/sse.py (a 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import deque
 from typing import Optional
 
 from utils.data.chat import answer_decoding
+from utils.data.tools import parse_reply
 from utils.generation.detok import TextDecoder
 from utils.generation.engine import Event, SamplingParams, Sequence
-from utils.serve.protocol import Sampling
+from utils.serve.protocol import Sampling, new_id
 from utils.serve.served import ServedModel
 
 
@@ -80,6 +82,7 @@ class Job:
         self.text = [""] * len(self.seqs)
         self.finish: list[Optional[str]] = [None] * len(self.seqs)
         self.logprobs: list[list] = [[] for _ in self.seqs]
+        self.call_ids: dict[int, list[str]] = {}     # choice -> the ids of its tool calls so far
 
     async def arrived(self) -> list[Event]:
         """Every event that arrived since the last call, in order (waits for at least one).
@@ -147,7 +150,23 @@ class Job:
 
     # -- response shapes
     def reason(self, i: int) -> str:
-        return "length" if self.finish[i] == "length" else "stop"
+        if self.finish[i] == "length":
+            return "length"
+        return "tool_calls" if self.s.tools and self.calls(i)[1] else "stop"
+
+    def calls(self, i: int) -> tuple[str, list[dict]]:
+        """Choice i's reply read for tool calls (utils/data/tools.py): its text before the first
+        call and its complete calls in OpenAI's shape (arguments as JSON text, an id each,
+        stable for the job); the whole text and [] when tool calls are off."""
+        if not self.s.tools:
+            return self.text[i], []
+        text, calls = parse_reply(self.text[i])
+        ids = self.call_ids.setdefault(i, [])
+        while len(ids) < len(calls):
+            ids.append(new_id("call").replace("-", "_"))
+        return text, [{"id": ids[k], "type": "function",
+                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                      for k, c in enumerate(calls)]
 
     def lp_echo(self, i: int) -> dict:
         """Choice i's echoed prompt as completion logprobs: each token of the prompt's text (BOS

@@ -17,7 +17,8 @@ rules in Prometheus' conventions); every series carries ``model_name`` where it 
 - ``llm_time_to_first_token_seconds``: per request, from its arrival to its first token.
   ``llm_inter_token_latency_seconds``: each token after a choice's first, observed with its
   request's mean gap (the time from the first token to the end over those tokens), since tokens
-  reach the HTTP process in groups (serve.stream_interval) whose own gaps say nothing.
+  reach the HTTP process in groups (serve.stream_interval) whose own gaps say nothing; counted
+  in one step per choice (a weighted observation), never once per token on the event loop.
   ``llm_e2e_request_latency_seconds``: arrival to end.
 - Read at each scrape: ``llm_num_requests_running`` / ``llm_num_requests_waiting`` (sequences
   in the batch / queued), ``llm_kv_cache_slots_used`` / ``llm_kv_cache_slots_total``, their
@@ -33,11 +34,13 @@ rules in Prometheus' conventions); every series carries ``model_name`` where it 
 """
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 # vLLM's buckets (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -65,8 +68,9 @@ class ServeMetrics:
         self.generation_tokens = Counter("llm_generation_tokens", "Generated tokens.", model, registry=r)
         self.ttft = Histogram("llm_time_to_first_token_seconds", "Time from a request's arrival to its "
                               "first token.", model, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("llm_inter_token_latency_seconds", "Time per token after a choice's first "
-                             "(its request's mean).", model, buckets=ITL_BUCKETS, registry=r)
+        self.itl = _WeightedHistogram("llm_inter_token_latency_seconds", "Time per token after a choice's "
+                                      "first (its request's mean).", ITL_BUCKETS)
+        r.register(self.itl)
         self.e2e = Histogram("llm_e2e_request_latency_seconds", "Time from a request's arrival to its "
                              "end.", model, buckets=E2E_BUCKETS, registry=r)
         r.register(_LiveCollector(models))
@@ -84,11 +88,9 @@ class ServeMetrics:
         if job.ttft is None:
             return
         self.ttft.labels(name).observe(job.ttft)
-        for seq in job.seqs:
+        for seq in job.seqs:            # one observation of weight n - 1, not n - 1 on the event loop
             if len(seq.tokens) > 1:
-                gap = (ended - job.ttft) / (len(seq.tokens) - 1)
-                for _ in range(len(seq.tokens) - 1):
-                    self.itl.labels(name).observe(gap)
+                self.itl.observe(name, (ended - job.ttft) / (len(seq.tokens) - 1), len(seq.tokens) - 1)
 
     def refused(self, status: int, code: Optional[str]) -> None:
         self.errors.labels(str(status), code or "none").inc()
@@ -96,6 +98,32 @@ class ServeMetrics:
     def render(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _WeightedHistogram:
+    """A Prometheus histogram per model that takes one value ``times`` times in one step (the
+    client library's Histogram observes one value per call: a request of 100,000 tokens was
+    100,000 calls on the event loop). Exposed exactly as a Histogram of those observations."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple):
+        self.name, self.documentation = name, documentation
+        self.bounds = list(buckets) + [float("inf")]
+        self.series: dict[str, tuple[list, list]] = {}    # model -> (counts per bucket, [sum])
+
+    def observe(self, model: str, value: float, times: int = 1) -> None:
+        counts, total = self.series.setdefault(model, ([0] * len(self.bounds), [0.0]))
+        counts[bisect.bisect_left(self.bounds, value)] += times
+        total[0] += value * times
+
+    def collect(self):
+        h = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        for model, (counts, total) in self.series.items():
+            running, buckets = 0, []
+            for bound, n in zip(self.bounds, counts):
+                running += n
+                buckets.append(("+Inf" if bound == float("inf") else floatToGoString(bound), running))
+            h.add_metric([model], buckets, total[0])
+        yield h
 
 
 class _LiveCollector:

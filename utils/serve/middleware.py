@@ -2,6 +2,7 @@
 a request itself only when it refuses it, in OpenAI's error shape.
 
     app.add_middleware(BearerAuth, key=api_key)     /v1/ and /metrics requests need the key (401)
+    has_key(scope, key)                             whether a request carries the key (/health's details)
     app.add_middleware(AsteriskForm)                the request target ``*`` (OPTIONS: 200; else 400)
 
 Plain ASGI: an ``@app.middleware("http")`` function relays every streamed chunk through
@@ -41,6 +42,13 @@ class AsteriskForm:
         await reply(scope, receive, send)
 
 
+def has_key(scope, want: bytes) -> bool:
+    """Whether the request carries ``Authorization: Bearer <want>`` (the scheme's name is
+    case-insensitive, RFC 9110 11.1: "bearer KEY" is as good; the key is compared in constant time)."""
+    scheme, _, token = Headers(scope=scope).get("authorization", "").strip().partition(" ")
+    return hmac.compare_digest(token.strip().encode("latin-1"), want) and scheme.lower() == "bearer"
+
+
 class BearerAuth:
     """``/v1/`` and ``/metrics`` requests need ``Authorization: Bearer <key>`` (401 otherwise)."""
 
@@ -51,10 +59,7 @@ class BearerAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED):
-            scheme, _, token = Headers(scope=scope).get("authorization", "").strip().partition(" ")
-            # the scheme's name is case-insensitive (RFC 9110 11.1): "bearer KEY" is as good
-            if not (hmac.compare_digest(token.strip().encode("latin-1"), self.want)
-                    and scheme.lower() == "bearer"):
+            if not has_key(scope, self.want):
                 reply = ErrorResponse(error_body("missing or incorrect API key: send the header "
                                                  "'Authorization: Bearer <key>'.", code="invalid_api_key"),
                                       status_code=401)

@@ -15,8 +15,11 @@ send instead (:class:`ApiError`). Fields read (docs/serve.md lists them and what
   ``response_format``); ``user`` ignored.
 - completions: ``prompt`` (a string, or a list of one or more strings), ``logprobs`` (0..5),
   ``echo``; ``suffix``, ``best_of`` (beyond ``n``) and ``logit_bias`` refused.
-- chat: ``messages`` (roles system / user / assistant; content a string or a list of text
-  parts), ``logprobs`` (bool) with ``top_logprobs`` (0..20); tools, functions, ``logit_bias``, other modalities, audio, predicted outputs and web search refused.
+- chat: ``messages`` (roles system / user / assistant / tool; content a string or a list of text
+  parts; assistant ``tool_calls``), ``logprobs`` (bool) with ``top_logprobs`` (0..20), ``tools``,
+  ``tool_choice`` and ``parallel_tool_calls`` (:func:`read_tool_fields`; the calls' grammar is
+  built by :func:`build_grammar`, off the event loop); the legacy ``functions``, ``logit_bias``,
+  other modalities, audio, predicted outputs and web search refused.
 
 A field that would change what a request means, which this server cannot do, is refused
 (400, ``unsupported_parameter``) unless it holds the value that means "off": never ignored.
@@ -34,7 +37,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from utils.generation.constrained import ConstraintError, json_grammar
+from utils.data import tools as tool_format
+from utils.generation.constrained import ConstraintError, json_grammar, tool_grammar
 
 
 class ApiError(Exception):
@@ -178,8 +182,11 @@ class Sampling:
     logprobs: Optional[int] = None        # None: not asked; k: the token's and k alternatives
     echo: bool = False
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from (chat: or max_completion_tokens)
-    grammar: Optional[str] = None         # response_format's output grammar (utils/generation/constrained.py)
+    grammar: Optional[str] = None         # the output grammar (utils/generation/constrained.py), once compiled
+    constraint: Optional[tuple] = None    # what it is compiled from (compile_grammar): ("json", schema or None)
+                                          # from response_format, ("tools", functions, choice, parallel)
     prompt_lookup: Optional[int] = None   # prompt_lookup_num_tokens (None: the server's default)
+    tools: bool = False                   # the reply may hold tool calls (tool_choice not "none")
 
 
 PROMPT_LOOKUP_MAX = 64     # draft tokens per step a request may ask for (rows of one verify pass)
@@ -209,13 +216,13 @@ def read_common(body: dict, limits: Limits, chat: bool) -> Sampling:
                        "invalid_value")
     _refuse_sampling_extras(body)
     seed = _num(body, "seed", None, integer=True)
-    grammar = read_response_format(body.get("response_format"))
+    constraint = read_response_format(body.get("response_format"))
     temperature, top_p = _num(body, "temperature", None, lo=0, hi=2), _num(body, "top_p", None, lo=0, hi=1, lo_open=True)
     return Sampling(model, max_tokens, None if temperature is None else float(temperature),
                     None if top_p is None else float(top_p), _num(body, "top_k", None, lo=0, integer=True),
                     _num(body, "n", 1, lo=1, hi=limits.max_n, integer=True),
                     None if seed is None else int(seed) % (1 << 63),
-                    _stop(body), stream, include_usage, max_tokens_param=max_tokens_param, grammar=grammar,
+                    _stop(body), stream, include_usage, max_tokens_param=max_tokens_param, constraint=constraint,
                     prompt_lookup=_num(body, "prompt_lookup_num_tokens", None, lo=0, hi=PROMPT_LOOKUP_MAX, integer=True))
 
 
@@ -224,10 +231,11 @@ FORMAT_HELP = ("send {\"type\": \"json_schema\", \"json_schema\": {\"name\": ...
                "{\"type\": \"json_object\"} or {\"type\": \"text\"}")
 
 
-def read_response_format(fmt: Any) -> Optional[str]:
-    """``response_format`` as the grammar of the reply (None: plain text): ``json_object``
-    any JSON object, ``json_schema`` JSON matching ``json_schema.schema`` (always enforced:
-    ``strict`` changes nothing). 400 naming the field at fault, or the schema features the
+def read_response_format(fmt: Any) -> Optional[tuple]:
+    """``response_format`` as what the reply's grammar is made from (None: plain text):
+    ``json_object`` any JSON object, ``json_schema`` JSON matching ``json_schema.schema`` (always
+    enforced: ``strict`` changes nothing). 400 naming the field at fault; the grammar itself is
+    compiled by :func:`build_grammar` (off the event loop), which names the schema features the
     grammar compiler lacks (``unsupported_schema``)."""
     if fmt is None:
         return None
@@ -238,7 +246,7 @@ def read_response_format(fmt: Any) -> Optional[str]:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _grammar(None)
+        return ("json", None)
     if kind != "json_schema":
         raise ApiError(400, f"'response_format.type' {shown(kind)} is not supported: {FORMAT_HELP}.",
                        "response_format.type", "invalid_value")
@@ -257,16 +265,34 @@ def read_response_format(fmt: Any) -> Optional[str]:
     if not isinstance(schema, dict):
         raise ApiError(400, f"'response_format.json_schema.schema' must be a JSON Schema object, got "
                        f"{shown(schema)}.", "response_format.json_schema.schema", "invalid_type")
-    return _grammar(schema)
+    return ("json", schema)
 
 
-def _grammar(schema: Optional[dict]) -> str:
+MAX_SCHEMA_BYTES = 64 * 1024       # the JSON text of a response_format schema, or of all tools' parameters
+
+
+def constraint_size(constraint: tuple) -> int:
+    """The bytes of JSON a grammar is compiled from (bounded by MAX_SCHEMA_BYTES)."""
+    return len(json.dumps(constraint[1:], ensure_ascii=False).encode("utf-8"))
+
+
+def build_grammar(constraint: tuple, lead: str = "") -> str:
+    """The grammar text of a request's constraint (:attr:`Sampling.constraint`); 400 naming what
+    cannot be enforced. Compiling takes time that grows with the schema: serve runs this off its
+    event loop, bounded (utils/serve/intake.py compile_grammar)."""
+    kind = constraint[0]
     try:
-        return json_grammar(schema)
+        if kind == "json":
+            return json_grammar(constraint[1])
+        _, functions, choice, parallel = constraint
+        return tool_grammar(functions, choice, parallel, lead)
     except ConstraintError as e:
-        raise ApiError(400, f"'response_format.json_schema.schema' cannot be enforced: {clip(str(e))}. "
-                       "Leave those features out of the schema.", "response_format.json_schema.schema",
-                       "unsupported_schema") from None
+        if kind == "json":
+            raise ApiError(400, f"'response_format.json_schema.schema' cannot be enforced: {clip(str(e))}. "
+                           "Leave those features out of the schema.", "response_format.json_schema.schema",
+                           "unsupported_schema") from None
+        raise ApiError(400, f"the parameters of 'tools' cannot be enforced: {clip(str(e))}. Leave those "
+                       "features out of the schemas.", "tools", "unsupported_schema") from None
 
 
 # --------------------------------------------------------------------------- refused fields
@@ -318,15 +344,15 @@ def _refuse_completion_fields(body: dict, n: int) -> None:
 
 def _refuse_chat_fields(body: dict) -> None:
     """Chat fields that would change the request's meaning, refused unless "off": the model
-    only writes text (JSON through ``response_format``), so tool calls, biased tokens, other modalities,
-    predicted outputs and web search cannot be honoured."""
-    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
-        if _on(body.get(tools)) and body.get(choice) != "none":
-            raise _unsupported(tools, "(calling tools)", f"leave it out, send [], or send "
-                               f"\"{choice}\": \"none\"")
-        if body.get(choice) not in (None, "none", "auto"):
-            raise _unsupported(choice, f"{shown(body.get(choice))} (calling tools)",
-                               "send \"none\" or \"auto\", or leave it out")
+    writes text (JSON through ``response_format``, calls through ``tools``), so the legacy
+    ``functions`` / ``function_call``, biased tokens, other modalities, predicted outputs and web
+    search cannot be honoured."""
+    if _on(body.get("functions")) and body.get("function_call") != "none":
+        raise _unsupported("functions", "(the legacy form of tools)", "send 'tools' with {\"type\": \"function\", "
+                           "\"function\": {...}} entries instead")
+    if body.get("function_call") not in (None, "none", "auto"):
+        raise _unsupported("function_call", f"{shown(body.get('function_call'))} (the legacy form of tool_choice)",
+                           "send 'tool_choice' instead")
     if _on(body.get("logit_bias")):
         raise _unsupported("logit_bias", "(biasing tokens)", "leave it out or send {}")
     if body.get("modalities") not in (None, ["text"]):
@@ -368,10 +394,14 @@ def read_completion(body: dict, limits: Limits) -> tuple[Sampling, list[str]]:
 @dataclass
 class Chat:
     """A chat request's conversation: the system text (or ""), the finished (user, assistant)
-    exchanges, and the last user message."""
+    exchanges, and the last user message; a conversation with tools or tool turns is
+    ``messages`` instead (utils/data/tools.py's normalized shape) with the ``functions`` the
+    model may call."""
     system: str
     history: list = field(default_factory=list)
     question: str = ""
+    messages: Optional[list] = None
+    functions: list = field(default_factory=list)
 
 
 def _content(msg: Any, i: int) -> str:
@@ -391,10 +421,97 @@ def _content(msg: Any, i: int) -> str:
                    f"messages[{i}].content", "invalid_type")
 
 
+MAX_TOOLS = 128        # functions in one request's 'tools'
+
+
+def read_tool_fields(body: dict) -> tuple[list, str, bool]:
+    """``tools`` (functions, utils/data/tools.py), ``tool_choice`` ("none", "auto", "required" or
+    a function's name; default "auto" with tools, "none" without) and ``parallel_tool_calls``
+    (default true); 400 naming the field at fault."""
+    raw = body.get("tools")
+    functions: list = []
+    if raw is not None:
+        try:
+            functions = tool_format.read_tools(raw, "tools")
+        except tool_format.ToolFormatError as e:
+            raise ApiError(400, f"'{e.where}' {clip(e.what)}.", e.where,
+                           "unsupported_parameter" if e.where.endswith(".type") else "invalid_value") from None
+    if len(functions) > MAX_TOOLS:
+        raise ApiError(400, f"'tools' lists {len(functions)} functions; at most {MAX_TOOLS} are allowed.", "tools",
+                       "invalid_value")
+    choice = body.get("tool_choice")
+    names = [f["name"] for f in functions]
+    if choice is None:
+        choice = "auto" if functions else "none"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"'tool_choice' {shown(choice)} is not supported: send \"none\", \"auto\", "
+                           "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}.", "tool_choice",
+                           "unsupported_parameter" if choice.get("type") != "function" else "invalid_value")
+        if fn["name"] not in names:
+            raise ApiError(400, f"'tool_choice.function.name' {shown(fn['name'])} is not a function in 'tools' "
+                           f"({', '.join(names) or 'none listed'}).", "tool_choice.function.name", "invalid_value")
+        choice = fn["name"]
+    elif choice not in ("none", "auto", "required"):
+        raise ApiError(400, f"'tool_choice' {shown(choice)} is not one of \"none\", \"auto\", \"required\" or "
+                       "a named function.", "tool_choice", "invalid_value")
+    if choice == "required" and not functions:
+        raise ApiError(400, "'tool_choice' \"required\" needs 'tools' to call.", "tool_choice", "invalid_value")
+    return functions, choice if functions else "none", _bool(body, "parallel_tool_calls", True)
+
+
+def _tool_messages(msgs: list, functions: list, limits: Limits) -> list[dict]:
+    """A conversation with tool turns, normalized (utils/data/tools.py); it ends with a user
+    or tool turn."""
+    try:
+        out = tool_format.read_messages(msgs, "messages")
+    except tool_format.ToolFormatError as e:
+        raise ApiError(400, f"{e.where}: {clip(e.what)}.", e.where, "invalid_value") from None
+    if out[-1]["role"] not in ("user", "tool"):
+        raise ApiError(400, "the last message must be from the user or a tool (the model answers it).",
+                       "messages", "invalid_value")
+    for i, m in enumerate(out):
+        if m.get("content") is not None:
+            _text(m["content"], f"messages[{i}].content")
+    size = sum(len(m.get("content") or "") + sum(len(json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls", ()))
+               for m in out)
+    if size > limits.max_prompt_chars:
+        raise ApiError(400, f"the messages have more than {limits.max_prompt_chars} characters "
+                       "(serve.max_prompt_chars).", "messages", "prompt_too_long")
+    return out
+
+
+def _read_tool_chat(body: dict, s: Sampling, msgs: list, fields: tuple, limits: Limits) -> Chat:
+    """A chat with tools or tool turns: its messages normalized, and ``s`` given the calls'
+    constraint (``tools``: the reply may call them)."""
+    functions, choice, parallel = fields
+    if any(isinstance(m, dict) and _on(m.get("function_call")) for m in msgs):
+        i = next(i for i, m in enumerate(msgs) if isinstance(m, dict) and _on(m.get("function_call")))
+        raise ApiError(400, f"messages[{i}].function_call is the legacy form of a call: send 'tool_calls'.",
+                       f"messages[{i}].function_call", "unsupported_parameter")
+    messages = _tool_messages(msgs, functions, limits)
+    if choice != "none" and s.constraint is not None:
+        raise _unsupported("response_format", "with 'tools' (a reply is text or calls)",
+                           "leave response_format out, or send \"tool_choice\": \"none\"")
+    if s.logprobs is not None or body.get("logprobs"):
+        raise _unsupported("logprobs", "with 'tools'", "leave logprobs out when sending tools")
+    if functions and s.constraint is None:
+        s.constraint = ("tools", functions, choice, parallel)
+    s.tools = choice != "none"
+    return Chat("", [], messages[-1].get("content") or "", messages=messages, functions=functions)
+
+
 def read_chat(body: dict, limits: Limits) -> tuple[Sampling, Chat]:
     s = read_common(body, limits, chat=True)
     _refuse_chat_fields(body)
+    functions, choice, parallel = read_tool_fields(body)
     msgs = body.get("messages", _MISSING)
+    shaped = functions or (isinstance(msgs, list) and any(
+        isinstance(m, dict) and (m.get("role") == "tool" or _on(m.get("tool_calls")) or _on(m.get("function_call")))
+        for m in msgs))
+    if shaped and isinstance(msgs, list) and msgs and len(msgs) <= limits.max_messages:
+        return s, _read_tool_chat(body, s, msgs, (functions, choice, parallel), limits)
     if msgs is _MISSING:
         raise ApiError(400, "'messages' is required.", "messages", "missing_required")
     if not isinstance(msgs, list) or not msgs:
@@ -411,12 +528,7 @@ def read_chat(body: dict, limits: Limits) -> tuple[Sampling, Chat]:
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant"):
             raise ApiError(400, f"messages[{i}].role is {shown(role)}; this server takes 'system', "
-                           "'user' and 'assistant' (no tools).", f"messages[{i}].role", "invalid_value")
-        for key in ("tool_calls", "function_call"):      # an assistant turn that called tools
-            if _on(m.get(key)):
-                raise ApiError(400, f"messages[{i}].{key}: this server's models do not call tools; send "
-                               "the conversation without tool calls.", f"messages[{i}].{key}",
-                               "unsupported_parameter")
+                           "'user', 'assistant' and 'tool'.", f"messages[{i}].role", "invalid_value")
         text = _content(m, i)
         if role in ("system", "developer"):
             if turns:

@@ -74,8 +74,11 @@ def full_body(job: Job) -> dict:
     choices = []
     for i, _ in enumerate(job.seqs):
         if job.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": job.text[i]},
-                            "logprobs": job.lp_chat(i), "finish_reason": job.reason(i)})
+            text, calls = job.calls(i)
+            message = {"role": "assistant", "content": text or None} if calls else {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({"index": i, "message": message, "logprobs": job.lp_chat(i), "finish_reason": job.reason(i)})
         else:
             text = (job.texts[i // s.n] if s.echo else "") + job.text[i]
             lp = job.lp_completion(i)

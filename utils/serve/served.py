@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
-from utils.data.chat import ChatTemplateError, chat_prompt_ids
+from utils.data.chat import JINJA, ChatTemplateError, answer_decoding, chat_prompt_ids, knows_tools, tool_prompt_ids
 from utils.generation.engine import UNBOUNDED
 from utils.generation.vocab import byte_level, piece_bytes
 from utils.serve.protocol import ApiError, Chat, Sampling
@@ -52,9 +52,32 @@ class ServedModel:
                            "template: use POST /v1/completions with a plain prompt, or serve an SFT "
                            "checkpoint for chat.", "model", "chat_not_supported")
         try:
+            if chat.messages is not None:
+                return self.tool_chat_ids(chat)
             return chat_prompt_ids(self.tok, self.template, chat.system, chat.history, chat.question)
         except ChatTemplateError as e:
             raise ApiError(400, f"{e}.", "messages", "invalid_value") from None
+
+    def tool_chat_ids(self, chat: Chat) -> list[int]:
+        """A conversation with tools or tool turns: our template's tool format (utils/data/tools.py).
+        A model's own Jinja template writes calls in its own format, which this server does not
+        read back yet: 400 naming it."""
+        if self.template.get("name") == JINJA:
+            raise ApiError(400, f"model '{self.id}' chats by its own chat template, whose tool-call format "
+                           "this server does not parse: tools and tool turns are served for models "
+                           "fine-tuned with our template (sft.template user-assistant).", "tools",
+                           "unsupported_parameter")
+        if not knows_tools(self.tok, self.template):
+            raise ApiError(400, f"model '{self.id}' has chat template {self.template.get('name')!r}, which has "
+                           "no tool format (it predates it): send the conversation without tools.", "tools",
+                           "unsupported_parameter")
+        return tool_prompt_ids(self.tok, self.template, chat.messages, chat.functions)
+
+    @property
+    def answer_lead(self) -> str:
+        """What a chat answer starts with before its text (our template: the space after
+        "Assistant:"); an output grammar lets it through."""
+        return answer_decoding(self.template)[1] if self.template is not None else ""
 
     def sampling(self, s: Sampling) -> tuple[float, int, float]:
         """(temperature, top_k, top_p) of a request: its own fields, else the model's

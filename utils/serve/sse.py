@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from utils.data.tools import CALL_OPEN
 from utils.generation.engine import Event
 from utils.serve.job import Job
 from utils.serve.protocol import error_body, now
@@ -52,6 +53,8 @@ class _Chunks:
         self.kind = "chat.completion.chunk" if job.chat else "text_completion"
         self.templates: dict[int, tuple[str, str]] = {}
         self.merge = job.m.stream_interval > 0
+        self.tools = job.chat and job.s.tools                   # the reply may call tools
+        self.sent: dict[int, tuple[int, int]] = {}              # choice -> (text, calls) sent
         # echo with logprobs: a choice's prompt goes out with its scores, which exist once its
         # prompt is prefilled: before the first thing that arrives for it
         self.unechoed = set(range(len(job.seqs))) if self.s.echo and self.s.logprobs is not None else set()
@@ -87,10 +90,44 @@ class _Chunks:
     def piece(self, i: int, since: tuple[int, int]) -> list[str]:
         """Choice i's chunk of what arrived since ``since`` (its text length and logprob count
         then): text and logprobs, or nothing when neither grew."""
+        if self.tools:
+            return self.tool_piece(i)
         text = self.job.text[i][since[0]:]
         if len(self.job.logprobs[i]) > since[1]:
             return [self.chunk([self.delta(i, text, None, since[1])])]
         return [self.text_chunk(i, text)] if text else []
+
+    def tool_piece(self, i: int) -> list[str]:
+        """Choice i's chunks when its reply may call tools: its text up to where a call could be
+        starting (the characters that may open ``<tool_call>`` are held back until they do or do
+        not), then each call once complete, as one ``tool_calls`` delta with its id, name and
+        whole arguments (the openai client joins deltas by index). A reply that ends without a
+        complete call sends what was held back as text."""
+        job = self.job
+        full, final = job.text[i], job.finish[i] is not None
+        at = full.find(CALL_OPEN)
+        if at >= 0:
+            visible = full[:at]
+        else:
+            held = next((k for k in range(min(len(CALL_OPEN) - 1, len(full)), 0, -1)
+                         if full.endswith(CALL_OPEN[:k])), 0)
+            visible = full if final else full[:len(full) - held]
+        out = []
+        sent, n_calls = self.sent.get(i, (0, 0))
+        if len(visible) > sent:
+            out.append(self.text_chunk(i, visible[sent:]))
+            sent = len(visible)
+        if at >= 0:
+            calls = job.calls(i)[1]
+            for k in range(n_calls, len(calls)):
+                out.append(self.chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **calls[k]}]},
+                                        "logprobs": None, "finish_reason": None}]))
+            n_calls = len(calls)
+            if final and not calls and len(full) > sent:
+                out.append(self.text_chunk(i, full[sent:]))
+                sent = len(full)
+        self.sent[i] = (sent, n_calls)
+        return out
 
     def echo(self, i: int) -> list[str]:
         if i not in self.unechoed:

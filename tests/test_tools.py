@@ -1,0 +1,446 @@
+"""Tool use, from data to serving: `sft prepare` on the conversational tools shape (ours and a
+model's own template that renders tools; the loss on calls and answers, never on results; the
+generated sample set), and `serve` answering OpenAI's `tools` / `tool_choice` /
+`parallel_tool_calls` (constrained calls that always validate, the openai client's tool loop
+streamed and not, the chat page, what is still refused). Also serve's fixes found by reading
+(a grammar compiled off the event loop within bounds, inter-token latency counted per choice)
+and a short soak under mixed load (perf/soak_serve.py). The server is one per module: a tiny
+model SFT'd on the generated set for a few steps."""
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import pytest
+
+from tests.conftest import headless_chromium, needs_browser, run_stage, write_config
+from tests.test_sft import TOK_NAME, tokenizer
+from utils.data import chat, sft, tool_samples, tools
+
+# a Hermes-style template (Qwen2.5's way of writing tools and calls, shortened): it renders tools
+HERMES = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for t in tools %}\n{{ t.function | tojson }}{%- endfor %}"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+# one that does not: transformers hands it the tools and it leaves them out
+PLAIN = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+         "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def _chat_tok():
+    """The sample tokenizer with <|im_start|> / <|im_end|> as special tokens (a copy)."""
+    tok = copy.deepcopy(tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.pipeline_chat_view = None
+    return tok
+
+
+def _masked_text(tok, ids, mask) -> str:
+    return tok.decode([t for t, k in zip(ids, mask) if k], skip_special_tokens=False)
+
+
+# --------------------------------------------------------------------------- sft prepare
+@pytest.fixture(scope="module")
+def tools_data(tmp_path_factory, samples):
+    root = tmp_path_factory.mktemp("tools_sft")
+    cfg = write_config(root, {"tokenizer": {"name": TOK_NAME}})
+    p = run_stage("sft", "prepare", "--config", cfg, "--dataset", "tools")
+    assert p.returncode == 0, p.stdout + p.stderr
+    return {"root": root, "cfg": cfg, "out": p.stdout, "dir": root / "data" / "post-training"}
+
+
+def test_prepare_on_the_generated_set_trains_on_calls_and_answers_never_on_results(tools_data):
+    tok = tokenizer()
+    ex = sft.load_examples(tools_data["dir"])
+    meta = ex.meta
+    assert meta["source"]["kind"] == "generated_tools" and "GENERATED" in meta["source"]["label"]
+    assert "GENERATED" in tools_data["out"]
+    assert meta["counts"]["with_tools"] == meta["counts"]["kept"] > 150
+    source = [json.loads(line) for line in (tools_data["dir"] / meta["source"]["copy"]).read_text().splitlines()]
+    assert len(source) == meta["counts"]["considered"]
+    n_calls = 0
+    for i in range(len(ex)):
+        ids, mask = ex.example(i)
+        trained = _masked_text(tok, ids, mask)
+        shown = tok.decode(list(map(int, ids)), skip_special_tokens=False)
+        assert "Tool: " not in trained and '"content":' not in trained and "Tools:" not in trained
+        n_calls += trained.count(tools.CALL_OPEN)
+        if tools.CALL_OPEN in shown:       # a call is trained on, its results are shown, not trained on
+            assert tools.CALL_OPEN in trained and "Tool: {" in shown
+        # every trained call parses and names a listed tool with arguments valid for it
+        for body in trained.split(tools.CALL_OPEN)[1:]:
+            call = json.loads(body.split(tools.CALL_CLOSE)[0])
+            fn, schema = tool_samples.FUNCTIONS[call["name"]]
+            jsonschema.validate(call["arguments"], schema)
+            fn(**call["arguments"])                          # the functions really run on them
+    assert n_calls > len(ex)
+
+
+def test_the_generated_set_is_the_same_each_time_and_its_results_are_the_functions_own():
+    a, b = tool_samples.records(40, seed=3), tool_samples.records(40, seed=3)
+    assert a == b and a != tool_samples.records(40, seed=4)
+    for r in a:
+        msgs = tools.read_messages(r["messages"])
+        calls = {c["id"]: c["function"] for m in msgs for c in m.get("tool_calls", ())}
+        for m in msgs:
+            if m["role"] == "tool":
+                fn = calls[m["tool_call_id"]]
+                assert json.loads(m["content"]) == tool_samples.FUNCTIONS[fn["name"]][0](**fn["arguments"])
+    assert tool_samples.is_prime(97) and not tool_samples.is_prime(91)
+    assert tool_samples.weekday("2024-02-29") == "Thursday" and tool_samples.days_between("2024-01-01", "2024-03-01") == 60
+
+
+def test_a_jsonl_of_openai_shaped_tool_conversations_and_its_bad_records_named(tmp_path, samples):
+    fn = {"type": "function", "function": {"name": "get_weather", "description": "weather now",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    good = {"tools": [fn], "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "-3 C, snow"},
+        {"role": "assistant", "content": "It is -3 C and snowing in Oslo."}]}
+    bad_tool = {"tools": [fn], "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"},
+                                            {"role": "assistant", "content": "y"}]}
+    unlisted = {"tools": [], "messages": [good["messages"][1], good["messages"][2], good["messages"][3],
+                                          good["messages"][4]]}
+    bad_args = json.loads(json.dumps(good))
+    bad_args["messages"][2]["tool_calls"][0]["function"]["arguments"] = "{city: Oslo"
+    src = tmp_path / "tools.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in (good, bad_tool, unlisted, bad_args)) + "\n")
+    cfg = write_config(tmp_path, {"tokenizer": {"name": TOK_NAME}})
+    p = run_stage("sft", "prepare", "--config", cfg, "--dataset", src)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "tools.jsonl:2: bad_messages (messages[1].role: a tool turn must answer a call" in p.stdout
+    assert "tools.jsonl:3: call_of_unlisted_tool" in p.stdout
+    assert "tools.jsonl:4: bad_messages (messages[2].tool_calls[0].function.arguments: is not valid JSON" in p.stdout
+    ex = sft.load_examples(tmp_path / "data" / "post-training")
+    assert len(ex) == 1
+    tok = tokenizer()
+    ids, mask = ex.example(0)
+    text = tok.decode(list(map(int, ids)), skip_special_tokens=False)
+    assert text.startswith("<s> User: Be brief.\n\nTools:\n{\"name\": \"get_weather\"")
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call></s>' in text
+    assert '<s> Tool: {"name": "get_weather", "content": "-3 C, snow"}\nAssistant: It is -3 C' in text
+    assert _masked_text(tok, ids, mask) == ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                                            '</tool_call></s> It is -3 C and snowing in Oslo.</s>')
+    # what serve prompts with after the result is exactly the start of what was trained
+    msgs = tools.read_messages(good["messages"][:4])
+    prompt = chat.tool_prompt_ids(tok, sft.default_template(), msgs, tools.read_tools(good["tools"]))
+    assert list(map(int, ids[:len(prompt)])) == prompt and mask[len(prompt)] == 1 and mask[len(prompt) - 1] == 0
+
+
+def test_a_models_own_template_that_renders_tools_is_used_and_one_that_does_not_is_not():
+    tok = _chat_tok()
+    rec = tool_samples.records(1, seed=5)[0]
+    while len(rec["messages"]) < 4:
+        rec = tool_samples.conversation(__import__("random").Random(len(rec["messages"]) * 7 + 1))
+    norm = sft.normalize_record(rec, "x", sft.Skips(), 10 ** 6)
+    hermes = chat.jinja_record(tok, HERMES, "hermes-like")
+    plain = chat.jinja_record(tok, PLAIN, "plain")
+    assert chat.knows_tools(tok, hermes) and not chat.knows_tools(tok, plain)
+    assert chat.knows_tools(tok, sft.default_template())
+    (ids, mask), = chat.encode_records(tok, hermes, [norm], None, None)
+    view = chat._chat_tokenizer(tok)
+    assert ids == list(view.apply_chat_template([chat._for_template(m) for m in norm["messages"]],
+                                                tools=tools.as_transformers_tools(norm["tools"]),
+                                                chat_template=HERMES, tokenize=True, return_dict=False))
+    trained = _masked_text(tok, ids, mask)
+    assert trained.count("<|im_end|>") == 2 and "<tool_call>" in trained and "tool_response" not in trained
+    assert '"content"' not in trained and "Tools:" not in trained
+
+
+# --------------------------------------------------------------------------- serve
+BOUNDED = [  # functions whose every valid call is short: a cut-off by max_tokens cannot happen
+    {"type": "function", "function": {"name": "gcd", "description": "The greatest common divisor.",
+                                      "parameters": {"type": "object", "additionalProperties": False,
+                                                     "required": ["a", "b"],
+                                                     "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 999},
+                                                                    "b": {"type": "integer", "minimum": 1, "maximum": 999}}}}},
+    {"type": "function", "function": {"name": "convert_length", "description": "A length in another unit.",
+                                      "parameters": {"type": "object", "additionalProperties": False,
+                                                     "required": ["value", "from_unit", "to_unit"],
+                                                     "properties": {"value": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                                    "from_unit": {"enum": ["m", "km", "mi", "ft"]},
+                                                                    "to_unit": {"enum": ["m", "km", "mi", "ft"]}}}}},
+    {"type": "function", "function": {"name": "is_prime", "description": "Whether n is prime.",
+                                      "parameters": {"type": "object", "additionalProperties": False, "required": ["n"],
+                                                     "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 999},
+                                                                    "note": {"type": "string", "maxLength": 6}}}}},
+]
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED}
+QUESTION = [{"role": "user", "content": "What is the greatest common divisor of 84 and 36?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory, samples):
+    """A tiny model SFT'd on the generated tool-use set (3 steps: it need not be smart, the
+    constraint guarantees the shape), served as a user serves it."""
+    from tests.test_serve import Server
+    from tests.test_sft import make_checkpoint
+    root = tmp_path_factory.mktemp("tool_serve")
+    cfg = write_config(root, {"tokenizer": {"name": TOK_NAME}, "logging": {"tensorboard": False},
+                              "serve": {"max_batch": 8}})
+    base = make_checkpoint(root / "checkpoints" / "base" / "checkpoint_best.pt", max_seq_len=1024)
+    p = run_stage("sft", "prepare", "--config", cfg, "--dataset", "tools", "--limit", "48")
+    assert p.returncode == 0, p.stdout + p.stderr
+    q = run_stage("sft", "train", "--config", cfg, "--checkpoint", base, "--name", "tools", "--max-steps", "3",
+                  "--batch-size", "4", "--sample-tokens", "0", "--device", "cpu")
+    assert q.returncode == 0, q.stdout + q.stderr
+    run, = (root / "checkpoints").glob("sft_tools_*")
+    s = Server(root, cfg, "--checkpoint", run)
+    s.model = s.client.models.list().data[0].id
+    yield s
+    assert s.stop() == 130, s.stderr()
+
+
+def _check_calls(message, names) -> list:
+    """The calls of a reply, each validated against its function's schema."""
+    assert message.tool_calls, message
+    out = []
+    for c in message.tool_calls:
+        assert c.type == "function" and c.id.startswith("call_") and c.function.name in names, c
+        args = json.loads(c.function.arguments)
+        jsonschema.validate(args, SCHEMA_OF[c.function.name])
+        out.append((c.function.name, args))
+    return out
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_required_and_named_calls_always_parse_and_validate_over_many_seeds(tool_server, choice):
+    import concurrent.futures as cf
+    tc = "required" if choice == "required" else {"type": "function", "function": {"name": "convert_length"}}
+    names = {"convert_length"} if choice == "named" else set(SCHEMA_OF)
+
+    def ask(seed):
+        parallel = seed % 2 == 0
+        r = tool_server.client.chat.completions.create(
+            model=tool_server.model, messages=QUESTION, tools=BOUNDED, tool_choice=tc, parallel_tool_calls=parallel,
+            temperature=1.0, seed=seed, max_tokens=160)
+        c = r.choices[0]
+        # one call: the grammar ends the reply with it; several allowed: each call is complete and valid,
+        # and the model may go on calling until max_tokens cuts the reply (the cut call is not returned)
+        assert c.finish_reason == "tool_calls" or (parallel and c.finish_reason == "length"), c
+        calls = _check_calls(c.message, names)
+        assert parallel or len(calls) == 1, calls
+        return calls
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(12)))
+    assert len({json.dumps(r) for r in results}) > 4           # sampled: many different calls, all valid
+
+
+def _stream(client, **kw):
+    """A streamed reply assembled as the openai client's own helper assembles it (its snapshot:
+    the helper's final parse refuses a reply cut by max_tokens)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        state.handle_chunk(chunk)
+    return state.current_completion_snapshot
+
+
+def _run(call) -> str:
+    """The real function of a call, run on its arguments (what an application does)."""
+    fn = tool_samples.FUNCTIONS[call.function.name][0]
+    args = {k: v for k, v in json.loads(call.function.arguments).items() if k != "note"}
+    return json.dumps(fn(**args))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_the_openai_tool_loop_calls_runs_the_function_and_answers(tool_server, stream):
+    client = tool_server.client
+
+    def create(**kw):
+        kw = dict(model=tool_server.model, tools=BOUNDED, max_tokens=60, seed=7, temperature=0.8, **kw)
+        return _stream(client, **kw) if stream else client.chat.completions.create(**kw)
+    messages = list(QUESTION)
+    r = create(messages=messages, tool_choice="required", parallel_tool_calls=False)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    (name, args), = _check_calls(msg, set(SCHEMA_OF))
+    messages.append({"role": "assistant", "content": msg.content,
+                     "tool_calls": [{"id": c.id, "type": "function",
+                                     "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                    for c in msg.tool_calls]})
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": _run(c)} for c in msg.tool_calls]
+    final = create(messages=messages, tool_choice="none")
+    assert final.choices[0].finish_reason in ("stop", "length")
+    answer = final.choices[0].message
+    assert not answer.tool_calls and isinstance(answer.content, str) and tools.CALL_OPEN not in answer.content
+    # the same request gives the same answer, streamed or not
+    again = (client.chat.completions.create if stream else lambda **kw: _stream(client, **kw))(
+        model=tool_server.model, tools=BOUNDED, max_tokens=60, seed=7, temperature=0.8, messages=messages,
+        tool_choice="none")
+    assert again.choices[0].message.content == answer.content
+
+
+def test_auto_replies_are_text_or_valid_calls_and_streamed_equal_plain(tool_server):
+    """With "auto" the model chooses; what is deterministic: a reply is text with no call in it
+    or calls that validate, and greedy replies are the same streamed and not."""
+    client = tool_server.client
+    kinds = set()
+    for q in ["What is the greatest common divisor of 84 and 36?", "Is 97 a prime number?", "Hello!",
+              "How much is 12 km in mi?", "Thank you."]:
+        kw = dict(model=tool_server.model, tools=BOUNDED, tool_choice="auto", max_tokens=80, temperature=0,
+                  messages=[{"role": "user", "content": q}])
+        plain, streamed = client.chat.completions.create(**kw), _stream(client, **kw)
+        for r in (plain, streamed):
+            c = r.choices[0]
+            if c.message.tool_calls:
+                _check_calls(c.message, set(SCHEMA_OF))
+                assert c.finish_reason == "tool_calls"
+                kinds.add("call")
+            else:
+                assert c.finish_reason in ("stop", "length") and tools.CALL_OPEN not in (c.message.content or "")
+                kinds.add("text")
+        assert plain.choices[0].message.content == streamed.choices[0].message.content
+        assert [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls or []] == \
+               [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []]
+    assert kinds
+
+
+def test_what_is_still_refused_about_tools_is_named(tool_server):
+    import httpx2 as httpx
+    url = tool_server.url + "/v1/chat/completions"
+    base = {"model": tool_server.model, "messages": QUESTION, "max_tokens": 4}
+    cases = [
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type", "unsupported_parameter"),
+        ({"tools": BOUNDED, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name", "invalid_value"),
+        ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+        ({"tools": BOUNDED, "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+        ({"tools": BOUNDED, "response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        ({"tools": BOUNDED, "logprobs": True}, "logprobs", "unsupported_parameter"),
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "invalid_value"),
+        ({"messages": QUESTION + [{"role": "tool", "content": "1"}]}, "messages[1].role", "invalid_value"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            f"p{i}": {"type": "string", "description": "x" * 100} for i in range(700)}}}}]}, "tools", "schema_too_large"),
+    ]
+    for extra, param, code in cases:
+        r = httpx.post(url, json={**base, **extra}, timeout=60)
+        assert r.status_code == 400, (extra, r.text)
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (param, code), (extra, err)
+
+
+# --------------------------------------------------------------------------- fixes found by reading
+def test_a_grammar_compiles_off_the_event_loop_within_its_size_and_time_bounds(monkeypatch):
+    """A schema is compiled in a worker thread: the loop goes on serving while it compiles;
+    one over MAX_SCHEMA_BYTES is refused before compiling, and one compiling past COMPILE_SECONDS
+    is a 400."""
+    import asyncio
+    import time
+    from utils.serve import intake, protocol
+
+    def slow(constraint, lead=""):
+        time.sleep(1.0)
+        return protocol.build_grammar(constraint, lead)
+    s = protocol.read_common({"response_format": {"type": "json_object"}}, protocol.Limits(), chat=True)
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+        t = asyncio.create_task(ticker())
+        grammar = await intake.compile_grammar(s)
+        t.cancel()
+        return grammar, ticks
+    monkeypatch.setattr(intake, "build_grammar", slow)
+    grammar, ticks = asyncio.run(run())
+    assert grammar and ticks >= 10                # the loop ran on through the compile's 1 s (blocked: 0)
+    monkeypatch.setattr(intake, "COMPILE_SECONDS", 0.1)
+    with pytest.raises(protocol.ApiError) as e:
+        asyncio.run(intake.compile_grammar(s))
+    assert (e.value.status, e.value.code, e.value.param) == (400, "schema_too_complex", "response_format.json_schema.schema")
+    monkeypatch.undo()
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(700)}}
+    s.constraint = ("json", big)
+    with pytest.raises(protocol.ApiError) as e:
+        asyncio.run(intake.compile_grammar(s))
+    assert e.value.code == "schema_too_large" and "65,536" in e.value.message
+
+
+def test_inter_token_latency_is_one_weighted_observation_per_choice_not_one_per_token():
+    """A choice of 10 million tokens is counted in one step (the library's Histogram took one
+    call per token, on the event loop), and the exposition is what those observations give."""
+    import time
+    from types import SimpleNamespace
+    from prometheus_client.parser import text_string_to_metric_families
+    from utils.serve.metrics import ServeMetrics
+    m = ServeMetrics({})
+    seq = SimpleNamespace(tokens=range(10_000_001), cancelled=False)
+    job = SimpleNamespace(m=SimpleNamespace(id="x"), t0=time.perf_counter() - 50.0, seqs=[seq], finish=["length"],
+                          prompt_tokens=3, ttft=0.5)
+    t0 = time.perf_counter()
+    m.request_ended(job)
+    assert time.perf_counter() - t0 < 0.5
+    got = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(m.render()[0].decode())
+           for s in f.samples if s.name.startswith("llm_inter_token_latency_seconds")}
+    assert got[("llm_inter_token_latency_seconds_count", None)] == 10_000_000
+    assert got[("llm_inter_token_latency_seconds_bucket", "0.01")] == 10_000_000     # each gap ~5 microseconds
+    assert got[("llm_inter_token_latency_seconds_sum", None)] == pytest.approx(49.5, rel=1e-3)
+
+
+@needs_browser
+def test_the_chat_page_shows_a_call_and_its_result_then_the_answer(tool_server, tmp_path):
+    """Headless Chromium: tools pasted, tool choice "required": the model's call is shown (name
+    and arguments that validate), the result typed goes back as a tool turn, the model answers."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+    driver = headless_chromium(tmp_path / "profile", "1100,800")
+    wait = WebDriverWait(driver, 60, poll_frequency=0.1)
+    try:
+        driver.get(tool_server.url + "/")
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "model")).options) == 1)
+        driver.find_element(By.CSS_SELECTOR, "#tools-box summary").click()
+        driver.execute_script("document.getElementById('tools').value = arguments[0];", json.dumps(BOUNDED[:1]))
+        Select(driver.find_element(By.ID, "tool-choice")).select_by_value("required")
+        driver.find_element(By.ID, "input").send_keys(QUESTION[0]["content"])
+        driver.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.call"))
+        calls = [c.text for c in driver.find_elements(By.CSS_SELECTOR, ".msg.call")]   # one or more (parallel)
+        for call in calls:
+            assert call.startswith("gcd(") and call.endswith(")")
+            jsonschema.validate(json.loads(call[4:-1]), SCHEMA_OF["gcd"])
+        assert "finish: tool_calls" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text
+        Select(driver.find_element(By.ID, "tool-choice")).select_by_value("none")
+        for k in range(len(calls)):                  # a result per call; the last one sends them all
+            assert len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")) == 1
+            driver.find_element(By.ID, "input").send_keys(str(12 + k))
+            driver.find_element(By.ID, "send").click()
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.tool")) == k + 1)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")) == 2)
+        assert [t.text for t in driver.find_elements(By.CSS_SELECTOR, ".msg.tool")] == \
+               [f"gcd \u2192 {12 + k}" for k in range(len(calls))]
+        assert not driver.find_elements(By.CSS_SELECTOR, ".msg.error")
+        line = [x for x in tool_server.stderr().splitlines() if "prompt_tokens=" in x][-1]
+        assert "finish=stop" in line or "finish=length" in line
+        driver.save_screenshot(str(tmp_path / "tools.png"))
+    finally:
+        driver.quit()
+
+
+def test_a_short_soak_under_mixed_load_has_no_5xx_and_leaks_no_files(tool_server):
+    """perf/soak_serve.py's load (chat, streams, completions, JSON schema, tool calls, cancelled
+    and dropped streams, bad requests) for 12 s in 3 windows against this module's server: no
+    5xx, nothing unexpected, every kind sent, open files and memory flat."""
+    from perf.soak_serve import KINDS, children, soak
+    out = soak(tool_server.url, children(tool_server.proc.pid), tool_server.model, seconds=12, window=4,
+               streams=3, seed=1, say=lambda line: None)
+    s, windows = out["summary"], out["windows"]
+    assert s["server_errors"] == 0 and s["unexpected"] == 0, windows
+    assert all(sum(w["requests"][k] for w in windows) > 0 for k in KINDS), windows
+    assert windows[-1]["open_files"] <= windows[0]["open_files"] + 2, s["open_files"]
+    assert s["rss_growth"] < 0.2, windows
