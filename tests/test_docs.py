@@ -243,7 +243,7 @@ def missing_names(text: str, name: str, folder: Path) -> list[str]:
             continue
         if quoted:
             continue
-        for target in LINK.findall(line):
+        for target in ([] if fence else LINK.findall(line)):      # code: no Markdown links in it
             if "://" in target or target.startswith("mailto:"):
                 continue
             if not (folder / target).exists() and _in_repo(folder / target) not in PENDING:
