@@ -37,7 +37,6 @@ import time
 from typing import Callable, Optional
 
 import torch
-from torch._dynamo import config as dynamo_config
 
 from utils.generation.step import KVView, causal_bias, cells, decode_pass
 
@@ -101,7 +100,9 @@ class CompiledStep:
         n_kv_heads * cache_len, head_dim), ``shape`` (slots, n_kv_heads, cache_len, head_dim);
         every row attends over all ``cache_len`` positions, those past its own masked. A graph
         per batch size and batcher shape: more than dynamo's default limit of 8 recompiles."""
-        with dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
+        # torch._dynamo is reached through torch's lazy attribute, not imported with this module:
+        # its import sets TORCHINDUCTOR_CACHE_DIR in the process's environment (torch 2.13)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             return self.compiled(flat, tuple(shape), tokens, pos, cos_all, sin_all)
 
     def warm(self, flat: list, shape: tuple, cos_all: torch.Tensor, sin_all: torch.Tensor, slots: int) -> float:

@@ -31,7 +31,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-from threadpoolctl import ThreadpoolController
 
 from utils.generation.threads import step_mode
 
@@ -95,6 +94,9 @@ class BlasProduct:
     serves nothing else of ours)."""
 
     def __init__(self):
+        # imported here, not with the module: threadpoolctl's import sets KMP_DUPLICATE_LIB_OK in
+        # the process's environment, which importing a library module must not do
+        from threadpoolctl import ThreadpoolController
         blas = ThreadpoolController().select(user_api="blas")
         self.available = bool(blas.lib_controllers)
         if self.available:
