@@ -4,6 +4,8 @@
     python main.py benchmark checkpoints/run_a/checkpoint_best.pt sft_run_b --preset standard
     python main.py benchmark --hf-model path/to/hf_folder --limit hellaswag=200 --per-item
     python main.py benchmark RUN --tasks lambada,hellaswag --preset full
+    python main.py benchmark RUN_A RUN_B --preset core --contamination   # CORE-style score, overlap
+    python main.py benchmark RUN --tasks mmlu,piqa --num-fewshot 5 --source piqa=data/piqa.jsonl
 
 Models: checkpoint files, run folders or run names under ``paths.checkpoints_dir`` (a run
 gives its checkpoint_best.pt, else checkpoint_latest.pt), and ``--hf-model`` Hugging Face

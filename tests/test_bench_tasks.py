@@ -302,3 +302,22 @@ def test_cli_contamination_finds_planted_items(trained_run, train_shards, tmp_pa
                         "--out", str(tmp_path / "rep")]) == 0
     md = next((tmp_path / "rep").rglob("report.md")).read_text()
     assert "Contamination, base/checkpoint" in md and "piqa 50.0% (3/6)" in md
+
+
+def test_training_shards_are_found_through_the_run_chain(trained_run, train_shards, tmp_path):
+    """A post-training run's base is followed back to its pre-training run's data record;
+    a run with no base of this project, or a missing base, is reported with the reason."""
+    import shutil
+    from utils.bench import contamination as C
+    from utils.config import load_config
+    cfg = load_config(base_file=None)
+    ck = tmp_path / "checkpoints"
+    shutil.copytree(trained_run["run"], ck / "base", ignore=shutil.ignore_patterns("*.pt"))
+    for name, base in (("sft_base_1", "base"), ("dpo_sft_1", "sft_base_1"), ("sft_gone_1", "gone")):
+        (ck / name).mkdir()
+        (ck / name / f"{name.split('_')[0]}_config.json").write_text(json.dumps(
+            {"base": {"run": base, "file": "checkpoint_best.pt", "path": "x", "imported": False}}))
+    where, how = C.training_shard_dir(ck / "dpo_sft_1" / "checkpoint_best.pt", cfg)
+    assert where == train_shards and how.startswith("dpo_sft_1 <- sft_base_1 <- base: dataset.wikipedia_test_dir")
+    where, how = C.training_shard_dir(ck / "sft_gone_1" / "checkpoint_best.pt", cfg)
+    assert where is None and "gone is not under" in how

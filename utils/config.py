@@ -459,7 +459,7 @@ class BenchmarkConfig:
                                              nonblank=True)
     sources: list[str] = _f([], "TASK=SOURCE: a hub name (name:config) or a local folder/file "
                             "for a task (null list: the offline samples, else lm-eval's hub "
-                            "datasets)", nonblank=True)
+                            "datasets)")
     num_fewshot: Optional[int] = _f(None, "solved examples before each item (null: lm-eval's "
                                     "default, 0 for every task)", min=0, max=64)
     contamination_ngram: int = _f(13, "contamination check: n-gram length in tokens", min=4, max=64)

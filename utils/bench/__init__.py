@@ -10,8 +10,10 @@ The ``benchmark`` stage (benchmark.py) only parses arguments and calls into this
   batched continuation log-likelihoods, token log-probabilities, greedy generation
 - :mod:`utils.bench.runner`   run the tasks on an adapter (batched, no gradients, tqdm)
 - :mod:`utils.bench.report`   comparison tables, best-value highlighting, ranking, result files
+- :mod:`utils.bench.core`     the CORE-style aggregate (DCLM's 22 tasks, random baselines, coverage)
+- :mod:`utils.bench.contamination`  eval items' n-grams against a run's training shards, streamed
 
-Importing any of them has no side effects. data, tasks, scoring and passkey need no torch (the
-stage reads its task data before any model loads); adapters, runner and report import torch
-and transformers.
+Importing any of them has no side effects. data, tasks, scoring, core and passkey need no torch
+(the stage reads its task data before any model loads); adapters, runner, report and
+contamination (through utils.run) import torch and transformers.
 """
