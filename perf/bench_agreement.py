@@ -343,7 +343,7 @@ def ensure_lmeval_venv(venv: Path, needs: dict = LMEVAL_NEEDS) -> Path:
     transformers pinned to ours. perf/serve_lmeval.py uses it too."""
     import importlib.util
     if all(importlib.util.find_spec(m) for m in ("transformers", *needs)):
-        return Path(sys.executable)          # lm-eval installed here (requirements-test.txt pins it)
+        return Path(sys.executable)          # lm-eval installed here (pip install lm-eval==0.4.13)
     py = venv / "bin" / "python"
     if py.exists() and subprocess.run([str(py), "-c", f"import transformers, {', '.join(needs)}"],
                                       capture_output=True).returncode == 0:
