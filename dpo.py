@@ -39,7 +39,6 @@ from utils.atomic import write_json_atomic
 from utils.cli import PipelineError, StageParser, UsageError, cli_lora_flags, cli_path, run_stage
 from utils.data import preference, sft
 from utils.data.shards import dtype_for_vocab, save_npy_atomic
-from utils.data.tok import describe, load_tokenizer
 from utils import post_start
 from utils.post_start import Source
 from utils.run import require_same_tokenizer, resume_command_post
@@ -138,12 +137,7 @@ def prepare(argv: Sequence[str]) -> int:
 def prepare_data(cfg, limit: Optional[int], model: Optional[post_start.ModelTokenizer]) -> Path:
     """Prepare the configured pairs into paths.preference_dir, tokenized with ``model``'s
     tokenizer and chat template (``--for``), else the configured tokenizer's; the folder."""
-    if model is None:
-        tok = load_tokenizer(cfg)
-        tok_info, name = describe(tok, cfg.tokenizer.name), cfg.tokenizer.name
-    else:
-        tok, tok_info, name = model.tok, model.info, model.name
-        print(f"dpo prepare: for {name} (its tokenizer, fingerprint {tok_info['fingerprint'][:12]}).", flush=True)
+    tok, tok_info, name = post_start.data_tokenizer(cfg, model, "dpo prepare")
     template, bos, eos = (post_start.template_for(model, tok)
                           or preference.choose_template(tok, name, cfg.sft.template, cfg.sft))
     pairs, source, skips = read_pairs(cfg, limit)

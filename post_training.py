@@ -42,7 +42,7 @@ from utils.config import SFT_MIN_LENGTH
 from utils.data import chat, sft, tool_samples
 from utils.data.chat import Rules
 from utils.data.shards import dtype_for_vocab, save_npy_atomic
-from utils.data.tok import describe, load_tokenizer, require_bos_eos
+from utils.data.tok import require_bos_eos
 from utils.generation.detok import TextDecoder
 from utils import post_start
 from utils.post_start import Source
@@ -192,12 +192,7 @@ def prepare(argv: Sequence[str]) -> int:
 def prepare_data(cfg, limit: Optional[int], batch_size: int, model: Optional[post_start.ModelTokenizer]) -> Path:
     """Prepare the configured source into paths.post_training_dir, tokenized with ``model``'s
     tokenizer and chat template (``--for``), else the configured tokenizer's; the folder."""
-    if model is None:
-        tok = load_tokenizer(cfg)
-        tok_info, name = describe(tok, cfg.tokenizer.name), cfg.tokenizer.name
-    else:
-        tok, tok_info, name = model.tok, model.info, model.name
-        print(f"sft prepare: for {name} (its tokenizer, fingerprint {tok_info['fingerprint'][:12]}).", flush=True)
+    tok, tok_info, name = post_start.data_tokenizer(cfg, model, "sft prepare")
     src = read_records(cfg, limit)
     with_tools = any(r.get("tools") for r in src.records)
     template, bos, eos = post_start.template_for(model, tok) or choose_template(cfg, tok, name, with_tools)

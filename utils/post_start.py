@@ -38,7 +38,7 @@ from typing import Callable, Optional
 from utils.atomic import write_json_atomic
 from utils.cli import PipelineError, StageParser, UsageError, cli_nonblank, cli_path
 from utils.data.chat import Rules, stop_ids_of
-from utils.data.tok import describe, require_bos_eos, slug
+from utils.data.tok import describe, load_tokenizer, require_bos_eos, slug
 from utils.device import resolve_device
 from utils.run import (base_record, is_hf_model, load_checkpoint, model_args_of, pick_checkpoint,
                        read_stage_config, resume_checkpoint, tokenizer_for_checkpoint)
@@ -172,6 +172,16 @@ def for_flag(p: StageParser, trains: str) -> None:
                    help=f"prepare for this model: a checkpoint, a run folder, or a Hugging Face model "
                         f"folder or .gguf file; its tokenizer and chat template are used instead of "
                         f"tokenizer.name (what `{trains}` from that model needs)")
+
+
+def data_tokenizer(cfg, model: Optional[ModelTokenizer], command: str) -> tuple:
+    """(tok, its record, its name) a prepare step tokenizes with: ``model``'s (``--for``; said
+    once, by ``command``), else the configured ``tokenizer.name``."""
+    if model is None:
+        tok = load_tokenizer(cfg)
+        return tok, describe(tok, cfg.tokenizer.name), cfg.tokenizer.name
+    print(f"{command}: for {model.name} (its tokenizer, fingerprint {model.info['fingerprint'][:12]}).", flush=True)
+    return model.tok, model.info, model.name
 
 
 def template_for(model: Optional[ModelTokenizer], tok) -> Optional[tuple]:

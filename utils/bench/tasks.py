@@ -141,22 +141,9 @@ def hellaswag_item(row: Any, index: int) -> MCItem:
 # --------------------------------------------------------------------------- ARC
 def arc_item(row: Any, index: int) -> MCItem:
     question = _text(row, "question")
-    choices_obj = _field(row, "choices")
-    if not isinstance(choices_obj, dict):
-        raise BadRow("bad_type_choices")
-    texts, labels = choices_obj.get("text"), choices_obj.get("label")
-    if not isinstance(texts, (list, tuple)) or not isinstance(labels, (list, tuple)):
-        raise BadRow("missing_choices")
-    if len(texts) < 2 or len(texts) != len(labels):
-        raise BadRow("wrong_number_of_choices")
-    if not all(isinstance(t, str) and t.strip() for t in texts):
-        raise BadRow("empty_choice")
-    key = _field(row, "answerKey")
-    labels = [str(lab) for lab in labels]
-    if str(key) not in labels:
-        raise BadRow("label_out_of_range")
+    texts, gold = _lettered(row)
     return MCItem(id=str(row.get("id") or index), context=f"Question: {question}\nAnswer:",
-                  choices=list(texts), gold=labels.index(str(key)))
+                  choices=texts, gold=gold)
 
 
 # --------------------------------------------------------------------------- LAMBADA
