@@ -76,7 +76,7 @@ def generation_dtype(name: str, device, quantize: str = "none", setting: str = "
                              f"scales and round the activations to bf16 themselves; leave {setting} auto.")
         return None
     if name == "auto":
-        if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        if device.type != "cuda":
             return None
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

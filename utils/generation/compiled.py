@@ -89,9 +89,9 @@ class CompiledStep:
                 cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
         model, n, dtype = self.model, tokens.shape[0], flat[0][0].dtype
         cache_len = shape[2]
-        view = KVView(slice(0, n), cache_len, cells(torch.arange(n, device=pos.device), pos, shape[1], cache_len))
-        return decode_pass(model, self.packs, self.head, flat, (-1, *shape[1:]), view, tokens,
-                           model.decode_rope(cos_all, sin_all, pos, dtype), causal_bias(pos, cache_len, dtype))
+        view = KVView(slice(0, n), cache_len, cells(torch.arange(n, device=pos.device), pos, shape[1], cache_len), pos)
+        return decode_pass(model, self.packs, self.head, flat, (-1, *shape[1:]), view, tokens, cos_all, sin_all,
+                           causal_bias(pos, cache_len, dtype))
 
     def __call__(self, flat: list, shape: tuple, tokens: torch.Tensor, pos: torch.Tensor,
                  cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:

@@ -539,10 +539,10 @@ class Batcher:
         packs = pack.layers if pack is not None else [None] * len(model.layers)
         key_bias = None if min(at) == length - 1 else causal_bias(pos, length, dtype)
         slots = torch.arange(n, device=pos.device)
-        view = KVView(slice(0, n), length, cells(slots, pos, model.args.n_kv_heads, self.cache_len),
-                      self.mem, pos)
-        return decode_pass(model, packs, head, self.kv_flat, self.kv_shape, view, tokens,
-                           model.decode_rope(cos_all, sin_all, pos, dtype), key_bias)
+        view = KVView(slice(0, n), length, cells(slots, pos, model.args.n_kv_heads, self.cache_len), pos,
+                      self.mem)
+        return decode_pass(model, packs, head, self.kv_flat, self.kv_shape, view, tokens, cos_all, sin_all,
+                           key_bias)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
         check_finite(logits, f"position {max(s.pos for s in seqs)}")

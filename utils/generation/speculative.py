@@ -128,9 +128,9 @@ def verify_logits(batcher, seq, ids: list[int]) -> torch.Tensor:
         pos = torch.arange(p0, length, device=device)
         slots = torch.full((T,), seq.slot, dtype=torch.long, device=device)
         view = KVView(slice(seq.slot, seq.slot + 1), length,
-                      cells(slots, pos, model.args.n_kv_heads, batcher.cache_len))
+                      cells(slots, pos, model.args.n_kv_heads, batcher.cache_len), pos)
         logits = decode_pass(model, packs, head, batcher.kv_flat, batcher.kv_shape, view,
-                             torch.tensor(ids, device=device), model.decode_rope(cos_all, sin_all, pos, dtype),
+                             torch.tensor(ids, device=device), cos_all, sin_all,
                              causal_bias(pos, length, dtype))              # (T, V)
         if chooser is not None:
             chooser.done()

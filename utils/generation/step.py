@@ -4,9 +4,8 @@ eager step (utils/generation/engine.py ``Batcher._decode``), the compiled step
 (speculative.py) all call :func:`decode_pass`; they differ only in which cache cells their
 new tokens go to and which keys each token attends, which :class:`KVView` holds.
 
-    view = KVView(rows=slice(0, n), length=L, cells=cells(slots, pos, Hkv, cache_len))
-    rope = model.decode_rope(cos_all, sin_all, pos, dtype)
-    logits = decode_pass(model, layers, head, kv_flat, shape, view, tokens, rope,
+    view = KVView(rows=slice(0, n), length=L, cells=cells(slots, pos, Hkv, cache_len), pos=pos)
+    logits = decode_pass(model, layers, head, kv_flat, shape, view, tokens, cos_all, sin_all,
                          key_bias=causal_bias(pos, L, dtype))      # (n, V) fp32
 
 The cache rule, in one place (:meth:`_LayerView.update`): a batcher's KV cache holds its
@@ -15,7 +14,7 @@ Engine ``amp``), and every key and value written into it is cast to that dtype. 
 the projections give the autocast dtype while anything that meets an fp32 tensor on the way
 (a RoPE table, a norm) is promoted, so without the cast a step's keys and values could reach
 the cache in two dtypes (``index_copy_`` refuses a source of another dtype). RoPE rows are
-made in the compute dtype too (``model.decode_rope``'s ``dtype``), so q and k keep it.
+made in the cache's dtype too, in :func:`decode_pass` itself, so q and k keep it.
 """
 from __future__ import annotations
 
@@ -49,13 +48,14 @@ class KVView:
     """What one decode pass writes and reads in a batcher's caches: the new keys and values go
     to ``cells`` (:func:`cells`); each token attends the keys of slots ``rows`` at positions
     ``0..length-1`` (rows 0..n-1 for a batch step, one slot for a verify pass, whose tokens are
-    consecutive tokens of one sequence); ``mems``: per layer, the (sigma(K), M, z) buffers of an
-    Infini-attention model (``pos``: each row's position in its segment), else None."""
+    consecutive tokens of one sequence); ``pos``: each token's position (its RoPE angle; for an
+    Infini-attention model, its position in the segment); ``mems``: per layer, the (sigma(K),
+    M, z) buffers of an Infini-attention model, else None."""
     rows: slice
     length: int
     cells: torch.Tensor
+    pos: torch.Tensor
     mems: Optional[list] = None
-    pos: Optional[torch.Tensor] = None
 
 
 class _LayerView:
@@ -82,15 +82,17 @@ class _LayerView:
 
 
 def decode_pass(model, layers: list, head: Callable, kv_flat: list, shape: tuple, view: KVView,
-                tokens: torch.Tensor, rope: tuple, key_bias: Optional[torch.Tensor]) -> torch.Tensor:
+                tokens: torch.Tensor, cos_all: torch.Tensor, sin_all: torch.Tensor,
+                key_bias: Optional[torch.Tensor]) -> torch.Tensor:
     """(n, V) fp32 logits of ``tokens`` (n,), their keys and values written into the caches.
     ``layers``: each block's decode weights (utils/generation/pack.py ``PackedLayer``) or None
     (the block's own Linear layers); ``head``: x (n, d_model) -> logits; ``kv_flat``: each
     layer's (k, v) as (slots * n_kv_heads * cache_len, head_dim), ``shape`` their
-    (slots, n_kv_heads, cache_len, head_dim) view; ``rope``: the tokens' (cos, sin_signed)
-    rows in the compute dtype (``model.decode_rope``); ``key_bias``: (n, length) additive key mask, None where every
-    token attends all ``view.length`` keys."""
-    cos, sin = rope
+    (slots, n_kv_heads, cache_len, head_dim) view; ``cos_all``/``sin_all``: the model's RoPE
+    tables (``model.rope``), whose rows at ``view.pos`` are taken in the cache's dtype;
+    ``key_bias``: (n, length) additive key mask, None where every token attends all
+    ``view.length`` keys."""
+    cos, sin = model.decode_rope(cos_all, sin_all, view.pos, kv_flat[0][0].dtype)
     h = model.tok_embeddings(tokens)                                        # (n, d_model)
     mems = view.mems or [None] * len(model.layers)
     for layer, (k, v), mem, packed in zip(model.layers, kv_flat, mems, layers):
