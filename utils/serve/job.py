@@ -76,7 +76,7 @@ class Job:
                                         None if s.seed is None else s.seed + i,
                                         frozenset(m.rules.stop_ids), s.stop, s.logprobs,
                                         prompt_logprobs=s.echo and s.logprobs is not None, grammar=s.grammar,
-                                        prompt_lookup=s.prompt_lookup)
+                                        prompt_lookup=s.prompt_lookup, adapter=m.adapter)
                 self.seqs.append(Sequence(ids, params, tok=m.tok, sink=sink, tag=p * s.n + i,
                                           continues=continues, lead=lead, text_by_caller=True))
         self.text = [""] * len(self.seqs)
