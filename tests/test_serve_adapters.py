@@ -86,7 +86,7 @@ def _engine(work, prefix_cache_mb: int = 0, **kw):
     from utils.generation.engine import Engine
     from utils.run import load_model
     model = load_model(work["base"])[0]
-    engine = Engine(model, **kw)
+    engine = Engine(model, product="torch", **kw)
     for name in "abc":
         engine.adapters.load(name, work["entries"][name])
     engine.use_prefix_cache(prefix_cache_mb << 20)
@@ -133,7 +133,7 @@ def test_a_mixed_batch_equals_each_adapter_alone_and_merged(work, path):
                 continue
             merged = model_lib.create_model(ckpt["model_args"])
             merged.load_state_dict(lora.merged(ckpt["model"], work["entries"][name]))
-            assert Engine(merged).generate([p], 12, temperature=0.0)[0] == mixed[r], name
+            assert Engine(merged, product="torch").generate([p], 12, temperature=0.0)[0] == mixed[r], name
 
 
 def test_the_prefix_cache_never_gives_one_adapter_the_base_or_another_adapter_kv(work):

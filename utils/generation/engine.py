@@ -11,6 +11,8 @@ products of cpu.py), the thread policy of a step (threads.py) and incremental de
     b = engine.batcher(slots=8)                             continuous batching (serve):
     b.add(Sequence(ids, SamplingParams(...), tok=tok, sink=fn)); b.step() -> [Event, ...]
     engine.use_prefix_cache(budget_bytes)                   reuse the KV of prompt starts seen before
+    engine.adapters.load(name, entry)                       a LoRA adapter rows can ask for
+                                                            (SamplingParams(adapter=name), adapters.py)
 
 Contract: greedy (temperature 0, or below ``GREEDY_BELOW``), temperature, top-k (0 disables),
 top-p (1.0 disables); each sequence samples with a private ``torch.Generator`` seeded by its
@@ -49,6 +51,13 @@ the first new token) and computes the rest over it with a causal mask aligned to
 positions; the prompt's blocks are stored after its prefill, a finished sequence's prompt +
 output when it leaves its slot. Logits agree with a whole prefill's to float rounding. Not for
 Infini-attention models nor for sequences that score their prompt (``prompt_logprobs``).
+A sequence run with a LoRA adapter finds and stores only its adapter's blocks.
+
+LoRA adapters (``engine.adapters``, utils/generation/adapters.py): a sequence whose
+``SamplingParams.adapter`` names a loaded adapter is prefilled and decoded with that adapter's
+delta added to each adapted projection, unmerged, in the same batch as rows of other adapters
+and base rows; a step with no adapter row is the base step unchanged (the compiled step and
+prompt lookup apply to it only).
 
 Decode steps (``Block.decode`` over the pack) pay a fixed dispatch cost per tensor operation on
 CPU, which is most of a small model's token: the step fuses projections, rotates q and k

@@ -4,8 +4,8 @@
 prompt into the sequence's cache slot and computes only the rest.
 
     store = PrefixCache(budget_bytes, block_tokens=16)
-    n = store.load(model, ids, kv, slot, limit)   # tokens of ids[:limit] whose KV is now in the slot
-    store.save(model, ids, kv, slot)              # keep the full blocks of ids from the slot
+    n = store.load(model, ids, kv, slot, limit, root=0)   # tokens of ids[:limit] whose KV is now in the slot
+    store.save(model, ids, kv, slot, root=0)              # keep the full blocks of ids from the slot
     store.stats() -> {"hit_tokens", "queried_tokens", "blocks_used", "blocks_capacity",
                       "bytes_used", "bytes_budget", "block_tokens", "evicted_blocks"}   # plain ints
 

@@ -7,8 +7,11 @@ stage script runs it with uvicorn).
 :class:`~utils.generation.loop.Lane` on the server's one engine thread). Endpoints: ``GET /``
 (the chat page, ``utils/serve/static``), ``GET /health`` (its prefix-cache figures behind the key
 when one is set), ``GET /v1/models`` (and
-``/v1/models/{id}``), each also answering HEAD (GET's headers, no body), ``POST
-/v1/completions``, ``POST /v1/chat/completions`` (plain JSON or server-sent events), ``GET
+``/v1/models/{id}``; a LoRA adapter is listed as ``base:name``), each also answering HEAD (GET's
+headers, no body), ``POST /v1/completions``, ``POST /v1/chat/completions`` (plain JSON or
+server-sent events; ``model`` ``base:name`` runs the adapter), ``GET /v1/adapters``, ``POST
+/v1/adapters``, ``DELETE /v1/adapters/{name}`` and vLLM's ``POST /v1/load_lora_adapter`` /
+``/v1/unload_lora_adapter`` (utils/serve/adapters.py), ``GET
 /metrics`` (Prometheus, utils/serve/metrics.py; behind the key when one is set); a 405
 names the methods a path takes (``Allow``). Every error is OpenAI's JSON shape with a 4xx/5xx status
 (utils/serve/protocol.py), written ASCII-escaped so it encodes whatever client text it quotes;
@@ -26,8 +29,6 @@ utils/serve/responses.py (one JSON body) or utils/serve/sse.py (a stream); the k
 """
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 from typing import Callable, Optional
 from typing import Sequence as Sequence_
@@ -38,9 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
-from utils.cli import PipelineError
+from utils.serve.adapters import AdapterAdmin, field
 from utils.serve.connections import INVALID_HTTP
-from utils.serve.engines import adapter_name_problem, load_adapter, read_adapter_source, unload_adapter
 from utils.serve.intake import compile_grammar, fit, pick_model, read_json
 from utils.serve.job import Job
 from utils.serve.metrics import ServeMetrics
@@ -190,102 +190,39 @@ def _generation_routes(app: FastAPI, models: dict[str, ServedModel], limits: Lim
                                          new_id("chatcmpl"), metrics), log)
 
 
+
 def _adapter_routes(app: FastAPI, models: dict[str, ServedModel], limits: Limits,
                     log: Callable[[str], None], runtime: bool) -> None:
-    """LoRA adapters loaded and unloaded at runtime (utils/generation/adapters.py): ``GET
-    /v1/adapters``, ``POST /v1/adapters`` ``{"name", "path", "model"}`` (``model``: the base's id,
-    needed with several models), ``DELETE /v1/adapters/{name}`` (``name`` or ``base:name``), and
-    vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` / ``POST
-    /v1/unload_lora_adapter`` ``{"lora_name"}``. The file is read off the event loop, the
-    adapter loaded between two engine steps; one change at a time."""
-    lock = asyncio.Lock()
+    """LoRA adapters listed, loaded and unloaded at runtime (utils/serve/adapters.py): ``GET
+    /v1/adapters``, ``POST /v1/adapters`` ``{"name", "path", "model"}``, ``DELETE
+    /v1/adapters/{name}``, and vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name",
+    "lora_path"}`` / ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``."""
+    admin = AdapterAdmin(models, log, runtime)
 
-    def allowed() -> None:
-        if not runtime:
-            raise ApiError(403, "loading and unloading adapters needs an API key on a server that listens "
-                           "beyond loopback: restart serve with --api-key (or pass --adapter at start).",
-                           None, "adapters_locked")
-
-    def text(body: dict, key: str, required: bool = True) -> Optional[str]:
-        v = body.get(key)
-        if v is None and not required:
-            return None
-        if not isinstance(v, str) or not v.strip():
-            raise ApiError(400, f"'{key}' must be a non-empty string.", key, "invalid_value")
-        return v
-
-    def owner(name: str) -> tuple[ServedModel, str]:
-        base, colon, short = name.rpartition(":")
-        if colon and base in models and short in models[base].adapters:
-            return models[base], short
-        owners = [m for m in models.values() if name in m.adapters]
-        if len(owners) == 1:
-            return owners[0], name
-        loaded = ", ".join(f"{k}:{a}" for k, m in models.items() for a in m.adapters) or "none"
-        raise ApiError(404, f"no adapter '{clip(name, 80)}' is loaded (loaded: {clip(loaded, 400)}).", "name",
-                       "adapter_not_found")
-
-    async def load(name: str, path: str, model: Optional[str]) -> dict:
-        allowed()
-        if problem := adapter_name_problem(name):
-            raise ApiError(400, f"{problem}.", "name", "invalid_value")
-        if model is None and len(models) > 1:
-            raise ApiError(400, f"'model' is required: name the base the adapter goes on ({', '.join(models)}).",
-                           "model", "missing_required")
-        m = models.get(model) if model is not None else next(iter(models.values()))
-        if m is None:
-            raise ApiError(404, f"the model '{clip(model, 80)}' does not exist here ({', '.join(models)}).",
-                           "model", "model_not_found")
-        async with lock:
-            if name in m.adapters:
-                raise ApiError(409, f"an adapter named '{name}' is already loaded on '{m.id}': unload it first "
-                               f"(DELETE /v1/adapters/{m.id}:{name}).", "name", "adapter_exists")
-            try:
-                entry, source = await asyncio.to_thread(read_adapter_source, path)
-                info = await asyncio.to_thread(m.lane.call, load_adapter, name, entry, source)
-            except (PipelineError, ValueError) as e:
-                raise ApiError(400, f"cannot load adapter '{name}' from {clip(path, 200)}: {clip(str(e), 600)}",
-                               "path", "invalid_adapter") from None
-            m.adapters[name] = {**info, "created": int(time.time())}
-        log(f"adapter '{m.id}:{name}' loaded from {clip(source, 200)}")
-        return m.with_adapter(name).describe()
-
-    async def unload(name: str) -> dict:
-        allowed()
-        async with lock:
-            m, short = owner(name)
-            del m.adapters[short]                      # new requests no longer find it
-            await asyncio.to_thread(m.lane.call, unload_adapter, short)
-        log(f"adapter '{m.id}:{short}' unloaded (requests running with it finish with it)")
-        return {"id": f"{m.id}:{short}", "object": "model", "deleted": True}
+    async def body_of(request: Request, fields: str) -> dict:
+        body = await read_json(request, limits, log)
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the body must be a JSON object {{{fields}}}.", None, "invalid_json")
+        return body
 
     @_get(app, "/v1/adapters")
     async def _list():
-        return {"object": "list", "data": [m.with_adapter(a).describe() for m in models.values()
-                                           for a in list(m.adapters)]}
+        return {"object": "list", "data": admin.listed()}
 
     @app.post("/v1/adapters")
     async def _load(request: Request):
-        body = await read_json(request, limits, log)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object {\"name\", \"path\", \"model\"}.", None, "invalid_json")
-        return await load(text(body, "name"), text(body, "path"), text(body, "model", False))
+        body = await body_of(request, '"name", "path", "model"')
+        return await admin.load(field(body, "name"), field(body, "path"), field(body, "model", False))
 
     @app.delete("/v1/adapters/{name:path}")
     async def _unload(name: str):
-        return await unload(name)
+        return await admin.unload(name)
 
     @app.post("/v1/load_lora_adapter")                  # vLLM's names for the same
     async def _vllm_load(request: Request):
-        body = await read_json(request, limits, log)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object {\"lora_name\", \"lora_path\"}.", None,
-                           "invalid_json")
-        return await load(text(body, "lora_name"), text(body, "lora_path"), text(body, "model", False))
+        body = await body_of(request, '"lora_name", "lora_path"')
+        return await admin.load(field(body, "lora_name"), field(body, "lora_path"), field(body, "model", False))
 
     @app.post("/v1/unload_lora_adapter")
     async def _vllm_unload(request: Request):
-        body = await read_json(request, limits, log)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object {\"lora_name\"}.", None, "invalid_json")
-        return await unload(text(body, "lora_name"))
+        return await admin.unload(field(await body_of(request, '"lora_name"'), "lora_name"))
