@@ -20,8 +20,9 @@ its output bit for bit the base model's; a row's delta sums only its own adapter
 others are exact zeros). The q|k|v and gate|up products of the decode pack are fused, so
 their adapters are too (A side by side, B block-diagonal: the zero blocks add exact zeros).
 A prompt is prefilled alone, with its own adapter's A and B (forward hooks on the Linear
-layers). Cost per step: a product, a mask and an addmm per adapted projection group and layer,
-whatever the number of rows; the stack is rebuilt when an adapter is loaded or unloaded.
+layers). Cost per step: two products (the decode pack's own, utils/generation/cpu.py, where
+it is used), a mask and an add per adapted projection group and layer, whatever the number of
+rows; the stack is rebuilt when an adapter is loaded or unloaded.
 
 An unloaded adapter stays in the stack while a row still uses it (its sequence finishes with
 it); new requests cannot name it. Not for Infini-attention models (utils/lora.py
@@ -254,7 +255,7 @@ class _Step:
                 got = extra.get(id(w))
                 if got is None:
                     return y
-                (A, B), times = got
-                return self.add_delta(y, x, A, B, times)
+                (A, B), times = got                  # the pack's own product: the faster on this CPU
+                return y.add_(base(base(x, A).mul_(self._mask(times)), B))
             out.append(pl._replace(mm=mm))
         return out
