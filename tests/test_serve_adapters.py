@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import pickle
 from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
@@ -166,6 +167,16 @@ def test_the_engine_refuses_bad_adapters_naming_what_is_wrong(work):
 
 
 # --------------------------------------------------------------------------- the server
+class _Exploit:
+    """Unpickled, it would create ``marker``: what a weights_only load must never run."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
 def _completion(client, model: str, seed):
     r = client.completions.create(model=model, prompt="The cat sat on the", max_tokens=10, seed=seed,
                                   temperature=0.0 if seed is None else 0.9)
@@ -193,6 +204,11 @@ def test_serve_mixed_adapters_runtime_load_unload_and_errors(work):
         assert together == alone
         assert [m for m, _ in alone] == ["base", "base", "base:a", "base:a", "base:c", "base:c", "base:a", "base:a"]
         assert len({alone[0][1], alone[2][1], alone[4][1]}) == 3   # the adapters change the text
+        chat = dict(model="base:c", messages=[{"role": "user", "content": "Hello there"}], max_tokens=8, seed=3)
+        whole = client.chat.completions.create(**chat)
+        chunks = list(client.chat.completions.create(**chat, stream=True))
+        assert whole.model == "base:c" and {c.model for c in chunks} == {"base:c"}
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
 
         # runtime: ours, then vLLM's endpoints
         assert post("/v1/adapters", {"name": "d", "path": str(d["d"])}, {}).status_code == 401
@@ -220,7 +236,11 @@ def test_serve_mixed_adapters_runtime_load_unload_and_errors(work):
         pickled.mkdir()
         (pickled / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
         (pickled / "adapter_model.bin").write_bytes(b"\x80\x04not read")
+        evil = work["root"] / "evil" / "checkpoint_best.pt"     # a pickle that would run a command
+        evil.parent.mkdir()
+        evil.write_bytes(pickle.dumps(_Exploit(work["root"] / "pwned")))
         for body, status, param, says in [
+                ({"name": "w", "path": str(evil.parent)}, 400, "path", str(evil)),
                 ({"name": "w", "path": str(d["wrong_shapes"])}, 400, "path", "has shape"),
                 ({"name": "w", "path": str(broken)}, 400, "path", "cannot be read as safetensors"),
                 ({"name": "w", "path": str(pickled)}, 400, "path", "adapter_model.bin, a pickle, is not read"),
@@ -234,6 +254,7 @@ def test_serve_mixed_adapters_runtime_load_unload_and_errors(work):
             assert (r.status_code, err["param"]) == (status, param) and says in err["message"], (body, r.text)
         r = httpx.delete(s.url + "/v1/adapters/zz", headers=auth, timeout=60)
         assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found"
+        assert not (work["root"] / "pwned").exists()
         assert _completion(client, "base:a", None) == alone[2]       # still serving as before
     finally:
         assert s.stop() == 130, s.stderr()
