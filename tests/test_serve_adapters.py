@@ -271,3 +271,17 @@ def test_a_bad_adapter_flag_stops_the_start_with_exit_2_naming_it(work):
         p = run_stage("serve", "--config", work["cfg"], "--checkpoint", work["base"], "--port", "0",
                       "--adapter", f"a={d['a']}", "--adapter", spec)
         assert p.returncode == 2 and says in p.stderr, (spec, p.stderr)
+
+
+def test_runtime_changes_are_locked_on_a_server_without_a_key_beyond_loopback():
+    """serve passes runtime=False there (serve.py: no API key and a host that is not loopback)."""
+    import asyncio
+    import serve
+    from utils.serve.adapters import AdapterAdmin
+    from utils.serve.protocol import ApiError
+    admin = AdapterAdmin({}, print, runtime=False)
+    for call in (lambda: admin.load("x", "/tmp", None), lambda: admin.unload("x")):
+        with pytest.raises(ApiError) as e:
+            asyncio.run(call())
+        assert (e.value.status, e.value.code) == (403, "adapters_locked")
+    assert not serve.is_loopback("0.0.0.0") and serve.is_loopback("127.0.0.1")
