@@ -260,17 +260,35 @@ def test_serve_mixed_adapters_runtime_load_unload_and_errors(work):
         assert s.stop() == 130, s.stderr()
 
 
+class _Lane:
+    """A model's lane as serve's load_adapters uses it: ``call(fn, *args)`` runs ``fn(engine, *args)``
+    (here in this process; serve: on the engine process's engine thread)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def call(self, fn, *args):
+        return fn(self.engine, *args)
+
+
 def test_a_bad_adapter_flag_stops_the_start_with_exit_2_naming_it(work):
+    """Flags refused before anything loads (through main: exit 2), and an adapter that does not
+    fit the opened base (serve.load_adapters, what main runs once the models are open: a
+    UsageError, exit 2, naming the flag, the file and the tensor)."""
+    import serve
+    from utils.cli import UsageError
+    from utils.serve.served import ServedModel
     d = work["dirs"]
-    p = run_stage("serve", "--config", work["cfg"], "--checkpoint", work["base"], "--port", "0",
-                  "--adapter", f"w={d['wrong_shapes']}")
-    assert p.returncode == 2, p.stderr
-    assert f"--adapter w={d['wrong_shapes']}" in p.stderr and "has shape" in p.stderr
     for spec, says in ((f"a={d['b']}", "given twice"), ("a", "give NAME=PATH"), (f"x:a={d['b']}", "no served model"),
                        (f"a b={d['b']}", "is not 1-64 letters"), ("e=/no/such/dir", "does not exist")):
         p = run_stage("serve", "--config", work["cfg"], "--checkpoint", work["base"], "--port", "0",
                       "--adapter", f"a={d['a']}", "--adapter", spec)
         assert p.returncode == 2 and says in p.stderr, (spec, p.stderr)
+    m = ServedModel("base", None, "sft", None, _Lane(_engine(work)), 0)
+    specs = serve.adapter_specs([f"e={d['c']}", f"w={d['wrong_shapes']}"], ["base"])
+    with pytest.raises(UsageError, match=rf"--adapter w={d['wrong_shapes']}: .*has shape"):
+        serve.load_adapters(specs, {"base": m})
+    assert list(m.adapters) == ["e"] and m.adapters["e"]["rank"] == 8      # the run checkpoint's, loaded
 
 
 def test_runtime_changes_are_locked_on_a_server_without_a_key_beyond_loopback():
