@@ -153,6 +153,22 @@ def test_the_prefix_cache_never_gives_one_adapter_the_base_or_another_adapter_kv
     assert s4.cached == 0 and reloaded == with_b
 
 
+def test_an_adapter_unloaded_mid_generation_finishes_its_rows_with_it(work):
+    from utils.generation.engine import Sequence, SamplingParams
+    engine = _engine(work)
+    want = _run(engine, [(PROMPT, "a", None), (PROMPT, "b", None)])[0]
+    b = engine.batcher(8, 128)
+    seqs = [b.add(Sequence(PROMPT, SamplingParams(12, 0.0, adapter=x))) for x in ("a", "b")]
+    b.step()
+    b.step()
+    engine.adapters.unload("a")                              # rows of a are running
+    with pytest.raises(ValueError, match="no adapter named 'a'"):
+        b.add(Sequence(PROMPT, SamplingParams(4, 0.0, adapter="a")))
+    while b.has_work():
+        b.step()
+    assert [s.tokens for s in seqs] == want
+
+
 def test_the_engine_refuses_bad_adapters_naming_what_is_wrong(work):
     engine = _engine(work)
     bad = dict(work["entries"]["a"])
