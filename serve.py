@@ -5,6 +5,9 @@
     python main.py serve --checkpoint A --checkpoint B --hf-model DIR   several: ids from run names
     python main.py serve ... --host 0.0.0.0 --port 8000 --api-key KEY   (or LLM_SERVE_API_KEY)
     python main.py serve ... --quantize int8                            weight-only int8
+    python main.py serve --checkpoint BASE --adapter math=checkpoints/sft_lora_x   LoRA adapters on
+                                                                        the base, unmerged, model
+                                                                        "BASE_ID:math" (repeatable)
 
 Then point any OpenAI client at ``http://127.0.0.1:8000/v1`` (``POST /v1/chat/completions``
 for SFT checkpoints, ``POST /v1/completions`` for any model, ``GET /v1/models``, ``GET
@@ -37,7 +40,7 @@ import uvicorn
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, printable, run_stage
 from utils.device import generation_dtype, resolve_device
 from utils.serve.connections import timed_protocol
-from utils.serve.protocol import Limits, check_origins
+from utils.serve.protocol import ADAPTER_NAME, Limits, check_origins
 
 # The engine (torch, 1-2 s) and the app (fastapi, ~0.25 s more) are imported where the models
 # open and the app is made: --help and the refusals before them do not wait for them.
@@ -68,6 +71,10 @@ def build_parser() -> StageParser:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="intra-op threads of each engine step (default: the engine's rule, 1 for a "
                         "small model's small steps, all cores for models of 64M+ weights; 1 on a busy machine)")
+    p.add_argument("--adapter", action="append", default=[], metavar="[MODEL:]NAME=PATH",
+                   help="a LoRA adapter served beside its base (a PEFT adapter folder, or a LoRA run's "
+                        "folder or checkpoint), requested as model 'MODEL:NAME'; repeatable (MODEL: "
+                        "the base's id, needed with several models); more at runtime: POST /v1/adapters")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1 and /metrics (default: ${API_KEY_ENV})")
     return p
@@ -83,13 +90,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     api_key = resolve_api_key(args.api_key, os.environ.get(API_KEY_ENV))
     if bad := check_origins(cfg.serve.cors_origins):
         raise UsageError("; ".join(bad) + ".")
+    adapters = adapter_specs(args.adapter, model_ids([Path(p) for p in args.checkpoint + args.hf_model]))
     sock = bind(cfg.serve.host, cfg.serve.port)
     from utils.generation.remote import EngineGone, RemoteLoop     # torch (see the imports)
     died: list[str] = []
     loop = RemoteLoop(log=say, flush_interval=cfg.serve.stream_interval, on_death=died.append).start()
     try:
         models = open_models(args, cfg, loop)
-        app = make_app(models, cfg, api_key)
+        load_adapters(adapters, models)
+        app = make_app(models, cfg, api_key, runtime_adapters=bool(api_key) or is_loopback(cfg.serve.host))
         announce(sock, cfg.serve.host, models, api_key)
         run_server(app, sock, loop, models, cfg.serve, died)
     except EngineGone as e:
@@ -183,12 +192,63 @@ def open_models(args, cfg, loop) -> dict:
     return models
 
 
-def make_app(models: dict, cfg, api_key: Optional[str]):
+def adapter_specs(specs: list[str], models: list[str]) -> list[tuple[str, str, Path]]:
+    """``--adapter [MODEL:]NAME=PATH`` flags as (model id, name, path); UsageError naming the
+    flag (no '=', a bad name, an unknown model, MODEL: left out with several models, a name given
+    twice, a path that does not exist)."""
+    out, seen = [], set()
+    for spec in specs:
+        name, eq, path = spec.partition("=")
+        if not eq or not path:
+            raise UsageError(f"--adapter {spec!r}: give NAME=PATH (or MODEL:NAME=PATH), e.g. "
+                             "--adapter math=checkpoints/sft_lora_x.")
+        mid, colon, name = name.rpartition(":")
+        if not models:
+            break                                   # no model: open_models says so
+        if not colon:
+            if len(models) > 1:
+                raise UsageError(f"--adapter {spec!r}: this server has several models ({', '.join(models)}): "
+                                 "say which one the adapter goes on, MODEL:NAME=PATH.")
+            mid = models[0]
+        if mid not in models:
+            raise UsageError(f"--adapter {spec!r}: no served model has the id {mid!r} (the ids: "
+                             f"{', '.join(models)}).")
+        if not ADAPTER_NAME.match(name):
+            raise UsageError(f"--adapter {spec!r}: the name {name!r} is not 1-64 letters, digits, '.', '_' or "
+                             "'-' (starting with a letter or digit).")
+        if (mid, name) in seen:
+            raise UsageError(f"--adapter {spec!r}: the name {name!r} is given twice for model {mid!r}.")
+        if not Path(path).exists():
+            raise UsageError(f"--adapter {spec!r}: {path} does not exist (a PEFT adapter folder, or a LoRA "
+                             "run's folder or checkpoint).")
+        seen.add((mid, name))
+        out.append((mid, name, Path(path)))
+    return out
+
+
+def load_adapters(specs: list[tuple[str, str, Path]], models: dict) -> None:
+    """The ``--adapter`` flags' adapters (:func:`adapter_specs`), read here and loaded into
+    their models' engines; a bad one (unreadable, hostile, another base's shapes) stops the
+    start-up: exit 2 naming the file and what is wrong."""
+    from utils.serve.engines import load_adapter, read_adapter_source      # torch (see the imports)
+    for mid, name, path in specs:
+        m = models[mid]
+        try:
+            entry, source = read_adapter_source(path)
+            info = m.lane.call(load_adapter, name, entry, source)
+        except (PipelineError, ValueError) as e:
+            raise UsageError(f"--adapter {name}={path}: {e}".rstrip(".") + ".") from None
+        m.adapters[name] = {**info, "created": int(time.time())}
+        say(f"adapter '{mid}:{name}': {source} (LoRA r={info['rank']}, alpha={info['alpha']:g}, on "
+            f"{', '.join(info['target_modules'])})")
+
+
+def make_app(models: dict, cfg, api_key: Optional[str], runtime_adapters: bool = True):
     from utils.serve.app import create_app                          # fastapi (see the imports)
     limits = Limits(cfg.serve.max_messages, cfg.serve.max_prompt_chars, cfg.serve.max_n,
                     cfg.serve.max_tokens, cfg.serve.read_timeout)
     return create_app(models, limits, api_key, log=say,
-                      cors_origins=cfg.serve.cors_origins)
+                      cors_origins=cfg.serve.cors_origins, runtime_adapters=runtime_adapters)
 
 
 def announce(sock: socket.socket, host: str, models: dict, api_key: Optional[str]) -> None:

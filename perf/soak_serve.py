@@ -22,9 +22,15 @@ warm-up window and any later growth is not the cache's.
 
 Goals (issue 51): RSS growth under 5% from the first window after warm-up (the second) to
 the last, p99 TTFT of every window after warm-up within 20% of their median, zero 5xx and
-zero unexpected answers. The summary says which hold; exit 1 when one does not. Not driven:
-several LoRA adapters (the server does not serve them yet). tests/test_tools.py runs
-:func:`soak` for seconds against its own server.
+zero unexpected answers. The summary says which hold; exit 1 when one does not.
+tests/test_tools.py runs :func:`soak` for seconds against its own server.
+
+LoRA adapters (``--adapters N``, default 2; 0: none): the server it starts also serves N
+random LoRA adapters (PEFT folders written here, ``--adapter``), and the kinds then include a
+chat reply and a streamed one (its TTFT measured with the others) from a random adapter, in
+the same batches as the base's rows, and a runtime swap (``POST /v1/adapters`` of one more
+adapter, a request to it, ``DELETE`` it; one swap at a time). Against a running server
+(``--url``): ``--adapter-names a,b`` (and ``--swap-path DIR`` for the swap).
 """
 from __future__ import annotations
 
@@ -41,13 +47,18 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from perf.serve_adapters import write_adapters   # noqa: E402  (random PEFT LoRA folders)
+
 KINDS = ("chat", "chat_stream", "completion", "json", "tool", "cancel", "disconnect", "bad")
+ADAPTER_KINDS = ("adapter_chat", "adapter_stream", "adapter_swap")    # with adapters (see the docstring)
+_SWAP = threading.Lock()                                              # one runtime swap at a time
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
                                                                              "maximum": 130}}}
@@ -93,7 +104,7 @@ class _Tally:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.counts = {k: 0 for k in KINDS}
+        self.counts = {k: 0 for k in KINDS + ADAPTER_KINDS}
         self.server_errors = 0
         self.unexpected: list[str] = []
         self.ttft: list[float] = []
@@ -109,13 +120,20 @@ class _Tally:
                 self.unexpected.append(f"{kind}: {error}")
 
 
-def _one(client, url: str, model: str, kind: str, rng: random.Random, tally: _Tally, max_tokens: int) -> None:
+def _one(client, url: str, model: str, kind: str, rng: random.Random, tally: _Tally, max_tokens: int,
+         adapters: tuple = (), swap: Optional[str] = None) -> None:
     """One request of ``kind``; what it got goes into ``tally``."""
     import openai
+    if kind in ("adapter_chat", "adapter_stream"):          # the same requests, on an adapter
+        base_kind = "chat" if kind == "adapter_chat" else "chat_stream"
+        return _one(client, url, f"{model}:{rng.choice(adapters)}", base_kind, rng, _Renamed(tally, kind),
+                    max_tokens)
     q = [{"role": "user", "content": rng.choice(QUESTIONS)}]
     seed = rng.randrange(1 << 30)
     try:
-        if kind == "chat":
+        if kind == "adapter_swap":
+            _swap(client, url, model, swap, max_tokens, seed)
+        elif kind == "chat":
             r = client.chat.completions.create(model=model, messages=q, max_tokens=max_tokens, seed=seed)
             assert r.choices[0].finish_reason in ("stop", "length"), r
         elif kind == "chat_stream":
@@ -157,6 +175,31 @@ def _one(client, url: str, model: str, kind: str, rng: random.Random, tally: _Ta
         tally.add(kind, error=f"{type(e).__name__}: {str(e)[:200]}")
 
 
+class _Renamed:
+    """A tally that counts under another kind (an adapter's request made as a base kind)."""
+
+    def __init__(self, tally: _Tally, kind: str):
+        self.tally, self.kind = tally, kind
+
+    def add(self, kind: str, **kw) -> None:
+        self.tally.add(self.kind, **kw)
+
+
+def _swap(client, url: str, model: str, path: str, max_tokens: int, seed: int) -> None:
+    """Load the adapter at ``path`` as "swap" at runtime, ask it once, unload it."""
+    import httpx2 as httpx            # the openai client's own HTTP library
+    headers = {"Authorization": f"Bearer {client.api_key}"}
+    with _SWAP:
+        r = httpx.post(url + "/v1/adapters", json={"name": "swap", "path": path}, headers=headers, timeout=120)
+        assert r.status_code == 200, f"load: {r.status_code} {r.text[:200]}"
+        try:
+            client.completions.create(model=f"{model}:swap", prompt="The history of", max_tokens=max_tokens,
+                                      seed=seed)
+        finally:
+            r = httpx.delete(url + "/v1/adapters/swap", headers=headers, timeout=120)
+            assert r.status_code == 200, f"unload: {r.status_code} {r.text[:200]}"
+
+
 def _drop_mid_stream(url: str, model: str, messages: list, max_tokens: int) -> None:
     """A streamed request over a raw socket, closed after the first bytes of its answer."""
     u = urlparse(url)
@@ -168,9 +211,11 @@ def _drop_mid_stream(url: str, model: str, messages: list, max_tokens: int) -> N
 
 
 def soak(url: str, pids: list[int], model: str, seconds: float, window: float, streams: int = 4, seed: int = 0,
-         max_tokens: int = 24, say=print) -> dict:
+         max_tokens: int = 24, say=print, adapters: tuple = (), swap: Optional[str] = None) -> dict:
     """Drive the server at ``url`` for ``seconds`` with ``streams`` workers; one record per window
-    (see the module docstring) and a summary against the goals."""
+    (see the module docstring) and a summary against the goals. ``adapters``: names of the
+    model's LoRA adapters to drive too; ``swap``: an adapter folder to load and unload."""
+    kinds = KINDS + (ADAPTER_KINDS[:2] if adapters else ()) + (ADAPTER_KINDS[2:] if swap else ())
     import openai
     client = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("LLM_SERVE_API_KEY", "unused"),
                            max_retries=0, timeout=120)
@@ -180,9 +225,9 @@ def soak(url: str, pids: list[int], model: str, seconds: float, window: float, s
 
         def worker(k: int) -> None:
             rng = random.Random(seed * 1000 + w * 100 + k)
-            start, i = k * len(KINDS) // streams, 0          # the kinds in turn, each worker from its own
+            start, i = k * len(kinds) // streams, 0          # the kinds in turn, each worker from its own
             while time.monotonic() < stop_at and not stop.is_set():
-                _one(client, url, model, KINDS[(start + i) % len(KINDS)], rng, tally, max_tokens)
+                _one(client, url, model, kinds[(start + i) % len(kinds)], rng, tally, max_tokens, adapters, swap)
                 i += 1
         with cf.ThreadPoolExecutor(streams) as pool:
             futures = [pool.submit(worker, k) for k in range(streams)]
@@ -231,8 +276,9 @@ def summarize(windows: list[dict]) -> dict:
                       "zero_5xx": errors == 0, "zero_unexpected": unexpected == 0}}
 
 
-def _start_server(tmp: Path, prefix_cache_mb: int):
-    """A tiny random chat checkpoint and `main.py serve` on a free port: (process, url, model)."""
+def _start_server(tmp: Path, prefix_cache_mb: int, adapters: int = 0):
+    """A tiny random chat checkpoint and `main.py serve` on a free port, with ``adapters`` random
+    LoRA adapters a0, a1, ...: (process, url, model, adapter names, a folder for the swap)."""
     import subprocess
     import model as model_lib
     import torch
@@ -252,12 +298,15 @@ def _start_server(tmp: Path, prefix_cache_mb: int):
     cfg = tmp / "config.json"
     cfg.write_text(json.dumps({"paths": {"root": str(tmp)}, "tokenizer": {"name": str(spm)},
                                "serve": {"prefix_cache_mb": prefix_cache_mb}}))
+    folders = write_adapters(tmp, ck, adapters + 1, 8, ["q_proj", "v_proj", "up_proj"]) if adapters else []
+    names = tuple(f.name for f in folders[:-1])
+    flags = [x for f in folders[:-1] for x in ("--adapter", f"{f.name}={f}")]
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "serve", "--config", str(cfg), "--port", "0",
-                             "--checkpoint", str(ck.parent)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                             "--checkpoint", str(ck.parent), *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     for line in proc.stdout:
         if "listening on" in line:
-            return proc, line.split("listening on ")[1].strip(), "soak"
+            return proc, line.split("listening on ")[1].strip(), "soak", names, (str(folders[-1]) if folders else None)
     raise RuntimeError("the server did not start")
 
 
@@ -270,6 +319,9 @@ def main(argv=None) -> int:
     p.add_argument("--url", default=None, help="a running server (else one is started)")
     p.add_argument("--pids", default="", help="its processes, comma-separated (RSS, open files)")
     p.add_argument("--model", default=None)
+    p.add_argument("--adapters", type=int, default=2, help="random LoRA adapters on the server it starts (0: none)")
+    p.add_argument("--adapter-names", default="", help="with --url: the model's adapters to drive, comma-separated")
+    p.add_argument("--swap-path", default=None, help="with --url: an adapter folder to load and unload at runtime")
     p.add_argument("--json", default=None, help="write the windows and summary here")
     p.add_argument("--prefix-cache-mb", type=int, default=16,
                    help="serve.prefix_cache_mb of the server it starts: the cache fills to this budget "
@@ -288,14 +340,15 @@ def _run(a) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         proc = None
         if a.url is None:
-            proc, url, model = _start_server(Path(tmp), a.prefix_cache_mb)
+            proc, url, model, adapters, swap = _start_server(Path(tmp), a.prefix_cache_mb, a.adapters)
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain its output
             time.sleep(1.0)
             pids = children(proc.pid)
         else:
             url, model, pids = a.url.rstrip("/"), a.model, [int(x) for x in a.pids.split(",") if x]
+            adapters, swap = tuple(x for x in a.adapter_names.split(",") if x), a.swap_path
         try:
-            out = soak(url, pids, model, a.minutes * 60, a.window, a.streams, a.seed)
+            out = soak(url, pids, model, a.minutes * 60, a.window, a.streams, a.seed, adapters=adapters, swap=swap)
         finally:
             if proc is not None:
                 proc.terminate()

@@ -11,6 +11,8 @@ products of cpu.py), the thread policy of a step (threads.py) and incremental de
     b = engine.batcher(slots=8)                             continuous batching (serve):
     b.add(Sequence(ids, SamplingParams(...), tok=tok, sink=fn)); b.step() -> [Event, ...]
     engine.use_prefix_cache(budget_bytes)                   reuse the KV of prompt starts seen before
+    engine.adapters.load(name, entry)                       a LoRA adapter rows can ask for
+                                                            (SamplingParams(adapter=name), adapters.py)
 
 Contract: greedy (temperature 0, or below ``GREEDY_BELOW``), temperature, top-k (0 disables),
 top-p (1.0 disables); each sequence samples with a private ``torch.Generator`` seeded by its
@@ -49,6 +51,13 @@ the first new token) and computes the rest over it with a causal mask aligned to
 positions; the prompt's blocks are stored after its prefill, a finished sequence's prompt +
 output when it leaves its slot. Logits agree with a whole prefill's to float rounding. Not for
 Infini-attention models nor for sequences that score their prompt (``prompt_logprobs``).
+A sequence run with a LoRA adapter finds and stores only its adapter's blocks.
+
+LoRA adapters (``engine.adapters``, utils/generation/adapters.py): a sequence whose
+``SamplingParams.adapter`` names a loaded adapter is prefilled and decoded with that adapter's
+delta added to each adapted projection, unmerged, in the same batch as rows of other adapters
+and base rows; a step with no adapter row is the base step unchanged (the compiled step and
+prompt lookup apply to it only).
 
 Decode steps (``Block.decode`` over the pack) pay a fixed dispatch cost per tensor operation on
 CPU, which is most of a small model's token: the step fuses projections, rotates q and k
@@ -64,6 +73,7 @@ decoding (speculative.py, ``Engine(prompt_lookup=k)`` or the request's
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -74,6 +84,7 @@ import torch
 
 from utils.attention import AttnSpec
 from utils.generation import speculative
+from utils.generation.adapters import AdapterSet
 from utils.generation import threads as thread_policy
 from utils.generation.compiled import (STATIC_MIN_CAPACITY, CompiledStep, compile_applies, compile_mode,
                                        static_capacity)
@@ -172,6 +183,7 @@ class SamplingParams:
     prompt_logprobs: bool = False
     grammar: Optional[str] = None
     prompt_lookup: Optional[int] = None     # draft tokens per step (speculative.py); None: the engine's
+    adapter: Optional[str] = None           # the LoRA adapter of the engine's to run with (adapters.py)
 
     def problems(self) -> list[str]:
         out = []
@@ -237,6 +249,7 @@ class Sequence:
         self.cached = 0                 # prompt tokens whose KV the prefix cache gave (set by the prefill)
         self.generator: Optional[torch.Generator] = None
         self.lookup: Optional[NgramIndex] = None    # prompt lookup's n-grams of its text (speculative.py)
+        self.lora = None                # params.adapter's Adapter (adapters.py), bound when it is queued
 
     @property
     def done(self) -> bool:
@@ -350,6 +363,8 @@ class Batcher:
         if len(seq.prompt) >= self.capacity:
             raise ValueError(f"the prompt has {len(seq.prompt)} tokens: a cache slot holds "
                              f"{self.capacity} positions with the new tokens")
+        if seq.params.adapter is not None and seq.lora is None:
+            seq.lora = self.engine.adapters.get(seq.params.adapter)    # ValueError: not loaded
         seq.generator = torch.Generator(device=self.model.device)
         if seq.params.seed is None:
             seq.generator.seed()
@@ -448,7 +463,8 @@ class Batcher:
                     caches = [_PrefillCache(k, v, seq.slot, m) for (k, v), m in zip(self.kv, self.mem)]
                     hs.append(model.trunk(idx[:, s:s + self.segment], None, AttnSpec("causal"), caches))
             else:
-                hs.append(self._prefill_plain(seq, idx))                    # (1, T - cached, d_model)
+                with self.engine.adapters.prefill(seq.lora):
+                    hs.append(self._prefill_plain(seq, idx))                # (1, T - cached, d_model)
             h = hs[-1]
             if seq.params.prompt_logprobs:
                 seq.prompt_logprobs = self._prompt_logprobs(seq, torch.cat(hs, dim=1)[0], head)
@@ -466,7 +482,7 @@ class Batcher:
         store, model = self.engine.prefix_cache, self.model
         n = 0
         if store is not None and not seq.params.prompt_logprobs:
-            n = store.load(model, seq.prompt, self.kv, seq.slot, len(seq.prompt) - 1)
+            n = store.load(model, seq.prompt, self.kv, seq.slot, len(seq.prompt) - 1, root=_root(seq))
         caches = [_PrefillCache(k, v, seq.slot) for k, v in self.kv]
         spec = AttnSpec("causal")
         if n:
@@ -477,7 +493,7 @@ class Batcher:
             spec = AttnSpec("mask", mask=keys[None, None, None, :] <= keys[n:, None])
         h = model.trunk(idx[:, n:], None, spec, caches)
         if store is not None:
-            store.save(model, seq.prompt, self.kv, seq.slot)
+            store.save(model, seq.prompt, self.kv, seq.slot, root=_root(seq))
         seq.cached = n
         return h
 
@@ -503,17 +519,18 @@ class Batcher:
         return out
 
     def _decode(self) -> list[Event]:
-        if len(self.running) == 1:          # a lone greedy row may take several tokens (speculative.py)
-            events = speculative.step(self, self.running[0])
+        model, run = self.model, self.running
+        lora = self.engine.adapters.decode_step([s.lora for s in run])    # None: no adapter row
+        if len(run) == 1 and lora is None:  # a lone greedy row may take several tokens (speculative.py)
+            events = speculative.step(self, run[0])
             if events is not None:
                 return events
-        model, run = self.model, self.running
         n, device = len(run), model.device
         at = [s.pos % self.segment if self.segment else s.pos for s in run]   # infini: within the segment
         length = max(at) + 1
         cos_all, sin_all = model.rope(length, device)                       # outside inference mode: kept
         pack, head, n_weights = self.weights()
-        compiled = self.engine.compiled_step(pack)
+        compiled = self.engine.compiled_step(pack) if lora is None else None    # adapter rows: eager
         threads, chooser = self.engine.decode_threads(n, n_weights)
         with thread_policy.step_mode(threads):
             pos = torch.tensor(at, device=device)                           # (n,) the new tokens' positions
@@ -521,7 +538,7 @@ class Batcher:
             if compiled is not None:                                        # the same pass as one graph
                 logits = compiled(self.kv_flat, self.kv_shape, tokens, pos, cos_all, sin_all)
             else:
-                logits = self._decode_logits(tokens, pos, at, length, cos_all, sin_all)
+                logits = self._decode_logits(tokens, pos, at, length, cos_all, sin_all, lora)
             if chooser is not None:
                 chooser.done()
             for s in run:
@@ -529,20 +546,25 @@ class Batcher:
             return self._sample(list(run), logits)
 
     def _decode_logits(self, tokens: torch.Tensor, pos: torch.Tensor, at: list[int], length: int,
-                       cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
+                       cos_all: torch.Tensor, sin_all: torch.Tensor, lora=None) -> torch.Tensor:
         """The eager decode step: (n, V) fp32 logits of rows 0..n-1 (utils/generation/step.py
         ``decode_pass``), each attending the first ``length`` positions of its slot (a key mask
-        only where the rows are not all at the last of them)."""
+        only where the rows are not all at the last of them). ``lora``: the step's adapter rows
+        (adapters.py ``decode_step``): the pack's products add each row's delta, or, without a
+        pack, forward hooks on the Linear layers do."""
         model, dtype = self.model, self.engine.dtype
         n = len(at)
         pack, head, _ = self.weights()
         packs = pack.layers if pack is not None else [None] * len(model.layers)
+        if lora is not None and pack is not None:
+            packs = lora.packs(packs)
         key_bias = None if min(at) == length - 1 else causal_bias(pos, length, dtype)
         slots = torch.arange(n, device=pos.device)
         view = KVView(slice(0, n), length, cells(slots, pos, model.args.n_kv_heads, self.cache_len), pos,
                       self.mem)
-        return decode_pass(model, packs, head, self.kv_flat, self.kv_shape, view, tokens, cos_all, sin_all,
-                           key_bias)
+        with lora.hooks() if lora is not None and pack is None else contextlib.nullcontext():
+            return decode_pass(model, packs, head, self.kv_flat, self.kv_shape, view, tokens, cos_all, sin_all,
+                               key_bias)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Event]:
         check_finite(logits, f"position {max(s.pos for s in seqs)}")
@@ -599,7 +621,8 @@ class Batcher:
         """Free ``seq``'s slot; the last running sequence moves into it (cache rows copied)."""
         i, last = seq.slot, self.running[-1]
         if self.engine.prefix_cache is not None and seq.finish in ("stop", "length"):   # the next turn's prefix
-            self.engine.prefix_cache.save(self.model, (seq.prompt + seq.tokens)[:seq.pos], self.kv, i)
+            self.engine.prefix_cache.save(self.model, (seq.prompt + seq.tokens)[:seq.pos], self.kv, i,
+                                          root=_root(seq))
         self.running.pop()
         if last is not seq:
             for k, v in self.kv:
@@ -610,6 +633,12 @@ class Batcher:
             last.slot = i
             self.running[i] = last
         seq.slot = None
+
+
+def _root(seq: Sequence):
+    """The prefix-cache chain a sequence's blocks hang from: its adapter's (KV computed with a
+    LoRA delta is that adapter's alone), or the base model's."""
+    return 0 if seq.lora is None else seq.lora.key
 
 
 # --------------------------------------------------------------------------- the engine
@@ -649,6 +678,7 @@ class Engine:
         self._pack: Optional[DecodePack] = None
         self.grammars = Grammars()          # output grammars' vocabularies, one per tokenizer
         self.prefix_cache: Optional[PrefixCache] = None
+        self.adapters = AdapterSet(model, self.dtype)   # LoRA adapters served unmerged (adapters.py)
 
     def use_prefix_cache(self, budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Optional[str]:
         """Reuse the KV of prompt prefixes seen before, within ``budget_bytes`` (0: off), across

@@ -80,8 +80,11 @@ class Lane:
         return None if store is None else store.stats()
 
     def check(self, seq: Sequence) -> None:
-        """ValueError if the batcher would refuse ``seq`` (thread-safe: reads no batch state)."""
+        """ValueError if the batcher would refuse ``seq`` (thread-safe: reads no batch state),
+        an adapter it names that is not loaded included."""
         check_sequence(seq, self.engine.model.args.vocab_size, self.capacity)
+        if seq.params.adapter is not None:
+            self.engine.adapters.get(seq.params.adapter)
 
     def submit(self, seq: Sequence) -> Sequence:
         """Queue ``seq`` from any thread. It counts in ``active`` until its finishing event,
@@ -89,6 +92,8 @@ class Lane:
         next request as soon as an answer ends never finds its own finished one still counted
         (a spurious 429 at serve.max_queue, a busy /health)."""
         self.check(seq)
+        if seq.params.adapter is not None:      # bound now: an unload meanwhile lets it finish with it
+            seq.lora = self.engine.adapters.get(seq.params.adapter)
         own = seq.sink
 
         def sink(e: Event) -> None:

@@ -4,8 +4,8 @@
 prompt into the sequence's cache slot and computes only the rest.
 
     store = PrefixCache(budget_bytes, block_tokens=16)
-    n = store.load(model, ids, kv, slot, limit)   # tokens of ids[:limit] whose KV is now in the slot
-    store.save(model, ids, kv, slot)              # keep the full blocks of ids from the slot
+    n = store.load(model, ids, kv, slot, limit, root=0)   # tokens of ids[:limit] whose KV is now in the slot
+    store.save(model, ids, kv, slot, root=0)              # keep the full blocks of ids from the slot
     store.stats() -> {"hit_tokens", "queried_tokens", "blocks_used", "blocks_capacity",
                       "bytes_used", "bytes_budget", "block_tokens", "evicted_blocks"}   # plain ints
 
@@ -28,6 +28,10 @@ resends the conversation, finds it. Eviction: least recently used first, within
 touches its chain last block first, so a block is always more recent than the blocks after it
 and eviction takes the ends of chains first (a block whose parent is gone could never be
 reached again).
+
+Adapters: a LoRA adapter's KV differs from the base's for the same tokens, so the first block
+of a prompt run with an adapter hangs from that adapter's key (``root``: unique per loaded
+adapter, utils/generation/adapters.py), the base's from 0: chains never cross adapters.
 
 Model identity: the store remembers what its blocks were computed by (the model object and each
 parameter's storage and ``_version``, as the decode pack does, utils/generation/pack.py); a
@@ -102,10 +106,11 @@ class PrefixCache:
         """Blocks the budget holds (0 before the first model is seen)."""
         return self.budget_bytes // self.block_bytes if self.block_bytes else 0
 
-    def _chain(self, ids: list[int], n_blocks: int, create: bool) -> list[Optional[_Block]]:
+    def _chain(self, ids: list[int], n_blocks: int, create: bool, root=0) -> list[Optional[_Block]]:
         """The entries of the first ``n_blocks`` blocks of ``ids``, stopping at the first block
-        not stored (``create``: a None for it and each one after, to be filled by the caller)."""
-        B, parent, out = self.block_tokens, 0, []
+        not stored (``create``: a None for it and each one after, to be filled by the caller);
+        ``root``: the parent of the first block (0: the base model; an adapter's key)."""
+        B, parent, out = self.block_tokens, root, []
         for j in range(n_blocks):
             key = (parent, tuple(ids[j * B:(j + 1) * B]))
             blk = self.blocks.get(key) if parent is not None else None
@@ -122,13 +127,14 @@ class PrefixCache:
             self.blocks.move_to_end(blk.key)
 
     # -- the engine's two calls
-    def load(self, model, ids: list[int], kv: list, slot: int, limit: int) -> int:
+    def load(self, model, ids: list[int], kv: list, slot: int, limit: int, root=0) -> int:
         """Copy the KV of the longest stored prefix of ``ids[:limit]`` (whole blocks) into cache
         slot ``slot`` of ``kv`` (per layer (k, v), each (slots, n_kv_heads, positions,
-        head_dim)), from position 0; return its length in tokens (0: nothing stored)."""
+        head_dim)), from position 0; return its length in tokens (0: nothing stored). ``root``:
+        whose KV it is (0: the base model's; a LoRA adapter's key, utils/generation/adapters.py)."""
         self.bind(model)
         self.queried_tokens += len(ids)
-        chain = self._chain(ids, max(limit, 0) // self.block_tokens, create=False)
+        chain = self._chain(ids, max(limit, 0) // self.block_tokens, create=False, root=root)
         if not chain:
             return 0
         self._touch(chain)
@@ -141,12 +147,12 @@ class PrefixCache:
         self.hit_tokens += n
         return n
 
-    def save(self, model, ids: list[int], kv: list, slot: int) -> int:
+    def save(self, model, ids: list[int], kv: list, slot: int, root=0) -> int:
         """Store the full blocks of ``ids`` (whose KV cache slot ``slot`` holds from position 0)
         that are not stored yet, evicting the least recently used beyond the budget; return the
         number of blocks added. A chain longer than the capacity keeps its first blocks."""
         self.bind(model)
-        chain = self._chain(ids, min(len(ids) // self.block_tokens, self.capacity), create=True)
+        chain = self._chain(ids, min(len(ids) // self.block_tokens, self.capacity), create=True, root=root)
         first_new = next((j for j, b in enumerate(chain) if b is None), len(chain))
         for blk in chain[:first_new]:
             self.blocks.move_to_end(blk.key)                 # kept from eviction by the new blocks
@@ -156,7 +162,7 @@ class PrefixCache:
         B = self.block_tokens
         a, b = first_new * B, len(chain) * B
         fresh = torch.stack([torch.stack((k[slot, :, a:b], v[slot, :, a:b])) for k, v in kv])
-        parent = chain[first_new - 1].id if first_new else 0  # (layers, 2, Hkv, b - a, hd)
+        parent = chain[first_new - 1].id if first_new else root  # (layers, 2, Hkv, b - a, hd)
         for j in range(first_new, len(chain)):
             while len(self.blocks) >= self.capacity:
                 self.blocks.popitem(last=False)

@@ -7,6 +7,7 @@ interpreter lock (library: nothing starts on import; the process runs from ``sta
     lane, info = loop.open(opener, *args)       # in the engine process: opener(worker, *args)
     seq = lane.submit(Sequence(ids, params, tok=tok, sink=fn))   # from any thread, as a Lane
     lane.cancel(seq)
+    lane.call(fn, *args)                        # fn(engine, *args) on the engine thread, its result here
     loop.stop()                                 # running and waiting sequences are cancelled
 
 ``opener`` is a module-level function (sent by reference) run on the engine process's engine
@@ -108,6 +109,12 @@ class RemoteLane:
         seq.cancelled = True
         self.loop._cancel(seq)
 
+    def call(self, fn: Callable, *args):
+        """``fn(engine, *args)`` on the engine process's engine thread, between two steps (a
+        module-level function, sent by reference; its result and exception pickled back):
+        serve loads and unloads LoRA adapters so."""
+        return self.loop._call(("call", self.index, fn, args)).result()
+
 
 class RemoteLoop:
     def __init__(self, log: Callable[[str], None] = lambda s: None, name: str = "engine",
@@ -147,13 +154,7 @@ class RemoteLoop:
     def open(self, opener: Callable, *args):
         """``opener(worker, *args)`` in the engine process (see the module docstring): its lane
         here and its ``info``; the opener's exception is raised here."""
-        future: cf.Future = cf.Future()
-        with self._lock:
-            self._check_alive()
-            call = next(self._uids)
-            self._calls[call] = future
-            self._send(("open", call, opener, args))
-        index, vocab, capacity, slots, per_slot, info, cached = future.result()
+        index, vocab, capacity, slots, per_slot, info, cached = self._call(("open", opener, args)).result()
         lane = RemoteLane(self, index, vocab, capacity, slots, per_slot, cached)
         self.lanes.append(lane)
         return lane, info
@@ -183,6 +184,20 @@ class RemoteLoop:
         self._receiver.join(timeout)
 
     # -- the caller's side
+    def _call(self, msg: tuple) -> cf.Future:
+        """Send ``(kind, call id, *rest)`` for ``msg`` = ``(kind, *rest)``: the future of its reply."""
+        future: cf.Future = cf.Future()
+        with self._lock:
+            self._check_alive()
+            call = next(self._uids)
+            self._calls[call] = future
+            try:
+                self._send((msg[0], call, *msg[1:]))
+            except BaseException:
+                del self._calls[call]
+                raise
+        return future
+
     def _check_alive(self) -> None:
         if self._gone is not None and not self._stopping:
             raise EngineGone(self._gone)
@@ -333,6 +348,10 @@ class _Worker:
             elif kind == "open":
                 _, call, opener, args = msg
                 self.loop.call_soon(opener, self, *args).add_done_callback(lambda f, c=call: self.opened(c, f))
+            elif kind == "call":
+                _, call, index, fn, args = msg
+                engine = self.loop.lanes[index].engine
+                self.loop.call_soon(fn, engine, *args).add_done_callback(lambda f, c=call: self.called(c, f))
             elif kind == "stop":
                 self.loop.stop()
                 self.flush()
@@ -353,6 +372,16 @@ class _Worker:
         except (pickle.PicklingError, TypeError, AttributeError) as why:   # a part that will not pickle
             what = "the opened model's details" if ok else f"{value[0].__name__}: {value[1]}"
             self.send(("reply", call, False, _portable(RuntimeError(f"{what} cannot be sent back ({why})"))))
+
+    def called(self, call: int, future: cf.Future) -> None:
+        try:
+            value, ok = future.result(), True
+        except Exception as e:                          # noqa: BLE001 (raised in the caller's call())
+            value, ok = _portable(e), False
+        try:
+            self.send(("reply", call, ok, value))
+        except (pickle.PicklingError, TypeError, AttributeError) as why:
+            self.send(("reply", call, False, _portable(RuntimeError(f"the result cannot be sent back ({why})"))))
 
     def submit(self, index: int, uid: int, prompt, params, continues, lead, by_caller) -> None:
         lane = self.loop.lanes[index]

@@ -7,8 +7,11 @@ stage script runs it with uvicorn).
 :class:`~utils.generation.loop.Lane` on the server's one engine thread). Endpoints: ``GET /``
 (the chat page, ``utils/serve/static``), ``GET /health`` (its prefix-cache figures behind the key
 when one is set), ``GET /v1/models`` (and
-``/v1/models/{id}``), each also answering HEAD (GET's headers, no body), ``POST
-/v1/completions``, ``POST /v1/chat/completions`` (plain JSON or server-sent events), ``GET
+``/v1/models/{id}``; a LoRA adapter is listed as ``base:name``), each also answering HEAD (GET's
+headers, no body), ``POST /v1/completions``, ``POST /v1/chat/completions`` (plain JSON or
+server-sent events; ``model`` ``base:name`` runs the adapter), ``GET /v1/adapters``, ``POST
+/v1/adapters``, ``DELETE /v1/adapters/{name}`` and vLLM's ``POST /v1/load_lora_adapter`` /
+``/v1/unload_lora_adapter`` (utils/serve/adapters.py), ``GET
 /metrics`` (Prometheus, utils/serve/metrics.py; behind the key when one is set); a 405
 names the methods a path takes (``Allow``). Every error is OpenAI's JSON shape with a 4xx/5xx status
 (utils/serve/protocol.py), written ASCII-escaped so it encodes whatever client text it quotes;
@@ -36,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
+from utils.serve.adapters import AdapterAdmin, field
 from utils.serve.connections import INVALID_HTTP
 from utils.serve.intake import compile_grammar, fit, pick_model, read_json
 from utils.serve.job import Job
@@ -54,10 +58,13 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 
 
 
 def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional[str] = None,
-               log: Callable[[str], None] = print, cors_origins: Sequence_[str] = ()) -> FastAPI:
+               log: Callable[[str], None] = print, cors_origins: Sequence_[str] = (),
+               runtime_adapters: bool = True) -> FastAPI:
     """The API and the chat page. ``cors_origins`` (serve.cors_origins, checked by
     :func:`utils.serve.protocol.check_origins`): pages of these origins may call it from a
-    browser; a preflight (OPTIONS, which never carries the key) is answered before the key check."""
+    browser; a preflight (OPTIONS, which never carries the key) is answered before the key check.
+    ``runtime_adapters`` False: loading and unloading adapters is refused (403; serve: a server
+    without an API key that listens beyond loopback)."""
     app = FastAPI(title="llm-pipeline serve", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServeMetrics(models)
     _error_handlers(app, log, metrics)
@@ -70,6 +77,7 @@ def create_app(models: dict[str, ServedModel], limits: Limits, api_key: Optional
                            max_age=600)
     _page_routes(app, models, api_key)
     _generation_routes(app, models, limits, log, metrics)
+    _adapter_routes(app, models, limits, log, runtime_adapters)
 
     @_get(app, "/metrics")
     async def _metrics():
@@ -149,7 +157,8 @@ def _page_routes(app: FastAPI, models: dict[str, ServedModel], api_key: Optional
 
     @_get(app, "/v1/models")
     async def _models():
-        return {"object": "list", "data": [m.describe() for m in models.values()]}
+        return {"object": "list", "data": [v.describe() for m in models.values()
+                                           for v in [m, *(m.with_adapter(a) for a in list(m.adapters))]]}
 
     @_get(app, "/v1/models/{model_id:path}")        # ids may hold a '/' (exp1/checkpoint_x.pt)
     async def _model_info(model_id: str):
@@ -179,3 +188,41 @@ def _generation_routes(app: FastAPI, models: dict[str, ServedModel], limits: Lim
         s.grammar = await compile_grammar(s, m.answer_lead)
         return await answer(request, Job(m, s, fit(m, s, prompts, True), [chat.question], True,
                                          new_id("chatcmpl"), metrics), log)
+
+
+
+def _adapter_routes(app: FastAPI, models: dict[str, ServedModel], limits: Limits,
+                    log: Callable[[str], None], runtime: bool) -> None:
+    """LoRA adapters listed, loaded and unloaded at runtime (utils/serve/adapters.py): ``GET
+    /v1/adapters``, ``POST /v1/adapters`` ``{"name", "path", "model"}``, ``DELETE
+    /v1/adapters/{name}``, and vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name",
+    "lora_path"}`` / ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``."""
+    admin = AdapterAdmin(models, log, runtime)
+
+    async def body_of(request: Request, fields: str) -> dict:
+        body = await read_json(request, limits, log)
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the body must be a JSON object {{{fields}}}.", None, "invalid_json")
+        return body
+
+    @_get(app, "/v1/adapters")
+    async def _list():
+        return {"object": "list", "data": admin.listed()}
+
+    @app.post("/v1/adapters")
+    async def _load(request: Request):
+        body = await body_of(request, '"name", "path", "model"')
+        return await admin.load(field(body, "name"), field(body, "path"), field(body, "model", False))
+
+    @app.delete("/v1/adapters/{name:path}")
+    async def _unload(name: str):
+        return await admin.unload(name)
+
+    @app.post("/v1/load_lora_adapter")                  # vLLM's names for the same
+    async def _vllm_load(request: Request):
+        body = await body_of(request, '"lora_name", "lora_path"')
+        return await admin.load(field(body, "lora_name"), field(body, "lora_path"), field(body, "model", False))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def _vllm_unload(request: Request):
+        return await admin.unload(field(await body_of(request, '"lora_name"'), "lora_name"))

@@ -1,15 +1,20 @@
 """What serve's engine process opens (utils/generation/remote.py runs :func:`open_engine` there,
 on its engine thread): a model for generation, int8 if configured, its Engine with the CPU
-decode weights made now rather than in the first request, and the context a request gets."""
+decode weights made now rather than in the first request, and the context a request gets.
+LoRA adapters (utils/generation/adapters.py): :func:`read_adapter_source` reads one on the HTTP
+side (off its event loop), :func:`load_adapter` / :func:`unload_adapter` run on the engine thread."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
+from utils.cli import PipelineError
 from utils.device import generation_dtype
 from utils.generation.engine import Engine
+from utils.hf.adapter import CONFIG_FILE, read_adapter
 from utils.quant import quantize_int8
-from utils.run import open_for_generation
+from utils.run import load_checkpoint, open_for_generation, pick_checkpoint
+from utils.serve.protocol import ADAPTER_NAME
 
 
 def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
@@ -38,3 +43,49 @@ def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
         worker.log(f"{o.label}: prefix cache {why_not}")
     info = {"tok": o.tok, "kind": o.kind, "rules": o.rules, "label": o.label}
     return engine, o.tok, cfg.serve.max_batch, context, info
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+def adapter_name_problem(name: str) -> Optional[str]:
+    """Why ``name`` cannot name an adapter (None: it can): 1-64 letters, digits, '.', '_', '-'
+    (no ':' or '/': a request names it as ``base:name``)."""
+    if not isinstance(name, str) or not ADAPTER_NAME.match(name):
+        return (f"adapter name {str(name)[:80]!r} is not 1-64 letters, digits, '.', '_' or '-' "
+                "(starting with a letter or digit)")
+    return None
+
+
+def read_adapter_source(path) -> tuple[dict, str]:
+    """(entry, source) of an adapter on disk: a PEFT LoRA folder (adapter_config.json +
+    adapter_model.safetensors, utils/hf/adapter.py), or a LoRA run's folder (its best
+    checkpoint) or checkpoint file (its ``"lora"`` entry, read by the one checkpoint loader,
+    weights only; only the adapter's tensors are kept). PipelineError / CheckpointError naming
+    the file and what is wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise PipelineError(f"{path} does not exist (give a PEFT adapter folder, or a LoRA run's folder or "
+                            "checkpoint).")
+    if path.is_dir() and (path / CONFIG_FILE).exists():
+        return read_adapter(path), str(path)
+    ckpt_path = pick_checkpoint(path)
+    ckpt = load_checkpoint(ckpt_path, "weights", merge_lora=False)
+    entry = ckpt.get("lora")
+    if entry is None:
+        raise PipelineError(f"{ckpt_path} holds no LoRA adapter (a full model: serve it with --checkpoint); give "
+                            "the folder or checkpoint of an 'sft train --lora' or 'dpo train --lora' run, or a "
+                            "PEFT adapter folder.")
+    return entry, str(ckpt_path)
+
+
+def load_adapter(engine, name: str, entry: dict, source: str) -> dict:
+    """On the engine thread (RemoteLane.call): ``entry`` loaded as ``name`` into the engine's
+    adapters (ValueError naming what does not fit the base); its /v1/models details."""
+    a = engine.adapters.load(name, entry, source)
+    st = a.settings
+    return {"rank": st.rank, "alpha": st.alpha, "rslora": st.rslora, "target_modules": list(st.target_modules)}
+
+
+def unload_adapter(engine, name: str) -> None:
+    """On the engine thread: ``name`` unloaded (ValueError: not loaded); rows still running with
+    it finish with it."""
+    engine.adapters.unload(name)

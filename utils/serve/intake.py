@@ -86,15 +86,25 @@ def _utf8(raw: bytes) -> str:
 
 
 def pick_model(models: dict, name: Optional[str]) -> ServedModel:
+    """The model a request names: a served model's id, ``id:adapter`` for one of its LoRA
+    adapters (utils/generation/adapters.py), or an adapter's bare name where only one model
+    has an adapter of that name (as vLLM names a LoRA)."""
     if name is None:
         if len(models) == 1:
             return next(iter(models.values()))
         raise ApiError(400, f"'model' is required: this server has {', '.join(models)}.", "model",
                        "missing_required")
-    if name not in models:
-        raise ApiError(404, f"the model '{clip(name, 80)}' does not exist here; GET /v1/models lists "
-                       f"{', '.join(models)}.", "model", "model_not_found")
-    return models[name]
+    if name in models:
+        return models[name]
+    base, colon, adapter = name.rpartition(":")
+    if colon and base in models and adapter in models[base].adapters:
+        return models[base].with_adapter(adapter)
+    owners = [m for m in models.values() if name in m.adapters]
+    if len(owners) == 1:
+        return owners[0].with_adapter(name)
+    known = [*models, *(f"{k}:{a}" for k, m in models.items() for a in m.adapters)]
+    raise ApiError(404, f"the model '{clip(name, 80)}' does not exist here; GET /v1/models lists "
+                   f"{clip(', '.join(known), 400)}.", "model", "model_not_found")
 
 
 def fit(m: ServedModel, s: Sampling, prompts: list[list[int]], chat: bool) -> list[list[int]]:

@@ -25,7 +25,7 @@ from utils.data.chat import answer_decoding
 from utils.data.tools import parse_reply
 from utils.generation.detok import TextDecoder
 from utils.generation.engine import Event, SamplingParams, Sequence
-from utils.serve.protocol import Sampling, new_id
+from utils.serve.protocol import ApiError, Sampling, new_id
 from utils.serve.served import ServedModel
 
 
@@ -76,7 +76,7 @@ class Job:
                                         None if s.seed is None else s.seed + i,
                                         frozenset(m.rules.stop_ids), s.stop, s.logprobs,
                                         prompt_logprobs=s.echo and s.logprobs is not None, grammar=s.grammar,
-                                        prompt_lookup=s.prompt_lookup)
+                                        prompt_lookup=s.prompt_lookup, adapter=m.adapter)
                 self.seqs.append(Sequence(ids, params, tok=m.tok, sink=sink, tag=p * s.n + i,
                                           continues=continues, lead=lead, text_by_caller=True))
         self.text = [""] * len(self.seqs)
@@ -96,6 +96,9 @@ class Job:
             await self._ready.wait()
 
     def submit(self) -> None:
+        if self.m.adapter is not None and self.m.adapter not in self.m.adapters:   # unloaded meanwhile
+            raise ApiError(404, f"the adapter '{self.m.id}' was unloaded while this request was read; "
+                           "GET /v1/models lists what is served.", "model", "model_not_found")
         for seq in self.seqs:
             self.m.lane.submit(seq)
 

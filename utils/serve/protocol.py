@@ -572,3 +572,7 @@ def check_origins(origins: list) -> list[str]:
             out.append(f"serve.cors_origins[{i}] {shown(o)}: expected \"*\" or an origin such as "
                        "\"http://localhost:3000\" (scheme://host[:port], no path or trailing /)")
     return out
+
+
+# a LoRA adapter's name (serve --adapter, POST /v1/adapters): a request names it "base:name"
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

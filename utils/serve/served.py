@@ -7,10 +7,12 @@ kind and rules (utils/data/chat.py) with its lane on the server's one engine thr
     m.sampling(s)                                 (temperature, top_k, top_p) of a request
     m.token_text(id) / m.token_bytes(id)          what logprobs show of a token
     m.describe()                                  its GET /v1/models entry
+    m.with_adapter(name)                          the same model run with one of its LoRA adapters
+                                                  (id ``base:name``; ``m.adapters``: those loaded)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Optional
 
@@ -32,6 +34,13 @@ class ServedModel:
     max_queue: int = 256
     default_max_tokens: int = 256
     stream_interval: float = 0.0    # seconds between two wake-ups of a request's stream (Job)
+    adapter: Optional[str] = None   # this view's LoRA adapter (with_adapter), None: the base model
+    adapters: dict = field(default_factory=dict)   # name -> its /v1/models details, shared by the views
+
+    def with_adapter(self, name: str) -> "ServedModel":
+        """This model run with its loaded adapter ``name`` (a view: the same lane and tokenizer,
+        id ``base:name``)."""
+        return replace(self, id=f"{self.id}:{name}", adapter=name)
 
     @property
     def context(self) -> int:
@@ -108,6 +117,13 @@ class ServedModel:
         return got if got is not None else self.token_text(token).encode("utf-8")
 
     def describe(self) -> dict:
+        if self.adapter is not None:                 # vLLM's shape for a LoRA: its parent model
+            base = self.id[:-len(self.adapter) - 1]
+            return {"id": self.id, "object": "model", "created": self.adapters[self.adapter]["created"],
+                    "owned_by": "llm-pipeline", "kind": "lora", "parent": base, "root": base,
+                    "chat": self.template is not None,
+                    "context_length": None if self.context >= UNBOUNDED else self.context,
+                    "adapter": {k: v for k, v in self.adapters[self.adapter].items() if k != "created"}}
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "llm-pipeline",
                 "kind": self.kind, "chat": self.template is not None,
                 "context_length": None if self.context >= UNBOUNDED else self.context,  # None: infini
