@@ -243,11 +243,12 @@ def soak(url: str, pids: list[int], model: str, seconds: float, window: float, s
         rec = {"window": w, "requests": dict(tally.counts), "server_errors": tally.server_errors,
                "unexpected": tally.unexpected, "rss_mib": round(rss / 2 ** 20, 1), "open_files": fds,
                "ttft_p50": _percentile(tally.ttft, 0.5), "ttft_p99": _percentile(tally.ttft, 0.99),
-               "prefix_cache_mib": _prefix_cache_mib(client, url)}
+               "prefix_cache_mib": _prefix_cache_mib(client, url), "load_1min": round(os.getloadavg()[0], 2)}
         windows.append(rec)
         say(f"window {w}: {sum(tally.counts.values())} requests, {tally.server_errors} 5xx, "
             f"{len(tally.unexpected)} unexpected, RSS {rec['rss_mib']} MiB (prefix cache {rec['prefix_cache_mib']} "
-            f"MiB), {fds} open files, TTFT p50 {rec['ttft_p50'] * 1000:.0f} ms p99 {rec['ttft_p99'] * 1000:.0f} ms")
+            f"MiB), {fds} open files, TTFT p50 {rec['ttft_p50'] * 1000:.0f} ms p99 {rec['ttft_p99'] * 1000:.0f} ms, "
+            f"load {rec['load_1min']}")
     return {"windows": windows, "summary": summarize(windows)}
 
 
