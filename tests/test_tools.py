@@ -179,10 +179,49 @@ SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED
 QUESTION = [{"role": "user", "content": "What is the greatest common divisor of 84 and 36?"}]
 
 
+CALLS_TEXT = "<tool_call>"               # what the scripted caller writes; the grammar writes the rest
+SAYS_TEXT = "Sure, a <b> tag."        # the scripted talker's reply: a "<" that opens no call
+
+
+def make_scripted_chat(path, text: str, then_eos: bool):
+    """A chat checkpoint (our template) whose greedy reply to any prompt is ``text``'s tokens
+    (then EOS, or ``text`` again): its block adds nothing, each script token's embedding is a
+    basis vector and the head row of the token after it points the same way (logit 10 against
+    exactly 0); any other token points at the first. Where the grammar rules the script's token
+    out, every allowed token has logit 0 and greedy takes the lowest id: the reply is the same
+    on every machine, whatever its floating point (tests/test_serve.py's script model, as a chat
+    model)."""
+    import model as model_lib
+    from utils.data.tok import describe, encode_plain
+    from utils.training.checkpoint import save_checkpoint
+    tok = tokenizer()
+    ids = encode_plain(tok, [text])[0] + ([tok.eos_token_id] if then_eos else [])
+    assert len(set(ids)) == len(ids) < 63, ids
+    margs = model_lib.ModelArgs(vocab_size=len(tok), d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
+                                max_seq_len=1024, bos_id=tok.bos_token_id, tie_embeddings=False)
+    sd = model_lib.create_model(margs).state_dict()
+    for k in ("layers.0.attn.wo.weight", "layers.0.mlp.w_down.weight", "tok_embeddings.weight", "lm_head.weight"):
+        sd[k].zero_()
+    emb, head, other = sd["tok_embeddings.weight"], sd["lm_head.weight"], len(ids)
+    emb[:, other] = 1.0
+    head[ids[0], other] = 10.0
+    for j, t in enumerate(ids):
+        emb[t, other], emb[t, j] = 0.0, 1.0
+        if j + 1 < len(ids):
+            head[ids[j + 1], j] = 10.0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(path, {"kind": "sft", "model": sd, "model_args": margs.to_dict(), "step": 0,
+                           "tokenizer": describe(tok, TOK_NAME), "chat_template": sft.default_template()})
+    return path
+
+
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory, samples):
     """A tiny model SFT'd on the generated tool-use set (3 steps: it need not be smart, the
-    constraint guarantees the shape), served as a user serves it."""
+    constraint guarantees the shape), served as a user serves it, beside two scripted chat
+    models whose choice under "auto" is fixed (``caller`` opens a call, ``talker`` writes
+    text): what the tiny model chooses under "auto" is its own, and may differ between
+    machines."""
     from tests.test_serve import Server
     from tests.test_sft import make_checkpoint
     root = tmp_path_factory.mktemp("tool_serve")
@@ -195,8 +234,11 @@ def tool_server(tmp_path_factory, samples):
                   "--batch-size", "4", "--sample-tokens", "0", "--device", "cpu")
     assert q.returncode == 0, q.stdout + q.stderr
     run, = (root / "checkpoints").glob("sft_tools_*")
-    s = Server(root, cfg, "--checkpoint", run)
+    caller = make_scripted_chat(root / "checkpoints" / "caller" / "checkpoint_best.pt", CALLS_TEXT, False)
+    talker = make_scripted_chat(root / "checkpoints" / "talker" / "checkpoint_best.pt", SAYS_TEXT, True)
+    s = Server(root, cfg, "--checkpoint", run, "--checkpoint", caller, "--checkpoint", talker)
     s.model = s.client.models.list().data[0].id
+    assert [m.id for m in s.client.models.list().data][1:] == ["caller", "talker"]
     yield s
     assert s.stop() == 130, s.stderr()
 
@@ -281,29 +323,30 @@ def test_the_openai_tool_loop_calls_runs_the_function_and_answers(tool_server, s
     assert again.choices[0].message.content == answer.content
 
 
-def test_auto_replies_are_text_or_valid_calls_and_streamed_equal_plain(tool_server):
-    """With "auto" the model chooses; what is deterministic: a reply is text with no call in it
-    or calls that validate, and greedy replies are the same streamed and not."""
+def test_auto_lets_the_model_choose_a_call_it_opens_validates_and_streamed_equals_plain(tool_server):
+    """With "auto" the model chooses. The scripted caller opens a call and the grammar writes
+    the rest: a valid call, the reply ending "tool_calls"; the scripted talker writes text whose
+    '<' opens no call (a stream holds it back, then lets it through): "stop". The SFT'd tiny
+    model chooses as its weights (and the machine's floating point) say: whatever it chose, its
+    greedy reply is the same streamed and not."""
     client = tool_server.client
-    kinds = set()
-    for q in ["What is the greatest common divisor of 84 and 36?", "Is 97 a prime number?", "Hello!",
-              "How much is 12 km in mi?", "Thank you."]:
-        kw = dict(model=tool_server.model, tools=BOUNDED, tool_choice="auto", max_tokens=80, temperature=0,
-                  messages=[{"role": "user", "content": q}])
-        plain, streamed = client.chat.completions.create(**kw), _stream(client, **kw)
-        for r in (plain, streamed):
-            c = r.choices[0]
-            if c.message.tool_calls:
-                _check_calls(c.message, set(SCHEMA_OF))
-                assert c.finish_reason == "tool_calls"
-                kinds.add("call")
-            else:
-                assert c.finish_reason in ("stop", "length") and tools.CALL_OPEN not in (c.message.content or "")
-                kinds.add("text")
-        assert plain.choices[0].message.content == streamed.choices[0].message.content
-        assert [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls or []] == \
-               [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []]
-    assert kinds
+    for q in ["What is the greatest common divisor of 84 and 36?", "Hello!"]:
+        for model in ("caller", "talker", tool_server.model):
+            kw = dict(model=model, tools=BOUNDED, tool_choice="auto", max_tokens=80, temperature=0,
+                      messages=[{"role": "user", "content": q}])
+            plain, streamed = client.chat.completions.create(**kw), _stream(client, **kw)
+            for r in (plain, streamed):
+                c = r.choices[0]
+                if model == "caller":
+                    (name, args), = _check_calls(c.message, set(SCHEMA_OF))   # parallel allowed, one made
+                    assert c.finish_reason == "tool_calls" and not (c.message.content or "").strip(), c
+                elif model == "talker":
+                    assert (c.finish_reason, c.message.content, c.message.tool_calls) == ("stop", SAYS_TEXT, None), c
+            # (a stream's first delta carries content "", as OpenAI's do: its snapshot has "" for null)
+            assert (plain.choices[0].message.content or "") == (streamed.choices[0].message.content or "")
+            assert plain.choices[0].finish_reason == streamed.choices[0].finish_reason
+            assert [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls or []] == \
+                   [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []]
 
 
 def test_what_is_still_refused_about_tools_is_named(tool_server):
@@ -395,35 +438,37 @@ def test_inter_token_latency_is_one_weighted_observation_per_choice_not_one_per_
 
 @needs_browser
 def test_the_chat_page_shows_a_call_and_its_result_then_the_answer(tool_server, tmp_path):
-    """Headless Chromium: tools pasted, tool choice "required": the model's call is shown (name
-    and arguments that validate), the result typed goes back as a tool turn, the model answers."""
+    """Headless Chromium: tools pasted, tool choice "required", parallel calls off: the model's
+    one call is shown (name and arguments that validate) and the reply ends "tool_calls" (with
+    parallel calls on, a tiny model may go on calling until max tokens cut it: "length"); the
+    result typed goes back as a tool turn, the model answers."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
     driver = headless_chromium(tmp_path / "profile", "1100,800")
     wait = WebDriverWait(driver, 60, poll_frequency=0.1)
     try:
         driver.get(tool_server.url + "/")
-        wait.until(lambda d: len(Select(d.find_element(By.ID, "model")).options) == 1)
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "model")).options) == 3)
+        assert Select(driver.find_element(By.ID, "model")).first_selected_option.get_attribute("value") == \
+            tool_server.model
         driver.find_element(By.CSS_SELECTOR, "#tools-box summary").click()
         driver.execute_script("document.getElementById('tools').value = arguments[0];", json.dumps(BOUNDED[:1]))
         Select(driver.find_element(By.ID, "tool-choice")).select_by_value("required")
+        parallel = driver.find_element(By.ID, "parallel-calls")
+        assert parallel.is_selected()                                   # OpenAI's default: on
+        parallel.click()
         driver.find_element(By.ID, "input").send_keys(QUESTION[0]["content"])
         driver.find_element(By.ID, "send").click()
-        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.call"))
-        calls = [c.text for c in driver.find_elements(By.CSS_SELECTOR, ".msg.call")]   # one or more (parallel)
-        for call in calls:
-            assert call.startswith("gcd(") and call.endswith(")")
-            jsonschema.validate(json.loads(call[4:-1]), SCHEMA_OF["gcd"])
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta"))
+        call, = [c.text for c in driver.find_elements(By.CSS_SELECTOR, ".msg.call")]
+        assert call.startswith("gcd(") and call.endswith(")")
+        jsonschema.validate(json.loads(call[4:-1]), SCHEMA_OF["gcd"])
         assert "finish: tool_calls" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text
         Select(driver.find_element(By.ID, "tool-choice")).select_by_value("none")
-        for k in range(len(calls)):                  # a result per call; the last one sends them all
-            assert len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")) == 1
-            driver.find_element(By.ID, "input").send_keys(str(12 + k))
-            driver.find_element(By.ID, "send").click()
-            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.tool")) == k + 1)
+        driver.find_element(By.ID, "input").send_keys("12")
+        driver.find_element(By.ID, "send").click()
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")) == 2)
-        assert [t.text for t in driver.find_elements(By.CSS_SELECTOR, ".msg.tool")] == \
-               [f"gcd \u2192 {12 + k}" for k in range(len(calls))]
+        assert [t.text for t in driver.find_elements(By.CSS_SELECTOR, ".msg.tool")] == ["gcd \u2192 12"]
         assert not driver.find_elements(By.CSS_SELECTOR, ".msg.error")
         line = [x for x in tool_server.stderr().splitlines() if "prompt_tokens=" in x][-1]
         assert "finish=stop" in line or "finish=length" in line
