@@ -216,13 +216,9 @@ def make_scripted_chat(path, text: str, then_eos: bool):
 
 
 @pytest.fixture(scope="module")
-def tool_server(tmp_path_factory, samples):
+def tools_run(tmp_path_factory, samples):
     """A tiny model SFT'd on the generated tool-use set (3 steps: it need not be smart, the
-    constraint guarantees the shape), served as a user serves it, beside two scripted chat
-    models whose choice under "auto" is fixed (``caller`` opens a call, ``talker`` writes
-    text): what the tiny model chooses under "auto" is its own, and may differ between
-    machines."""
-    from tests.test_serve import Server
+    constraint guarantees the shape): its root, config and run folder."""
     from tests.test_sft import make_checkpoint
     root = tmp_path_factory.mktemp("tool_serve")
     cfg = write_config(root, {"tokenizer": {"name": TOK_NAME}, "logging": {"tensorboard": False},
@@ -234,9 +230,20 @@ def tool_server(tmp_path_factory, samples):
                   "--batch-size", "4", "--sample-tokens", "0", "--device", "cpu")
     assert q.returncode == 0, q.stdout + q.stderr
     run, = (root / "checkpoints").glob("sft_tools_*")
+    return {"root": root, "cfg": cfg, "run": run}
+
+
+@pytest.fixture(scope="module")
+def tool_server(tools_run):
+    """The SFT'd tiny model served as a user serves it, beside two scripted chat models whose
+    choice under "auto" is fixed (``caller`` opens a call, ``talker`` writes text): what the
+    tiny model chooses under "auto" is its own, and may differ between machines."""
+    from tests.test_serve import Server
+    root = tools_run["root"]
     caller = make_scripted_chat(root / "checkpoints" / "caller" / "checkpoint_best.pt", CALLS_TEXT, False)
     talker = make_scripted_chat(root / "checkpoints" / "talker" / "checkpoint_best.pt", SAYS_TEXT, True)
-    s = Server(root, cfg, "--checkpoint", run, "--checkpoint", caller, "--checkpoint", talker)
+    s = Server(root, tools_run["cfg"], "--checkpoint", tools_run["run"], "--checkpoint", caller,
+               "--checkpoint", talker)
     s.model = s.client.models.list().data[0].id
     assert [m.id for m in s.client.models.list().data][1:] == ["caller", "talker"]
     yield s
@@ -372,6 +379,93 @@ def test_what_is_still_refused_about_tools_is_named(tool_server):
         assert r.status_code == 400, (extra, r.text)
         err = r.json()["error"]
         assert (err["param"], err["code"]) == (param, code), (extra, err)
+
+
+# --------------------------------------------------------------------------- export
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now, in °C.",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}},
+           {"type": "function", "function": {"name": "local_time"}}]      # no description, no parameters
+EXPORT_CHATS = {
+    "no tools": (None, [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Why is the sky blue?"},
+        {"role": "assistant", "content": "Rayleigh scattering."},
+        {"role": "user", "content": "And at sunset?"},
+        {"role": "assistant", "content": "Longer path, more red."}]),
+    "a call, its result, the answer": (WEATHER, [
+        {"role": "system", "content": "Answer with the tools."},
+        {"role": "user", "content": "Weather in Zürich?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "-3 °C, snow"},
+        {"role": "assistant", "content": "It is -3 °C and snowing in Zürich."},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "You are welcome."}]),
+    "parallel calls, results out of order": (WEATHER, [
+        {"role": "user", "content": "Weather in Oslo, and the time?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [     # OpenAI's arguments: JSON text
+            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "b", "type": "function", "function": {"name": "local_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "14:05"},
+        {"role": "tool", "tool_call_id": "a", "content": "2 °C, rain"},
+        {"role": "assistant", "content": "2 °C and raining in Oslo; it is 14:05."}]),
+}
+
+
+def test_an_export_renders_tools_calls_and_results_as_training_and_serve_do(tools_run):
+    """`export` of the SFT'd run (a Hugging Face folder and a GGUF): transformers'
+    `apply_chat_template(messages, tools=...)` on the exported folder gives exactly the text and
+    the ids `sft prepare` trained on, and with add_generation_prompt the prompt `serve` sends
+    after each user or tool turn (no tools; a call, its result and the answer; parallel calls
+    answered out of order); the GGUF carries the same template; a tool turn answering no call
+    is refused as `sft prepare` and `serve` refuse it."""
+    import gguf
+    from transformers import AutoTokenizer
+    from utils.run import load_checkpoint
+    hf, gg = tools_run["root"] / "exports" / "hf", tools_run["root"] / "exports" / "gguf"
+    for fmt, out in (("hf", hf), ("gguf", gg)):
+        p = run_stage("export", "--config", tools_run["cfg"], "--checkpoint", tools_run["run"], "--format", fmt,
+                      "--out", out, *(["--dtype", "f32"] if fmt == "gguf" else []))
+        assert p.returncode == 0, p.stdout + p.stderr
+    ht = AutoTokenizer.from_pretrained(hf, local_files_only=True)
+    tok, template = tokenizer(), load_checkpoint(next(tools_run["run"].glob("checkpoint_*.pt")))["chat_template"]
+    assert template["name"] == sft.TEMPLATE_V2
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    for what, (fns, messages) in EXPORT_CHATS.items():
+        functions = tools.read_tools(fns or [])
+        norm = tools.read_messages(messages)
+        # ours: each exchange one text between BOS and EOS (utils/data/tools.py, utils/data/sft.py)
+        text = "".join(tok.bos_token + sft.opening_prompt(template, e.opening, e.tool)
+                       + ("" if e.answer is None else sft.answer_lead(template) + e.answer + tok.eos_token)
+                       for e in tools.exchanges(norm, functions))
+        record = sft.normalize_record({"messages": messages, **({"tools": fns} if fns else {})}, what, sft.Skips(), 10 ** 6)
+        (trained, _), = chat.encode_records(tok, template, [record], bos, eos)
+        assert ht.apply_chat_template(messages, tools=fns, tokenize=False) == text, what
+        assert ht.apply_chat_template(messages, tools=fns, tokenize=True, return_dict=False) == trained, what
+        for k in [k for k, m in enumerate(messages) if m["role"] in ("user", "tool")
+                  and (k + 1 == len(messages) or messages[k + 1]["role"] != "tool")]:
+            served = (chat.tool_prompt_ids(tok, template, tools.read_messages(messages[:k + 1]), functions) if fns else
+                      chat.chat_prompt_ids(tok, template, messages[0]["content"] if messages[0]["role"] == "system" else "",
+                                           [(a["content"], b["content"]) for a, b in zip(messages[1:k:2], messages[2:k:2])],
+                                           messages[k]["content"]))
+            assert ht.apply_chat_template(messages[:k + 1], tools=fns, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) == served, (what, k)
+    shown = ht.apply_chat_template(EXPORT_CHATS["a call, its result, the answer"][1][:4], tools=WEATHER, tokenize=False,
+                                   add_generation_prompt=True)
+    assert shown == ('<s>User: Answer with the tools.\n\nTools:\n'
+                     '{"name": "get_weather", "description": "Weather now, in °C.", "parameters": {"type": "object", '
+                     '"properties": {"city": {"type": "string"}}, "required": ["city"]}}\n'
+                     '{"name": "local_time", "description": "", "parameters": {"type": "object", "properties": {}}}'
+                     '\n\nWeather in Zürich?\nAssistant: <tool_call>{"name": "get_weather", "arguments": '
+                     '{"city": "Zürich"}}</tool_call></s><s>Tool: {"name": "get_weather", "content": "-3 °C, snow"}'
+                     '\nAssistant:')
+    with pytest.raises(Exception, match="one tool turn per call"):
+        ht.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "tool", "content": "1"}], tokenize=False)
+    conf = json.loads((hf / "tokenizer_config.json").read_text(encoding="utf-8"))
+    reader = gguf.GGUFReader(str(next(gg.glob("*.gguf"))))
+    field = reader.fields["tokenizer.chat_template"]
+    assert bytes(field.parts[field.data[0]]).decode("utf-8") == conf["chat_template"] == ht.chat_template
 
 
 # --------------------------------------------------------------------------- fixes found by reading
