@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import headless_chromium, needs_browser, run_stage, write_config
+from tests.test_public_models import SMOL, smol, tiny_llama  # noqa: F401 (smol: a fixture)
 from tests.test_sft import TOK_NAME, tokenizer
 from utils.data import chat, sft, tool_samples, tools
 
@@ -147,6 +148,10 @@ def test_a_models_own_template_that_renders_tools_is_used_and_one_that_does_not_
     plain = chat.jinja_record(tok, PLAIN, "plain")
     assert chat.knows_tools(tok, hermes) and not chat.knows_tools(tok, plain)
     assert chat.knows_tools(tok, sft.default_template())
+    # the call format serve reads back: ours, the Hermes one (calls back to back here), none
+    assert chat.call_format(tok, sft.default_template()) == tools.OUR_CALLS
+    assert chat.call_format(tok, hermes) == tools.CallFormat("<tool_call>\n", "\n</tool_call>", "")
+    assert chat.call_format(tok, plain) is None
     (ids, mask), = chat.encode_records(tok, hermes, [norm], None, None)
     view = chat._chat_tokenizer(tok)
     assert ids == list(view.apply_chat_template([chat._for_template(m) for m in norm["messages"]],
@@ -215,6 +220,32 @@ def make_scripted_chat(path, text: str, then_eos: bool):
     return path
 
 
+def _trl_template(name: str) -> str:
+    """A public model's chat template as TRL ships it (byte-identical to the model's own, TRL's
+    chat_templates/README.md): real templates, offline."""
+    import importlib.resources
+    return (importlib.resources.files("trl") / "chat_templates" / name).read_text(encoding="utf-8")
+
+
+# public models' own templates, each on a tiny random Llama with SmolLM2's ChatML vocabulary
+OWN_TEMPLATES = {"qwen2.5-template": "qwen2_5.jinja",        # renders tools, Hermes calls
+                 "llama3.1-template": "llama3_1.jinja",      # renders tools, bare JSON calls
+                 "smollm2-template": None}                   # SmolLM2's own: renders no tools
+
+
+def _own_template(name: str) -> str:
+    file = OWN_TEMPLATES[name]
+    return _trl_template(file) if file else (SMOL / "chat_template.jinja").read_text(encoding="utf-8")
+
+
+def _public_folder(root, name: str, source: str):
+    """A Hugging Face folder (tests/test_public_models.py's tiny SmolLM2-vocabulary Llama) whose
+    chat template is ``source``."""
+    folder = tiny_llama(SMOL, root / name)
+    (folder / "chat_template.jinja").write_text(source, encoding="utf-8")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def tools_run(tmp_path_factory, samples):
     """A tiny model SFT'd on the generated tool-use set (3 steps: it need not be smart, the
@@ -234,7 +265,7 @@ def tools_run(tmp_path_factory, samples):
 
 
 @pytest.fixture(scope="module")
-def tool_server(tools_run):
+def tool_server(tools_run, smol):
     """The SFT'd tiny model served as a user serves it, beside two scripted chat models whose
     choice under "auto" is fixed (``caller`` opens a call, ``talker`` writes text): what the
     tiny model chooses under "auto" is its own, and may differ between machines."""
@@ -242,10 +273,11 @@ def tool_server(tools_run):
     root = tools_run["root"]
     caller = make_scripted_chat(root / "checkpoints" / "caller" / "checkpoint_best.pt", CALLS_TEXT, False)
     talker = make_scripted_chat(root / "checkpoints" / "talker" / "checkpoint_best.pt", SAYS_TEXT, True)
+    own = [_public_folder(root, name, _own_template(name)) for name in OWN_TEMPLATES]
     s = Server(root, tools_run["cfg"], "--checkpoint", tools_run["run"], "--checkpoint", caller,
-               "--checkpoint", talker)
+               "--checkpoint", talker, *[a for f in own for a in ("--checkpoint", f)])
     s.model = s.client.models.list().data[0].id
-    assert [m.id for m in s.client.models.list().data][1:] == ["caller", "talker"]
+    assert [m.id for m in s.client.models.list().data][1:] == ["caller", "talker", *OWN_TEMPLATES]
     yield s
     assert s.stop() == 130, s.stderr()
 
@@ -381,6 +413,54 @@ def test_what_is_still_refused_about_tools_is_named(tool_server):
         assert (err["param"], err["code"]) == (param, code), (extra, err)
 
 
+def test_a_public_models_own_template_serves_tools_when_its_call_format_is_read_else_says_why(tool_server, tools_run):
+    """A model that chats by its own template: Qwen2.5's (Hermes ``<tool_call>`` JSON) is served
+    tools through that template, its calls constrained in its own format (streamed and not, a
+    call, the result, the answer; the prompt is transformers' `apply_chat_template(tools=...)`
+    of it); Llama 3.1's renders tools but writes bare JSON calls, SmolLM2's renders no tools:
+    each a 400 that says which and what to do."""
+    import httpx2 as httpx
+    from transformers import AutoTokenizer
+    client, model = tool_server.client, "qwen2.5-template"
+    messages = list(QUESTION)
+    kw = dict(model=model, tools=BOUNDED, max_tokens=60, temperature=0.8, seed=3)
+    r = client.chat.completions.create(messages=messages, tool_choice="required", parallel_tool_calls=False, **kw)
+    streamed = _stream(client, messages=messages, tool_choice="required", parallel_tool_calls=False, **kw)
+    for reply in (r, streamed):
+        assert reply.choices[0].finish_reason == "tool_calls" and not (reply.choices[0].message.content or "")
+    (name, args), = _check_calls(r.choices[0].message, set(SCHEMA_OF))
+    assert _check_calls(streamed.choices[0].message, set(SCHEMA_OF)) == [(name, args)]
+    ht = AutoTokenizer.from_pretrained(tools_run["root"] / model, local_files_only=True)
+    assert ht.chat_template == _own_template(model)
+    assert r.usage.prompt_tokens == len(ht.apply_chat_template(messages, tools=BOUNDED, add_generation_prompt=True,
+                                                               tokenize=True, return_dict=False))
+    call = r.choices[0].message.tool_calls[0]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call.id, "type": "function", "function": {"name": name, "arguments": call.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": _run(call)}]
+    final = client.chat.completions.create(messages=messages, tool_choice="none", **kw)
+    assert final.choices[0].finish_reason in ("stop", "length") and not final.choices[0].message.tool_calls
+    assert tools.CALL_OPEN not in (final.choices[0].message.content or "")
+    rendered = copy.deepcopy(messages)                          # transformers' templates take dict arguments
+    rendered[1]["tool_calls"][0]["function"]["arguments"] = args
+    assert final.usage.prompt_tokens == len(ht.apply_chat_template(rendered, tools=BOUNDED, add_generation_prompt=True,
+                                                                   tokenize=True, return_dict=False))
+    named = client.chat.completions.create(messages=QUESTION, tool_choice={"type": "function", "function": {
+        "name": "is_prime"}}, **kw)
+    assert [n for n, _ in _check_calls(named.choices[0].message, {"is_prime"})] and \
+        named.choices[0].finish_reason in ("tool_calls", "length")
+    for other, why in (("llama3.1-template", "renders tools but writes its calls in a format this server does not read"),
+                       ("smollm2-template", "which does not render tools")):
+        resp = httpx.post(tool_server.url + "/v1/chat/completions", timeout=60, json={
+            "model": other, "messages": QUESTION, "tools": BOUNDED, "max_tokens": 4})
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert (err["param"], err["code"]) == ("tools", "unsupported_parameter") and why in err["message"], err
+        assert "sft prepare --dataset tools" in err["message"], err
+        plain = client.chat.completions.create(model=other, messages=QUESTION, max_tokens=2)   # without tools: served
+        assert plain.choices[0].finish_reason in ("stop", "length")
+
+
 # --------------------------------------------------------------------------- export
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now, in °C.",
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -477,9 +557,9 @@ def test_a_grammar_compiles_off_the_event_loop_within_its_size_and_time_bounds(m
     import time
     from utils.serve import intake, protocol
 
-    def slow(constraint, lead=""):
+    def slow(constraint, lead="", calls=None):
         time.sleep(1.0)
-        return protocol.build_grammar(constraint, lead)
+        return protocol.build_grammar(constraint, lead, calls)
     s = protocol.read_common({"response_format": {"type": "json_object"}}, protocol.Limits(), chat=True)
 
     async def run():
@@ -542,7 +622,7 @@ def test_the_chat_page_shows_a_call_and_its_result_then_the_answer(tool_server, 
     wait = WebDriverWait(driver, 60, poll_frequency=0.1)
     try:
         driver.get(tool_server.url + "/")
-        wait.until(lambda d: len(Select(d.find_element(By.ID, "model")).options) == 3)
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "model")).options) == 3 + len(OWN_TEMPLATES))
         assert Select(driver.find_element(By.ID, "model")).first_selected_option.get_attribute("value") == \
             tool_server.model
         driver.find_element(By.CSS_SELECTOR, "#tools-box summary").click()
