@@ -335,9 +335,10 @@ _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S
 
 
 def parse_reply(text: str) -> tuple[str, list[dict]]:
-    """A reply's text before its first call (stripped) and its calls ``{"name", "arguments"}``
-    (arguments a dict); no complete call: the whole text and []. A call whose JSON does not
-    read (an unconstrained model's) leaves the reply as text."""
+    """A reply's text before its first call (its trailing white space, which the format puts
+    between text and call, left out) and its calls ``{"name", "arguments"}`` (arguments a dict);
+    no complete call: the whole text and []. A call whose JSON does not read (an unconstrained
+    model's) leaves the reply as text."""
     at = text.find(CALL_OPEN)
     if at < 0:
         return text, []
@@ -350,4 +351,4 @@ def parse_reply(text: str) -> tuple[str, list[dict]]:
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)):
             return text, []
         calls.append({"name": obj["name"], "arguments": obj["arguments"]})
-    return (text[:at].strip(), calls) if calls else (text, [])
+    return (text[:at].rstrip(), calls) if calls else (text, [])
