@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import headless_chromium, needs_browser, run_stage, write_config
+from tests.test_public_models import SMOL, smol, tiny_llama  # noqa: F401 (smol: a fixture)
 from tests.test_sft import TOK_NAME, tokenizer
 from utils.data import chat, sft, tool_samples, tools
 
@@ -147,6 +148,10 @@ def test_a_models_own_template_that_renders_tools_is_used_and_one_that_does_not_
     plain = chat.jinja_record(tok, PLAIN, "plain")
     assert chat.knows_tools(tok, hermes) and not chat.knows_tools(tok, plain)
     assert chat.knows_tools(tok, sft.default_template())
+    # the call format serve reads back: ours, the Hermes one (calls back to back here), none
+    assert chat.call_format(tok, sft.default_template()) == tools.OUR_CALLS
+    assert chat.call_format(tok, hermes) == tools.CallFormat("<tool_call>\n", "\n</tool_call>", "")
+    assert chat.call_format(tok, plain) is None
     (ids, mask), = chat.encode_records(tok, hermes, [norm], None, None)
     view = chat._chat_tokenizer(tok)
     assert ids == list(view.apply_chat_template([chat._for_template(m) for m in norm["messages"]],
@@ -179,11 +184,72 @@ SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED
 QUESTION = [{"role": "user", "content": "What is the greatest common divisor of 84 and 36?"}]
 
 
+CALLS_TEXT = "Ok <tool_call>"            # what the scripted caller writes; the grammar writes the rest
+SAYS_TEXT = "Sure, a <b> tag."        # the scripted talker's reply: a "<" that opens no call
+
+
+def make_scripted_chat(path, text: str, then_eos: bool):
+    """A chat checkpoint (our template) whose greedy reply to any prompt is ``text``'s tokens
+    (then EOS, or ``text`` again): its block adds nothing, each script token's embedding is a
+    basis vector and the head row of the token after it points the same way (logit 10 against
+    exactly 0); any other token points at the first. Where the grammar rules the script's token
+    out, every allowed token has logit 0 and greedy takes the lowest id: the reply is the same
+    on every machine, whatever its floating point (tests/test_serve.py's script model, as a chat
+    model)."""
+    import model as model_lib
+    from utils.data.tok import describe, encode_plain
+    from utils.training.checkpoint import save_checkpoint
+    tok = tokenizer()
+    ids = encode_plain(tok, [text])[0] + ([tok.eos_token_id] if then_eos else [])
+    assert len(set(ids)) == len(ids) < 63, ids
+    margs = model_lib.ModelArgs(vocab_size=len(tok), d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
+                                max_seq_len=1024, bos_id=tok.bos_token_id, tie_embeddings=False)
+    sd = model_lib.create_model(margs).state_dict()
+    for k in ("layers.0.attn.wo.weight", "layers.0.mlp.w_down.weight", "tok_embeddings.weight", "lm_head.weight"):
+        sd[k].zero_()
+    emb, head, other = sd["tok_embeddings.weight"], sd["lm_head.weight"], len(ids)
+    emb[:, other] = 1.0
+    head[ids[0], other] = 10.0
+    for j, t in enumerate(ids):
+        emb[t, other], emb[t, j] = 0.0, 1.0
+        if j + 1 < len(ids):
+            head[ids[j + 1], j] = 10.0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(path, {"kind": "sft", "model": sd, "model_args": margs.to_dict(), "step": 0,
+                           "tokenizer": describe(tok, TOK_NAME), "chat_template": sft.default_template()})
+    return path
+
+
+def _trl_template(name: str) -> str:
+    """A public model's chat template as TRL ships it (byte-identical to the model's own, TRL's
+    chat_templates/README.md): real templates, offline."""
+    import importlib.resources
+    return (importlib.resources.files("trl") / "chat_templates" / name).read_text(encoding="utf-8")
+
+
+# public models' own templates, each on a tiny random Llama with SmolLM2's ChatML vocabulary
+OWN_TEMPLATES = {"qwen2.5-template": "qwen2_5.jinja",        # renders tools, Hermes calls
+                 "llama3.1-template": "llama3_1.jinja",      # renders tools, bare JSON calls
+                 "smollm2-template": None}                   # SmolLM2's own: renders no tools
+
+
+def _own_template(name: str) -> str:
+    file = OWN_TEMPLATES[name]
+    return _trl_template(file) if file else (SMOL / "chat_template.jinja").read_text(encoding="utf-8")
+
+
+def _public_folder(root, name: str, source: str):
+    """A Hugging Face folder (tests/test_public_models.py's tiny SmolLM2-vocabulary Llama) whose
+    chat template is ``source``."""
+    folder = tiny_llama(SMOL, root / name)
+    (folder / "chat_template.jinja").write_text(source, encoding="utf-8")
+    return folder
+
+
 @pytest.fixture(scope="module")
-def tool_server(tmp_path_factory, samples):
+def tools_run(tmp_path_factory, samples):
     """A tiny model SFT'd on the generated tool-use set (3 steps: it need not be smart, the
-    constraint guarantees the shape), served as a user serves it."""
-    from tests.test_serve import Server
+    constraint guarantees the shape): its root, config and run folder."""
     from tests.test_sft import make_checkpoint
     root = tmp_path_factory.mktemp("tool_serve")
     cfg = write_config(root, {"tokenizer": {"name": TOK_NAME}, "logging": {"tensorboard": False},
@@ -195,8 +261,23 @@ def tool_server(tmp_path_factory, samples):
                   "--batch-size", "4", "--sample-tokens", "0", "--device", "cpu")
     assert q.returncode == 0, q.stdout + q.stderr
     run, = (root / "checkpoints").glob("sft_tools_*")
-    s = Server(root, cfg, "--checkpoint", run)
+    return {"root": root, "cfg": cfg, "run": run}
+
+
+@pytest.fixture(scope="module")
+def tool_server(tools_run, smol):
+    """The SFT'd tiny model served as a user serves it, beside two scripted chat models whose
+    choice under "auto" is fixed (``caller`` opens a call, ``talker`` writes text): what the
+    tiny model chooses under "auto" is its own, and may differ between machines."""
+    from tests.test_serve import Server
+    root = tools_run["root"]
+    caller = make_scripted_chat(root / "checkpoints" / "caller" / "checkpoint_best.pt", CALLS_TEXT, False)
+    talker = make_scripted_chat(root / "checkpoints" / "talker" / "checkpoint_best.pt", SAYS_TEXT, True)
+    own = [_public_folder(root, name, _own_template(name)) for name in OWN_TEMPLATES]
+    s = Server(root, tools_run["cfg"], "--checkpoint", tools_run["run"], "--checkpoint", caller,
+               "--checkpoint", talker, *[a for f in own for a in ("--checkpoint", f)])
     s.model = s.client.models.list().data[0].id
+    assert [m.id for m in s.client.models.list().data][1:] == ["caller", "talker", *OWN_TEMPLATES]
     yield s
     assert s.stop() == 130, s.stderr()
 
@@ -281,29 +362,31 @@ def test_the_openai_tool_loop_calls_runs_the_function_and_answers(tool_server, s
     assert again.choices[0].message.content == answer.content
 
 
-def test_auto_replies_are_text_or_valid_calls_and_streamed_equal_plain(tool_server):
-    """With "auto" the model chooses; what is deterministic: a reply is text with no call in it
-    or calls that validate, and greedy replies are the same streamed and not."""
+def test_auto_lets_the_model_choose_a_call_it_opens_validates_and_streamed_equals_plain(tool_server):
+    """With "auto" the model chooses. The scripted caller writes "Ok " and opens a call, and the
+    grammar writes the rest: a valid call, the reply ending "tool_calls"; the scripted talker writes text whose
+    '<' opens no call (a stream holds it back, then lets it through): "stop". The SFT'd tiny
+    model chooses as its weights (and the machine's floating point) say: whatever it chose, its
+    greedy reply is the same streamed and not."""
     client = tool_server.client
-    kinds = set()
-    for q in ["What is the greatest common divisor of 84 and 36?", "Is 97 a prime number?", "Hello!",
-              "How much is 12 km in mi?", "Thank you."]:
-        kw = dict(model=tool_server.model, tools=BOUNDED, tool_choice="auto", max_tokens=80, temperature=0,
-                  messages=[{"role": "user", "content": q}])
-        plain, streamed = client.chat.completions.create(**kw), _stream(client, **kw)
-        for r in (plain, streamed):
-            c = r.choices[0]
-            if c.message.tool_calls:
-                _check_calls(c.message, set(SCHEMA_OF))
-                assert c.finish_reason == "tool_calls"
-                kinds.add("call")
-            else:
-                assert c.finish_reason in ("stop", "length") and tools.CALL_OPEN not in (c.message.content or "")
-                kinds.add("text")
-        assert plain.choices[0].message.content == streamed.choices[0].message.content
-        assert [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls or []] == \
-               [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []]
-    assert kinds
+    for q in ["What is the greatest common divisor of 84 and 36?", "Hello!"]:
+        for model in ("caller", "talker", tool_server.model):
+            kw = dict(model=model, tools=BOUNDED, tool_choice="auto", max_tokens=80, temperature=0,
+                      messages=[{"role": "user", "content": q}])
+            plain, streamed = client.chat.completions.create(**kw), _stream(client, **kw)
+            for r in (plain, streamed):
+                c = r.choices[0]
+                if model == "caller":
+                    (name, args), = _check_calls(c.message, set(SCHEMA_OF))   # parallel allowed, one made
+                    # the text before the call, without the space before it: streamed (held back) as plain
+                    assert c.finish_reason == "tool_calls" and c.message.content == "Ok", c
+                elif model == "talker":
+                    assert (c.finish_reason, c.message.content, c.message.tool_calls) == ("stop", SAYS_TEXT, None), c
+            # (a stream's first delta carries content "", as OpenAI's do: its snapshot has "" for null)
+            assert (plain.choices[0].message.content or "") == (streamed.choices[0].message.content or "")
+            assert plain.choices[0].finish_reason == streamed.choices[0].finish_reason
+            assert [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls or []] == \
+                   [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []]
 
 
 def test_what_is_still_refused_about_tools_is_named(tool_server):
@@ -331,6 +414,141 @@ def test_what_is_still_refused_about_tools_is_named(tool_server):
         assert (err["param"], err["code"]) == (param, code), (extra, err)
 
 
+def test_a_public_models_own_template_serves_tools_when_its_call_format_is_read_else_says_why(tool_server, tools_run):
+    """A model that chats by its own template: Qwen2.5's (Hermes ``<tool_call>`` JSON) is served
+    tools through that template, its calls constrained in its own format (streamed and not, a
+    call, the result, the answer; the prompt is transformers' `apply_chat_template(tools=...)`
+    of it); Llama 3.1's renders tools but writes bare JSON calls, SmolLM2's renders no tools:
+    each a 400 that says which and what to do."""
+    import httpx2 as httpx
+    from transformers import AutoTokenizer
+    client, model = tool_server.client, "qwen2.5-template"
+    messages = list(QUESTION)
+    kw = dict(model=model, tools=BOUNDED, max_tokens=60, temperature=0.8, seed=3)
+    r = client.chat.completions.create(messages=messages, tool_choice="required", parallel_tool_calls=False, **kw)
+    streamed = _stream(client, messages=messages, tool_choice="required", parallel_tool_calls=False, **kw)
+    for reply in (r, streamed):
+        assert reply.choices[0].finish_reason == "tool_calls" and not (reply.choices[0].message.content or "")
+    (name, args), = _check_calls(r.choices[0].message, set(SCHEMA_OF))
+    assert _check_calls(streamed.choices[0].message, set(SCHEMA_OF)) == [(name, args)]
+    ht = AutoTokenizer.from_pretrained(tools_run["root"] / model, local_files_only=True)
+    assert ht.chat_template == _own_template(model)
+    assert r.usage.prompt_tokens == len(ht.apply_chat_template(messages, tools=BOUNDED, add_generation_prompt=True,
+                                                               tokenize=True, return_dict=False))
+    call = r.choices[0].message.tool_calls[0]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call.id, "type": "function", "function": {"name": name, "arguments": call.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": _run(call)}]
+    final = client.chat.completions.create(messages=messages, tool_choice="none", **kw)
+    assert final.choices[0].finish_reason in ("stop", "length") and not final.choices[0].message.tool_calls
+    assert tools.CALL_OPEN not in (final.choices[0].message.content or "")
+    rendered = copy.deepcopy(messages)                          # transformers' templates take dict arguments
+    rendered[1]["tool_calls"][0]["function"]["arguments"] = args
+    assert final.usage.prompt_tokens == len(ht.apply_chat_template(rendered, tools=BOUNDED, add_generation_prompt=True,
+                                                                   tokenize=True, return_dict=False))
+    named = client.chat.completions.create(messages=QUESTION, tool_choice={"type": "function", "function": {
+        "name": "is_prime"}}, **kw)
+    assert [n for n, _ in _check_calls(named.choices[0].message, {"is_prime"})] and \
+        named.choices[0].finish_reason in ("tool_calls", "length")
+    for other, why in (("llama3.1-template", "renders tools but writes its calls in a format this server does not read"),
+                       ("smollm2-template", "which does not render tools")):
+        resp = httpx.post(tool_server.url + "/v1/chat/completions", timeout=60, json={
+            "model": other, "messages": QUESTION, "tools": BOUNDED, "max_tokens": 4})
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert (err["param"], err["code"]) == ("tools", "unsupported_parameter") and why in err["message"], err
+        assert "sft prepare --dataset tools" in err["message"], err
+        plain = client.chat.completions.create(model=other, messages=QUESTION, max_tokens=2)   # without tools: served
+        assert plain.choices[0].finish_reason in ("stop", "length")
+
+
+# --------------------------------------------------------------------------- export
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now, in °C.",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}},
+           {"type": "function", "function": {"name": "local_time"}}]      # no description, no parameters
+EXPORT_CHATS = {
+    "no tools": (None, [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Why is the sky blue?"},
+        {"role": "assistant", "content": "Rayleigh scattering."},
+        {"role": "user", "content": "And at sunset?"},
+        {"role": "assistant", "content": "Longer path, more red."}]),
+    "a call, its result, the answer": (WEATHER, [
+        {"role": "system", "content": "Answer with the tools."},
+        {"role": "user", "content": "Weather in Zürich?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "-3 °C, snow"},
+        {"role": "assistant", "content": "It is -3 °C and snowing in Zürich."},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "You are welcome."}]),
+    "parallel calls, results out of order": (WEATHER, [
+        {"role": "user", "content": "Weather in Oslo, and the time?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [     # OpenAI's arguments: JSON text
+            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "b", "type": "function", "function": {"name": "local_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "14:05"},
+        {"role": "tool", "tool_call_id": "a", "content": "2 °C, rain"},
+        {"role": "assistant", "content": "2 °C and raining in Oslo; it is 14:05."}]),
+}
+
+
+def test_an_export_renders_tools_calls_and_results_as_training_and_serve_do(tools_run):
+    """`export` of the SFT'd run (a Hugging Face folder and a GGUF): transformers'
+    `apply_chat_template(messages, tools=...)` on the exported folder gives exactly the text and
+    the ids `sft prepare` trained on, and with add_generation_prompt the prompt `serve` sends
+    after each user or tool turn (no tools; a call, its result and the answer; parallel calls
+    answered out of order); the GGUF carries the same template; a tool turn answering no call
+    is refused as `sft prepare` and `serve` refuse it."""
+    import gguf
+    from transformers import AutoTokenizer
+    from utils.run import load_checkpoint
+    hf, gg = tools_run["root"] / "exports" / "hf", tools_run["root"] / "exports" / "gguf"
+    for fmt, out in (("hf", hf), ("gguf", gg)):
+        p = run_stage("export", "--config", tools_run["cfg"], "--checkpoint", tools_run["run"], "--format", fmt,
+                      "--out", out, *(["--dtype", "f32"] if fmt == "gguf" else []))
+        assert p.returncode == 0, p.stdout + p.stderr
+    ht = AutoTokenizer.from_pretrained(hf, local_files_only=True)
+    tok, template = tokenizer(), load_checkpoint(next(tools_run["run"].glob("checkpoint_*.pt")))["chat_template"]
+    assert template["name"] == sft.TEMPLATE_V2
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    for what, (fns, messages) in EXPORT_CHATS.items():
+        functions = tools.read_tools(fns or [])
+        norm = tools.read_messages(messages)
+        # ours: each exchange one text between BOS and EOS (utils/data/tools.py, utils/data/sft.py)
+        text = "".join(tok.bos_token + sft.opening_prompt(template, e.opening, e.tool)
+                       + ("" if e.answer is None else sft.answer_lead(template) + e.answer + tok.eos_token)
+                       for e in tools.exchanges(norm, functions))
+        record = sft.normalize_record({"messages": messages, **({"tools": fns} if fns else {})}, what, sft.Skips(), 10 ** 6)
+        (trained, _), = chat.encode_records(tok, template, [record], bos, eos)
+        assert ht.apply_chat_template(messages, tools=fns, tokenize=False) == text, what
+        assert ht.apply_chat_template(messages, tools=fns, tokenize=True, return_dict=False) == trained, what
+        for k in [k for k, m in enumerate(messages) if m["role"] in ("user", "tool")
+                  and (k + 1 == len(messages) or messages[k + 1]["role"] != "tool")]:
+            served = (chat.tool_prompt_ids(tok, template, tools.read_messages(messages[:k + 1]), functions) if fns else
+                      chat.chat_prompt_ids(tok, template, messages[0]["content"] if messages[0]["role"] == "system" else "",
+                                           [(a["content"], b["content"]) for a, b in zip(messages[1:k:2], messages[2:k:2])],
+                                           messages[k]["content"]))
+            assert ht.apply_chat_template(messages[:k + 1], tools=fns, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) == served, (what, k)
+    shown = ht.apply_chat_template(EXPORT_CHATS["a call, its result, the answer"][1][:4], tools=WEATHER, tokenize=False,
+                                   add_generation_prompt=True)
+    assert shown == ('<s>User: Answer with the tools.\n\nTools:\n'
+                     '{"name": "get_weather", "description": "Weather now, in °C.", "parameters": {"type": "object", '
+                     '"properties": {"city": {"type": "string"}}, "required": ["city"]}}\n'
+                     '{"name": "local_time", "description": "", "parameters": {"type": "object", "properties": {}}}'
+                     '\n\nWeather in Zürich?\nAssistant: <tool_call>{"name": "get_weather", "arguments": '
+                     '{"city": "Zürich"}}</tool_call></s><s>Tool: {"name": "get_weather", "content": "-3 °C, snow"}'
+                     '\nAssistant:')
+    with pytest.raises(Exception, match="one tool turn per call"):
+        ht.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "tool", "content": "1"}], tokenize=False)
+    conf = json.loads((hf / "tokenizer_config.json").read_text(encoding="utf-8"))
+    reader = gguf.GGUFReader(str(next(gg.glob("*.gguf"))))
+    field = reader.fields["tokenizer.chat_template"]
+    assert bytes(field.parts[field.data[0]]).decode("utf-8") == conf["chat_template"] == ht.chat_template
+
+
 # --------------------------------------------------------------------------- fixes found by reading
 def test_a_grammar_compiles_off_the_event_loop_within_its_size_and_time_bounds(monkeypatch):
     """A schema is compiled in a worker thread: the loop goes on serving while it compiles;
@@ -340,9 +558,9 @@ def test_a_grammar_compiles_off_the_event_loop_within_its_size_and_time_bounds(m
     import time
     from utils.serve import intake, protocol
 
-    def slow(constraint, lead=""):
+    def slow(constraint, lead="", calls=None):
         time.sleep(1.0)
-        return protocol.build_grammar(constraint, lead)
+        return protocol.build_grammar(constraint, lead, calls)
     s = protocol.read_common({"response_format": {"type": "json_object"}}, protocol.Limits(), chat=True)
 
     async def run():
@@ -395,35 +613,37 @@ def test_inter_token_latency_is_one_weighted_observation_per_choice_not_one_per_
 
 @needs_browser
 def test_the_chat_page_shows_a_call_and_its_result_then_the_answer(tool_server, tmp_path):
-    """Headless Chromium: tools pasted, tool choice "required": the model's call is shown (name
-    and arguments that validate), the result typed goes back as a tool turn, the model answers."""
+    """Headless Chromium: tools pasted, tool choice "required", parallel calls off: the model's
+    one call is shown (name and arguments that validate) and the reply ends "tool_calls" (with
+    parallel calls on, a tiny model may go on calling until max tokens cut it: "length"); the
+    result typed goes back as a tool turn, the model answers."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
     driver = headless_chromium(tmp_path / "profile", "1100,800")
     wait = WebDriverWait(driver, 60, poll_frequency=0.1)
     try:
         driver.get(tool_server.url + "/")
-        wait.until(lambda d: len(Select(d.find_element(By.ID, "model")).options) == 1)
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "model")).options) == 3 + len(OWN_TEMPLATES))
+        assert Select(driver.find_element(By.ID, "model")).first_selected_option.get_attribute("value") == \
+            tool_server.model
         driver.find_element(By.CSS_SELECTOR, "#tools-box summary").click()
         driver.execute_script("document.getElementById('tools').value = arguments[0];", json.dumps(BOUNDED[:1]))
         Select(driver.find_element(By.ID, "tool-choice")).select_by_value("required")
+        parallel = driver.find_element(By.ID, "parallel-calls")
+        assert parallel.is_selected()                                   # OpenAI's default: on
+        parallel.click()
         driver.find_element(By.ID, "input").send_keys(QUESTION[0]["content"])
         driver.find_element(By.ID, "send").click()
-        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.call"))
-        calls = [c.text for c in driver.find_elements(By.CSS_SELECTOR, ".msg.call")]   # one or more (parallel)
-        for call in calls:
-            assert call.startswith("gcd(") and call.endswith(")")
-            jsonschema.validate(json.loads(call[4:-1]), SCHEMA_OF["gcd"])
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta"))
+        call, = [c.text for c in driver.find_elements(By.CSS_SELECTOR, ".msg.call")]
+        assert call.startswith("gcd(") and call.endswith(")")
+        jsonschema.validate(json.loads(call[4:-1]), SCHEMA_OF["gcd"])
         assert "finish: tool_calls" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text
         Select(driver.find_element(By.ID, "tool-choice")).select_by_value("none")
-        for k in range(len(calls)):                  # a result per call; the last one sends them all
-            assert len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")) == 1
-            driver.find_element(By.ID, "input").send_keys(str(12 + k))
-            driver.find_element(By.ID, "send").click()
-            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.tool")) == k + 1)
+        driver.find_element(By.ID, "input").send_keys("12")
+        driver.find_element(By.ID, "send").click()
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")) == 2)
-        assert [t.text for t in driver.find_elements(By.CSS_SELECTOR, ".msg.tool")] == \
-               [f"gcd \u2192 {12 + k}" for k in range(len(calls))]
+        assert [t.text for t in driver.find_elements(By.CSS_SELECTOR, ".msg.tool")] == ["gcd \u2192 12"]
         assert not driver.find_elements(By.CSS_SELECTOR, ".msg.error")
         line = [x for x in tool_server.stderr().splitlines() if "prompt_tokens=" in x][-1]
         assert "finish=stop" in line or "finish=length" in line

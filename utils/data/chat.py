@@ -260,6 +260,29 @@ def knows_tools(tok, template: Optional[dict]) -> bool:
     return "probe_tool_zq" in with_tools and "resultzq" in call and call.count("probe_tool_zq") >= 2
 
 
+def call_format(tok, template: Optional[dict]) -> Optional[tools.CallFormat]:
+    """How a chat template that renders tools (:func:`knows_tools`) writes calls, when serve can
+    read and constrain it: ours (utils/data/tools.py), or a Jinja template's own when it is the
+    ``<tool_call>`` JSON shape (:func:`tools.read_call_format`: Hermes, Qwen2.5); None otherwise
+    (Llama 3.1's bare JSON, Mistral's ``[TOOL_CALLS]``, ...)."""
+    if not knows_tools(tok, template):
+        return None
+    if template.get("name") != JINJA:
+        return tools.OUR_CALLS
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "id": f"call_{k}", "function": {"name": n, "arguments": a}}
+                    for k, (n, a) in enumerate(tools.PROBE_CALLS)]}]
+    fn = {"name": tools.PROBE_CALLS[0][0], "description": "probe", "parameters": {"type": "object"}}
+    try:
+        text = _chat_tokenizer(tok).apply_chat_template(
+            messages, chat_template=template["template"], tokenize=False, add_generation_prompt=False,
+            tools=tools.as_transformers_tools([fn]))
+    except (TemplateError, TypeError, KeyError):
+        return None
+    return tools.read_call_format(text)
+
+
 def messages_of(system: str, history: Sequence[tuple[str, str]], question: Optional[str]) -> list[dict]:
     out = [{"role": "system", "content": system}] if system else []
     for q, a in history:

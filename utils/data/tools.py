@@ -30,7 +30,9 @@ is a user turn or the results of the calls before it:
 JSON in it is ``json.dumps`` with its default separators (``", "`` and ``": "``), non-ASCII kept;
 the tools block is written once, in the first user turn. The loss covers each assistant part
 (the call and the answer) and its EOS, never a tool's result. :func:`parse_reply` reads a
-reply back into text and calls.
+reply back into text and calls. :class:`CallFormat` says how a template writes calls (ours;
+a public model's own ``<tool_call>`` JSON, read by :func:`read_call_format`), which serve's
+grammar follows.
 """
 from __future__ import annotations
 
@@ -288,13 +290,55 @@ def exchanges(messages: list[dict], functions: list[dict]) -> list[Exchange]:
     return out
 
 
+# --------------------------------------------------------------------------- call formats
+@dataclass(frozen=True)
+class CallFormat:
+    """How a chat template writes tool calls: each ``open`` + ``{"name": ..., "arguments": {...}}``
+    (``json.dumps``' text) + ``close``, several joined by ``between``. Ours is ``OUR_CALLS``;
+    Hermes-style templates (Qwen2.5's) write ``<tool_call>\\n{...}\\n</tool_call>`` joined by
+    ``\\n``. :func:`parse_reply` reads them all (it allows white space around the JSON)."""
+    open: str
+    close: str
+    between: str
+
+
+OUR_CALLS = CallFormat(CALL_OPEN, CALL_CLOSE, "\n")
+PROBE_CALLS = [("probe_tool_zq", {"xq": 7}), ("probe_tool_zq", {"xq": 8})]
+
+
+def read_call_format(rendered: str) -> Optional[CallFormat]:
+    """The call format of a template, from its rendering of an assistant turn that makes the
+    two :data:`PROBE_CALLS`; None unless each call is written as ``json.dumps({"name",
+    "arguments"})`` inside ``<tool_call>`` ... ``</tool_call>`` with nothing but white space
+    between a tag and the JSON, or between two calls."""
+    first, second = (dumps({"name": n, "arguments": a}) for n, a in PROBE_CALLS)
+    i = rendered.find(first)
+    j = rendered.find(second, i + 1) if i >= 0 else -1
+    at = rendered.rfind(CALL_OPEN, 0, i) if i >= 0 else -1
+    if j < 0 or at < 0:
+        return None
+    opening = rendered[at:i]
+    middle = rendered[i + len(first):j]
+    end = middle.find(CALL_CLOSE)
+    if end < 0 or not middle.endswith(opening):
+        return None
+    close = middle[:end + len(CALL_CLOSE)]
+    between = middle[len(close):len(middle) - len(opening)]
+    blank = lambda t: not t.strip()             # noqa: E731
+    if not (blank(opening[len(CALL_OPEN):]) and blank(close[:-len(CALL_CLOSE)]) and blank(between)
+            and rendered[j + len(second):].startswith(close)):
+        return None
+    return CallFormat(opening, close, between)
+
+
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
 
 
 def parse_reply(text: str) -> tuple[str, list[dict]]:
-    """A reply's text before its first call (stripped) and its calls ``{"name", "arguments"}``
-    (arguments a dict); no complete call: the whole text and []. A call whose JSON does not
-    read (an unconstrained model's) leaves the reply as text."""
+    """A reply's text before its first call (its trailing white space, which the format puts
+    between text and call, left out) and its calls ``{"name", "arguments"}`` (arguments a dict);
+    no complete call: the whole text and []. A call whose JSON does not read (an unconstrained
+    model's) leaves the reply as text."""
     at = text.find(CALL_OPEN)
     if at < 0:
         return text, []
@@ -307,4 +351,4 @@ def parse_reply(text: str) -> tuple[str, list[dict]]:
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)):
             return text, []
         calls.append({"name": obj["name"], "arguments": obj["arguments"]})
-    return (text[:at].strip(), calls) if calls else (text, [])
+    return (text[:at].rstrip(), calls) if calls else (text, [])

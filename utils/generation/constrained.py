@@ -88,15 +88,22 @@ def _lark_text(text: str) -> str:
     return json.dumps(text)            # a JSON string is a Lark string literal
 
 
-def tool_grammar(functions: list, choice: str, parallel: bool, lead: str = "") -> str:
-    """The grammar of a reply under OpenAI's ``tool_choice`` in our call format
-    (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, utils/data/tools.py): each
-    call's arguments match its function's ``parameters`` schema. ``choice``: "required" (one
-    call or more, nothing else), a function's name (calls of it only), "auto" (text without a
-    call, or text and then calls: once a call opens, it is constrained) or "none" (text that
-    never opens a call). ``parallel`` false: at most one call. ``lead``: what an answer may start
-    with before its first call (our template's space after "Assistant:"). ConstraintError
-    naming what cannot be enforced."""
+def _lark_regex(text: str) -> str:
+    """``text`` matched literally inside a Lark ``/regex/`` (on one line: a newline as ``\\n``)."""
+    return re.escape(text).replace("\\\n", "\\n").replace("\\\r", "\\r").replace("\\\t", "\\t")
+
+
+def tool_grammar(functions: list, choice: str, parallel: bool, lead: str = "",
+                 calls: Optional[tools.CallFormat] = None) -> str:
+    """The grammar of a reply under OpenAI's ``tool_choice`` in a call format (``calls``,
+    utils/data/tools.py; default ours: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+    or a model's own Hermes-style one): each call's arguments match its function's ``parameters``
+    schema. ``choice``: "required" (one call or more, nothing else), a function's name (calls of
+    it only), "auto" (text without a call, or text and then calls: once a call opens, it is
+    constrained) or "none" (text that never opens a call). ``parallel`` false: at most one call.
+    ``lead``: what an answer may start with before its first call (our template's space after
+    "Assistant:"). ConstraintError naming what cannot be enforced."""
+    calls = calls or tools.OUR_CALLS
     no_call = "(/(?s:.*)/ & ~/(?s:.*" + re.escape(tools.CALL_OPEN) + ".*)/)"
     lines = [f"TEXT: {no_call}"]
     if choice == "none":
@@ -108,15 +115,15 @@ def tool_grammar(functions: list, choice: str, parallel: bool, lead: str = "") -
                "required": ["name", "arguments"], "additionalProperties": False} for f in picked]
     body = dict(shapes[0]) if len(shapes) == 1 else {"anyOf": shapes}
     body["x-guidance"] = _CALL_JSON
-    close, more = _lark_text(tools.CALL_CLOSE), _lark_text("\n" + tools.CALL_OPEN)
+    close, more = _lark_text(calls.close), _lark_text(calls.between + calls.open)
     lines += [f"body: %json {json.dumps(body)}", f"more: {more} body {close}",
-              f"OPEN: {no_call} {_lark_text(tools.CALL_OPEN)}"]
-    calls = f"body {close}" + (" more*" if parallel else "")
+              f"OPEN: {no_call} {_lark_text(calls.open)}"]
+    sequence = f"body {close}" + (" more*" if parallel else "")
     if choice == "auto":
-        start = f"start: TEXT? | OPEN {calls}"
+        start = f"start: TEXT? | OPEN {sequence}"
     else:
-        lines.append(f"FIRST: /(?:{re.escape(lead)})?{re.escape(tools.CALL_OPEN)}/")   # one lexeme: the lead is optional
-        start = f"start: FIRST {calls}"
+        lines.append(f"FIRST: /(?:{_lark_regex(lead)})?{_lark_regex(calls.open)}/")   # one lexeme: the lead is optional
+        start = f"start: FIRST {sequence}"
     try:
         grammar = llguidance.LLMatcher.grammar_from_lark("\n".join([start] + lines))
     except ValueError as e:

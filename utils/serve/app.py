@@ -185,7 +185,7 @@ def _generation_routes(app: FastAPI, models: dict[str, ServedModel], limits: Lim
         s, chat = read_chat(body, limits)
         m = pick_model(models, s.model)
         prompts = [m.chat_ids(chat)]
-        s.grammar = await compile_grammar(s, m.answer_lead)
+        s.grammar = await compile_grammar(s, m.answer_lead, m.call_format if chat.messages is not None else None)
         return await answer(request, Job(m, s, fit(m, s, prompts, True), [chat.question], True,
                                          new_id("chatcmpl"), metrics), log)
 

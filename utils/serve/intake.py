@@ -7,9 +7,11 @@ body and its HTTP status), raised before a sequence is made.
     m = pick_model(models, s.model)                  400 (none named among several), 404
     prompts = fit(m, s, prompts, chat)               400 context_length_exceeded / too many
                                                      sequences, 429 with Retry-After: queue full
-    s.grammar = await compile_grammar(s, lead)       the output grammar (response_format, tools),
-                                                     compiled off the event loop: 400 past
-                                                     MAX_SCHEMA_BYTES or COMPILE_SECONDS
+    s.grammar = await compile_grammar(s, lead, calls)
+                                                     the output grammar (response_format, tools in
+                                                     the model's call format), compiled off the
+                                                     event loop: 400 past MAX_SCHEMA_BYTES or
+                                                     COMPILE_SECONDS
 """
 from __future__ import annotations
 
@@ -134,8 +136,9 @@ def fit(m: ServedModel, s: Sampling, prompts: list[list[int]], chat: bool) -> li
     return prompts
 
 
-async def compile_grammar(s: Sampling, lead: str = "") -> Optional[str]:
-    """The request's output grammar (None without a constraint), compiled in a worker thread so
+async def compile_grammar(s: Sampling, lead: str = "", calls=None) -> Optional[str]:
+    """The request's output grammar (None without a constraint; tool calls in the model's call
+    format ``calls``, default ours), compiled in a worker thread so
     that a large schema never stalls the streams the event loop serves: 400
     ``schema_too_large`` past MAX_SCHEMA_BYTES of schema JSON (nothing compiled), 400
     ``schema_too_complex`` when compiling takes over COMPILE_SECONDS (llguidance's own fuel
@@ -149,7 +152,7 @@ async def compile_grammar(s: Sampling, lead: str = "") -> Optional[str]:
         raise ApiError(400, f"'{param}' is {size:,} bytes of JSON schema; at most {MAX_SCHEMA_BYTES:,} are "
                        "allowed: send a smaller schema.", param, "schema_too_large")
     try:
-        return await asyncio.wait_for(asyncio.to_thread(build_grammar, s.constraint, lead), COMPILE_SECONDS)
+        return await asyncio.wait_for(asyncio.to_thread(build_grammar, s.constraint, lead, calls), COMPILE_SECONDS)
     except TimeoutError:
         raise ApiError(400, f"'{param}' did not compile into a grammar within {COMPILE_SECONDS:g} s: send a "
                        "simpler schema (fewer alternatives, shorter patterns).", param, "schema_too_complex") from None

@@ -276,8 +276,9 @@ def constraint_size(constraint: tuple) -> int:
     return len(json.dumps(constraint[1:], ensure_ascii=False).encode("utf-8"))
 
 
-def build_grammar(constraint: tuple, lead: str = "") -> str:
-    """The grammar text of a request's constraint (:attr:`Sampling.constraint`); 400 naming what
+def build_grammar(constraint: tuple, lead: str = "", calls=None) -> str:
+    """The grammar text of a request's constraint (:attr:`Sampling.constraint`; tools: in the
+    model's call format ``calls``, utils/data/tools.py CallFormat, default ours); 400 naming what
     cannot be enforced. Compiling takes time that grows with the schema: serve runs this off its
     event loop, bounded (utils/serve/intake.py compile_grammar)."""
     kind = constraint[0]
@@ -285,7 +286,7 @@ def build_grammar(constraint: tuple, lead: str = "") -> str:
         if kind == "json":
             return json_grammar(constraint[1])
         _, functions, choice, parallel = constraint
-        return tool_grammar(functions, choice, parallel, lead)
+        return tool_grammar(functions, choice, parallel, lead, calls)
     except ConstraintError as e:
         if kind == "json":
             raise ApiError(400, f"'response_format.json_schema.schema' cannot be enforced: {clip(str(e))}. "

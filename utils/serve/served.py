@@ -16,7 +16,9 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Optional
 
-from utils.data.chat import JINJA, ChatTemplateError, answer_decoding, chat_prompt_ids, knows_tools, tool_prompt_ids
+from utils.data.chat import (JINJA, ChatTemplateError, answer_decoding, chat_prompt_ids, knows_tools,
+                             tool_prompt_ids)
+from utils.data.chat import call_format as template_call_format
 from utils.generation.engine import UNBOUNDED
 from utils.generation.vocab import byte_level, piece_bytes
 from utils.serve.protocol import ApiError, Chat, Sampling
@@ -68,19 +70,35 @@ class ServedModel:
             raise ApiError(400, f"{e}.", "messages", "invalid_value") from None
 
     def tool_chat_ids(self, chat: Chat) -> list[int]:
-        """A conversation with tools or tool turns: our template's tool format (utils/data/tools.py).
-        A model's own Jinja template writes calls in its own format, which this server does not
-        read back yet: 400 naming it."""
-        if self.template.get("name") == JINJA:
-            raise ApiError(400, f"model '{self.id}' chats by its own chat template, whose tool-call format "
-                           "this server does not parse: tools and tool turns are served for models "
-                           "fine-tuned with our template (sft.template user-assistant).", "tools",
-                           "unsupported_parameter")
-        if not knows_tools(self.tok, self.template):
-            raise ApiError(400, f"model '{self.id}' has chat template {self.template.get('name')!r}, which has "
-                           "no tool format (it predates it): send the conversation without tools.", "tools",
-                           "unsupported_parameter")
+        """A conversation with tools or tool turns, through the model's template when it renders
+        tools in a call format this server reads and constrains (:attr:`call_format`: ours, or a
+        public model's own ``<tool_call>`` JSON, Hermes / Qwen2.5); otherwise 400 naming why."""
+        if self.call_format is None:
+            raise ApiError(400, self.no_tools_reason, "tools", "unsupported_parameter")
         return tool_prompt_ids(self.tok, self.template, chat.messages, chat.functions)
+
+    @cached_property
+    def call_format(self):
+        """How the model's chat template writes tool calls (utils/data/tools.py CallFormat), or
+        None when it renders no tools or writes calls in a format this server cannot read."""
+        return template_call_format(self.tok, self.template)
+
+    @property
+    def no_tools_reason(self) -> str:
+        if self.template.get("name") != JINJA:
+            return (f"model '{self.id}' has chat template {self.template.get('name')!r}, which has no tool "
+                    "format (it predates it): send the conversation without tools, or fine-tune it again "
+                    "with sft.template user-assistant (sft prepare's default).")
+        if not knows_tools(self.tok, self.template):
+            return (f"model '{self.id}' chats by its own chat template, which does not render tools "
+                    "(transformers hands it the tools and it leaves them out, so the model would never see "
+                    "them): send the conversation without tools, or fine-tune the model on tool use with "
+                    "our template (sft prepare --dataset tools, sft.template user-assistant).")
+        return (f"model '{self.id}' chats by its own chat template, which renders tools but writes its "
+                "calls in a format this server does not read (it reads <tool_call>{\"name\": ..., "
+                "\"arguments\": {...}}</tool_call>, the Hermes / Qwen2.5 shape, and ours): send the "
+                "conversation without tools, or fine-tune the model on tool use with our template "
+                "(sft prepare --dataset tools, sft.template user-assistant).")
 
     @property
     def answer_lead(self) -> str:

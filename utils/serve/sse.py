@@ -99,19 +99,21 @@ class _Chunks:
 
     def tool_piece(self, i: int) -> list[str]:
         """Choice i's chunks when its reply may call tools: its text up to where a call could be
-        starting (the characters that may open ``<tool_call>`` are held back until they do or do
-        not), then each call once complete, as one ``tool_calls`` delta with its id, name and
-        whole arguments (the openai client joins deltas by index). A reply that ends without a
-        complete call sends what was held back as text."""
+        starting (the characters that may open ``<tool_call>``, and the white space before them,
+        are held back until they do or do not: a reply with calls has the text a plain answer
+        has, utils/data/tools.py parse_reply), then each call once complete, as one
+        ``tool_calls`` delta with its id, name and whole arguments (the openai client joins
+        deltas by index). A reply that ends without a complete call sends what was held back as
+        text."""
         job = self.job
         full, final = job.text[i], job.finish[i] is not None
         at = full.find(CALL_OPEN)
         if at >= 0:
-            visible = full[:at]
+            visible = full[:at].rstrip()
         else:
             held = next((k for k in range(min(len(CALL_OPEN) - 1, len(full)), 0, -1)
                          if full.endswith(CALL_OPEN[:k])), 0)
-            visible = full if final else full[:len(full) - held]
+            visible = full if final else full[:len(full) - held].rstrip()
         out = []
         sent, n_calls = self.sent.get(i, (0, 0))
         if len(visible) > sent:

@@ -1,7 +1,8 @@
 // The chat page of `python main.py serve`: plain JavaScript, no build step, no network but
 // this server. Chat models (SFT) go through /v1/chat/completions with the whole conversation;
 // pre-trained models continue the text through /v1/completions. Replies stream (SSE).
-// Tools: an OpenAI tools list pasted under "Tools" goes with each chat request; a call the model
+// Tools: an OpenAI tools list pasted under "Tools" goes with each chat request (with the tool
+// choice and whether several calls may come in one reply); a call the model
 // makes is shown (name and arguments) and the next message typed is its result (a "tool" turn),
 // after which the model answers.
 "use strict";
@@ -102,7 +103,11 @@ async function ask(m, text) {
   let first = null, tokens = 0, reason = null, stopped = false, failed = null;
   try {
     const tools = chat ? readTools() : null;
-    if (tools) { body.tools = tools; body.tool_choice = $("tool-choice").value; }
+    if (tools) {
+      body.tools = tools;
+      body.tool_choice = $("tool-choice").value;
+      body.parallel_tool_calls = $("parallel-calls").checked;    // off: at most one call per reply
+    }
     const r = await fetch(chat ? "/v1/chat/completions" : "/v1/completions",
       { method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal });
     if (!r.ok) {
