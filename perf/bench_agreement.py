@@ -515,6 +515,9 @@ def main(argv=None) -> int:  # noqa: C901
     started = datetime.datetime.now(datetime.timezone.utc)
     gguf = fetch_model()
     selected = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.num_fewshot and args.items_more <= args.num_fewshot:
+        p.error(f"--num-fewshot {args.num_fewshot} needs --items-more above it: the examples are other "
+                "items of the same rows, as lm-eval samples them")
     if args.num_fewshot and any(t in TASKS or t in GENERATION or t == "arithmetic" for t in selected):
         p.error("--num-fewshot applies to the further multiple-choice tasks only (not "
                 f"{', '.join(t for t in selected if t in TASKS or t in GENERATION or t == 'arithmetic')})")
