@@ -37,6 +37,15 @@ BoolQ's ``answer`` as SuperGLUE's ``label``; AI2's arithmetic rows as lm-eval's 
 ``{context, completion}``, the context ours). Compared per item: the predicted choice (acc and,
 where lm-eval reports it, acc_norm; arithmetic: whether the answer is greedy; generation: the
 filtered generated text and its exact match).
+
+Few-shot (``--num-fewshot K``, multiple-choice further tasks): lm-eval's own few-shot contexts
+(``num_fewshot=K``) against ours built with ``tasks.with_shots`` from the examples lm-eval's
+sampler picks, so that the comparison covers the context (description, examples, delimiters)
+and the scoring, not the choice of examples: MMLU the first K of the subject's dev split (its
+``first_n`` sampler); the other tasks K of the same N rows, the item excluded (lm-eval's
+``ContextSampler`` when the few-shot split is the evaluated one: one ``random.Random(1234)``
+per task, ``sample(docs, K + 1)`` per item in order, the item dropped, the first K kept).
+``benchmark --num-fewshot`` itself draws them per item (nanochat's rule, docs/benchmark.md).
 """
 from __future__ import annotations
 
@@ -45,6 +54,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -119,7 +129,7 @@ def lmeval_worker(args) -> int:
     t0 = time.perf_counter()
     out = lm_eval.simple_evaluate(model=lm, tasks=names,
                                   task_manager=TaskManager(include_path=str(inc)),
-                                  num_fewshot=0, log_samples=True, bootstrap_iters=0)
+                                  num_fewshot=args.num_fewshot, log_samples=True, bootstrap_iters=0)
     result = {"version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
               "seconds": round(time.perf_counter() - t0, 1),
               "tokenizer": {"len": len(tok), "known": tok.encode(SMOLLM2_KNOWN[0],
@@ -247,18 +257,40 @@ def lmeval_row(task: str, row: dict, item) -> dict:
     return row
 
 
-def more_items(task: str, n: int, subject: str):
-    """(our items, lm-eval rows, source) of the first n rows of a further task's sample."""
+def lmeval_fewshot(n: int, k: int, seed: int = 1234) -> list:
+    """The examples lm-eval 0.4.13 gives each of n docs when its few-shot pool is the evaluated
+    split itself (api/samplers.py ``ContextSampler.sample`` with ``eval_doc``): one
+    random.Random(seed) for the task, per doc in order ``sample(pool, k + 1)``, the doc itself
+    removed, the first k kept. Indices into the pool, in prompt order."""
+    rnd = random.Random(seed)
+    return [[j for j in rnd.sample(range(n), k + 1) if j != i][:k] for i in range(n)]
+
+
+def more_items(task: str, n: int, subject: str, k: int = 0):
+    """(our items, lm-eval rows, source) of the first n rows of a further task's sample, with k
+    examples each, the ones lm-eval's sampler picks (module docstring)."""
     import datasets
-    from utils.bench import data as D
+    from utils.bench import data as D, tasks as T
     samples = ROOT / "data" / "samples"
     folder = samples / "mmlu" / subject / "test" if task.startswith("mmlu") else None
     data = D.load_task(task, str(folder) if folder else None, samples, ROOT)
     if data.skipped:
         raise SystemExit(f"{task}: the loader skipped rows {dict(data.skipped)}; cannot compare item by item.")
-    items = D.attach_shots(task, data, data.items[:n], 0)
+    base = data.items[:n]
+    items = D.attach_shots(task, data, base, 0)
     ds = datasets.load_from_disk(data.source)
     raw = [lmeval_row(task, ds[i], it) for i, it in enumerate(items)]
+    if k > 0:
+        delim = D.FEWSHOT_DELIMITER.get(task, T.FEWSHOT_DELIMITER)
+        if task.startswith("mmlu"):
+            dev = datasets.load_from_disk(str(samples / "mmlu" / subject / "dev"))
+            pool = [D.BUILDERS[task]({**dev[i], "subject": subject}, i) for i in range(len(dev))]
+            items = [T.with_shots(it, pool[:k], delim) for it in base]
+        else:
+            if len({json.dumps(r, sort_keys=True, default=str) for r in raw}) != len(raw):
+                raise SystemExit(f"{task}: duplicate rows among the first {n}; lm-eval would drop both")
+            items = [T.with_shots(it, [base[j] for j in pick], delim)
+                     for it, pick in zip(base, lmeval_fewshot(len(base), k))]
     return items, raw, data.source
 
 
@@ -294,7 +326,7 @@ def run_ours_more(gguf: Path, items: dict, batch_size: int) -> dict:
     return out
 
 
-def compare_more(ours: dict, ref: dict, items: dict) -> tuple[list[str], bool]:
+def compare_more(ours: dict, ref: dict, items: dict, k: int = 0) -> tuple[list[str], bool]:
     """Per further task: identical prompts, predictions and aggregates (ours vs lm-eval)."""
     from utils.bench import runner
     lines, ok = [], True
@@ -306,7 +338,7 @@ def compare_more(ours: dict, ref: dict, items: dict) -> tuple[list[str], bool]:
             prompts = sum(it.context == x["prompt"] for it, x in zip(its, r["items"]))
             oa, ra = o["metrics"]["exact_match"], r["aggregate"]["exact_match"]
             ok &= 100 * same_em / n >= PRED_TARGET and abs(100 * (oa - ra)) <= AGG_TARGET
-            lines += [f"{task} (first {n} items, 0-shot): exact_match ours {100 * oa:.2f}, lm-eval "
+            lines += [f"{task} (first {n} items, {k}-shot): exact_match ours {100 * oa:.2f}, lm-eval "
                       f"{100 * ra:.2f} ({100 * (oa - ra):+.2f}); identical prompts {prompts}/{n}, identical "
                       f"generated answers {same}/{n}, identical exact matches {same_em}/{n}"]
             continue
@@ -329,7 +361,7 @@ def compare_more(ours: dict, ref: dict, items: dict) -> tuple[list[str], bool]:
         shown = ", ".join(f"{m} ours {100 * o['metrics'][m]:.2f} lm-eval {100 * r['aggregate'][m]:.2f} "
                           f"({d:+.2f})" for m, d in diffs.items())
         norm = f", identical acc_norm outcomes {same_norm}/{n}" if "acc_norm" in diffs else ""
-        lines += [f"{task} (first {n} items, 0-shot): {shown}; identical requests {prompts}/{n}, "
+        lines += [f"{task} (first {n} items, {k}-shot): {shown}; identical requests {prompts}/{n}, "
                   f"identical predictions {same}/{n}{norm}; largest log-likelihood difference {max_dll:.2e}"]
     return lines, ok
 
@@ -459,6 +491,8 @@ def main(argv=None) -> int:  # noqa: C901
     p.add_argument("--reuse", action="store_true",
                    help="compare the results a previous run left in --cache (no scoring)")
     p.add_argument("--mmlu-subject", default="high_school_geography", help="the MMLU subject compared")
+    p.add_argument("--num-fewshot", type=int, default=0,
+                   help="examples per item for the further multiple-choice tasks (module docstring)")
     p.add_argument("--lmeval-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--gguf", help=argparse.SUPPRESS)
@@ -481,6 +515,12 @@ def main(argv=None) -> int:  # noqa: C901
     started = datetime.datetime.now(datetime.timezone.utc)
     gguf = fetch_model()
     selected = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.num_fewshot and args.items_more <= args.num_fewshot:
+        p.error(f"--num-fewshot {args.num_fewshot} needs --items-more above it: the examples are other "
+                "items of the same rows, as lm-eval samples them")
+    if args.num_fewshot and any(t in TASKS or t in GENERATION or t == "arithmetic" for t in selected):
+        p.error("--num-fewshot applies to the further multiple-choice tasks only (not "
+                f"{', '.join(t for t in selected if t in TASKS or t in GENERATION or t == 'arithmetic')})")
     if not any(t in TASKS for t in selected):
         return run_more_only(args, gguf, [t for t in selected if t in MORE], started)
     n = args.items
@@ -551,7 +591,7 @@ def run_more_only(args, gguf: Path, more: list, started) -> int:
     items = {}
     for task in more:
         n = args.items_gen if task in GENERATION else args.items_more
-        items[task], raw, _ = more_items(task, n, args.mmlu_subject)
+        items[task], raw, _ = more_items(task, n, args.mmlu_subject, args.num_fewshot)
         if not args.reuse:
             write_more(task, raw, args.mmlu_subject)
     ours_path, ref_path = CACHE / "ours_results_more.json", CACHE / "lmeval_results_more.json"
@@ -564,13 +604,14 @@ def run_more_only(args, gguf: Path, more: list, started) -> int:
         py = ensure_lmeval_venv(Path(args.lmeval_venv))
         t0 = time.perf_counter()
         subprocess.run([str(py), str(Path(__file__).resolve()), "--lmeval-worker", "--tasks", ",".join(more),
-                        "--mmlu-subject", args.mmlu_subject, "--model-dir", str(gguf.parent),
+                        "--mmlu-subject", args.mmlu_subject, "--num-fewshot", str(args.num_fewshot),
+                        "--model-dir", str(gguf.parent),
                         "--gguf", gguf.name, "--work", str(CACHE), "--out", str(ref_path),
                         "--batch-size", str(args.batch_size), "--threads", str(args.threads)], check=True)
         ref_s = time.perf_counter() - t0
     ours = json.loads(ours_path.read_text(encoding="utf-8"))
     ref = json.loads(ref_path.read_text(encoding="utf-8"))
-    lines, ok = compare_more(ours, ref, items)
+    lines, ok = compare_more(ours, ref, items, args.num_fewshot)
     print()
     print("Benchmark agreement, further tasks: our scoring vs lm-evaluation-harness, same model, same items")
     where = os.path.relpath(gguf, ROOT) if gguf.is_relative_to(ROOT) else gguf.name

@@ -492,12 +492,13 @@ def shot_text(item) -> str:
 
 
 def fewshot_indices(index: int, pool_size: int, k: int, exclude_self: bool) -> list:
-    """Which pool items serve as the k examples of item ``index``: a seeded sample per item
-    (random.Random(FEWSHOT_SEED + index), as nanochat's CORE evaluation draws them), the item
-    itself excluded when the pool is its own split."""
+    """Which pool items serve as the k examples of item ``index``, in prompt order: a seeded
+    sample per item, ``random.Random(FEWSHOT_SEED + index).sample(others, k)`` in the order
+    drawn (nanochat's nanochat/core_eval.py ``evaluate_example``), the item itself excluded
+    when the pool is its own split."""
     avail = [i for i in range(pool_size) if not (exclude_self and i == index)]
     k = min(k, len(avail))
-    return sorted(random.Random(FEWSHOT_SEED + index).sample(avail, k))
+    return random.Random(FEWSHOT_SEED + index).sample(avail, k)
 
 
 def with_shots(item, shots: Sequence, delimiter: str = FEWSHOT_DELIMITER):
