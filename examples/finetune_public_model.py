@@ -4,7 +4,8 @@ template, export the result as a Hugging Face folder and as GGUF, then ask the G
 question in llama.cpp and the Hugging Face folder the same question in transformers.
 
     python examples/finetune_public_model.py [--model data/samples/smollm2/SmolLM2-135M-Instruct]
-        [--workdir runs/public-model] [--steps 4] [--question "What is the capital of France?"]
+        [--workdir runs/public-model] [--steps 4] [--max-length 256]
+        [--question "What is the capital of France?"]
 
 Every stage runs as `python main.py ...` under a config in --workdir (tokenizer.name = the
 model folder, so `sft prepare` takes its tokenizer and chat template). The question is framed
@@ -36,7 +37,7 @@ def fine_tune(a) -> Path:
     cfg = a.workdir / "config.json"
     cfg.write_text(json.dumps({"paths": {"root": str(a.workdir.resolve()), "samples_dir": str(ROOT / "data" / "samples")},
                                "tokenizer": {"name": str(a.model.resolve())},
-                               "sft": {"max_length": 256, "val_split": 0.0}}, indent=2))
+                               "sft": {"max_length": a.max_length, "val_split": 0.0}}, indent=2))
     stage("sft", "prepare", "--config", str(cfg), "--dataset", "samples", "--limit", str(a.records))
     stage("sft", "train", "--config", str(cfg), "--init-from-hf", str(a.model), "--max-steps", str(a.steps),
           "--batch-size", "2", "--sample-tokens", "0", "--name", "public")
@@ -103,6 +104,8 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "public-model")
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps of the fine-tune")
     ap.add_argument("--records", type=int, default=64, help="SFT records prepared")
+    ap.add_argument("--max-length", type=int, default=256,
+                    help="tokens of the longest SFT example kept (sft.max_length; longer ones are left out)")
     ap.add_argument("--question", default="What is the capital of France?")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     a = ap.parse_args()

@@ -163,14 +163,6 @@ def test_standard_output_that_refuses_its_bytes_is_named_not_a_bug(tmp_path):
     assert not (tmp_path / "work" / "logs" / "errors").exists()
 
 
-@pytest.mark.parametrize("stage", sorted(main.STAGES))
-def test_every_stage_parses_its_flags_under_python_oo(stage):
-    """PYTHONOPTIMIZE=2 (-OO) strips docstrings: three stages built their parser from theirs
-    (AttributeError on None)."""
-    proc = run_main(stage, "--help", env=offline_env(PYTHONOPTIMIZE="2"), timeout=120)
-    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
-
-
 def test_utf8_text_under_an_ascii_locale_is_told_to_use_a_utf8_one(tmp_path):
     """LC_ALL=C with PYTHONUTF8=0: Python reads argv as ASCII, so a UTF-8 run name was called
     "bytes that are not UTF-8 text"; the advice now names the locale."""
@@ -226,6 +218,8 @@ def test_registry_matches_scripts_on_disk():
 
 @pytest.mark.parametrize("name", list(main.STAGES))
 def test_each_stage_is_built_and_importable_or_says_not_built(name, tmp_path):
+    """A stage's script exists (or it is marked planned), imports without side effects, guards
+    its main, and parses --help under -OO, listing --config and --test."""
     stage = main.STAGES[name]
     if stage.planned:
         # Only a stage marked planned may lack its script, and the mark goes once it exists.
@@ -244,7 +238,11 @@ def test_each_stage_is_built_and_importable_or_says_not_built(name, tmp_path):
     tree = ast.parse(stage.script.read_text())
     guarded = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     assert guarded, f"{stage.script.name} has no `if __name__ == '__main__'` guard"
-    helptext = run_main(name, "--help").stdout
+    # Its --help, under PYTHONOPTIMIZE=2 (-OO strips docstrings: three stages built their parser
+    # from theirs, AttributeError on None).
+    proc = run_main(name, "--help", env=offline_env(PYTHONOPTIMIZE="2"), timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
+    helptext = proc.stdout
     assert "--config" in helptext and "--test" in helptext
     assert "CFG__" not in helptext, "a config flag shows its internal dest as its metavar"
 

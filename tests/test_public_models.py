@@ -383,7 +383,7 @@ def test_smollm2_fine_tuned_exports_to_gguf_and_answers_in_llama_cpp(smol, tmp_p
     import sys
     from tests.conftest import ROOT, offline_env
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_public_model.py"), "--model", str(smol),
-                        "--workdir", str(tmp_path), "--steps", "2", "--records", "24"],
+                        "--workdir", str(tmp_path), "--steps", "2", "--records", "24", "--max-length", "128"],
                        capture_output=True, text=True, timeout=900, env=offline_env(), cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(r.stdout.split("result: ", 1)[1].splitlines()[0])
