@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import jsonschema
@@ -32,20 +33,23 @@ TIMEOUT = 60
 SCRIPT = "Grüße aus 日本🧪 und café!"      # its emoji is four byte-fallback tokens
 
 
-def make_script_checkpoint(path: Path, text: str = SCRIPT) -> list[int]:
-    """A checkpoint whose greedy continuation of any prompt is ``text``'s tokens over and over
-    (returned; they must be distinct): its block adds nothing (zero output projections), each
-    script token's embedding is a basis vector and the head row of the token after it points
-    the same way (logit 80 against 0); any other token points at the first. Streamed UTF-8
-    and stop strings across tokens are then deterministic to test."""
+def make_script_checkpoint(path: Path, text: str = SCRIPT, *, then_eos: bool = False, cycle: bool = True,
+                           max_seq_len: int = 512, chat_template: Optional[dict] = None) -> list[int]:
+    """A checkpoint whose greedy continuation of any prompt is ``text``'s tokens (returned; they
+    must be distinct), then EOS with ``then_eos``, and over again with ``cycle`` (else, past the
+    last, every logit is 0): its block adds nothing (zero output projections), each script
+    token's embedding is a basis vector and the head row of the token after it points the same
+    way (logit 10 against exactly 0); any other token points at the first. Streamed UTF-8 and
+    stop strings across tokens are then deterministic to test, on every machine. With
+    ``chat_template`` it is an SFT checkpoint that chats by that template."""
     import model as model_lib
     from utils.data.tok import describe, encode_plain
     from utils.training.checkpoint import save_checkpoint
     tok = tokenizer()
-    ids = encode_plain(tok, [text])[0]
+    ids = encode_plain(tok, [text])[0] + ([tok.eos_token_id] if then_eos else [])
     assert len(set(ids)) == len(ids) < 63, ids
     margs = model_lib.ModelArgs(vocab_size=len(tok), d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
-                                max_seq_len=512, bos_id=tok.bos_token_id, tie_embeddings=False)
+                                max_seq_len=max_seq_len, bos_id=tok.bos_token_id, tie_embeddings=False)
     sd = model_lib.create_model(margs).state_dict()
     for k in ("layers.0.attn.wo.weight", "layers.0.mlp.w_down.weight", "tok_embeddings.weight", "lm_head.weight"):
         sd[k].zero_()
@@ -54,9 +58,14 @@ def make_script_checkpoint(path: Path, text: str = SCRIPT) -> list[int]:
     head[ids[0], other] = 10.0
     for j, t in enumerate(ids):
         emb[t, other], emb[t, j] = 0.0, 1.0
-        head[ids[(j + 1) % len(ids)], j] = 10.0
-    save_checkpoint(path, {"kind": "pretrain", "model": sd, "model_args": margs.to_dict(),
-                           "tokenizer": describe(tok, TOK_NAME), "step": 0})
+        if cycle or j + 1 < len(ids):
+            head[ids[(j + 1) % len(ids)], j] = 10.0
+    entry = {"kind": "pretrain", "model": sd, "model_args": margs.to_dict(), "tokenizer": describe(tok, TOK_NAME),
+             "step": 0}
+    if chat_template is not None:
+        entry.update(kind="sft", chat_template=chat_template)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(path, entry)
     return ids
 
 

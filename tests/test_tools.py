@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import headless_chromium, needs_browser, run_stage, write_config
 from tests.test_public_models import SMOL, smol, tiny_llama  # noqa: F401 (smol: a fixture)
+from tests.test_serve import make_script_checkpoint
 from tests.test_sft import TOK_NAME, tokenizer
 from utils.data import chat, sft, tool_samples, tools
 
@@ -189,34 +190,13 @@ SAYS_TEXT = "Sure, a <b> tag."        # the scripted talker's reply: a "<" that 
 
 
 def make_scripted_chat(path, text: str, then_eos: bool):
-    """A chat checkpoint (our template) whose greedy reply to any prompt is ``text``'s tokens
-    (then EOS, or ``text`` again): its block adds nothing, each script token's embedding is a
-    basis vector and the head row of the token after it points the same way (logit 10 against
-    exactly 0); any other token points at the first. Where the grammar rules the script's token
-    out, every allowed token has logit 0 and greedy takes the lowest id: the reply is the same
-    on every machine, whatever its floating point (tests/test_serve.py's script model, as a chat
-    model)."""
-    import model as model_lib
-    from utils.data.tok import describe, encode_plain
-    from utils.training.checkpoint import save_checkpoint
-    tok = tokenizer()
-    ids = encode_plain(tok, [text])[0] + ([tok.eos_token_id] if then_eos else [])
-    assert len(set(ids)) == len(ids) < 63, ids
-    margs = model_lib.ModelArgs(vocab_size=len(tok), d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
-                                max_seq_len=1024, bos_id=tok.bos_token_id, tie_embeddings=False)
-    sd = model_lib.create_model(margs).state_dict()
-    for k in ("layers.0.attn.wo.weight", "layers.0.mlp.w_down.weight", "tok_embeddings.weight", "lm_head.weight"):
-        sd[k].zero_()
-    emb, head, other = sd["tok_embeddings.weight"], sd["lm_head.weight"], len(ids)
-    emb[:, other] = 1.0
-    head[ids[0], other] = 10.0
-    for j, t in enumerate(ids):
-        emb[t, other], emb[t, j] = 0.0, 1.0
-        if j + 1 < len(ids):
-            head[ids[j + 1], j] = 10.0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(path, {"kind": "sft", "model": sd, "model_args": margs.to_dict(), "step": 0,
-                           "tokenizer": describe(tok, TOK_NAME), "chat_template": sft.default_template()})
+    """A chat checkpoint (our template) whose greedy reply to any prompt is ``text``'s tokens,
+    then EOS (``then_eos``) or logits all exactly 0 (tests/test_serve.py's script model, as a
+    chat model). Where the grammar rules the script's token out, every allowed token has logit
+    0 and greedy takes the lowest id: the reply is the same on every machine, whatever its
+    floating point."""
+    make_script_checkpoint(path, text, then_eos=then_eos, cycle=False, max_seq_len=1024,
+                           chat_template=sft.default_template())
     return path
 
 
