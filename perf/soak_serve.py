@@ -14,7 +14,8 @@ its first chunk, a raw connection dropped mid-stream, and a bad request (which m
 400). At each ``--window`` seconds it reads, from /proc, the resident memory (VmRSS) and the
 open files of the server's processes (the HTTP process and its engine process), and prints a
 line per window: requests by kind, 5xx answers and other failures, RSS, the prefix cache's
-bytes in use (/health), open files, TTFT p50 and p99. The prefix cache grows by design up to
+bytes in use (/health), open files, TTFT p50 and p99, and the machine's 1-minute load average
+(TTFT on shared cores moves with it). The prefix cache grows by design up to
 its budget (serve.prefix_cache_mb, 256 MiB by default: each request's prompt and reply blocks
 are kept for a later turn, least recently used evicted past the budget); the server this
 script starts has ``--prefix-cache-mb`` (16) so that the cache is full by the end of the
