@@ -67,6 +67,23 @@ def _projection(model, layer: int, proj: str):
     return block.get_submodule(lora.TARGETS[proj])
 
 
+@contextlib.contextmanager
+def _hooked(model, pairs: dict, delta):
+    """Forward hooks on the projections ``pairs`` names ({(layer, hf projection): (A, B)}), each
+    replacing the projection's output by ``delta(out, x, A, B)``, for the ``with`` block."""
+    handles = []
+
+    def hook(A, B):
+        return lambda mod, inp, out: delta(out, inp[0], A, B)
+    try:
+        for (i, proj), (A, B) in pairs.items():
+            handles.append(_projection(model, i, proj).register_forward_hook(hook(A, B)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class AdapterSet:
     """The adapters of one engine's model (see the module docstring)."""
 
@@ -124,17 +141,9 @@ class AdapterSet:
         if adapter is None:
             yield
             return
-        handles = []
-
-        def hook(a, b):
-            return lambda mod, inp, out: out + (inp[0].to(a.dtype) @ a) @ b
-        try:
-            for (i, proj), a in adapter.a.items():
-                handles.append(_projection(self.model, i, proj).register_forward_hook(hook(a, adapter.b[i, proj])))
+        pairs = {key: (a, adapter.b[key]) for key, a in adapter.a.items()}
+        with _hooked(self.model, pairs, lambda out, x, a, b: out + (x.to(a.dtype) @ a) @ b):
             yield
-        finally:
-            for h in handles:
-                h.remove()
 
     # -- a decode step: rows of several adapters and none
     def decode_step(self, rows: list[Optional[Adapter]]) -> Optional["_Step"]:
@@ -224,17 +233,8 @@ class _Step:
     @contextlib.contextmanager
     def hooks(self):
         """The Linear path of a decode step: each adapted projection adds the rows' deltas."""
-        handles = []
-
-        def hook(A, B):
-            return lambda mod, inp, out: self.add_delta(out, inp[0], A, B)
-        try:
-            for (i, proj), (A, B) in self.stack.single.items():
-                handles.append(_projection(self.stack.model, i, proj).register_forward_hook(hook(A, B)))
+        with _hooked(self.stack.model, self.stack.single, self.add_delta):
             yield
-        finally:
-            for h in handles:
-                h.remove()
 
     def packs(self, layers: list) -> list:
         """The decode pack's layers (utils/generation/pack.py PackedLayer) with products that add
