@@ -40,7 +40,7 @@ import uvicorn
 from utils.cli import PipelineError, StageParser, UsageError, cli_path, printable, run_stage
 from utils.device import generation_dtype, resolve_device
 from utils.serve.connections import timed_protocol
-from utils.serve.protocol import ADAPTER_NAME, Limits, check_origins
+from utils.serve.protocol import Limits, adapter_name_problem, check_origins
 
 # The engine (torch, 1-2 s) and the app (fastapi, ~0.25 s more) are imported where the models
 # open and the app is made: --help and the refusals before them do not wait for them.
@@ -213,9 +213,8 @@ def adapter_specs(specs: list[str], models: list[str]) -> list[tuple[str, str, P
         if mid not in models:
             raise UsageError(f"--adapter {spec!r}: no served model has the id {mid!r} (the ids: "
                              f"{', '.join(models)}).")
-        if not ADAPTER_NAME.match(name):
-            raise UsageError(f"--adapter {spec!r}: the name {name!r} is not 1-64 letters, digits, '.', '_' or "
-                             "'-' (starting with a letter or digit).")
+        if problem := adapter_name_problem(name):
+            raise UsageError(f"--adapter {spec!r}: the {problem}.")
         if (mid, name) in seen:
             raise UsageError(f"--adapter {spec!r}: the name {name!r} is given twice for model {mid!r}.")
         if not Path(path).exists():

@@ -18,8 +18,8 @@ import time
 from typing import Callable, Optional
 
 from utils.cli import PipelineError
-from utils.serve.engines import adapter_name_problem, load_adapter, read_adapter_source, unload_adapter
-from utils.serve.protocol import ApiError, clip
+from utils.serve.engines import load_adapter, read_adapter_source, unload_adapter
+from utils.serve.protocol import ApiError, adapter_name_problem, clip
 from utils.serve.served import ServedModel
 
 

@@ -14,7 +14,6 @@ from utils.generation.engine import Engine
 from utils.hf.adapter import CONFIG_FILE, read_adapter
 from utils.quant import quantize_int8
 from utils.run import load_checkpoint, open_for_generation, pick_checkpoint
-from utils.serve.protocol import ADAPTER_NAME
 
 
 def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
@@ -46,15 +45,6 @@ def open_engine(worker, path: Path, cfg, device, threads: Optional[int]):
 
 
 # --------------------------------------------------------------------------- LoRA adapters
-def adapter_name_problem(name: str) -> Optional[str]:
-    """Why ``name`` cannot name an adapter (None: it can): 1-64 letters, digits, '.', '_', '-'
-    (no ':' or '/': a request names it as ``base:name``)."""
-    if not isinstance(name, str) or not ADAPTER_NAME.match(name):
-        return (f"adapter name {str(name)[:80]!r} is not 1-64 letters, digits, '.', '_' or '-' "
-                "(starting with a letter or digit)")
-    return None
-
-
 def read_adapter_source(path) -> tuple[dict, str]:
     """(entry, source) of an adapter on disk: a PEFT LoRA folder (adapter_config.json +
     adapter_model.safetensors, utils/hf/adapter.py), or a LoRA run's folder (its best

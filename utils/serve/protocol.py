@@ -577,3 +577,12 @@ def check_origins(origins: list) -> list[str]:
 
 # a LoRA adapter's name (serve --adapter, POST /v1/adapters): a request names it "base:name"
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def adapter_name_problem(name: str) -> Optional[str]:
+    """Why ``name`` cannot name an adapter (None: it can): 1-64 letters, digits, '.', '_', '-'
+    (no ':' or '/': a request names it as ``base:name``)."""
+    if not isinstance(name, str) or not ADAPTER_NAME.match(name):
+        return (f"adapter name {str(name)[:80]!r} is not 1-64 letters, digits, '.', '_' or '-' "
+                "(starting with a letter or digit)")
+    return None
